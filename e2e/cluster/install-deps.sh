@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs the machine packages the tests need and the project cannot build itself:
+# Debian's containernetworking-plugins (the real host-local CNI plugin for the harness
+# self-test). Idempotent; does nothing when everything is present.
+set -euo pipefail
+
+packages=()
+[[ -x /usr/lib/cni/host-local || -x /opt/cni/bin/host-local ]] || packages+=(containernetworking-plugins)
+
+if ((${#packages[@]} == 0)); then
+  exit 0
+fi
+sudo=()
+[[ $(id -u) -eq 0 ]] || sudo=(sudo)
+echo "install-deps: installing ${packages[*]}" >&2
+"${sudo[@]}" apt-get update -qq
+DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${packages[@]}"

@@ -1,0 +1,225 @@
+//! A whole test cluster: the control plane plus simulated nodes, in one run directory that
+//! is removed after a clean stop and kept (with its logs named) after a failure.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+use kube::Client;
+use kube::api::{Api, ListParams};
+
+use crate::binaries::{self, ControlPlaneBinaries};
+use crate::cni::CniNetwork;
+use crate::controlplane::{ControlPlane, ControlPlaneOptions};
+use crate::error::{Error, Result};
+use crate::kubelet::{self, NodeHandle, SIMULATED_NODE_LABEL};
+use crate::wait::{self, Probe};
+
+/// Environment variable: the directory under which run directories are created (default:
+/// the system temp directory).
+pub const RUN_ROOT_ENV: &str = "IPWARDEN_E2E_DIR";
+
+/// Environment variable: when set to 1, run directories are kept even after a clean stop.
+pub const KEEP_ENV: &str = "IPWARDEN_E2E_KEEP";
+
+/// How long registered nodes may take to turn Ready and lose their not-ready taint.
+const NODES_READY_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// How long the service-account controllers may take to create `default` accounts.
+const SERVICE_ACCOUNT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What kind of cluster to start.
+#[derive(Clone, Debug)]
+pub struct ClusterOptions {
+    /// How many simulated nodes to register.
+    pub nodes: usize,
+    /// The CNI network the simulated kubelet uses; `None` means the standard `host-local`
+    /// plugin found on this machine.
+    pub network: Option<CniNetwork>,
+    /// Control-plane settings.
+    pub control_plane: ControlPlaneOptions,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        Self { nodes: 3, network: None, control_plane: ControlPlaneOptions::default() }
+    }
+}
+
+/// A running test cluster. Dropping it stops everything it started.
+pub struct Cluster {
+    dir: PathBuf,
+    control_plane: ControlPlane,
+    nodes: Vec<NodeHandle>,
+    keep: bool,
+    stopped: bool,
+}
+
+impl Cluster {
+    /// Builds (or reuses) the control plane binaries, starts the control plane and the
+    /// simulated nodes, and waits until the nodes are Ready and schedulable.
+    pub async fn start(options: ClusterOptions) -> Result<Self> {
+        let network = match options.network {
+            Some(network) => network,
+            None => CniNetwork::host_local(&binaries::standard_cni_plugins()?),
+        };
+        let binaries = ControlPlaneBinaries::locate()?;
+        let dir = new_run_dir()?;
+        tracing::info!(dir = %dir.display(), "starting test cluster");
+        let control_plane = match ControlPlane::start(&dir, binaries, &options.control_plane).await {
+            Ok(plane) => plane,
+            Err(e) => {
+                eprintln!("ipwarden-e2e: control plane failed to start; logs kept in {}", dir.display());
+                return Err(e);
+            }
+        };
+        let mut cluster = Self {
+            dir,
+            control_plane,
+            nodes: Vec::new(),
+            keep: std::env::var(KEEP_ENV).is_ok_and(|v| v == "1"),
+            stopped: false,
+        };
+        let client = cluster.client();
+        for index in 0..options.nodes {
+            let name = format!("node-{index}");
+            let node_dir = cluster.dir.join("nodes").join(&name);
+            cluster.nodes.push(kubelet::start_node(client.clone(), name, index, node_dir, network.clone()).await?);
+        }
+        cluster.wait_nodes_ready().await?;
+        cluster.wait_default_service_account("default").await?;
+        Ok(cluster)
+    }
+
+    /// A client with the admin identity.
+    pub fn client(&self) -> Client {
+        self.control_plane.client()
+    }
+
+    /// The admin kubeconfig file.
+    pub fn kubeconfig(&self) -> &Path {
+        &self.control_plane.kubeconfig
+    }
+
+    /// The run directory (PKI, component logs, node state).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The control plane, to kill or restart a component.
+    pub fn control_plane(&mut self) -> &mut ControlPlane {
+        &mut self.control_plane
+    }
+
+    /// The simulated nodes.
+    pub fn nodes(&self) -> &[NodeHandle] {
+        &self.nodes
+    }
+
+    /// The kubectl binary built with the control plane.
+    pub fn kubectl(&self) -> PathBuf {
+        self.control_plane.binaries.path("kubectl")
+    }
+
+    /// Waits until every simulated node is Ready and carries no not-ready taint.
+    pub async fn wait_nodes_ready(&mut self) -> Result<()> {
+        let nodes: Api<Node> = Api::all(self.client());
+        let expected = self.nodes.len();
+        let plane = &mut self.control_plane;
+        wait::until("simulated nodes Ready and schedulable", NODES_READY_TIMEOUT, || {
+            let running = plane.ensure_running();
+            let nodes = nodes.clone();
+            async move {
+                running?;
+                let params = ListParams::default().labels(&format!("{SIMULATED_NODE_LABEL}=true"));
+                let list = nodes.list(&params).await.map_err(Error::kube("listing simulated nodes"))?;
+                let ready = list.items.iter().filter(|node| node_schedulable(node)).count();
+                Ok(if ready == expected {
+                    Probe::Done(())
+                } else {
+                    Probe::Pending(format!("{ready}/{expected} ready"))
+                })
+            }
+        })
+        .await
+    }
+
+    /// Waits until the service-account controller created the `default` ServiceAccount
+    /// of `namespace` (pods are refused before it exists).
+    pub async fn wait_default_service_account(&self, namespace: &str) -> Result<()> {
+        let accounts: Api<ServiceAccount> = Api::namespaced(self.client(), namespace);
+        wait::until(&format!("ServiceAccount {namespace}/default"), SERVICE_ACCOUNT_TIMEOUT, || {
+            let accounts = accounts.clone();
+            async move {
+                Ok(match accounts.get_opt("default").await.map_err(Error::kube("reading ServiceAccount default"))? {
+                    Some(_) => Probe::Done(()),
+                    None => Probe::Pending("not created yet".to_string()),
+                })
+            }
+        })
+        .await
+    }
+
+    /// Stops the nodes and the control plane and removes the run directory (kept when
+    /// [`KEEP_ENV`] is 1).
+    pub fn stop(mut self) {
+        self.shutdown(false);
+    }
+
+    fn shutdown(&mut self, failed: bool) {
+        if std::mem::replace(&mut self.stopped, true) {
+            return;
+        }
+        for node in &mut self.nodes {
+            node.stop();
+        }
+        self.control_plane.stop();
+        if failed || self.keep {
+            eprintln!("ipwarden-e2e: run directory kept: {}", self.dir.display());
+            for log in self.control_plane.logs() {
+                eprintln!("ipwarden-e2e:   log: {}", log.display());
+            }
+        } else if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            eprintln!("ipwarden-e2e: could not remove {}: {e}", self.dir.display());
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.shutdown(std::thread::panicking());
+    }
+}
+
+fn node_schedulable(node: &Node) -> bool {
+    let ready = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    let tainted = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|t| t.key == "node.kubernetes.io/not-ready" || t.key == "node.kubernetes.io/unreachable");
+    ready && !tainted
+}
+
+fn new_run_dir() -> Result<PathBuf> {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let root = std::env::var_os(RUN_ROOT_ENV).map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let name = format!(
+        "ipwarden-e2e-{}-{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+        jiff::Timestamp::now().as_millisecond()
+    );
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).map_err(Error::io("creating run directory", &dir))?;
+    Ok(dir)
+}

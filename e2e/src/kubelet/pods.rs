@@ -1,0 +1,445 @@
+//! The pod side of the simulated kubelet: one watcher per node dispatches pod snapshots to
+//! one worker per pod UID, which converges the sandbox and the pod status on what the pod
+//! asks for, level-triggered, like a kubelet's pod worker.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::{Faults, NODE_ADDRESS, Sandbox};
+use crate::cni::{self, Attachment, CniNetwork, Invocation, NodeInfo, POD_IFNAME, PodArgs};
+
+/// Pod annotation: the pod's containers exit this many seconds after it started Running
+/// (Job pods); without it a pod runs until deleted.
+pub const RUN_SECONDS_ANNOTATION: &str = "e2e.ipwarden.io/run-seconds";
+
+/// Pod annotation: the exit code of a completing pod (default 0 = Succeeded; non-zero =
+/// Failed).
+pub const EXIT_CODE_ANNOTATION: &str = "e2e.ipwarden.io/exit-code";
+
+/// How long a worker waits before retrying a failed CNI call or API write.
+const RETRY_DELAY: Duration = Duration::from_secs(1);
+
+/// Everything a node's pod workers share.
+#[derive(Clone)]
+pub(super) struct NodeRuntime {
+    pub(super) client: Client,
+    pub(super) node: NodeInfo,
+    pub(super) network: CniNetwork,
+    pub(super) faults: Arc<Faults>,
+    pub(super) alive: watch::Receiver<bool>,
+    pub(super) sandboxes: Arc<Mutex<HashMap<String, Sandbox>>>,
+}
+
+impl NodeRuntime {
+    /// Watches the pods bound to this node and keeps one worker per pod UID.
+    pub(super) async fn run(self) {
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let config = watcher::Config::default().fields(&format!("spec.nodeName={}", self.node.name));
+        let mut events = watcher(pods, config).default_backoff().boxed();
+        let mut workers: HashMap<String, watch::Sender<Option<Pod>>> = HashMap::new();
+        let mut listed: HashSet<String> = HashSet::new();
+        let mut tasks = JoinSet::new();
+        while let Some(event) = events.next().await {
+            while tasks.try_join_next().is_some() {}
+            match event {
+                Ok(watcher::Event::Init) => listed.clear(),
+                Ok(watcher::Event::InitApply(pod)) => {
+                    listed.insert(pod.uid().unwrap_or_default());
+                    self.dispatch(&mut workers, &mut tasks, pod);
+                }
+                Ok(watcher::Event::Apply(pod)) => self.dispatch(&mut workers, &mut tasks, pod),
+                Ok(watcher::Event::InitDone) => {
+                    // Pods that vanished while the watch was down are gone now.
+                    workers.retain(|uid, sender| {
+                        let keep = listed.contains(uid);
+                        if !keep {
+                            sender.send_replace(None);
+                        }
+                        keep
+                    });
+                }
+                Ok(watcher::Event::Delete(pod)) => {
+                    if let Some(sender) = workers.remove(&pod.uid().unwrap_or_default()) {
+                        sender.send_replace(None);
+                    }
+                }
+                Err(e) => tracing::warn!(node = %self.node.name, error = %e, "pod watch error; retrying with backoff"),
+            }
+        }
+    }
+
+    fn dispatch(&self, workers: &mut HashMap<String, watch::Sender<Option<Pod>>>, tasks: &mut JoinSet<()>, pod: Pod) {
+        let uid = pod.uid().unwrap_or_default();
+        if let Some(sender) = workers.get(&uid) {
+            sender.send_replace(Some(pod));
+            return;
+        }
+        let (sender, receiver) = watch::channel(Some(pod));
+        workers.insert(uid.clone(), sender);
+        tasks.spawn(self.clone().work(uid, receiver));
+    }
+
+    /// Calls the CNI GC verb every `interval` with the node's live attachments.
+    pub(super) async fn gc_loop(self, interval: Duration) {
+        let mut alive = self.alive.clone();
+        loop {
+            tokio::time::sleep(interval).await;
+            if alive.wait_for(|up| *up).await.is_err() {
+                return;
+            }
+            let valid: Vec<Attachment> = self
+                .live_sandboxes()
+                .into_values()
+                .map(|s| Attachment { container_id: s.container_id, ifname: s.ifname })
+                .collect();
+            let netconf = cni::with_valid_attachments(&(self.network.netconf)(&self.node), &valid);
+            let call = Invocation { command: "GC", container_id: "", ifname: "", pod: None, netconf: &netconf };
+            if let Err(e) = self.network.invoke(&call).await {
+                tracing::warn!(node = %self.node.name, error = %e, "CNI GC failed");
+            }
+        }
+    }
+
+    fn live_sandboxes(&self) -> HashMap<String, Sandbox> {
+        self.sandboxes.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    fn record_sandbox(&self, uid: &str, sandbox: Option<Sandbox>) {
+        if let Ok(mut sandboxes) = self.sandboxes.lock() {
+            match sandbox {
+                Some(sandbox) => sandboxes.insert(uid.to_string(), sandbox),
+                None => sandboxes.remove(uid),
+            };
+        }
+    }
+
+    /// One pod's worker: converges until the pod is gone and its sandbox torn down.
+    async fn work(self, uid: String, mut pod: watch::Receiver<Option<Pod>>) {
+        let mut state = PodState::default();
+        let mut alive = self.alive.clone();
+        loop {
+            if alive.wait_for(|up| *up).await.is_err() {
+                return;
+            }
+            let current = pod.borrow_and_update().clone();
+            let next = match current {
+                None => self.pod_gone(&uid, &mut state).await,
+                Some(current) => self.converge(&uid, &current, &mut state).await,
+            };
+            let until = match next {
+                Next::Done => return,
+                Next::OnChange => None,
+                Next::At(when) => Some(when),
+                Next::Retry => Some(Instant::now() + RETRY_DELAY),
+            };
+            let changed = async {
+                if pod.changed().await.is_err() {
+                    // The dispatcher dropped this pod after sending its last state.
+                    std::future::pending::<()>().await;
+                }
+            };
+            match until {
+                Some(when) => tokio::select! {
+                    _ = changed => {}
+                    _ = tokio::time::sleep_until(when) => {}
+                },
+                None => changed.await,
+            }
+        }
+    }
+
+    async fn pod_gone(&self, uid: &str, state: &mut PodState) -> Next {
+        if self.teardown(uid, state).await { Next::Done } else { Next::Retry }
+    }
+
+    async fn converge(&self, uid: &str, pod: &Pod, state: &mut PodState) -> Next {
+        let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
+        if pod.metadata.deletion_timestamp.is_some() {
+            if !self.teardown(uid, state).await {
+                return Next::Retry;
+            }
+            return match self.delete_pod(pod, uid).await {
+                true => Next::OnChange,
+                false => Next::Retry,
+            };
+        }
+        if phase == "Succeeded" || phase == "Failed" {
+            return if self.teardown(uid, state).await { Next::OnChange } else { Next::Retry };
+        }
+        let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
+        if state.sandbox.is_none() && !host_network {
+            return self.add(uid, pod, state).await;
+        }
+        let started = *state.started.get_or_insert_with(|| (Instant::now(), Timestamp::now()));
+        if !state.running_posted {
+            let due = started.0 + self.faults.status_delay();
+            if Instant::now() < due {
+                return Next::At(due);
+            }
+            let ips = state.sandbox.as_ref().map(|s| s.ips.clone()).unwrap_or_else(|| vec![NODE_ADDRESS.to_string()]);
+            if !self.patch_status(pod, uid, running_status(pod, uid, &ips, started.1)).await {
+                return Next::Retry;
+            }
+            state.running_posted = true;
+        }
+        let Some(run_for) = annotation_u64(pod, RUN_SECONDS_ANNOTATION) else { return Next::OnChange };
+        let finish = started.0 + Duration::from_secs(run_for);
+        if Instant::now() < finish {
+            return Next::At(finish);
+        }
+        let exit_code = annotation_u64(pod, EXIT_CODE_ANNOTATION).unwrap_or(0);
+        if !self.patch_status(pod, uid, terminated_status(pod, uid, exit_code, started.1)).await {
+            return Next::Retry;
+        }
+        // The runtime stops a finished pod's sandbox, which releases its network.
+        if self.teardown(uid, state).await { Next::OnChange } else { Next::Retry }
+    }
+
+    async fn add(&self, uid: &str, pod: &Pod, state: &mut PodState) -> Next {
+        state.attempt += 1;
+        let container_id = format!("{}{:032x}", uid.replace('-', ""), state.attempt);
+        let args = pod_args(pod, uid);
+        let netconf = (self.network.netconf)(&self.node);
+        let call = Invocation {
+            command: "ADD",
+            container_id: &container_id,
+            ifname: POD_IFNAME,
+            pod: Some(&args),
+            netconf: &netconf,
+        };
+        let result = match self.network.invoke(&call).await {
+            Ok(Some(result)) => result,
+            Ok(None) => {
+                tracing::warn!(node = %self.node.name, pod = %pod_key(pod), "CNI ADD printed no result; retrying");
+                return Next::Retry;
+            }
+            Err(e) => {
+                tracing::warn!(node = %self.node.name, pod = %pod_key(pod), error = %e, "CNI ADD failed; retrying");
+                return Next::Retry;
+            }
+        };
+        if self.faults.take_add_crash() {
+            tracing::info!(node = %self.node.name, pod = %pod_key(pod), %container_id, "fault: runtime crashed after ADD; result lost");
+            return Next::Retry;
+        }
+        let sandbox = Sandbox {
+            pod: pod_key(pod),
+            container_id,
+            ifname: POD_IFNAME.to_string(),
+            ips: cni::result_ips(&result),
+            result,
+        };
+        self.record_sandbox(uid, Some(sandbox.clone()));
+        state.sandbox = Some(sandbox);
+        state.started = Some((Instant::now(), Timestamp::now()));
+        Next::At(Instant::now())
+    }
+
+    /// Tears the pod's sandbox down with CNI DEL (or skips DEL when the fault is on);
+    /// false when DEL failed and must be retried.
+    async fn teardown(&self, uid: &str, state: &mut PodState) -> bool {
+        let Some(sandbox) = state.sandbox.as_ref() else { return true };
+        if self.faults.skip_del() {
+            tracing::info!(node = %self.node.name, pod = %sandbox.pod, container_id = %sandbox.container_id, "fault: CNI DEL skipped");
+        } else {
+            let netconf = cni::with_prev_result(&(self.network.netconf)(&self.node), &sandbox.result);
+            let (namespace, name) = sandbox.pod.split_once('/').unwrap_or(("", &sandbox.pod));
+            let args = PodArgs { namespace: namespace.to_string(), name: name.to_string(), uid: uid.to_string() };
+            let call = Invocation {
+                command: "DEL",
+                container_id: &sandbox.container_id,
+                ifname: &sandbox.ifname,
+                pod: Some(&args),
+                netconf: &netconf,
+            };
+            if let Err(e) = self.network.invoke(&call).await {
+                tracing::warn!(node = %self.node.name, pod = %sandbox.pod, error = %e, "CNI DEL failed; retrying");
+                return false;
+            }
+        }
+        self.record_sandbox(uid, None);
+        state.sandbox = None;
+        true
+    }
+
+    /// Removes a terminating pod for good: grace 0, only if it is still the same pod.
+    async fn delete_pod(&self, pod: &Pod, uid: &str) -> bool {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &pod.namespace().unwrap_or_default());
+        let params = DeleteParams {
+            grace_period_seconds: Some(0),
+            preconditions: Some(Preconditions { uid: Some(uid.to_string()), resource_version: None }),
+            ..DeleteParams::default()
+        };
+        match api.delete(&pod.name_any(), &params).await {
+            Ok(_) => true,
+            Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => true,
+            Err(e) => {
+                tracing::warn!(node = %self.node.name, pod = %pod_key(pod), error = %e, "deleting pod failed; retrying");
+                false
+            }
+        }
+    }
+
+    async fn patch_status(&self, pod: &Pod, uid: &str, status: Value) -> bool {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &pod.namespace().unwrap_or_default());
+        let patch = json!({"metadata": {"uid": uid}, "status": status});
+        match api.patch_status(&pod.name_any(), &PatchParams::default(), &Patch::Strategic(&patch)).await {
+            Ok(_) => true,
+            // Gone or replaced by a pod with another UID: the next snapshot says what to do.
+            Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => true,
+            Err(e) => {
+                tracing::warn!(node = %self.node.name, pod = %pod_key(pod), error = %e, "pod status patch failed; retrying");
+                false
+            }
+        }
+    }
+}
+
+/// What a worker does after one convergence step.
+enum Next {
+    /// The pod is gone and its sandbox torn down.
+    Done,
+    /// Wait for the next pod snapshot.
+    OnChange,
+    /// Step again at this instant (or on a new snapshot, whichever comes first).
+    At(Instant),
+    /// Step again after [`RETRY_DELAY`].
+    Retry,
+}
+
+/// What a worker remembers of its pod between steps.
+#[derive(Default)]
+struct PodState {
+    sandbox: Option<Sandbox>,
+    /// When the pod's containers "started", monotonic and wall-clock.
+    started: Option<(Instant, Timestamp)>,
+    running_posted: bool,
+    attempt: u32,
+}
+
+fn pod_key(pod: &Pod) -> String {
+    format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any())
+}
+
+fn pod_args(pod: &Pod, uid: &str) -> PodArgs {
+    PodArgs { namespace: pod.namespace().unwrap_or_default(), name: pod.name_any(), uid: uid.to_string() }
+}
+
+fn annotation_u64(pod: &Pod, key: &str) -> Option<u64> {
+    pod.annotations().get(key).and_then(|v| v.trim().parse().ok())
+}
+
+fn containers(pod: &Pod) -> Vec<(String, String)> {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .map(|c| (c.name.clone(), c.image.clone().unwrap_or_default()))
+        .collect()
+}
+
+fn condition(kind: &str, status: &str, at: &str) -> Value {
+    json!({"type": kind, "status": status, "lastTransitionTime": at})
+}
+
+/// The status of a pod whose sandbox is up with `ips` and whose containers run.
+fn running_status(pod: &Pod, uid: &str, ips: &[String], started: Timestamp) -> Value {
+    let at = started.to_string();
+    let statuses: Vec<Value> = containers(pod)
+        .into_iter()
+        .map(|(name, image)| {
+            json!({"name": name, "image": image, "imageID": format!("e2e://{image}"),
+                   "containerID": format!("e2e://{uid}/{name}"), "ready": true, "started": true,
+                   "restartCount": 0, "state": {"running": {"startedAt": at}}})
+        })
+        .collect();
+    let conditions: Vec<Value> =
+        ["PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready", "PodScheduled"]
+            .iter()
+            .map(|kind| condition(kind, "True", &at))
+            .collect();
+    json!({
+        "phase": "Running",
+        "hostIP": NODE_ADDRESS,
+        "hostIPs": [{"ip": NODE_ADDRESS}],
+        "podIP": ips.first(),
+        "podIPs": ips.iter().map(|ip| json!({"ip": ip})).collect::<Vec<_>>(),
+        "startTime": at,
+        "conditions": conditions,
+        "containerStatuses": statuses,
+    })
+}
+
+/// The status of a pod whose containers exited with `exit_code`.
+fn terminated_status(pod: &Pod, uid: &str, exit_code: u64, started: Timestamp) -> Value {
+    let (started, finished) = (started.to_string(), Timestamp::now().to_string());
+    let (phase, reason) = if exit_code == 0 { ("Succeeded", "Completed") } else { ("Failed", "Error") };
+    let statuses: Vec<Value> = containers(pod)
+        .into_iter()
+        .map(|(name, image)| {
+            json!({"name": name, "image": image, "imageID": format!("e2e://{image}"),
+                   "containerID": format!("e2e://{uid}/{name}"), "ready": false, "started": false,
+                   "restartCount": 0, "state": {"terminated": {"exitCode": exit_code, "reason": reason,
+                   "startedAt": started, "finishedAt": finished, "containerID": format!("e2e://{uid}/{name}")}}})
+        })
+        .collect();
+    json!({
+        "phase": phase,
+        "conditions": [
+            json!({"type": "Ready", "status": "False", "reason": "PodCompleted", "lastTransitionTime": finished}),
+            json!({"type": "ContainersReady", "status": "False", "reason": "PodCompleted", "lastTransitionTime": finished}),
+        ],
+        "containerStatuses": statuses,
+    })
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    fn pod(annotations: Value) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "default", "uid": "u1", "annotations": annotations},
+            "spec": {"containers": [{"name": "app", "image": "nginx"}, {"name": "sidecar", "image": "envoy"}]},
+        }))
+        .expect("valid pod")
+    }
+
+    #[test]
+    fn running_status_reports_every_cni_ip_and_every_container_ready() {
+        let status = running_status(&pod(json!({})), "u1", &["10.244.0.5".into(), "fd00::5".into()], Timestamp::now());
+        assert_eq!(status["podIP"], "10.244.0.5");
+        assert_eq!(status["podIPs"], json!([{"ip": "10.244.0.5"}, {"ip": "fd00::5"}]));
+        assert_eq!(status["containerStatuses"].as_array().map(Vec::len), Some(2));
+        assert!(status["containerStatuses"].as_array().into_iter().flatten().all(|c| c["ready"] == true));
+    }
+
+    #[test]
+    fn terminated_status_is_failed_for_a_non_zero_exit_code() {
+        let status = terminated_status(&pod(json!({})), "u1", 3, Timestamp::now());
+        assert_eq!(status["phase"], "Failed");
+        assert_eq!(status["containerStatuses"][0]["state"]["terminated"]["exitCode"], 3);
+    }
+
+    #[test]
+    fn terminated_status_is_succeeded_for_exit_code_zero() {
+        assert_eq!(terminated_status(&pod(json!({})), "u1", 0, Timestamp::now())["phase"], "Succeeded");
+    }
+
+    #[test]
+    fn run_seconds_annotation_is_parsed_and_garbage_ignored() {
+        assert_eq!(annotation_u64(&pod(json!({RUN_SECONDS_ANNOTATION: " 2 "})), RUN_SECONDS_ANNOTATION), Some(2));
+        assert_eq!(annotation_u64(&pod(json!({RUN_SECONDS_ANNOTATION: "soon"})), RUN_SECONDS_ANNOTATION), None);
+    }
+}

@@ -1,0 +1,23 @@
+//! A real Kubernetes control plane, built from its Go modules, plus simulated nodes, for
+//! ipwarden's integration, e2e and chaos tests.
+//!
+//! [`Cluster::start`] builds (or reuses from the cache) etcd, kube-apiserver,
+//! kube-controller-manager and kube-scheduler, starts them on loopback with their own
+//! directory, PKI and free ports, and registers simulated nodes whose fake kubelet runs pods
+//! by invoking a real CNI plugin binary exactly as a container runtime does. Nothing here
+//! imitates the apiserver: every object goes through the real one.
+
+pub mod binaries;
+pub mod cluster;
+pub mod cni;
+pub mod controlplane;
+pub mod error;
+pub mod kubelet;
+pub mod pki;
+pub mod process;
+pub mod wait;
+
+pub use cluster::{Cluster, ClusterOptions};
+pub use cni::CniNetwork;
+pub use error::Error;
+pub use kubelet::{Faults, NodeHandle};

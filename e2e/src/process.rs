@@ -1,0 +1,134 @@
+//! One control-plane component process: spawned with its output in a log file, checked for
+//! early exit, stopped (or killed for chaos tests) and started again with the same command.
+
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::error::{Error, Result};
+
+/// How long a component gets to exit after SIGTERM before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// A running (or stopped) component and the command that starts it.
+#[derive(Debug)]
+pub struct Component {
+    name: String,
+    binary: PathBuf,
+    args: Vec<String>,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Component {
+    /// Spawns `binary args...`, appending its stdout and stderr to `log`.
+    pub fn start(name: &str, binary: &Path, args: Vec<String>, log: PathBuf) -> Result<Self> {
+        let mut component = Self { name: name.to_string(), binary: binary.to_path_buf(), args, log, child: None };
+        component.spawn()?;
+        Ok(component)
+    }
+
+    fn spawn(&mut self) -> Result<()> {
+        let open = || {
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.log)
+                .map_err(Error::io(format!("opening the log of {}", self.name), &self.log))
+        };
+        let (stdout, stderr) = (open()?, open()?);
+        let child = Command::new(&self.binary)
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
+            .spawn()
+            .map_err(|source| Error::Spawn { component: self.name.clone(), binary: self.binary.clone(), source })?;
+        tracing::debug!(component = %self.name, pid = child.id(), log = %self.log.display(), "started");
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// The component's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The component's log file.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
+    /// The process ID while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Fails with [`Error::Exited`] when the process has exited (or was never running).
+    pub fn ensure_running(&mut self) -> Result<()> {
+        let status = match self.child.as_mut() {
+            None => "not running".to_string(),
+            Some(child) => match child.try_wait() {
+                Ok(None) => return Ok(()),
+                Ok(Some(status)) => status.to_string(),
+                Err(e) => format!("unknown: {e}"),
+            },
+        };
+        Err(Error::Exited { component: self.name.clone(), status, log: self.log.clone() })
+    }
+
+    /// Sends SIGKILL and reaps the process: a crash, for chaos tests.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            signal(&child, Signal::SIGKILL);
+            let _reaped = child.wait();
+        }
+    }
+
+    /// Starts the same command again after [`Component::kill`] or [`Component::stop`].
+    pub fn restart(&mut self) -> Result<()> {
+        self.stop();
+        self.spawn()
+    }
+
+    /// Sends SIGTERM, waits up to [`STOP_GRACE`], then SIGKILL; always reaps the process.
+    pub fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else { return };
+        signal(&child, Signal::SIGTERM);
+        let deadline = Instant::now() + STOP_GRACE;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        tracing::warn!(component = %self.name, "did not exit on SIGTERM; killing it");
+        signal(&child, Signal::SIGKILL);
+        let _reaped = child.wait();
+    }
+}
+
+fn signal(child: &Child, signal: Signal) {
+    let Ok(pid) = i32::try_from(child.id()) else { return };
+    if let Err(e) = kill(Pid::from_raw(pid), signal) {
+        tracing::debug!(pid, %signal, error = %e, "signal not delivered (process already gone?)");
+    }
+}
+
+impl Drop for Component {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Reserves a free TCP port on 127.0.0.1 by binding port 0 and releasing it. Another
+/// process could take it before the component binds; the component then exits with
+/// "address already in use" in its log, which [`Component::ensure_running`] reports.
+pub fn free_port() -> Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(Error::Port)?;
+    Ok(listener.local_addr().map_err(Error::Port)?.port())
+}
