@@ -11,6 +11,7 @@ pub mod binaries;
 pub mod cluster;
 pub mod cni;
 pub mod controlplane;
+pub mod demo;
 pub mod error;
 pub mod kubelet;
 pub mod pki;

@@ -1,7 +1,9 @@
 //! `ipwarden-e2e up`: runs a test cluster for a human until SIGINT or SIGTERM, with its admin
-//! kubeconfig copied to a fixed path. `make cluster-up` / `make cluster-down` drive it.
+//! kubeconfig copied to a fixed path, optionally with the churning demo workload.
+//! `make cluster-up` / `make cluster-down` and `make demo` drive it.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -25,6 +27,13 @@ enum Command {
         /// Where to copy the admin kubeconfig once the nodes are Ready.
         #[arg(long, default_value = ".e2e/kubeconfig")]
         kubeconfig: PathBuf,
+        /// Also run the demo workload: a StatefulSet and a Deployment with pods deleted one at
+        /// a time.
+        #[arg(long)]
+        demo: bool,
+        /// With --demo: seconds between two pod deletions.
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+        churn_seconds: u64,
     },
 }
 
@@ -35,11 +44,13 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
-        Command::Up { nodes, kubeconfig } => up(nodes, kubeconfig).await,
+        Command::Up { nodes, kubeconfig, demo, churn_seconds } => {
+            up(nodes, kubeconfig, demo.then(|| Duration::from_secs(churn_seconds))).await
+        }
     }
 }
 
-async fn up(nodes: usize, kubeconfig: PathBuf) -> anyhow::Result<()> {
+async fn up(nodes: usize, kubeconfig: PathBuf, churn: Option<Duration>) -> anyhow::Result<()> {
     let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let options = e2e::ClusterOptions { nodes, ..e2e::ClusterOptions::default() };
@@ -57,10 +68,20 @@ async fn up(nodes: usize, kubeconfig: PathBuf) -> anyhow::Result<()> {
     println!("  kubeconfig: {}", kubeconfig.display());
     println!("  kubectl:    {} --kubeconfig {} get nodes", cluster.kubectl().display(), kubeconfig.display());
     println!("  run dir:    {}", cluster.dir().display());
+    let churning = match churn {
+        Some(interval) => {
+            e2e::demo::create(&cluster.client()).await.context("creating the demo workload")?;
+            println!("  demo:       StatefulSet default/web and Deployment default/api, a pod deleted every {interval:?}");
+            tokio::spawn(e2e::demo::churn(cluster.client(), interval))
+        }
+        None => tokio::spawn(std::future::pending()),
+    };
+    println!("press Ctrl-C to stop");
     tokio::select! {
         _ = terminate.recv() => {}
         _ = interrupt.recv() => {}
     }
+    churning.abort();
     println!("stopping the cluster");
     let _removed = std::fs::remove_file(&kubeconfig);
     cluster.stop();

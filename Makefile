@@ -1,0 +1,23 @@
+# The project's entry points. `make test` is the test command CI runs (.ci/run); `make demo`
+# is the main job on the local default. Both install what they need themselves.
+.PHONY: test demo cluster-up cluster-down controlplane deps
+
+deps:
+	bash e2e/cluster/install-deps.sh
+
+controlplane: deps
+	bash e2e/cluster/build-controlplane.sh >/dev/null
+
+test: controlplane
+	cargo fmt --all -- --check
+	cargo clippy --locked --all-targets -- -D warnings
+	cargo test --locked --workspace
+
+demo: controlplane
+	cargo run --quiet --locked -p ipwarden-e2e --bin ipwarden-e2e -- up --demo --kubeconfig .e2e/kubeconfig
+
+cluster-up:
+	bash e2e/cluster/cluster-up.sh
+
+cluster-down:
+	bash e2e/cluster/cluster-down.sh
