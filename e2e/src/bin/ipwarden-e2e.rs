@@ -71,7 +71,9 @@ async fn up(nodes: usize, kubeconfig: PathBuf, churn: Option<Duration>) -> anyho
     let churning = match churn {
         Some(interval) => {
             e2e::demo::create(&cluster.client()).await.context("creating the demo workload")?;
-            println!("  demo:       StatefulSet default/web and Deployment default/api, a pod deleted every {interval:?}");
+            println!(
+                "  demo:       StatefulSet default/web and Deployment default/api, a pod deleted every {interval:?}"
+            );
             tokio::spawn(e2e::demo::churn(cluster.client(), interval))
         }
         None => tokio::spawn(std::future::pending()),
