@@ -2,6 +2,9 @@
 //! small (at most 4096 addresses), let large pools exist, and spread write contention;
 //! every change is a compare-and-swap on the block's resourceVersion.
 
+// Several printcolumn(...) entries share `type_ = "string"`; that is not a mistake.
+#![allow(clippy::duplicated_attributes)]
+
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;

@@ -1,6 +1,9 @@
 //! `IPClaim`: the IPs a workload holds, named after the pod (or the KubeVirt VM). It is what
 //! gives a recreated StatefulSet pod its IP back.
 
+// Several printcolumn(...) entries share `type_ = "string"`; that is not a mistake.
+#![allow(clippy::duplicated_attributes)]
+
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::CustomResource;
 use schemars::JsonSchema;

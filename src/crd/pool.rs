@@ -1,5 +1,8 @@
 //! `IPPool`: a cluster-wide range of pod IPs, split into blocks.
 
+// Several printcolumn(...) entries share `type_ = "string"`; that is not a mistake.
+#![allow(clippy::duplicated_attributes)]
+
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
