@@ -345,7 +345,11 @@ mod test {
     fn responses_round_trip_and_are_externally_tagged() {
         let ok = AgentResponse::Ok {
             result: Some(IpamResult {
-                ips: vec![IpConfig { address: "10.0.0.5/24".into(), gateway: Some("10.0.0.1".into()), interface: None }],
+                ips: vec![IpConfig {
+                    address: "10.0.0.5/24".into(),
+                    gateway: Some("10.0.0.1".into()),
+                    interface: None,
+                }],
                 routes: vec![Route { dst: "0.0.0.0/0".into(), gw: None }],
                 dns: None,
             }),

@@ -189,7 +189,8 @@ mod test {
 
     #[test]
     fn missing_empty_or_unknown_command_is_code_4() {
-        for map in [vars(&[]), vars(&[("CNI_COMMAND", "")]), vars(&[("CNI_COMMAND", "add")]), vars(&[("CNI_COMMAND", "UP")])]
+        for map in
+            [vars(&[]), vars(&[("CNI_COMMAND", "")]), vars(&[("CNI_COMMAND", "add")]), vars(&[("CNI_COMMAND", "UP")])]
         {
             let error = parse_env(&map).unwrap_err();
             assert_eq!(error.code, 4);

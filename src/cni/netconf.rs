@@ -173,9 +173,10 @@ pub fn parse_netconf(bytes: &[u8]) -> Result<NetConf, CniError> {
         }
         None => return Err(CniError::invalid_network_config("network configuration has no name")),
     };
-    let ipwarden_ipam = raw.ipam.as_ref().filter(|ipam| {
-        ipam.get("type").and_then(Value::as_str).is_some_and(|plugin| IPAM_TYPES.contains(&plugin))
-    });
+    let ipwarden_ipam = raw
+        .ipam
+        .as_ref()
+        .filter(|ipam| ipam.get("type").and_then(Value::as_str).is_some_and(|plugin| IPAM_TYPES.contains(&plugin)));
     let agent = match ipwarden_ipam {
         Some(ipam) => agent_settings("ipam.", ipam.get("socket"), ipam.get("timeoutSeconds"))?,
         None => agent_settings("", raw.socket.as_ref(), raw.timeout_seconds.as_ref())?,
@@ -220,7 +221,10 @@ mod test {
         assert_eq!(conf.name, "pods");
         assert_eq!(conf.plugin_type.as_deref(), Some("ipwarden"));
         assert_eq!(conf.agent, AgentSettings { socket: DEFAULT_SOCKET.into(), timeout: Duration::from_secs(30) });
-        assert_eq!((conf.ipam, conf.prev_result, conf.valid_attachments, conf.runtime_config), (None, None, None, None));
+        assert_eq!(
+            (conf.ipam, conf.prev_result, conf.valid_attachments, conf.runtime_config),
+            (None, None, None, None)
+        );
     }
 
     #[test]
@@ -232,7 +236,10 @@ mod test {
                 "ipam": {"type": ipam_type, "socket": "/run/custom.sock", "timeoutSeconds": 5}
             }))
             .unwrap();
-            assert_eq!(conf.agent, AgentSettings { socket: "/run/custom.sock".into(), timeout: Duration::from_secs(5) });
+            assert_eq!(
+                conf.agent,
+                AgentSettings { socket: "/run/custom.sock".into(), timeout: Duration::from_secs(5) }
+            );
         }
     }
 

@@ -125,7 +125,10 @@ impl Transport for UnixTransport {
         let line = read_line(&mut stream, deadline, socket, timeout)?;
         serde_json::from_slice(&line).map_err(|e| TransportError::Protocol {
             socket: socket.to_path_buf(),
-            reason: format!("cannot decode the response {:?}: {e}", String::from_utf8_lossy(&line[..line.len().min(200)])),
+            reason: format!(
+                "cannot decode the response {:?}: {e}",
+                String::from_utf8_lossy(&line[..line.len().min(200)])
+            ),
         })
     }
 }
