@@ -112,9 +112,8 @@ struct VersionInfo<'a> {
 /// Encodes `document` as one line of JSON, or an I/O failure error object if that fails.
 fn print_line(version: &str, document: &impl Serialize) -> Vec<u8> {
     let mut line = serde_json::to_vec(document).unwrap_or_else(|e| {
-        serde_json::json!({"cniVersion": version, "code": CniError::IO_FAILURE, "msg": format!("failed to encode output: {e}")})
-            .to_string()
-            .into_bytes()
+        let msg = format!("failed to encode output: {e}");
+        serde_json::json!({"cniVersion": version, "code": CniError::IO_FAILURE, "msg": msg}).to_string().into_bytes()
     });
     line.push(b'\n');
     line

@@ -1,24 +1,27 @@
 //! [`Transport`] over the agent's unix socket, using blocking std sockets.
 //!
 //! The plugin is a short-lived process, so blocking I/O is simplest. The whole call (connect,
-//! write, read) shares one deadline of [`AgentSettings::timeout`]. std has no connect timeout
-//! for unix sockets, so connecting runs on a helper thread that is abandoned on timeout (the
-//! process exits right after).
+//! write, read) shares one deadline of [`AgentSettings::timeout`], capped at [`MAX_TIMEOUT`].
+//! std has no connect timeout for unix sockets, so connecting runs on a helper thread that is
+//! abandoned on timeout (the process exits right after).
 
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::netconf::AgentSettings;
+use super::netconf::{AgentSettings, TIMEOUT_SECONDS_RANGE};
 use super::{Transport, TransportError};
 use crate::protocol::{AgentRequest, AgentResponse};
 
 /// Largest response line accepted from the agent; a longer one is a protocol error.
 pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+
+/// Longest budget for one call, whatever [`AgentSettings::timeout`] says, so deadlines cannot overflow.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(*TIMEOUT_SECONDS_RANGE.end());
 
 /// The production transport: one connection to the agent's unix socket per call.
 #[derive(Debug, Clone, Copy, Default)]
@@ -109,10 +112,10 @@ fn read_line(
 impl Transport for UnixTransport {
     fn call(&self, agent: &AgentSettings, request: &AgentRequest) -> Result<AgentResponse, TransportError> {
         let socket: &Path = &agent.socket;
-        let timeout = agent.timeout;
+        let timeout = agent.timeout.min(MAX_TIMEOUT);
         let deadline = Instant::now() + timeout;
         let mut payload = serde_json::to_vec(request).map_err(|e| TransportError::Protocol {
-            socket: PathBuf::from(socket),
+            socket: socket.to_path_buf(),
             reason: format!("cannot encode the request: {e}"),
         })?;
         payload.push(b'\n');
@@ -139,6 +142,7 @@ mod test {
     use crate::protocol::{IpConfig, IpamResult, StatusRequest};
     use std::io::BufRead;
     use std::os::unix::net::UnixListener;
+    use std::path::PathBuf;
 
     /// A fresh directory under the system temp dir, removed again by [`TempDir::drop`].
     struct TempDir(PathBuf);
@@ -218,6 +222,14 @@ mod test {
         let error = UnixTransport.call(&settings(dir.0.join("none.sock"), 1_000), &status_request()).unwrap_err();
         assert!(matches!(error, TransportError::Unreachable { .. }), "{error:?}");
         assert!(error.to_string().contains("none.sock"), "{error}");
+    }
+
+    #[test]
+    fn huge_timeout_is_capped_instead_of_overflowing_the_deadline() {
+        let dir = TempDir::new("huge-timeout");
+        let agent = AgentSettings { socket: dir.0.join("none.sock"), timeout: Duration::MAX };
+        let error = UnixTransport.call(&agent, &status_request()).unwrap_err();
+        assert!(matches!(error, TransportError::Unreachable { .. }), "{error:?}");
     }
 
     #[test]
