@@ -3,4 +3,6 @@
 //! Layers, with arrows pointing one way: `crd` (types) <- pure logic <- I/O (agent, CNI
 //! plugin, controller actors) <- `main.rs` (wiring).
 
+pub mod cni;
 pub mod crd;
+pub mod protocol;
