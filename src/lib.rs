@@ -6,3 +6,6 @@
 /// The Kubernetes minor version ipwarden is built and tested against; it must match the
 /// `k8s-openapi` feature in `Cargo.toml` and the control plane the e2e harness builds.
 pub const KUBERNETES_VERSION: &str = "v1.37";
+
+/// The pure allocation engine: pool layout and the choice of an IP within a block.
+pub mod ipam;
