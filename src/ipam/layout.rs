@@ -65,7 +65,8 @@ pub enum LayoutError {
     },
     /// The block prefix would make blocks larger than [`MAX_BLOCK_ADDRESSES`].
     #[error(
-        "block prefix /{block_prefix} makes blocks of more than {limit} addresses; use /{min} or longer for cidr {cidr}",
+        "block prefix /{block_prefix} makes blocks of more than {limit} addresses; \
+         use /{min} or longer for cidr {cidr}",
         limit = MAX_BLOCK_ADDRESSES
     )]
     BlockTooLarge {
@@ -156,8 +157,11 @@ impl PoolLayout {
         let v4 = matches!(cidr, IpNet::V4(_));
         let prefix = cidr.prefix_len();
         let max = cidr.max_prefix_len();
-        let (min_block, default_block) =
-            if v4 { (MIN_BLOCK_PREFIX_V4, DEFAULT_BLOCK_PREFIX_V4) } else { (MIN_BLOCK_PREFIX_V6, DEFAULT_BLOCK_PREFIX_V6) };
+        let (min_block, default_block) = if v4 {
+            (MIN_BLOCK_PREFIX_V4, DEFAULT_BLOCK_PREFIX_V4)
+        } else {
+            (MIN_BLOCK_PREFIX_V6, DEFAULT_BLOCK_PREFIX_V6)
+        };
         let block_prefix = match block_prefix {
             None => prefix.max(default_block),
             Some(block_prefix) if block_prefix > max => {
@@ -400,4 +404,398 @@ fn subtract(allowed: &[Interval], removed: &[Interval]) -> Vec<Interval> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
+    fn net(text: &str) -> IpNet {
+        text.parse().unwrap()
+    }
+
+    fn pool(cidr: &str) -> PoolLayout {
+        PoolLayout::new(cidr, &[], &[], None, None).unwrap()
+    }
+
+    fn allocatable(layout: &PoolLayout) -> Vec<IpAddr> {
+        layout.blocks().flat_map(|block| layout.allocatable_in(block).collect::<Vec<_>>()).collect()
+    }
+
+    #[test]
+    fn every_invalid_configuration_is_rejected_with_a_message_naming_the_input() {
+        type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a [&'a str], Option<&'a str>, Option<u8>, &'a str);
+        let cases: &[Case<'_>] = &[
+            (
+                "10.0.0.0",
+                &[],
+                &[],
+                None,
+                None,
+                "cidr \"10.0.0.0\" is not an ip network such as 10.0.0.0/16 or fd00::/64",
+            ),
+            ("10.0.0.0/33", &[], &[], None, None, "cidr \"10.0.0.0/33\" is not an ip network"),
+            ("10.0.0.1/24", &[], &[], None, None, "cidr 10.0.0.1/24 has host bits set; did you mean 10.0.0.0/24?"),
+            ("fd00::1/64", &[], &[], None, None, "cidr fd00::1/64 has host bits set; did you mean fd00::/64?"),
+            (
+                "10.0.0.0/16",
+                &[],
+                &[],
+                None,
+                Some(33),
+                "block prefix /33 is longer than /32, the longest prefix of cidr",
+            ),
+            ("fd00::/64", &[], &[], None, Some(129), "block prefix /129 is longer than /128"),
+            (
+                "10.0.0.0/24",
+                &[],
+                &[],
+                None,
+                Some(22),
+                "block prefix /22 is shorter than the prefix of cidr 10.0.0.0/24",
+            ),
+            (
+                "10.0.0.0/8",
+                &[],
+                &[],
+                None,
+                Some(19),
+                "block prefix /19 makes blocks of more than 4096 addresses; use /20 or longer for cidr 10.0.0.0/8",
+            ),
+            (
+                "fd00::/64",
+                &[],
+                &[],
+                None,
+                Some(112),
+                "block prefix /112 makes blocks of more than 4096 addresses; use /116",
+            ),
+            (
+                "10.0.0.0/24",
+                &[("10.0.0.x", "10.0.0.9")],
+                &[],
+                None,
+                None,
+                "range start \"10.0.0.x\" is not an ip address",
+            ),
+            ("10.0.0.0/24", &[("10.0.0.1", "")], &[], None, None, "range end \"\" is not an ip address"),
+            (
+                "10.0.0.0/24",
+                &[("fd00::1", "10.0.0.9")],
+                &[],
+                None,
+                None,
+                "range start fd00::1 is not of the same ip family",
+            ),
+            (
+                "fd00::/64",
+                &[("fd00::1", "10.0.0.9")],
+                &[],
+                None,
+                None,
+                "range end 10.0.0.9 is not of the same ip family",
+            ),
+            (
+                "10.0.0.0/24",
+                &[("10.0.0.9", "10.0.0.5")],
+                &[],
+                None,
+                None,
+                "range 10.0.0.9-10.0.0.5 ends before it starts",
+            ),
+            (
+                "10.0.0.0/24",
+                &[("10.1.0.5", "10.1.0.9")],
+                &[],
+                None,
+                None,
+                "range 10.1.0.5-10.1.0.9 lies outside cidr 10.0.0.0/24",
+            ),
+            (
+                "10.0.0.0/24",
+                &[("10.0.0.250", "10.0.1.5")],
+                &[],
+                None,
+                None,
+                "range 10.0.0.250-10.0.1.5 lies outside cidr",
+            ),
+            (
+                "fd00::/120",
+                &[("fd00::1", "fd00::1:0")],
+                &[],
+                None,
+                None,
+                "range fd00::1-fd00::1:0 lies outside cidr fd00::/120",
+            ),
+            ("10.0.0.0/24", &[], &["nope"], None, None, "exclude \"nope\" is neither an ip address nor a cidr"),
+            ("10.0.0.0/24", &[], &["10.0.0.0/40"], None, None, "exclude \"10.0.0.0/40\" is neither"),
+            (
+                "10.0.0.0/24",
+                &[],
+                &["fd00::/120"],
+                None,
+                None,
+                "exclude fd00::/120 is not of the same ip family as cidr",
+            ),
+            (
+                "fd00::/64",
+                &[],
+                &["10.0.0.1"],
+                None,
+                None,
+                "exclude 10.0.0.1 is not of the same ip family as cidr fd00::/64",
+            ),
+            (
+                "10.0.0.0/24",
+                &[],
+                &["10.0.0.1/30"],
+                None,
+                None,
+                "exclude 10.0.0.1/30 has host bits set; did you mean 10.0.0.0/30?",
+            ),
+            ("10.0.0.0/24", &[], &[], Some("gw"), None, "gateway \"gw\" is not an ip address"),
+            ("10.0.0.0/24", &[], &[], Some("fd00::1"), None, "gateway fd00::1 is not of the same ip family as cidr"),
+            ("10.0.0.0/24", &[], &[], Some("10.0.1.1"), None, "gateway 10.0.1.1 lies outside cidr 10.0.0.0/24"),
+        ];
+        for &(cidr, ranges, exclude, gateway, block_prefix, expected) in cases {
+            let error = PoolLayout::new(cidr, ranges, exclude, gateway, block_prefix).unwrap_err().to_string();
+            assert!(
+                error.contains(expected),
+                "{cidr} {ranges:?} {exclude:?} {gateway:?} {block_prefix:?}: got {error:?}"
+            );
+            assert!(error.starts_with(|c: char| !c.is_uppercase()), "{error:?} should start lowercase");
+        }
+    }
+
+    #[test]
+    fn block_size_limit_constants_agree() {
+        assert_eq!(1u32 << (32 - MIN_BLOCK_PREFIX_V4), MAX_BLOCK_ADDRESSES);
+        assert_eq!(1u32 << (128 - MIN_BLOCK_PREFIX_V6), MAX_BLOCK_ADDRESSES);
+    }
+
+    #[test]
+    fn default_block_prefix_is_24_or_120_unless_the_pool_is_smaller() {
+        let cases = [
+            ("10.0.0.0/8", 24),
+            ("10.0.0.0/24", 24),
+            ("10.0.0.0/26", 26),
+            ("10.0.0.1/32", 32),
+            ("fd00::/48", 120),
+            ("fd00::/120", 120),
+            ("fd00::/125", 125),
+        ];
+        for (cidr, expected) in cases {
+            assert_eq!(pool(cidr).block_prefix(), expected, "{cidr}");
+        }
+    }
+
+    #[test]
+    fn an_explicit_block_prefix_is_used_when_valid() {
+        let cases = [
+            ("10.0.0.0/8", 20),
+            ("10.0.0.0/16", 16 + 10),
+            ("10.0.0.0/20", 20),
+            ("10.0.0.0/30", 32),
+            ("fd00::/64", 116),
+            ("fd00::/64", 128),
+            ("fd00::/116", 116),
+        ];
+        for (cidr, block_prefix) in cases {
+            let layout = PoolLayout::new(cidr, &[], &[], None, Some(block_prefix)).unwrap();
+            assert_eq!(layout.block_prefix(), block_prefix, "{cidr}");
+        }
+    }
+
+    #[test]
+    fn network_broadcast_and_gateway_are_never_allocatable() {
+        let layout = PoolLayout::new("10.0.0.0/24", &[], &[], Some("10.0.0.1"), None).unwrap();
+        for never in ["10.0.0.0", "10.0.0.255", "10.0.0.1"] {
+            assert!(!layout.is_allocatable(ip(never)), "{never}");
+        }
+        for ok in ["10.0.0.2", "10.0.0.254"] {
+            assert!(layout.is_allocatable(ip(ok)), "{ok}");
+        }
+        assert_eq!(layout.capacity(), 253);
+        let smallest = pool("10.0.0.4/30");
+        assert_eq!(allocatable(&smallest), [ip("10.0.0.5"), ip("10.0.0.6")]);
+    }
+
+    #[test]
+    fn slash_31_and_slash_32_pools_use_every_address() {
+        assert_eq!(allocatable(&pool("10.0.0.4/31")), [ip("10.0.0.4"), ip("10.0.0.5")]);
+        assert_eq!(allocatable(&pool("10.0.0.7/32")), [ip("10.0.0.7")]);
+        assert_eq!(pool("10.0.0.4/31").capacity(), 2);
+        assert_eq!(pool("10.0.0.7/32").capacity(), 1);
+    }
+
+    #[test]
+    fn the_ipv6_subnet_router_anycast_address_is_never_allocatable() {
+        let layout = pool("fd00::/120");
+        assert!(!layout.is_allocatable(ip("fd00::")));
+        assert!(layout.is_allocatable(ip("fd00::1")));
+        assert!(layout.is_allocatable(ip("fd00::ff")), "ipv6 has no broadcast address");
+        assert_eq!(layout.capacity(), 255);
+        assert_eq!(pool("fd00::/126").capacity(), 3);
+        assert_eq!(allocatable(&pool("fd00::/127")), [ip("fd00::"), ip("fd00::1")]);
+        assert_eq!(allocatable(&pool("fd00::5/128")), [ip("fd00::5")]);
+    }
+
+    #[test]
+    fn ranges_limit_allocation_to_their_addresses() {
+        let layout = PoolLayout::new(
+            "10.0.0.0/24",
+            &[("10.0.0.10", "10.0.0.12"), ("10.0.0.11", "10.0.0.13"), ("10.0.0.255", "10.0.0.255")],
+            &[],
+            None,
+            None,
+        )
+        .unwrap();
+        let expected: Vec<IpAddr> = ["10.0.0.10", "10.0.0.11", "10.0.0.12", "10.0.0.13"].map(ip).to_vec();
+        assert_eq!(allocatable(&layout), expected, "overlapping ranges merge; broadcast stays reserved");
+        assert_eq!(layout.capacity(), 4);
+        assert!(!layout.is_allocatable(ip("10.0.0.9")));
+        assert!(layout.contains(ip("10.0.0.9")));
+    }
+
+    #[test]
+    fn excluded_ips_and_cidrs_are_never_allocatable() {
+        let layout = PoolLayout::new(
+            "10.0.0.0/24",
+            &[],
+            &["10.0.0.7", "10.0.0.16/28", "10.0.0.0/31", "10.0.1.0/24"],
+            None,
+            None,
+        )
+        .unwrap();
+        for never in ["10.0.0.1", "10.0.0.7", "10.0.0.16", "10.0.0.31"] {
+            assert!(!layout.is_allocatable(ip(never)), "{never}");
+        }
+        for ok in ["10.0.0.2", "10.0.0.6", "10.0.0.8", "10.0.0.15", "10.0.0.32"] {
+            assert!(layout.is_allocatable(ip(ok)), "{ok}");
+        }
+        assert_eq!(layout.capacity(), 254 - 1 - 16 - 1);
+        let v6 = PoolLayout::new("fd00::/64", &[], &["fd00::1", "fd00::100/120"], None, None).unwrap();
+        assert!(!v6.is_allocatable(ip("fd00::1")));
+        assert!(!v6.is_allocatable(ip("fd00::1ff")));
+        assert!(v6.is_allocatable(ip("fd00::200")));
+        assert_eq!(v6.capacity(), (1u128 << 64) - 1 - 1 - 256);
+    }
+
+    #[test]
+    fn addresses_of_the_other_family_or_outside_the_cidr_are_neither_contained_nor_allocatable() {
+        let layout = pool("10.0.0.0/24");
+        for outside in ["10.0.1.1", "::a00:1", "::ffff:10.0.0.1"] {
+            assert!(!layout.contains(ip(outside)), "{outside}");
+            assert!(!layout.is_allocatable(ip(outside)), "{outside}");
+            assert_eq!(layout.block_of(ip(outside)), None, "{outside}");
+        }
+    }
+
+    #[test]
+    fn a_slash_16_pool_has_256_blocks_of_slash_24_and_capacity_65534() {
+        let layout = pool("10.1.0.0/16");
+        assert!(layout.family_is_v4());
+        assert_eq!(layout.cidr(), net("10.1.0.0/16"));
+        assert_eq!(layout.block_count(), 256);
+        assert_eq!(layout.blocks().count(), 256);
+        assert_eq!(layout.capacity(), 65534);
+        assert_eq!(layout.blocks().next(), Some(net("10.1.0.0/24")));
+        assert_eq!(layout.blocks().last(), Some(net("10.1.255.0/24")));
+        assert_eq!(layout.allocatable_in(net("10.1.0.0/24")).count(), 255);
+        assert_eq!(layout.allocatable_in(net("10.1.7.0/24")).count(), 256);
+        assert_eq!(layout.allocatable_in(net("10.1.255.0/24")).count(), 255);
+    }
+
+    #[test]
+    fn a_v6_slash_64_pool_has_2_pow_56_blocks_and_yields_the_first_immediately() {
+        let layout = pool("fd00:1::/64");
+        assert!(!layout.family_is_v4());
+        assert_eq!(layout.block_count(), 1u128 << 56);
+        assert_eq!(layout.blocks().next(), Some(net("fd00:1::/120")));
+        assert_eq!(layout.blocks().nth(3), Some(net("fd00:1::300/120")));
+        assert_eq!(layout.capacity(), (1u128 << 64) - 1);
+        assert_eq!(layout.block_at((1u128 << 56) - 1), Some(net("fd00:1::ffff:ffff:ffff:ff00/120")));
+    }
+
+    #[test]
+    fn blocks_jump_straight_to_the_ranges_of_a_huge_pool() {
+        let layout = PoolLayout::new(
+            "fd00::/64",
+            &[("fd00::10", "fd00::20"), ("fd00::ffff:ffff:ffff:fe80", "fd00::ffff:ffff:ffff:ffff")],
+            &[],
+            None,
+            None,
+        )
+        .unwrap();
+        let blocks: Vec<IpNet> = layout.blocks().collect();
+        assert_eq!(
+            blocks,
+            [net("fd00::/120"), net("fd00::ffff:ffff:ffff:fe00/120"), net("fd00::ffff:ffff:ffff:ff00/120")]
+        );
+        assert_eq!(layout.capacity(), 17 + 384);
+    }
+
+    #[test]
+    fn blocks_skip_blocks_without_allocatable_addresses_and_never_repeat() {
+        let layout = PoolLayout::new(
+            "10.0.0.0/22",
+            &[("10.0.0.10", "10.0.0.20"), ("10.0.0.30", "10.0.0.40"), ("10.0.2.0", "10.0.3.255")],
+            &["10.0.2.0/24"],
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(layout.blocks().collect::<Vec<_>>(), [net("10.0.0.0/24"), net("10.0.3.0/24")]);
+        let all_excluded = PoolLayout::new("10.0.0.0/24", &[], &["10.0.0.0/24"], None, None).unwrap();
+        assert_eq!(all_excluded.blocks().next(), None);
+        assert_eq!(all_excluded.capacity(), 0);
+    }
+
+    #[test]
+    fn block_at_walks_blocks_in_address_order_and_ends_after_the_last() {
+        let layout = PoolLayout::new("10.0.0.0/22", &[], &[], None, Some(23)).unwrap();
+        assert_eq!(layout.block_count(), 2);
+        assert_eq!(layout.block_at(0), Some(net("10.0.0.0/23")));
+        assert_eq!(layout.block_at(1), Some(net("10.0.2.0/23")));
+        assert_eq!(layout.block_at(2), None);
+        assert_eq!(layout.block_at(u128::MAX), None);
+    }
+
+    #[test]
+    fn block_of_returns_the_enclosing_block_and_none_outside_the_pool() {
+        let layout = pool("10.0.0.0/16");
+        assert_eq!(layout.block_of(ip("10.0.3.77")), Some(net("10.0.3.0/24")));
+        assert_eq!(layout.block_of(ip("10.0.0.0")), Some(net("10.0.0.0/24")));
+        assert_eq!(layout.block_of(ip("10.1.0.0")), None);
+        let v6 = PoolLayout::new("fd00::/64", &[], &[], None, Some(124)).unwrap();
+        assert_eq!(v6.block_of(ip("fd00::1234")), Some(net("fd00::1230/124")));
+    }
+
+    #[test]
+    fn allocatable_in_yields_nothing_for_a_network_that_is_not_a_block() {
+        let layout = pool("10.0.0.0/16");
+        for not_a_block in ["10.0.0.0/23", "10.0.0.0/25", "10.0.0.128/24", "10.1.0.0/24", "fd00::/120"] {
+            assert_eq!(layout.allocatable_in(net(not_a_block)).count(), 0, "{not_a_block}");
+        }
+    }
+
+    #[test]
+    fn overlaps_compares_cidrs_within_one_family() {
+        let cases = [
+            ("10.0.0.0/16", "10.0.5.0/24", true),
+            ("10.0.5.0/24", "10.0.0.0/16", true),
+            ("10.0.0.0/24", "10.0.1.0/24", false),
+            ("10.0.0.0/24", "10.0.0.255/32", true),
+            ("0.0.0.0/0", "fd00::/64", false),
+            ("fd00::/64", "fd00::/120", true),
+            ("fd00::/64", "fd00:0:0:1::/64", false),
+        ];
+        for (a, b, expected) in cases {
+            assert_eq!(pool(a).overlaps(&pool(b)), expected, "{a} vs {b}");
+        }
+    }
 }
