@@ -5,4 +5,5 @@
 
 pub mod cni;
 pub mod crd;
+pub mod ipam;
 pub mod protocol;
