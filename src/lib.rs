@@ -3,7 +3,10 @@
 //! Layers, with arrows pointing one way: `crd` (types) <- pure logic <- I/O (agent, CNI
 //! plugin, controller actors) <- `main.rs` (wiring).
 
+pub mod blocks;
 pub mod cni;
 pub mod crd;
 pub mod ipam;
+pub mod pools;
 pub mod protocol;
+pub mod workload;

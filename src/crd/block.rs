@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::{OwnerRef, PodRef};
 
 /// One block of a pool and who holds each of its IPs.
-#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[kube(
     group = "ipwarden.io",
     version = "v1alpha1",

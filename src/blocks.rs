@@ -1,0 +1,151 @@
+//! Pure edits of an IPBlock's allocation records. Every write to a block is one of these,
+//! applied to a freshly read copy and sent with its resourceVersion (compare-and-swap).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use crate::crd::{Allocation, IPBlockSpec};
+
+/// The allocated IPs and the release times of a block, as the chooser wants them. Keys that
+/// do not parse as IPs (hand-edited objects) are left out and so never handed out again.
+pub fn usage(spec: &IPBlockSpec) -> (BTreeSet<IpAddr>, BTreeMap<IpAddr, Timestamp>) {
+    let allocated = spec.allocations.keys().filter_map(|ip| ip.parse().ok()).collect();
+    let released = spec.released.iter().filter_map(|(ip, at)| Some((ip.parse().ok()?, at.0))).collect();
+    (allocated, released)
+}
+
+/// Records `allocation` for `ip` and forgets its release time.
+pub fn allocate(spec: &mut IPBlockSpec, ip: IpAddr, allocation: Allocation) {
+    let key = ip.to_string();
+    spec.released.remove(&key);
+    spec.allocations.insert(key, allocation);
+}
+
+/// The IPs of `spec` recorded for the sandbox `container_id` / `ifname`.
+pub fn find_attachment(spec: &IPBlockSpec, container_id: &str, ifname: &str) -> Vec<String> {
+    spec.allocations
+        .iter()
+        .filter(|(_, a)| !container_id.is_empty() && a.container_id == container_id && a.interface == ifname)
+        .map(|(ip, _)| ip.clone())
+        .collect()
+}
+
+/// What [`release_attachment`] did to one IP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReleaseOutcome {
+    /// The record was removed and the IP is free (after the cooldown).
+    Released,
+    /// The record stays as a sticky reservation with no sandbox.
+    Reserved,
+    /// The record no longer names this sandbox (or pod UID): left alone.
+    NotOurs,
+}
+
+/// Releases `ip` if its record still names the sandbox (and, when given, the pod UID) the
+/// caller decided on: removed, or kept as a reservation when `keep_reservation`.
+pub fn release_attachment(
+    spec: &mut IPBlockSpec,
+    ip: &str,
+    container_id: &str,
+    ifname: &str,
+    pod_uid: Option<&str>,
+    keep_reservation: bool,
+    now: Timestamp,
+) -> ReleaseOutcome {
+    let Some(record) = spec.allocations.get_mut(ip) else { return ReleaseOutcome::NotOurs };
+    let same_sandbox = record.container_id == container_id && record.interface == ifname;
+    let same_pod = pod_uid.is_none_or(|uid| record.pod.uid == uid);
+    if !same_sandbox || !same_pod || container_id.is_empty() {
+        return ReleaseOutcome::NotOurs;
+    }
+    if keep_reservation {
+        record.container_id.clear();
+        return ReleaseOutcome::Reserved;
+    }
+    spec.allocations.remove(ip);
+    spec.released.insert(ip.to_string(), Time(now));
+    ReleaseOutcome::Released
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+    use crate::crd::PodRef;
+
+    fn record(uid: &str, container: &str) -> Allocation {
+        Allocation {
+            pod: PodRef { namespace: "default".into(), name: "web-0".into(), uid: uid.into() },
+            node: "node-0".into(),
+            container_id: container.into(),
+            interface: "eth0".into(),
+            owner: None,
+            sticky: false,
+            allocated_at: Time(Timestamp::UNIX_EPOCH),
+        }
+    }
+
+    fn block_with(ip: &str, allocation: Allocation) -> IPBlockSpec {
+        let mut spec = IPBlockSpec { pool: "p".into(), cidr: "10.0.0.0/24".into(), ..IPBlockSpec::default() };
+        spec.allocations.insert(ip.into(), allocation);
+        spec
+    }
+
+    #[test]
+    fn allocating_an_ip_clears_its_release_time() {
+        let mut spec = IPBlockSpec::default();
+        spec.released.insert("10.0.0.5".into(), Time(Timestamp::UNIX_EPOCH));
+        allocate(&mut spec, "10.0.0.5".parse().expect("ip"), record("u1", "c1"));
+        assert!(spec.released.is_empty());
+        assert_eq!(spec.allocations["10.0.0.5"].pod.uid, "u1");
+    }
+
+    #[test]
+    fn release_removes_the_record_and_remembers_when() {
+        let mut spec = block_with("10.0.0.5", record("u1", "c1"));
+        let now = Timestamp::from_second(1_000).expect("ts");
+        let outcome = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), false, now);
+        assert_eq!(outcome, ReleaseOutcome::Released);
+        assert!(spec.allocations.is_empty());
+        assert_eq!(spec.released["10.0.0.5"].0, now);
+    }
+
+    #[test]
+    fn release_never_touches_a_record_of_another_sandbox_or_pod() {
+        let now = Timestamp::UNIX_EPOCH;
+        for (container, uid) in [("c2", Some("u1")), ("c1", Some("u2")), ("", None)] {
+            let mut spec = block_with("10.0.0.5", record("u1", "c1"));
+            let outcome = release_attachment(&mut spec, "10.0.0.5", container, "eth0", uid, false, now);
+            assert_eq!(outcome, ReleaseOutcome::NotOurs, "container {container:?} uid {uid:?}");
+            assert_eq!(spec.allocations.len(), 1);
+        }
+    }
+
+    #[test]
+    fn a_kept_sticky_reservation_loses_its_sandbox_but_keeps_its_pod() {
+        let mut spec = block_with("10.0.0.5", record("u1", "c1"));
+        let outcome = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", None, true, Timestamp::UNIX_EPOCH);
+        assert_eq!(outcome, ReleaseOutcome::Reserved);
+        assert_eq!(spec.allocations["10.0.0.5"].container_id, "");
+        assert_eq!(spec.allocations["10.0.0.5"].pod.uid, "u1");
+        assert!(spec.released.is_empty());
+    }
+
+    #[test]
+    fn usage_skips_keys_that_are_not_ips() {
+        let mut spec = block_with("10.0.0.5", record("u1", "c1"));
+        spec.allocations.insert("garbage".into(), record("u2", "c2"));
+        let (allocated, _) = usage(&spec);
+        assert_eq!(allocated.len(), 1);
+    }
+
+    #[test]
+    fn find_attachment_matches_container_and_interface_only() {
+        let spec = block_with("10.0.0.5", record("u1", "c1"));
+        assert_eq!(find_attachment(&spec, "c1", "eth0"), ["10.0.0.5"]);
+        assert!(find_attachment(&spec, "c1", "net1").is_empty());
+        assert!(find_attachment(&spec, "", "eth0").is_empty());
+    }
+}

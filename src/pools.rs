@@ -1,0 +1,362 @@
+//! Pure decisions about pools as the cluster defines them: each pool's layout, which pools
+//! overlap, which pools a pod may use, and the names of a pool's IPBlocks.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ipnet::IpNet;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+
+use crate::crd::IPPoolSpec;
+use crate::ipam::{LayoutError, PoolLayout};
+
+/// The condition type set on a pool that overlaps another; such pools are not used.
+pub const OVERLAPPING_CONDITION: &str = "Overlapping";
+
+/// Builds the allocation layout of a pool from its spec.
+pub fn layout(spec: &IPPoolSpec) -> Result<PoolLayout, LayoutError> {
+    let ranges: Vec<(&str, &str)> = spec.ranges.iter().map(|r| (r.start.as_str(), r.end.as_str())).collect();
+    let exclude: Vec<&str> = spec.exclude.iter().map(String::as_str).collect();
+    PoolLayout::new(&spec.cidr, &ranges, &exclude, spec.gateway.as_deref(), spec.block_size)
+}
+
+/// The IPBlock object name of `block` in `pool`: DNS-safe and the same on every node, so
+/// two agents creating the same block collide on the name instead of duplicating it.
+pub fn block_name(pool: &str, block: IpNet) -> String {
+    let text = block.to_string().replace(['.', ':', '/'], "-");
+    format!("{pool}-{text}")
+}
+
+/// A pool as the selection sees it.
+#[derive(Clone, Debug)]
+pub struct PoolView<'a> {
+    /// The pool's name.
+    pub name: &'a str,
+    /// Its spec.
+    pub spec: &'a IPPoolSpec,
+    /// Its layout, or why it has none.
+    pub layout: Result<&'a PoolLayout, &'a LayoutError>,
+}
+
+/// The names of pools whose CIDR overlaps another pool's, each with the pools it overlaps.
+pub fn overlaps(pools: &[PoolView<'_>]) -> BTreeMap<String, BTreeSet<String>> {
+    let mut found: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (i, a) in pools.iter().enumerate() {
+        for b in &pools[i + 1..] {
+            if let (Ok(la), Ok(lb)) = (a.layout, b.layout)
+                && la.overlaps(lb)
+            {
+                found.entry(a.name.to_string()).or_default().insert(b.name.to_string());
+                found.entry(b.name.to_string()).or_default().insert(a.name.to_string());
+            }
+        }
+    }
+    found
+}
+
+/// What the selection knows about the pod being wired.
+#[derive(Clone, Debug)]
+pub struct PodPlacement<'a> {
+    /// The pod's `ipwarden.io/pool` annotation.
+    pub pod_annotation: Option<&'a str>,
+    /// The namespace's `ipwarden.io/pool` annotation.
+    pub namespace_annotation: Option<&'a str>,
+    /// The namespace's labels, for namespace selectors.
+    pub namespace_labels: &'a BTreeMap<String, String>,
+    /// The node's labels, for node selectors.
+    pub node_labels: &'a BTreeMap<String, String>,
+}
+
+/// Why no pool could be chosen for a pod.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SelectError {
+    /// An annotation names a pool that does not exist.
+    #[error("pool {pool} named by the {source_of} annotation ipwarden.io/pool does not exist")]
+    UnknownPool {
+        /// The missing pool.
+        pool: String,
+        /// "pod" or "namespace".
+        source_of: &'static str,
+    },
+    /// The chosen pool cannot be used.
+    #[error("pool {pool} cannot be used: {reason}")]
+    Unusable {
+        /// The pool.
+        pool: String,
+        /// Why (overlap, invalid layout, selectors).
+        reason: String,
+    },
+    /// Two chosen pools are of the same IP family.
+    #[error("pools {first} and {second} are both {family}; a pod gets at most one IP per family")]
+    SameFamily {
+        /// One pool.
+        first: String,
+        /// The other.
+        second: String,
+        /// IPv4 or IPv6.
+        family: &'static str,
+    },
+    /// No annotation and no default pool fits.
+    #[error("no ipwarden.io/pool annotation on the pod or its namespace, and no default pool fits it")]
+    NoDefault,
+}
+
+fn family(layout: &PoolLayout) -> &'static str {
+    if layout.family_is_v4() { "IPv4" } else { "IPv6" }
+}
+
+/// Why `pool` cannot serve the pod, or `None` when it can.
+fn unusable(
+    pool: &PoolView<'_>,
+    placement: &PodPlacement<'_>,
+    overlapping: &BTreeMap<String, BTreeSet<String>>,
+) -> Option<String> {
+    if let Err(e) = pool.layout {
+        return Some(format!("invalid layout: {e}"));
+    }
+    if let Some(others) = overlapping.get(pool.name) {
+        let others: Vec<&str> = others.iter().map(String::as_str).collect();
+        return Some(format!("it overlaps {}", others.join(", ")));
+    }
+    if !selector_matches(pool.spec.namespace_selector.as_ref(), placement.namespace_labels) {
+        return Some("its namespaceSelector does not match the pod's namespace".to_string());
+    }
+    if !selector_matches(pool.spec.node_selector.as_ref(), placement.node_labels) {
+        return Some("its nodeSelector does not match the node".to_string());
+    }
+    None
+}
+
+/// The pools a pod allocates from: those its annotation names (comma-separated), else its
+/// namespace's, else every default pool that fits it (one per IP family). Overlapping or
+/// invalid pools and pools whose selectors do not match are never chosen.
+pub fn select<'a>(pools: &[PoolView<'a>], placement: &PodPlacement<'_>) -> Result<Vec<PoolView<'a>>, SelectError> {
+    let overlapping = overlaps(pools);
+    let annotation = [("pod", placement.pod_annotation), ("namespace", placement.namespace_annotation)]
+        .into_iter()
+        .find_map(|(source, value)| value.filter(|v| !v.trim().is_empty()).map(|v| (source, v)));
+    let chosen: Vec<PoolView<'a>> = match annotation {
+        Some((source_of, names)) => {
+            let mut chosen = Vec::new();
+            for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+                let pool = pools
+                    .iter()
+                    .find(|p| p.name == name)
+                    .ok_or_else(|| SelectError::UnknownPool { pool: name.to_string(), source_of })?;
+                if let Some(reason) = unusable(pool, placement, &overlapping) {
+                    return Err(SelectError::Unusable { pool: name.to_string(), reason });
+                }
+                chosen.push(pool.clone());
+            }
+            chosen
+        }
+        None => {
+            pools.iter().filter(|p| p.spec.default && unusable(p, placement, &overlapping).is_none()).cloned().collect()
+        }
+    };
+    if chosen.is_empty() {
+        return Err(SelectError::NoDefault);
+    }
+    for (i, a) in chosen.iter().enumerate() {
+        for b in &chosen[i + 1..] {
+            if let (Ok(la), Ok(lb)) = (a.layout, b.layout)
+                && la.family_is_v4() == lb.family_is_v4()
+            {
+                return Err(SelectError::SameFamily {
+                    first: a.name.to_string(),
+                    second: b.name.to_string(),
+                    family: family(la),
+                });
+            }
+        }
+    }
+    Ok(chosen)
+}
+
+/// Whether a label selector matches `labels`; an absent selector matches everything. An
+/// unknown operator matches nothing, so a typo never widens a pool's reach.
+pub fn selector_matches(selector: Option<&LabelSelector>, labels: &BTreeMap<String, String>) -> bool {
+    let Some(selector) = selector else { return true };
+    let labels_match =
+        selector.match_labels.iter().flatten().all(|(key, value)| labels.get(key).is_some_and(|v| v == value));
+    let expressions_match = selector.match_expressions.iter().flatten().all(|expr| {
+        let values = expr.values.as_deref().unwrap_or_default();
+        let value = labels.get(&expr.key);
+        match expr.operator.as_str() {
+            "In" => value.is_some_and(|v| values.contains(v)),
+            "NotIn" => value.is_none_or(|v| !values.contains(v)),
+            "Exists" => value.is_some(),
+            "DoesNotExist" => value.is_none(),
+            _ => false,
+        }
+    });
+    labels_match && expressions_match
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+    use serde_json::json;
+
+    fn spec(value: serde_json::Value) -> IPPoolSpec {
+        serde_json::from_value(value).expect("valid spec")
+    }
+
+    struct Pools(Vec<(String, IPPoolSpec, Result<PoolLayout, LayoutError>)>);
+
+    impl Pools {
+        fn new(items: &[(&str, serde_json::Value)]) -> Self {
+            Self(
+                items
+                    .iter()
+                    .map(|(name, value)| {
+                        let spec = spec(value.clone());
+                        let layout = layout(&spec);
+                        (name.to_string(), spec, layout)
+                    })
+                    .collect(),
+            )
+        }
+
+        fn views(&self) -> Vec<PoolView<'_>> {
+            self.0.iter().map(|(name, spec, layout)| PoolView { name, spec, layout: layout.as_ref() }).collect()
+        }
+    }
+
+    fn names<'a>(chosen: &[PoolView<'a>]) -> Vec<&'a str> {
+        chosen.iter().map(|p| p.name).collect()
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn the_pod_annotation_wins_over_the_namespace_annotation_and_the_default() {
+        let pools = Pools::new(&[
+            ("a", json!({"cidr": "10.1.0.0/24", "default": true})),
+            ("b", json!({"cidr": "10.2.0.0/24"})),
+            ("c", json!({"cidr": "10.3.0.0/24"})),
+        ]);
+        let empty = BTreeMap::new();
+        let base = PodPlacement {
+            pod_annotation: None,
+            namespace_annotation: None,
+            namespace_labels: &empty,
+            node_labels: &empty,
+        };
+        let views = pools.views();
+        let pod = PodPlacement { pod_annotation: Some("b"), namespace_annotation: Some("c"), ..base.clone() };
+        assert_eq!(names(&select(&views, &pod).expect("pod pool")), ["b"]);
+        let ns = PodPlacement { namespace_annotation: Some("c"), ..base.clone() };
+        assert_eq!(names(&select(&views, &ns).expect("namespace pool")), ["c"]);
+        assert_eq!(names(&select(&views, &base).expect("default pool")), ["a"]);
+    }
+
+    #[test]
+    fn an_annotation_may_name_one_pool_per_family_for_dual_stack() {
+        let pools = Pools::new(&[("v4", json!({"cidr": "10.1.0.0/24"})), ("v6", json!({"cidr": "fd00::/64"}))]);
+        let empty = BTreeMap::new();
+        let placement = PodPlacement {
+            pod_annotation: Some("v4, v6"),
+            namespace_annotation: None,
+            namespace_labels: &empty,
+            node_labels: &empty,
+        };
+        assert_eq!(names(&select(&pools.views(), &placement).expect("dual stack")), ["v4", "v6"]);
+        let same = PodPlacement { pod_annotation: Some("v4,v4"), ..placement };
+        assert!(matches!(select(&pools.views(), &same), Err(SelectError::SameFamily { .. })));
+    }
+
+    #[test]
+    fn overlapping_pools_are_never_chosen_and_say_what_they_overlap() {
+        let pools = Pools::new(&[
+            ("wide", json!({"cidr": "10.0.0.0/16", "default": true})),
+            ("narrow", json!({"cidr": "10.0.5.0/24"})),
+            ("apart", json!({"cidr": "10.9.0.0/24", "default": true})),
+        ]);
+        let views = pools.views();
+        let found = overlaps(&views);
+        assert_eq!(found.keys().collect::<Vec<_>>(), ["narrow", "wide"]);
+        let empty = BTreeMap::new();
+        let placement = PodPlacement {
+            pod_annotation: Some("narrow"),
+            namespace_annotation: None,
+            namespace_labels: &empty,
+            node_labels: &empty,
+        };
+        let err = select(&views, &placement).expect_err("overlapping pool refused");
+        assert_eq!(err.to_string(), "pool narrow cannot be used: it overlaps wide");
+        let defaults = PodPlacement { pod_annotation: None, ..placement };
+        assert_eq!(names(&select(&views, &defaults).expect("non-overlapping default")), ["apart"]);
+    }
+
+    #[test]
+    fn unknown_annotated_pools_and_missing_defaults_are_errors() {
+        let pools = Pools::new(&[("a", json!({"cidr": "10.1.0.0/24"}))]);
+        let empty = BTreeMap::new();
+        let placement = PodPlacement {
+            pod_annotation: None,
+            namespace_annotation: Some("nope"),
+            namespace_labels: &empty,
+            node_labels: &empty,
+        };
+        assert_eq!(
+            select(&pools.views(), &placement).err(),
+            Some(SelectError::UnknownPool { pool: "nope".into(), source_of: "namespace" })
+        );
+        let none = PodPlacement { namespace_annotation: None, ..placement };
+        assert_eq!(select(&pools.views(), &none).err(), Some(SelectError::NoDefault));
+    }
+
+    #[test]
+    fn selectors_restrict_default_pools_to_matching_namespaces_and_nodes() {
+        let pools = Pools::new(&[
+            ("zone-a", json!({"cidr": "10.1.0.0/24", "default": true, "nodeSelector": {"matchLabels": {"zone": "a"}}})),
+            ("zone-b", json!({"cidr": "10.2.0.0/24", "default": true, "nodeSelector": {"matchLabels": {"zone": "b"}}})),
+            (
+                "team",
+                json!({"cidr": "10.3.0.0/24", "namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["x"]}]}}),
+            ),
+        ]);
+        let node_b = labels(&[("zone", "b")]);
+        let ns = labels(&[("team", "y")]);
+        let placement = PodPlacement {
+            pod_annotation: None,
+            namespace_annotation: None,
+            namespace_labels: &ns,
+            node_labels: &node_b,
+        };
+        assert_eq!(names(&select(&pools.views(), &placement).expect("zone b default")), ["zone-b"]);
+        let annotated = PodPlacement { pod_annotation: Some("team"), ..placement };
+        let err = select(&pools.views(), &annotated).expect_err("selector excludes namespace");
+        assert!(err.to_string().contains("namespaceSelector"), "{err}");
+    }
+
+    #[test]
+    fn selector_operators_follow_kubernetes_semantics() {
+        let selector = |op: &str, values: &[&str]| -> LabelSelector {
+            serde_json::from_value(json!({"matchExpressions": [{"key": "k", "operator": op, "values": values}]}))
+                .expect("selector")
+        };
+        let with = labels(&[("k", "v")]);
+        let without = labels(&[]);
+        let cases = [
+            ("In", vec!["v"], true, false),
+            ("NotIn", vec!["v"], false, true),
+            ("Exists", vec![], true, false),
+            ("DoesNotExist", vec![], false, true),
+            ("Bogus", vec!["v"], false, false),
+        ];
+        for (op, values, on_with, on_without) in cases {
+            assert_eq!(selector_matches(Some(&selector(op, &values)), &with), on_with, "{op} on labelled");
+            assert_eq!(selector_matches(Some(&selector(op, &values)), &without), on_without, "{op} on unlabelled");
+        }
+        assert!(selector_matches(None, &without), "no selector matches everything");
+    }
+
+    #[test]
+    fn block_names_are_dns_safe_for_both_families() {
+        assert_eq!(block_name("default", "10.244.1.0/24".parse().expect("net")), "default-10-244-1-0-24");
+        assert_eq!(block_name("v6", "fd00::100/120".parse().expect("net")), "v6-fd00--100-120");
+    }
+}

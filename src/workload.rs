@@ -1,0 +1,107 @@
+//! Pure rules about the workload behind a pod: its controller, whether its IPs are sticky,
+//! the name of its IPClaim, and whether a StatefulSet still wants an ordinal.
+
+use k8s_openapi::api::core::v1::Pod;
+
+use crate::crd::OwnerRef;
+
+/// The owner kind of KubeVirt's running VM instances, whose claim is named after the VM.
+pub const KUBEVIRT_VMI_KIND: &str = "VirtualMachineInstance";
+
+/// The owner kinds whose pods keep their IPs across restarts unless configured otherwise.
+pub const DEFAULT_STICKY_KINDS: [&str; 2] = ["StatefulSet", KUBEVIRT_VMI_KIND];
+
+/// The pod's controller, from its `controller: true` ownerReference.
+pub fn controller_of(pod: &Pod) -> Option<OwnerRef> {
+    pod.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true))
+        .map(|o| OwnerRef { kind: o.kind.clone(), name: o.name.clone() })
+}
+
+/// Whether pods of `owner` keep their IPs between pods.
+pub fn is_sticky(owner: Option<&OwnerRef>, sticky_kinds: &[String]) -> bool {
+    owner.is_some_and(|o| sticky_kinds.iter().any(|k| *k == o.kind))
+}
+
+/// The IPClaim name of a pod: the VM's for a KubeVirt VM instance (its launcher pods change
+/// names), the pod's own otherwise (a StatefulSet pod's name is its identity).
+pub fn claim_name(pod_name: &str, owner: Option<&OwnerRef>) -> String {
+    match owner {
+        Some(o) if o.kind == KUBEVIRT_VMI_KIND => o.name.clone(),
+        _ => pod_name.to_string(),
+    }
+}
+
+/// The ordinal of StatefulSet pod `pod_name` of StatefulSet `statefulset`, if it is one.
+pub fn ordinal(statefulset: &str, pod_name: &str) -> Option<i32> {
+    pod_name.strip_prefix(statefulset)?.strip_prefix('-')?.parse().ok().filter(|n: &i32| *n >= 0)
+}
+
+/// Whether a StatefulSet (`replicas`, `ordinals.start`, deleting or not) still wants the
+/// ordinal of `pod_name`: scale-down below it or deletion ends the reservation.
+pub fn statefulset_wants(statefulset: &str, replicas: i32, start: i32, deleting: bool, pod_name: &str) -> bool {
+    match ordinal(statefulset, pod_name) {
+        Some(n) => !deleting && n >= start && n < start.saturating_add(replicas),
+        None => false,
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_controller_owner_reference_is_the_owner() {
+        let pod: Pod = serde_json::from_value(json!({"metadata": {"name": "web-0", "ownerReferences": [
+            {"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": "1"},
+            {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "2", "controller": true}
+        ]}}))
+        .expect("pod");
+        assert_eq!(controller_of(&pod), Some(OwnerRef { kind: "StatefulSet".into(), name: "web".into() }));
+    }
+
+    #[test]
+    fn stickiness_follows_the_configured_owner_kinds() {
+        let kinds: Vec<String> = DEFAULT_STICKY_KINDS.iter().map(|k| k.to_string()).collect();
+        let sts = OwnerRef { kind: "StatefulSet".into(), name: "web".into() };
+        let rs = OwnerRef { kind: "ReplicaSet".into(), name: "api-1".into() };
+        assert!(is_sticky(Some(&sts), &kinds));
+        assert!(!is_sticky(Some(&rs), &kinds));
+        assert!(!is_sticky(None, &kinds));
+        assert!(!is_sticky(Some(&sts), &[]), "an empty list turns stickiness off");
+    }
+
+    #[test]
+    fn a_kubevirt_claim_is_named_after_the_vm_and_others_after_the_pod() {
+        let vmi = OwnerRef { kind: KUBEVIRT_VMI_KIND.into(), name: "vm1".into() };
+        assert_eq!(claim_name("virt-launcher-vm1-abcde", Some(&vmi)), "vm1");
+        assert_eq!(claim_name("web-0", None), "web-0");
+    }
+
+    #[test]
+    fn ordinals_parse_only_from_the_statefulsets_own_pods() {
+        assert_eq!(ordinal("web", "web-3"), Some(3));
+        assert_eq!(ordinal("web", "web-x"), None);
+        assert_eq!(ordinal("web", "webby-3"), None);
+        assert_eq!(ordinal("web", "web--1"), None);
+    }
+
+    #[test]
+    fn a_statefulset_wants_ordinals_inside_its_replica_range_until_deleted() {
+        let cases = [
+            (3, 0, false, "web-2", true),
+            (3, 0, false, "web-3", false),
+            (2, 5, false, "web-5", true),
+            (2, 5, false, "web-4", false),
+            (3, 0, true, "web-0", false),
+            (0, 0, false, "web-0", false),
+        ];
+        for (replicas, start, deleting, pod, wanted) in cases {
+            assert_eq!(statefulset_wants("web", replicas, start, deleting, pod), wanted, "{pod} of {replicas}@{start}");
+        }
+    }
+}
