@@ -79,6 +79,7 @@ mod test {
         Allocation {
             pod: PodRef { namespace: "default".into(), name: "web-0".into(), uid: uid.into() },
             node: "node-0".into(),
+            network: "ipwarden".into(),
             container_id: container.into(),
             interface: "eth0".into(),
             owner: None,

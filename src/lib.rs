@@ -3,9 +3,11 @@
 //! Layers, with arrows pointing one way: `crd` (types) <- pure logic <- I/O (agent, CNI
 //! plugin, controller actors) <- `main.rs` (wiring).
 
+pub mod agent;
 pub mod blocks;
 pub mod cni;
 pub mod crd;
+pub mod http;
 pub mod ipam;
 pub mod pools;
 pub mod protocol;

@@ -2,27 +2,63 @@
 //! invoked as `ipwarden-cni`, the name container runtimes look plugins up by).
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 
 /// ipwarden: Kubernetes IPAM with a StatefulSet-aware IP garbage collector.
 #[derive(Parser)]
 #[command(name = "ipwarden", version)]
 struct Cli {
+    /// Log format.
+    #[arg(long, global = true, env = "IPWARDEN_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
 enum Command {
     /// Print the CustomResourceDefinitions as YAML (what crds/ holds).
     Crd,
+    /// Run the node agent that serves the CNI plugin.
+    Agent(ipwarden::agent::AgentArgs),
+    /// Run as the CNI plugin (the same as invoking this binary as `ipwarden-cni`).
+    Cni,
 }
 
 fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+    let invoked_as = std::env::args_os().next().map(std::path::PathBuf::from);
+    if invoked_as.as_deref().and_then(|p| p.file_name()).is_some_and(|n| n == "ipwarden-cni") {
+        std::process::exit(ipwarden::cni::main_from_process());
+    }
+    let cli = Cli::parse();
+    match cli.command {
         Command::Crd => {
             print!("{}", ipwarden::crd::yaml().context("rendering the CRDs as YAML")?);
             Ok(())
         }
+        Command::Cni => std::process::exit(ipwarden::cni::main_from_process()),
+        Command::Agent(args) => {
+            init_logging(cli.log_format);
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("building the tokio runtime")?;
+            actix::System::with_tokio_rt(move || runtime).block_on(ipwarden::agent::run(args))
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
     }
 }

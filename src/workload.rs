@@ -23,7 +23,7 @@ pub fn controller_of(pod: &Pod) -> Option<OwnerRef> {
 
 /// Whether pods of `owner` keep their IPs between pods.
 pub fn is_sticky(owner: Option<&OwnerRef>, sticky_kinds: &[String]) -> bool {
-    owner.is_some_and(|o| sticky_kinds.iter().any(|k| *k == o.kind))
+    owner.is_some_and(|o| sticky_kinds.contains(&o.kind))
 }
 
 /// The IPClaim name of a pod: the VM's for a KubeVirt VM instance (its launcher pods change

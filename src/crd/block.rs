@@ -49,6 +49,9 @@ pub struct Allocation {
     pub pod: PodRef,
     /// The node the pod ran on.
     pub node: String,
+    /// The CNI network (netconf name) the attachment belongs to.
+    #[serde(default)]
+    pub network: String,
     /// The sandbox's container ID; empty for a sticky reservation between two pods.
     pub container_id: String,
     /// The interface inside the sandbox.

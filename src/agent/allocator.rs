@@ -1,0 +1,55 @@
+//! The node's one allocation actor: ADD, DEL, CHECK, GC and STATUS are messages to it and
+//! are served one at a time, so node-side GC never interleaves with an allocation.
+
+use std::sync::Arc;
+
+use actix::{Actor, AtomicResponse, Context, Handler, Message, WrapFuture};
+
+use super::core::Core;
+use crate::protocol::{AgentRequest, AgentResponse};
+
+/// The actor owning the node's allocation core.
+pub struct NodeAllocator {
+    core: Arc<Core>,
+}
+
+impl NodeAllocator {
+    /// Wraps the core; start it with [`Actor::start`].
+    pub fn new(core: Arc<Core>) -> Self {
+        Self { core }
+    }
+}
+
+impl Actor for NodeAllocator {
+    type Context = Context<Self>;
+}
+
+/// One CNI call forwarded by the socket server.
+#[derive(Message)]
+#[rtype(result = "AgentResponse")]
+pub struct Call(pub AgentRequest);
+
+impl Handler<Call> for NodeAllocator {
+    // Atomic: the actor takes no other message until this one's future is done.
+    type Result = AtomicResponse<Self, AgentResponse>;
+
+    fn handle(&mut self, Call(request): Call, _ctx: &mut Context<Self>) -> Self::Result {
+        let core = self.core.clone();
+        AtomicResponse::new(Box::pin(
+            async move {
+                let outcome = match &request {
+                    AgentRequest::Add(r) => core.add(r).await.map(Some),
+                    AgentRequest::Del(r) => core.del(r).await.map(|()| None),
+                    AgentRequest::Check(r) => core.check(r).await.map(|()| None),
+                    AgentRequest::Gc(r) => core.gc(r).await.map(|()| None),
+                    AgentRequest::Status(r) => core.status(r).await.map(|()| None),
+                };
+                match outcome {
+                    Ok(result) => AgentResponse::Ok { result },
+                    Err(error) => AgentResponse::Error(error),
+                }
+            }
+            .into_actor(self),
+        ))
+    }
+}

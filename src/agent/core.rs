@@ -1,0 +1,836 @@
+//! What the agent does for each CNI call, against the apiserver. Decisions come from the
+//! pure modules (`pools`, `blocks`, `workload`, `ipam`); this file reads, writes and retries.
+//!
+//! Every block write is a compare-and-swap on a freshly read IPBlock, retried on conflict
+//! with backon (bounded). Order on ADD: block record, then IPClaim, then checkpoint, so a
+//! crash leaves at worst a record that the next ADD or DEL of the same sandbox finds.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use ipnet::IpNet;
+use jiff::Timestamp;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, PostParams, Preconditions};
+use kube::runtime::reflector::Store;
+use kube::{Client, ResourceExt};
+use tokio::sync::Mutex;
+
+use super::checkpoint::{AttachmentKey, Checkpoint, CheckpointEntry, CheckpointIp};
+use super::metrics::{AgentMetrics, PoolLabels};
+use crate::blocks::{self, ReleaseOutcome};
+use crate::crd::{
+    Allocation, ClaimedInterface, ClaimedIp, IPBlock, IPBlockSpec, IPClaim, IPClaimSpec, IPPool, OwnerRef,
+    POOL_ANNOTATION, PodRef,
+};
+use crate::ipam::{BlockUsage, ChooseError, PoolLayout, choose_ip};
+use crate::pools::{self, PodPlacement, PoolView};
+use crate::protocol::{AttachmentRequest, CniError, GcRequest, IpConfig, IpamResult, Route, StatusRequest};
+use crate::workload::{self, KUBEVIRT_VMI_KIND};
+
+/// ipwarden's own CNI error code: no pool fits the pod.
+pub const NO_POOL_FITS: u32 = 100;
+
+/// ipwarden's own CNI error code: every IP of the chosen pool is taken.
+pub const POOL_EXHAUSTED: u32 = 101;
+
+/// How many times a block write is retried after resourceVersion conflicts.
+const MAX_CONFLICT_RETRIES: usize = 40;
+
+/// How many not-yet-created blocks of a pool one ADD may try.
+const NEW_BLOCK_PROBES: usize = 8;
+
+/// The agent's settings that shape allocation.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// This node's name.
+    pub node: String,
+    /// How long a released IP is not handed out again.
+    pub cooldown: Duration,
+    /// Owner kinds whose pods keep their IPs between pods.
+    pub sticky_kinds: Vec<String>,
+}
+
+/// The agent's state: caches, the checkpoint, and the client.
+pub struct Core {
+    client: Client,
+    settings: Settings,
+    pools: Store<IPPool>,
+    blocks: Store<IPBlock>,
+    checkpoint: Mutex<Checkpoint>,
+    metrics: Arc<AgentMetrics>,
+}
+
+fn api_error(what: String) -> impl FnOnce(kube::Error) -> CniError {
+    move |e| CniError::try_again_later(format!("{what}: {e}"))
+}
+
+fn checkpoint_error(e: super::checkpoint::CheckpointError) -> CniError {
+    CniError::io_failure(e.to_string())
+}
+
+/// A pool resolved for allocation.
+struct ResolvedPool {
+    name: String,
+    layout: PoolLayout,
+    gateway: Option<String>,
+}
+
+impl Core {
+    /// Creates the core over synced caches and a restored checkpoint.
+    pub fn new(
+        client: Client,
+        settings: Settings,
+        pools: Store<IPPool>,
+        blocks: Store<IPBlock>,
+        checkpoint: Checkpoint,
+        metrics: Arc<AgentMetrics>,
+    ) -> Self {
+        Self { client, settings, pools, blocks, checkpoint: Mutex::new(checkpoint), metrics }
+    }
+
+    /// CNI ADD: the sandbox's IPs, allocated once (idempotent for the same attachment).
+    pub async fn add(&self, request: &AttachmentRequest) -> Result<IpamResult, CniError> {
+        let started = Instant::now();
+        let outcome = self.add_inner(request).await;
+        self.metrics.allocation_duration.observe(started.elapsed().as_secs_f64());
+        let label = match &outcome {
+            Ok(_) => "success",
+            Err(e) if e.code == POOL_EXHAUSTED => "exhausted",
+            Err(e) if e.code == NO_POOL_FITS => "no_pool",
+            Err(e) if e.code == CniError::TRY_AGAIN_LATER && e.msg.contains("cooling") => "cooling",
+            Err(_) => "error",
+        };
+        self.metrics.allocation(label);
+        if let Err(e) = &outcome {
+            tracing::warn!(container_id = %request.container_id, code = e.code, error = %e.msg, "ADD failed");
+        }
+        outcome
+    }
+
+    async fn add_inner(&self, request: &AttachmentRequest) -> Result<IpamResult, CniError> {
+        let key = attachment_key(request);
+        let mut checkpoint = self.checkpoint.lock().await;
+        if let Some(entry) = checkpoint.get(&key) {
+            return Ok(result_of(&entry.ips));
+        }
+        let pod_ref = request.pod.as_ref().ok_or_else(|| {
+            CniError::invalid_environment("ADD needs the pod: CNI_ARGS must carry K8S_POD_NAMESPACE and K8S_POD_NAME")
+        })?;
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &pod_ref.namespace);
+        let pod = pods
+            .get_opt(&pod_ref.name)
+            .await
+            .map_err(api_error(format!("reading pod {}/{}", pod_ref.namespace, pod_ref.name)))?
+            .ok_or_else(|| {
+                CniError::try_again_later(format!("pod {}/{} does not exist (yet)", pod_ref.namespace, pod_ref.name))
+            })?;
+        let uid = pod.uid().unwrap_or_default();
+        if let Some(expected) = pod_ref.uid.as_deref()
+            && expected != uid
+        {
+            return Err(CniError::unknown_container(format!(
+                "pod {}/{} now has uid {uid}, the runtime asked for {expected}: the sandbox is stale",
+                pod_ref.namespace, pod_ref.name
+            )));
+        }
+        let owner = workload::controller_of(&pod);
+        let sticky = workload::is_sticky(owner.as_ref(), &self.settings.sticky_kinds);
+        let found = self.records_of_sandbox(&request.container_id, &request.ifname);
+        let ips = if !found.is_empty() {
+            // Written before a crash that lost the answer: the same sandbox adopts them.
+            self.checkpoint_ips(found.into_iter().map(|(block, ip, pool)| (pool, block, ip)).collect())
+        } else {
+            let reclaimed = if sticky { self.reclaim_sticky(&pod, owner.as_ref(), request).await? } else { None };
+            match reclaimed {
+                Some(ips) => ips,
+                None => self.allocate(&pod, owner.as_ref(), sticky, request).await?,
+            }
+        };
+        self.write_claim(&pod, owner.as_ref(), sticky, &request.ifname, &ips).await?;
+        let entry = CheckpointEntry {
+            key,
+            pod: PodRef { namespace: pod_ref.namespace.clone(), name: pod_ref.name.clone(), uid },
+            ips: ips.clone(),
+        };
+        checkpoint.insert(entry).map_err(checkpoint_error)?;
+        tracing::info!(pod = %format!("{}/{}", pod_ref.namespace, pod_ref.name), container_id = %request.container_id,
+            ips = ?ips.iter().map(|i| i.ip.as_str()).collect::<Vec<_>>(), "allocated");
+        Ok(result_of(&ips))
+    }
+
+    fn resolve_pool(&self, name: &str) -> Option<ResolvedPool> {
+        let pool = self.pools.state().into_iter().find(|p| p.name_any() == name)?;
+        let layout = pools::layout(&pool.spec).ok()?;
+        Some(ResolvedPool { name: name.to_string(), layout, gateway: pool.spec.gateway.clone() })
+    }
+
+    fn checkpoint_ips(&self, found: Vec<(String, String, String)>) -> Vec<CheckpointIp> {
+        found
+            .into_iter()
+            .map(|(pool, block, ip)| {
+                let resolved = self.resolve_pool(&pool);
+                CheckpointIp {
+                    prefix_len: resolved.as_ref().map(|p| p.layout.cidr().prefix_len()).unwrap_or(32),
+                    gateway: resolved.and_then(|p| p.gateway),
+                    ip,
+                    pool,
+                    block,
+                }
+            })
+            .collect()
+    }
+
+    /// (block name, ip, pool) of every record of this node's sandbox, from the cache.
+    fn records_of_sandbox(&self, container_id: &str, ifname: &str) -> Vec<(String, String, String)> {
+        self.blocks
+            .state()
+            .iter()
+            .flat_map(|block| {
+                blocks::find_attachment(&block.spec, container_id, ifname)
+                    .into_iter()
+                    .filter(|ip| block.spec.allocations.get(ip).is_some_and(|a| a.node == self.settings.node))
+                    .map(|ip| (block.name_any(), ip, block.spec.pool.clone()))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    fn record_for(&self, pod: &Pod, owner: Option<&OwnerRef>, sticky: bool, request: &AttachmentRequest) -> Allocation {
+        Allocation {
+            pod: PodRef {
+                namespace: pod.namespace().unwrap_or_default(),
+                name: pod.name_any(),
+                uid: pod.uid().unwrap_or_default(),
+            },
+            node: self.settings.node.clone(),
+            network: request.network.clone(),
+            container_id: request.container_id.clone(),
+            interface: request.ifname.clone(),
+            owner: owner.cloned(),
+            sticky,
+            allocated_at: Time(Timestamp::now()),
+        }
+    }
+
+    /// Gives a recreated sticky pod its claim's IPs back; `None` when it has none to reclaim.
+    async fn reclaim_sticky(
+        &self,
+        pod: &Pod,
+        owner: Option<&OwnerRef>,
+        request: &AttachmentRequest,
+    ) -> Result<Option<Vec<CheckpointIp>>, CniError> {
+        let namespace = pod.namespace().unwrap_or_default();
+        let claim_name = workload::claim_name(&pod.name_any(), owner);
+        let claims: Api<IPClaim> = Api::namespaced(self.client.clone(), &namespace);
+        let Some(claim) = claims
+            .get_opt(&claim_name)
+            .await
+            .map_err(api_error(format!("reading IPClaim {namespace}/{claim_name}")))?
+        else {
+            return Ok(None);
+        };
+        let Some(interface) = claim.spec.interfaces.iter().find(|i| i.interface == request.ifname) else {
+            return Ok(None);
+        };
+        let record = self.record_for(pod, owner, true, request);
+        let mut taken = Vec::new();
+        for claimed in &interface.ips {
+            let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
+                break;
+            };
+            let Some(block) = pool.layout.block_of(ip) else { break };
+            let key = ip.to_string();
+            let took = self
+                .write_block(&claimed.block, &pool.name, block, |spec| {
+                    let ours = match spec.allocations.get(&key) {
+                        Some(r) => r.pod.uid == record.pod.uid || same_workload(r, &record),
+                        None => pool.layout.is_allocatable(ip),
+                    };
+                    ours.then(|| blocks::allocate(spec, ip, record.clone()))
+                })
+                .await?;
+            if took.is_none() {
+                tracing::warn!(claim = %claim_name, ip = %claimed.ip, "claimed IP is held by another pod; allocating afresh");
+                break;
+            }
+            taken.push(CheckpointIp {
+                ip: claimed.ip.clone(),
+                prefix_len: pool.layout.cidr().prefix_len(),
+                gateway: pool.gateway.clone(),
+                pool: pool.name.clone(),
+                block: claimed.block.clone(),
+            });
+        }
+        if taken.len() == interface.ips.len() {
+            tracing::info!(claim = %claim_name, "sticky IPs reclaimed for the recreated pod");
+            return Ok(Some(taken));
+        }
+        self.release_ips(&taken, &request.container_id, &request.ifname, None).await;
+        Ok(None)
+    }
+
+    /// Allocates one IP from each pool the pod should use.
+    async fn allocate(
+        &self,
+        pod: &Pod,
+        owner: Option<&OwnerRef>,
+        sticky: bool,
+        request: &AttachmentRequest,
+    ) -> Result<Vec<CheckpointIp>, CniError> {
+        let namespace_name = pod.namespace().unwrap_or_default();
+        let pools_snapshot = self.pools.state();
+        let layouts: Vec<_> = pools_snapshot.iter().map(|p| pools::layout(&p.spec)).collect();
+        let names: Vec<String> = pools_snapshot.iter().map(|p| p.name_any()).collect();
+        let views: Vec<PoolView<'_>> = pools_snapshot
+            .iter()
+            .zip(&layouts)
+            .zip(&names)
+            .map(|((p, layout), name)| PoolView { name, spec: &p.spec, layout: layout.as_ref() })
+            .collect();
+        let namespace = Api::<Namespace>::all(self.client.clone())
+            .get_opt(&namespace_name)
+            .await
+            .map_err(api_error(format!("reading namespace {namespace_name}")))?;
+        let namespace_labels = namespace.as_ref().map(|n| n.labels().clone()).unwrap_or_default();
+        let node_labels = if pools_snapshot.iter().any(|p| p.spec.node_selector.is_some()) {
+            Api::<Node>::all(self.client.clone())
+                .get_opt(&self.settings.node)
+                .await
+                .map_err(api_error(format!("reading node {}", self.settings.node)))?
+                .map(|n| n.labels().clone())
+                .unwrap_or_default()
+        } else {
+            BTreeMap::new()
+        };
+        let placement = PodPlacement {
+            pod_annotation: pod.annotations().get(POOL_ANNOTATION).map(String::as_str),
+            namespace_annotation: namespace
+                .as_ref()
+                .and_then(|n| n.annotations().get(POOL_ANNOTATION))
+                .map(String::as_str),
+            namespace_labels: &namespace_labels,
+            node_labels: &node_labels,
+        };
+        let chosen = pools::select(&views, &placement).map_err(|e| {
+            CniError::new(NO_POOL_FITS, format!("no pool for pod {namespace_name}/{}: {e}", pod.name_any()))
+        })?;
+        let record = self.record_for(pod, owner, sticky, request);
+        let mut ips = Vec::new();
+        for view in chosen {
+            let Ok(layout) = view.layout else { continue };
+            let pool = ResolvedPool {
+                name: view.name.to_string(),
+                layout: layout.clone(),
+                gateway: view.spec.gateway.clone(),
+            };
+            match self.allocate_in_pool(&pool, &record).await {
+                Ok(ip) => ips.push(ip),
+                Err(e) => {
+                    self.release_ips(&ips, &request.container_id, &request.ifname, None).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(ips)
+    }
+
+    async fn allocate_in_pool(&self, pool: &ResolvedPool, record: &Allocation) -> Result<CheckpointIp, CniError> {
+        let mut known: Vec<(String, IpNet)> = self
+            .blocks
+            .state()
+            .iter()
+            .filter(|b| b.spec.pool == pool.name)
+            .filter_map(|b| Some((b.name_any(), b.spec.cidr.parse().ok()?)))
+            .collect();
+        known.sort();
+        // Agents start at different blocks so they rarely write the same one.
+        if !known.is_empty() {
+            let offset = node_hash(&self.settings.node) % known.len();
+            known.rotate_left(offset);
+        }
+        let known_nets: BTreeSet<IpNet> = known.iter().map(|(_, net)| *net).collect();
+        let fresh = pool
+            .layout
+            .blocks()
+            .filter(|net| !known_nets.contains(net))
+            .take(NEW_BLOCK_PROBES)
+            .map(|net| (pools::block_name(&pool.name, net), net));
+        let candidates: Vec<(String, IpNet)> = known.into_iter().chain(fresh).collect();
+        let mut cooling = 0usize;
+        let mut next_free: Option<Timestamp> = None;
+        for (name, net) in candidates {
+            let now = Timestamp::now();
+            let chosen = self
+                .write_block(&name, &pool.name, net, |spec| {
+                    let (allocated, released) = blocks::usage(spec);
+                    let usage = BlockUsage { allocated: &allocated, released: &released };
+                    match choose_ip(&pool.layout, net, usage, now, self.settings.cooldown) {
+                        Ok(ip) => {
+                            blocks::allocate(spec, ip, record.clone());
+                            Some(ip)
+                        }
+                        Err(ChooseError::Cooling { cooling: count, next_free_at, .. }) => {
+                            cooling += count;
+                            next_free = Some(next_free.map_or(next_free_at, |t| t.min(next_free_at)));
+                            None
+                        }
+                        Err(_) => None,
+                    }
+                })
+                .await?;
+            if let Some(ip) = chosen {
+                return Ok(CheckpointIp {
+                    ip: ip.to_string(),
+                    prefix_len: pool.layout.cidr().prefix_len(),
+                    gateway: pool.gateway.clone(),
+                    pool: pool.name.clone(),
+                    block: name,
+                });
+            }
+        }
+        self.metrics.pool_exhausted.get_or_create(&PoolLabels { pool: pool.name.clone() }).inc();
+        if cooling > 0 {
+            let when = next_free.map(|t| t.to_string()).unwrap_or_default();
+            return Err(CniError::try_again_later(format!(
+                "pool {} has no free IP now: {cooling} released IPs are cooling down before reuse; the first is free at {when}",
+                pool.name
+            )));
+        }
+        Err(CniError::new(POOL_EXHAUSTED, format!("pool {} is exhausted: every IP is allocated", pool.name)))
+    }
+
+    /// Applies `mutate` to a fresh copy of block `name` and writes it with its
+    /// resourceVersion (creating the block when it does not exist), retrying on conflict.
+    /// `mutate` returning `None` means nothing to write.
+    async fn write_block<T>(
+        &self,
+        name: &str,
+        pool: &str,
+        cidr: IpNet,
+        mut mutate: impl FnMut(&mut IPBlockSpec) -> Option<T>,
+    ) -> Result<Option<T>, CniError> {
+        let api: Api<IPBlock> = Api::all(self.client.clone());
+        let mut delays = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(5))
+            .with_max_delay(Duration::from_millis(250))
+            .with_max_times(MAX_CONFLICT_RETRIES)
+            .with_jitter()
+            .build();
+        loop {
+            let current = api.get_opt(name).await.map_err(api_error(format!("reading IPBlock {name}")))?;
+            let written = match current {
+                None => {
+                    let mut spec =
+                        IPBlockSpec { pool: pool.to_string(), cidr: cidr.to_string(), ..IPBlockSpec::default() };
+                    let Some(out) = mutate(&mut spec) else { return Ok(None) };
+                    api.create(&PostParams::default(), &IPBlock::new(name, spec)).await.map(|_| out)
+                }
+                Some(mut block) => {
+                    let Some(out) = mutate(&mut block.spec) else { return Ok(None) };
+                    api.replace(name, &PostParams::default(), &block).await.map(|_| out)
+                }
+            };
+            match written {
+                Ok(out) => return Ok(Some(out)),
+                Err(kube::Error::Api(status)) if status.code == 409 => {
+                    self.metrics.conflict_retries.inc();
+                    let Some(delay) = delays.next() else {
+                        return Err(CniError::try_again_later(format!(
+                            "IPBlock {name} kept changing under {MAX_CONFLICT_RETRIES} writes; try again"
+                        )));
+                    };
+                    tokio::time::sleep(delay).await;
+                }
+                Err(e) => return Err(api_error(format!("writing IPBlock {name}"))(e)),
+            }
+        }
+    }
+
+    /// Records the pod's IPs of `ifname` in its IPClaim (created, or taken over from a
+    /// previous pod of the same name).
+    async fn write_claim(
+        &self,
+        pod: &Pod,
+        owner: Option<&OwnerRef>,
+        sticky: bool,
+        ifname: &str,
+        ips: &[CheckpointIp],
+    ) -> Result<(), CniError> {
+        let namespace = pod.namespace().unwrap_or_default();
+        let uid = pod.uid().unwrap_or_default();
+        let name = workload::claim_name(&pod.name_any(), owner);
+        let api: Api<IPClaim> = Api::namespaced(self.client.clone(), &namespace);
+        let what = format!("writing IPClaim {namespace}/{name}");
+        for _ in 0..MAX_CONFLICT_RETRIES {
+            let existing = api.get_opt(&name).await.map_err(api_error(what.clone()))?;
+            let mut interfaces: Vec<ClaimedInterface> = existing
+                .as_ref()
+                .filter(|c| c.spec.pod_uid == uid)
+                .map(|c| c.spec.interfaces.iter().filter(|i| i.interface != ifname).cloned().collect())
+                .unwrap_or_default();
+            interfaces.push(ClaimedInterface {
+                interface: ifname.to_string(),
+                ips: ips
+                    .iter()
+                    .map(|i| ClaimedIp { ip: i.ip.clone(), pool: i.pool.clone(), block: i.block.clone() })
+                    .collect(),
+            });
+            let spec = IPClaimSpec {
+                pod_uid: uid.clone(),
+                node: self.settings.node.clone(),
+                owner: owner.cloned(),
+                sticky,
+                interfaces,
+                bound_at: Time(Timestamp::now()),
+            };
+            let written = match existing {
+                Some(mut claim) => {
+                    claim.spec = spec;
+                    api.replace(&name, &PostParams::default(), &claim).await.map(drop)
+                }
+                None => {
+                    let mut claim = IPClaim::new(&name, spec);
+                    claim.metadata.namespace = Some(namespace.clone());
+                    api.create(&PostParams::default(), &claim).await.map(drop)
+                }
+            };
+            match written {
+                Ok(()) => return Ok(()),
+                Err(kube::Error::Api(status)) if status.code == 409 => continue,
+                Err(e) => return Err(api_error(what)(e)),
+            }
+        }
+        Err(CniError::try_again_later(format!("{what}: it kept changing")))
+    }
+
+    /// CNI DEL: releases the sandbox's IPs (keeping a wanted sticky reservation). Unknown
+    /// sandboxes and repeated DELs succeed.
+    pub async fn del(&self, request: &AttachmentRequest) -> Result<(), CniError> {
+        let key = attachment_key(request);
+        let mut checkpoint = self.checkpoint.lock().await;
+        let entry = checkpoint.get(&key).cloned();
+        let uid =
+            request.pod.as_ref().and_then(|p| p.uid.clone()).or_else(|| entry.as_ref().map(|e| e.pod.uid.clone()));
+        self.release_attachment(entry.as_ref(), &request.container_id, &request.ifname, uid.as_deref()).await?;
+        checkpoint.remove(&key).map_err(checkpoint_error)?;
+        Ok(())
+    }
+
+    async fn release_attachment(
+        &self,
+        entry: Option<&CheckpointEntry>,
+        container_id: &str,
+        ifname: &str,
+        uid: Option<&str>,
+    ) -> Result<(), CniError> {
+        let mut targets: BTreeMap<(String, String), String> = BTreeMap::new();
+        for ip in entry.iter().flat_map(|e| e.ips.iter()) {
+            targets.insert((ip.block.clone(), ip.ip.clone()), ip.pool.clone());
+        }
+        for (block, ip, pool) in self.records_of_sandbox(container_id, ifname) {
+            targets.insert((block, ip), pool);
+        }
+        let ips: Vec<CheckpointIp> = targets
+            .into_iter()
+            .map(|((block, ip), pool)| CheckpointIp { ip, prefix_len: 0, gateway: None, pool, block })
+            .collect();
+        let kept = self.release_ips(&ips, container_id, ifname, uid).await;
+        if let (Some(entry), false) = (entry, kept) {
+            self.delete_claim_of(&entry.pod).await;
+        }
+        Ok(())
+    }
+
+    /// Releases `ips` of a sandbox; returns whether any was kept as a sticky reservation.
+    async fn release_ips(&self, ips: &[CheckpointIp], container_id: &str, ifname: &str, uid: Option<&str>) -> bool {
+        let mut kept = false;
+        for target in ips {
+            let Some(pool) = self.resolve_pool(&target.pool) else { continue };
+            let Some(net) = target.ip.parse().ok().and_then(|ip| pool.layout.block_of(ip)) else { continue };
+            let record = match Api::<IPBlock>::all(self.client.clone()).get_opt(&target.block).await {
+                Ok(Some(block)) => block.spec.allocations.get(&target.ip).cloned(),
+                Ok(None) => None,
+                Err(e) => {
+                    tracing::warn!(block = %target.block, error = %e, "reading block for release failed");
+                    None
+                }
+            };
+            let Some(record) = record else { continue };
+            let keep = record.sticky && self.owner_wants(&record).await;
+            let now = Timestamp::now();
+            let outcome = self
+                .write_block(&target.block, &pool.name, net, |spec| {
+                    match blocks::release_attachment(spec, &target.ip, container_id, ifname, uid, keep, now) {
+                        ReleaseOutcome::NotOurs => None,
+                        outcome => Some(outcome),
+                    }
+                })
+                .await;
+            match outcome {
+                Ok(Some(ReleaseOutcome::Released)) => self.metrics.release("released"),
+                Ok(Some(ReleaseOutcome::Reserved)) => {
+                    kept = true;
+                    self.metrics.release("reserved");
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    self.metrics.release("error");
+                    tracing::warn!(ip = %target.ip, error = %e.msg, "release failed; the GC will reclaim it");
+                }
+            }
+        }
+        kept
+    }
+
+    /// Whether the workload of a sticky record still wants its IP. Unknown answers (API
+    /// errors) count as "wants": keeping a reservation is safe, freeing one is not.
+    async fn owner_wants(&self, record: &Allocation) -> bool {
+        let Some(owner) = record.owner.as_ref() else { return false };
+        let namespace = &record.pod.namespace;
+        match owner.kind.as_str() {
+            "StatefulSet" => {
+                match Api::<StatefulSet>::namespaced(self.client.clone(), namespace).get_opt(&owner.name).await {
+                    Ok(Some(sts)) => {
+                        let spec = sts.spec;
+                        let start = spec.ordinals.and_then(|o| o.start).unwrap_or(0);
+                        workload::statefulset_wants(
+                            &owner.name,
+                            spec.replicas.unwrap_or(1),
+                            start,
+                            sts.metadata.deletion_timestamp.is_some(),
+                            &record.pod.name,
+                        )
+                    }
+                    Ok(None) => false,
+                    Err(_) => true,
+                }
+            }
+            KUBEVIRT_VMI_KIND => {
+                for kind in [KUBEVIRT_VMI_KIND, "VirtualMachine"] {
+                    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk("kubevirt.io", "v1", kind));
+                    let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), namespace, &resource);
+                    match api.get_opt(&owner.name).await {
+                        Ok(Some(object)) if object.metadata.deletion_timestamp.is_none() => return true,
+                        Ok(_) => {}
+                        Err(kube::Error::Api(status)) if status.code == 404 => {}
+                        Err(_) => return true,
+                    }
+                }
+                false
+            }
+            _ => true,
+        }
+    }
+
+    async fn delete_claim_of(&self, pod: &PodRef) {
+        let api: Api<IPClaim> = Api::namespaced(self.client.clone(), &pod.namespace);
+        let name = &pod.name;
+        let Ok(Some(claim)) = api.get_opt(name).await else { return };
+        if claim.spec.pod_uid != pod.uid {
+            return;
+        }
+        let params = DeleteParams {
+            preconditions: Some(Preconditions { uid: claim.uid(), resource_version: claim.resource_version() }),
+            ..DeleteParams::default()
+        };
+        if let Err(e) = api.delete(name, &params).await {
+            tracing::debug!(claim = %name, error = %e, "claim not deleted; the claim janitor will");
+        }
+    }
+
+    /// CNI CHECK: the sandbox's records still exist and hold the IPs the runtime has.
+    pub async fn check(&self, request: &AttachmentRequest) -> Result<(), CniError> {
+        let found: BTreeSet<String> =
+            self.records_of_sandbox(&request.container_id, &request.ifname).into_iter().map(|(_, ip, _)| ip).collect();
+        if found.is_empty() {
+            return Err(CniError::unknown_container(format!(
+                "no IP is recorded for container {} interface {}",
+                request.container_id, request.ifname
+            )));
+        }
+        let expected: BTreeSet<String> = request
+            .prev_result
+            .as_ref()
+            .and_then(|r| r.get("ips"))
+            .and_then(|ips| ips.as_array())
+            .into_iter()
+            .flatten()
+            .filter_map(|ip| ip.get("address").and_then(|a| a.as_str()))
+            .map(|cidr| cidr.split('/').next().unwrap_or(cidr).to_string())
+            .collect();
+        if expected != found {
+            return Err(CniError::new(
+                CniError::INVALID_NETWORK_CONFIG,
+                format!("container {} holds {found:?} but its prevResult says {expected:?}", request.container_id),
+            ));
+        }
+        Ok(())
+    }
+
+    /// CNI GC: releases every attachment of the network that the runtime no longer lists.
+    pub async fn gc(&self, request: &GcRequest) -> Result<(), CniError> {
+        let valid: BTreeSet<(&str, &str)> =
+            request.valid_attachments.iter().map(|a| (a.container_id.as_str(), a.ifname.as_str())).collect();
+        let mut checkpoint = self.checkpoint.lock().await;
+        let stale: Vec<CheckpointEntry> = checkpoint
+            .entries()
+            .filter(|e| e.key.network == request.network)
+            .filter(|e| !valid.contains(&(e.key.container_id.as_str(), e.key.ifname.as_str())))
+            .cloned()
+            .collect();
+        for entry in stale {
+            tracing::info!(container_id = %entry.key.container_id, pod = %entry.pod.name, "GC: releasing a stale attachment");
+            self.release_attachment(Some(&entry), &entry.key.container_id, &entry.key.ifname, Some(&entry.pod.uid))
+                .await?;
+            checkpoint.remove(&entry.key).map_err(checkpoint_error)?;
+        }
+        Ok(())
+    }
+
+    /// CNI STATUS: ready when some pool exists and has a free IP.
+    pub async fn status(&self, _request: &StatusRequest) -> Result<(), CniError> {
+        let pools = self.pools.state();
+        if pools.is_empty() {
+            return Err(CniError::plugin_not_available("no IPPool exists"));
+        }
+        let allocated: BTreeMap<String, u128> = self.blocks.state().iter().fold(BTreeMap::new(), |mut acc, b| {
+            *acc.entry(b.spec.pool.clone()).or_default() += b.spec.allocations.len() as u128;
+            acc
+        });
+        let free = pools.iter().any(|p| {
+            pools::layout(&p.spec).is_ok_and(|l| l.capacity() > allocated.get(&p.name_any()).copied().unwrap_or(0))
+        });
+        if free { Ok(()) } else { Err(CniError::limited_resources("every IPPool is exhausted")) }
+    }
+
+    /// Rebuilds the checkpoint from this node's records in the blocks (after a corrupt file
+    /// was moved aside).
+    pub async fn rebuild_checkpoint(&self) -> Result<usize, CniError> {
+        let mut entries: BTreeMap<AttachmentKey, CheckpointEntry> = BTreeMap::new();
+        for block in self.blocks.state() {
+            for (ip, record) in &block.spec.allocations {
+                if record.node != self.settings.node || record.container_id.is_empty() {
+                    continue;
+                }
+                let key = AttachmentKey {
+                    network: record.network.clone(),
+                    container_id: record.container_id.clone(),
+                    ifname: record.interface.clone(),
+                };
+                let resolved = self.resolve_pool(&block.spec.pool);
+                entries
+                    .entry(key.clone())
+                    .or_insert_with(|| CheckpointEntry { key, pod: record.pod.clone(), ips: Vec::new() })
+                    .ips
+                    .push(CheckpointIp {
+                        ip: ip.clone(),
+                        prefix_len: resolved.as_ref().map(|p| p.layout.cidr().prefix_len()).unwrap_or(32),
+                        gateway: resolved.and_then(|p| p.gateway),
+                        pool: block.spec.pool.clone(),
+                        block: block.name_any(),
+                    });
+            }
+        }
+        let count = entries.len();
+        self.checkpoint.lock().await.replace_all(entries.into_values().collect()).map_err(checkpoint_error)?;
+        Ok(count)
+    }
+}
+
+/// Whether record `a` and the new record `b` belong to the same sticky workload: the same
+/// KubeVirt VM, or the same StatefulSet pod name (its ordinal).
+fn same_workload(a: &Allocation, b: &Allocation) -> bool {
+    let same_namespace = a.pod.namespace == b.pod.namespace;
+    match b.owner.as_ref() {
+        Some(owner) if owner.kind == KUBEVIRT_VMI_KIND => same_namespace && a.owner.as_ref() == Some(owner),
+        _ => same_namespace && a.pod.name == b.pod.name,
+    }
+}
+
+fn attachment_key(request: &AttachmentRequest) -> AttachmentKey {
+    AttachmentKey {
+        network: request.network.clone(),
+        container_id: request.container_id.clone(),
+        ifname: request.ifname.clone(),
+    }
+}
+
+/// A stable hash of the node name, so each node starts its block scan at its own offset.
+fn node_hash(node: &str) -> usize {
+    node.bytes().fold(0usize, |h, b| h.wrapping_mul(31).wrapping_add(usize::from(b)))
+}
+
+/// The CNI result for `ips`: each address with its pool's prefix length and gateway, and a
+/// default route via the gateway when the pool has one.
+pub fn result_of(ips: &[CheckpointIp]) -> IpamResult {
+    let routes = ips
+        .iter()
+        .filter_map(|ip| {
+            let gateway = ip.gateway.clone()?;
+            let dst = if ip.ip.contains(':') { "::/0" } else { "0.0.0.0/0" };
+            Some(Route { dst: dst.to_string(), gw: Some(gateway) })
+        })
+        .collect();
+    IpamResult {
+        ips: ips
+            .iter()
+            .map(|ip| IpConfig {
+                address: format!("{}/{}", ip.ip, ip.prefix_len),
+                gateway: ip.gateway.clone(),
+                interface: None,
+            })
+            .collect(),
+        routes,
+        dns: None,
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    fn ip(ip: &str, gateway: Option<&str>) -> CheckpointIp {
+        CheckpointIp {
+            ip: ip.into(),
+            prefix_len: 24,
+            gateway: gateway.map(Into::into),
+            pool: "p".into(),
+            block: "b".into(),
+        }
+    }
+
+    #[test]
+    fn a_result_carries_prefix_lengths_and_a_default_route_per_gateway() {
+        let result = result_of(&[ip("10.0.0.5", Some("10.0.0.1")), ip("fd00::5", None)]);
+        assert_eq!(result.ips[0].address, "10.0.0.5/24");
+        assert_eq!(result.ips[0].gateway.as_deref(), Some("10.0.0.1"));
+        assert_eq!(result.routes.len(), 1);
+        assert_eq!(result.routes[0].dst, "0.0.0.0/0");
+    }
+
+    #[test]
+    fn the_same_statefulset_ordinal_or_vm_is_the_same_workload() {
+        let record = |name: &str, owner: Option<(&str, &str)>| Allocation {
+            pod: PodRef { namespace: "ns".into(), name: name.into(), uid: "u".into() },
+            node: "n".into(),
+            network: "ipwarden".into(),
+            container_id: "c".into(),
+            interface: "eth0".into(),
+            owner: owner.map(|(kind, name)| OwnerRef { kind: kind.into(), name: name.into() }),
+            sticky: true,
+            allocated_at: Time(Timestamp::UNIX_EPOCH),
+        };
+        let sts = Some(("StatefulSet", "web"));
+        assert!(same_workload(&record("web-0", sts), &record("web-0", sts)));
+        assert!(!same_workload(&record("web-1", sts), &record("web-0", sts)));
+        let vm = Some((KUBEVIRT_VMI_KIND, "vm1"));
+        assert!(same_workload(&record("virt-launcher-vm1-a", vm), &record("virt-launcher-vm1-b", vm)));
+        assert!(!same_workload(&record("virt-launcher-vm2-a", Some((KUBEVIRT_VMI_KIND, "vm2"))), &record("x", vm)));
+    }
+}

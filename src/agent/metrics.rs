@@ -1,0 +1,73 @@
+//! The agent's metrics (prefix `ipwarden_agent_`), documented in docs/metrics.md.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Labels of allocation and release outcomes.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `success`, or the failure class (`exhausted`, `cooling`, `no_pool`, `error`).
+    pub result: String,
+}
+
+/// Labels naming a pool.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    /// The IPPool.
+    pub pool: String,
+}
+
+/// Everything the agent counts.
+pub struct AgentMetrics {
+    /// CNI ADDs by outcome.
+    pub allocations: Family<ResultLabels, Counter>,
+    /// IPs released by DEL or GC, by outcome (`released`, `reserved` for sticky).
+    pub releases: Family<ResultLabels, Counter>,
+    /// How long a CNI ADD took in the agent.
+    pub allocation_duration: Histogram,
+    /// IPBlock writes retried after a resourceVersion conflict.
+    pub conflict_retries: Counter,
+    /// ADDs that found a pool without a free IP.
+    pub pool_exhausted: Family<PoolLabels, Counter>,
+}
+
+impl AgentMetrics {
+    /// Creates the metrics and registers them under `ipwarden_agent`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self {
+            allocations: Family::default(),
+            releases: Family::default(),
+            allocation_duration: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            conflict_retries: Counter::default(),
+            pool_exhausted: Family::default(),
+        };
+        let agent = registry.sub_registry_with_prefix("ipwarden_agent");
+        agent.register("allocations", "CNI ADD requests by result", metrics.allocations.clone());
+        agent.register("releases", "IPs released by CNI DEL or GC, by result", metrics.releases.clone());
+        agent.register(
+            "allocation_duration_seconds",
+            "Time to serve one CNI ADD in the agent",
+            metrics.allocation_duration.clone(),
+        );
+        agent.register(
+            "conflict_retries",
+            "IPBlock writes retried after a resourceVersion conflict",
+            metrics.conflict_retries.clone(),
+        );
+        agent.register("pool_exhausted", "CNI ADDs that found no free IP in a pool", metrics.pool_exhausted.clone());
+        metrics
+    }
+
+    /// Counts one ADD outcome.
+    pub fn allocation(&self, result: &str) {
+        self.allocations.get_or_create(&ResultLabels { result: result.to_string() }).inc();
+    }
+
+    /// Counts one released or reserved IP.
+    pub fn release(&self, result: &str) {
+        self.releases.get_or_create(&ResultLabels { result: result.to_string() }).inc();
+    }
+}

@@ -1,0 +1,116 @@
+//! `ipwarden agent`: the node agent. It serves the CNI plugin on a unix socket, allocates
+//! with compare-and-swap on IPBlocks, keeps IPClaims and a node-local checkpoint, and
+//! exposes metrics. See docs/agent.md for every flag.
+
+pub mod allocator;
+pub mod checkpoint;
+pub mod core;
+pub mod metrics;
+pub mod server;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use actix::Actor;
+use anyhow::Context;
+use futures::StreamExt;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use kube::{Api, Client};
+use prometheus_client::registry::Registry;
+
+use crate::crd::{IPBlock, IPPool};
+use crate::workload::DEFAULT_STICKY_KINDS;
+use checkpoint::{Checkpoint, Restored};
+
+/// How long the agent waits for its caches and CRDs at start.
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The agent's flags; each has an environment fallback.
+#[derive(clap::Args, Debug, Clone)]
+pub struct AgentArgs {
+    /// The Node this agent serves (in a DaemonSet: from the downward API).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// The unix socket the CNI plugin connects to (created with mode 0600).
+    #[arg(long, env = "IPWARDEN_AGENT_SOCKET", default_value = "/run/ipwarden/agent.sock")]
+    pub socket: PathBuf,
+    /// The node-local checkpoint file.
+    #[arg(long, env = "IPWARDEN_CHECKPOINT", default_value = "/var/lib/ipwarden/checkpoint.json")]
+    pub checkpoint: PathBuf,
+    /// Seconds a released IP waits before it is handed out again (0 disables the cooldown).
+    #[arg(long, env = "IPWARDEN_REUSE_COOLDOWN_SECONDS", default_value_t = 30)]
+    pub reuse_cooldown_seconds: u64,
+    /// Owner kinds whose pods keep their IPs across restarts (comma-separated; empty: none).
+    #[arg(long, env = "IPWARDEN_STICKY_OWNER_KINDS", value_delimiter = ',', default_values_t = DEFAULT_STICKY_KINDS.map(String::from))]
+    pub sticky_owner_kinds: Vec<String>,
+    /// Where /metrics, /healthz and /readyz are served.
+    #[arg(long, env = "IPWARDEN_AGENT_METRICS_ADDRESS", default_value = "0.0.0.0:9612")]
+    pub metrics_address: SocketAddr,
+    /// Apply ipwarden's CRDs at start (off when the chart installs them).
+    #[arg(long, env = "IPWARDEN_INSTALL_CRDS")]
+    pub install_crds: bool,
+}
+
+/// Runs the agent until the process is stopped. Must run inside an actix System.
+pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
+    let client = Client::try_default().await.context("building the Kubernetes client (kubeconfig or in-cluster)")?;
+    if args.install_crds {
+        crate::crd::install(&client, STARTUP_TIMEOUT).await.context("installing the CRDs")?;
+    }
+    let mut registry = Registry::default();
+    let metrics = Arc::new(metrics::AgentMetrics::register(&mut registry));
+    let ready = Arc::new(AtomicBool::new(false));
+    let endpoint = crate::http::Endpoint { registry: Arc::new(registry), ready: ready.clone() };
+    let (metrics_address, http) = crate::http::bind(args.metrics_address, endpoint)
+        .await
+        .with_context(|| format!("binding the metrics address {}", args.metrics_address))?;
+    tokio::spawn(async move {
+        if let Err(e) = http.await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    });
+    tracing::info!(%metrics_address, "serving /metrics, /healthz and /readyz");
+
+    let (pools, pools_writer) = reflector::store::<IPPool>();
+    let (blocks, blocks_writer) = reflector::store::<IPBlock>();
+    let pool_events = reflector(pools_writer, watcher(Api::<IPPool>::all(client.clone()), watcher::Config::default()));
+    let block_events =
+        reflector(blocks_writer, watcher(Api::<IPBlock>::all(client.clone()), watcher::Config::default()));
+    tokio::spawn(pool_events.default_backoff().touched_objects().for_each(|_| async {}));
+    tokio::spawn(block_events.default_backoff().touched_objects().for_each(|_| async {}));
+    tokio::time::timeout(STARTUP_TIMEOUT, async {
+        pools.wait_until_ready().await?;
+        blocks.wait_until_ready().await
+    })
+    .await
+    .context("IPPool and IPBlock caches did not sync in time (are the CRDs installed?)")?
+    .context("IPPool and IPBlock caches closed before syncing")?;
+
+    let (checkpoint, restored) = Checkpoint::load(&args.checkpoint)?;
+    let settings = core::Settings {
+        node: args.node_name.clone(),
+        cooldown: Duration::from_secs(args.reuse_cooldown_seconds),
+        sticky_kinds: args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect(),
+    };
+    let core = Arc::new(core::Core::new(client, settings, pools, blocks, checkpoint, metrics));
+    match restored {
+        Restored::Fresh => tracing::info!(path = %args.checkpoint.display(), "no checkpoint: first start"),
+        Restored::Loaded => tracing::info!(path = %args.checkpoint.display(), "checkpoint restored"),
+        Restored::MovedAside(aside) => {
+            let count =
+                core.rebuild_checkpoint().await.map_err(|e| anyhow::anyhow!("rebuilding the checkpoint: {}", e.msg))?;
+            tracing::warn!(corrupt = %aside.display(), entries = count, "checkpoint was corrupt: moved aside and rebuilt from the IPBlocks");
+        }
+    }
+
+    let allocator = allocator::NodeAllocator::new(core).start();
+    let listener =
+        server::bind(&args.socket).with_context(|| format!("binding the CNI socket {}", args.socket.display()))?;
+    ready.store(true, Ordering::Relaxed);
+    tracing::info!(socket = %args.socket.display(), node = %args.node_name, "serving CNI");
+    server::serve(listener, allocator).await;
+    Ok(())
+}

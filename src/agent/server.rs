@@ -1,0 +1,63 @@
+//! The unix socket the CNI plugin talks to: one JSON request line per connection, one JSON
+//! response line back. The socket is mode 0600: only root (the runtime) may allocate.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+use actix::Addr;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+
+use super::allocator::{Call, NodeAllocator};
+use crate::protocol::{AgentRequest, AgentResponse, CniError};
+
+/// The longest request line accepted.
+const MAX_REQUEST_BYTES: u64 = 1024 * 1024;
+
+/// Binds the socket at `path` (replacing a stale one) with mode 0600.
+pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Accepts connections forever, each served on its own task.
+pub async fn serve(listener: UnixListener, allocator: Addr<NodeAllocator>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tokio::spawn(serve_one(stream, allocator.clone()));
+            }
+            Err(e) => tracing::warn!(error = %e, "accepting a CNI connection failed"),
+        }
+    }
+}
+
+async fn serve_one(stream: UnixStream, allocator: Addr<NodeAllocator>) {
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    let response = match BufReader::new(read.take(MAX_REQUEST_BYTES)).read_line(&mut line).await {
+        Err(e) => AgentResponse::Error(CniError::io_failure(format!("reading the request: {e}"))),
+        Ok(_) => match serde_json::from_str::<AgentRequest>(&line) {
+            Err(e) => AgentResponse::Error(CniError::decoding_failure(format!("decoding the request: {e}"))),
+            Ok(request) => allocator.send(Call(request)).await.unwrap_or_else(|e| {
+                AgentResponse::Error(CniError::try_again_later(format!("the allocator is not running: {e}")))
+            }),
+        },
+    };
+    let mut bytes = serde_json::to_vec(&response).unwrap_or_else(|e| {
+        format!(r#"{{"error":{{"code":5,"msg":"encoding the response: {e}","details":""}}}}"#).into_bytes()
+    });
+    bytes.push(b'\n');
+    if let Err(e) = write.write_all(&bytes).await {
+        tracing::debug!(error = %e, "the plugin went away before the answer");
+    }
+}
