@@ -53,6 +53,24 @@ pub fn overlaps(pools: &[PoolView<'_>]) -> BTreeMap<String, BTreeSet<String>> {
     found
 }
 
+/// The `Overlapping` condition each pool should carry: (status, message) by pool name.
+pub fn overlap_conditions(pools: &[PoolView<'_>]) -> BTreeMap<String, (bool, String)> {
+    let found = overlaps(pools);
+    pools
+        .iter()
+        .map(|pool| {
+            let condition = match found.get(pool.name) {
+                Some(others) => {
+                    let others: Vec<&str> = others.iter().map(String::as_str).collect();
+                    (true, format!("overlaps {}; no IP is allocated from it until that is resolved", others.join(", ")))
+                }
+                None => (false, "overlaps no other pool".to_string()),
+            };
+            (pool.name.to_string(), condition)
+        })
+        .collect()
+}
+
 /// What the selection knows about the pod being wired.
 #[derive(Clone, Debug)]
 pub struct PodPlacement<'a> {
@@ -288,6 +306,20 @@ mod test {
         assert_eq!(err.to_string(), "pool narrow cannot be used: it overlaps wide");
         let defaults = PodPlacement { pod_annotation: None, ..placement };
         assert_eq!(names(&select(&views, &defaults).expect("non-overlapping default")), ["apart"]);
+    }
+
+    #[test]
+    fn overlap_conditions_mark_both_sides_and_clear_the_rest() {
+        let pools = Pools::new(&[
+            ("wide", json!({"cidr": "10.0.0.0/16"})),
+            ("narrow", json!({"cidr": "10.0.5.0/24"})),
+            ("apart", json!({"cidr": "fd00::/64"})),
+        ]);
+        let conditions = overlap_conditions(&pools.views());
+        assert!(conditions["wide"].0);
+        assert!(conditions["wide"].1.starts_with("overlaps narrow"));
+        assert!(conditions["narrow"].0);
+        assert_eq!(conditions["apart"], (false, "overlaps no other pool".to_string()));
     }
 
     #[test]

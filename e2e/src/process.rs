@@ -20,6 +20,7 @@ pub struct Component {
     name: String,
     binary: PathBuf,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     log: PathBuf,
     child: Option<Child>,
 }
@@ -27,7 +28,18 @@ pub struct Component {
 impl Component {
     /// Spawns `binary args...`, appending its stdout and stderr to `log`.
     pub fn start(name: &str, binary: &Path, args: Vec<String>, log: PathBuf) -> Result<Self> {
-        let mut component = Self { name: name.to_string(), binary: binary.to_path_buf(), args, log, child: None };
+        Self::start_with_env(name, binary, args, Vec::new(), log)
+    }
+
+    /// Like [`Component::start`], with extra environment variables.
+    pub fn start_with_env(
+        name: &str,
+        binary: &Path,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        log: PathBuf,
+    ) -> Result<Self> {
+        let mut component = Self { name: name.to_string(), binary: binary.to_path_buf(), args, env, log, child: None };
         component.spawn()?;
         Ok(component)
     }
@@ -43,6 +55,7 @@ impl Component {
         let (stdout, stderr) = (open()?, open()?);
         let child = Command::new(&self.binary)
             .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(stdout)
             .stderr(stderr)

@@ -6,6 +6,7 @@ pub mod allocator;
 pub mod checkpoint;
 pub mod core;
 pub mod metrics;
+pub mod pool_status;
 pub mod server;
 
 use std::net::SocketAddr;
@@ -79,7 +80,17 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let pool_events = reflector(pools_writer, watcher(Api::<IPPool>::all(client.clone()), watcher::Config::default()));
     let block_events =
         reflector(blocks_writer, watcher(Api::<IPBlock>::all(client.clone()), watcher::Config::default()));
-    tokio::spawn(pool_events.default_backoff().touched_objects().for_each(|_| async {}));
+    let status_client = client.clone();
+    let status_pools = pools.clone();
+    tokio::spawn(pool_events.default_backoff().for_each(move |event| {
+        let (client, pools) = (status_client.clone(), status_pools.clone());
+        async move {
+            // Recompute on every change of the pool set (the status writes echo back once).
+            if matches!(event, Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone)) {
+                pool_status::reconcile(&client, &pools).await;
+            }
+        }
+    }));
     tokio::spawn(block_events.default_backoff().touched_objects().for_each(|_| async {}));
     tokio::time::timeout(STARTUP_TIMEOUT, async {
         pools.wait_until_ready().await?;

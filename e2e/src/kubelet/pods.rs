@@ -161,10 +161,41 @@ impl NodeRuntime {
     }
 
     async fn pod_gone(&self, uid: &str, state: &mut PodState) -> Next {
-        if self.teardown(uid, state).await { Next::Done } else { Next::Retry }
+        if self.teardown_orphans(uid, state).await && self.teardown(uid, state).await {
+            Next::Done
+        } else {
+            Next::Retry
+        }
+    }
+
+    /// DELs the sandboxes whose ADD failed, as a runtime cleans up a sandbox it could not
+    /// set up; until that succeeds the pod gets no new sandbox.
+    async fn teardown_orphans(&self, uid: &str, state: &mut PodState) -> bool {
+        if self.faults.skip_del() {
+            state.orphans.clear();
+        }
+        while let Some(container_id) = state.orphans.last() {
+            let netconf = (self.network.netconf)(&self.node);
+            let call = Invocation {
+                command: "DEL",
+                container_id,
+                ifname: POD_IFNAME,
+                pod: state.args.as_ref(),
+                netconf: &netconf,
+            };
+            if let Err(e) = self.network.invoke(&call).await {
+                tracing::warn!(node = %self.node.name, pod_uid = %uid, error = %e, "CNI DEL of a failed sandbox failed; retrying");
+                return false;
+            }
+            state.orphans.pop();
+        }
+        true
     }
 
     async fn converge(&self, uid: &str, pod: &Pod, state: &mut PodState) -> Next {
+        if !self.teardown_orphans(uid, state).await {
+            return Next::Retry;
+        }
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
         if pod.metadata.deletion_timestamp.is_some() {
             if !self.teardown(uid, state).await {
@@ -211,6 +242,7 @@ impl NodeRuntime {
         state.attempt += 1;
         let container_id = format!("{}{:032x}", uid.replace('-', ""), state.attempt);
         let args = pod_args(pod, uid);
+        state.args = Some(args.clone());
         let netconf = (self.network.netconf)(&self.node);
         let call = Invocation {
             command: "ADD",
@@ -223,10 +255,12 @@ impl NodeRuntime {
             Ok(Some(result)) => result,
             Ok(None) => {
                 tracing::warn!(node = %self.node.name, pod = %pod_key(pod), "CNI ADD printed no result; retrying");
+                state.orphans.push(container_id);
                 return Next::Retry;
             }
             Err(e) => {
                 tracing::warn!(node = %self.node.name, pod = %pod_key(pod), error = %e, "CNI ADD failed; retrying");
+                state.orphans.push(container_id);
                 return Next::Retry;
             }
         };
@@ -327,6 +361,10 @@ struct PodState {
     started: Option<(Instant, Timestamp)>,
     running_posted: bool,
     attempt: u32,
+    /// Sandboxes whose ADD failed and still need their DEL.
+    orphans: Vec<String>,
+    /// The pod's CNI_ARGS, for those DELs.
+    args: Option<PodArgs>,
 }
 
 fn pod_key(pod: &Pod) -> String {

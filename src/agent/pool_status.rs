@@ -1,0 +1,55 @@
+//! Keeps each IPPool's `Overlapping` condition true to the pools that exist. Every agent
+//! computes the same answer and writes only when the stored condition differs, so the
+//! writes are idempotent and rare.
+
+use std::sync::Arc;
+
+use jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::Store;
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+use crate::crd::IPPool;
+use crate::pools::{self, OVERLAPPING_CONDITION, PoolView};
+
+/// Brings every pool's `Overlapping` condition in line with the current pools.
+pub async fn reconcile(client: &Client, pools: &Store<IPPool>) {
+    let snapshot: Vec<Arc<IPPool>> = pools.state();
+    let layouts: Vec<_> = snapshot.iter().map(|p| pools::layout(&p.spec)).collect();
+    let names: Vec<String> = snapshot.iter().map(|p| p.name_any()).collect();
+    let views: Vec<PoolView<'_>> = snapshot
+        .iter()
+        .zip(&layouts)
+        .zip(&names)
+        .map(|((p, layout), name)| PoolView { name, spec: &p.spec, layout: layout.as_ref() })
+        .collect();
+    let api: Api<IPPool> = Api::all(client.clone());
+    for (pool, (overlapping, message)) in pools::overlap_conditions(&views) {
+        let Some(current) = snapshot.iter().find(|p| p.name_any() == pool) else { continue };
+        let status = if overlapping { "True" } else { "False" };
+        let existing =
+            current.status.as_ref().and_then(|s| s.conditions.iter().find(|c| c.type_ == OVERLAPPING_CONDITION));
+        if existing.is_some_and(|c| c.status == status && c.message == message) {
+            continue;
+        }
+        let condition = Condition {
+            type_: OVERLAPPING_CONDITION.to_string(),
+            status: status.to_string(),
+            reason: if overlapping { "CidrOverlap" } else { "NoOverlap" }.to_string(),
+            message,
+            last_transition_time: Time(Timestamp::now()),
+            observed_generation: current.metadata.generation,
+        };
+        let patch = json!({
+            "apiVersion": "ipwarden.io/v1alpha1",
+            "kind": "IPPool",
+            "status": {"conditions": [condition]},
+        });
+        let params = PatchParams::apply("ipwarden-agent-pool-conditions").force();
+        if let Err(e) = api.patch_status(&pool, &params, &Patch::Apply(&patch)).await {
+            tracing::warn!(pool = %pool, error = %e, "updating the Overlapping condition failed");
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! The data plane on the real control plane: agents allocating concurrently through the
+//! real CNI plugin binary, sticky StatefulSet IPs, and an agent killed in the middle of ADDs.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use e2e::wait::{self, Probe};
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use support::{Ipwarden, TIMEOUT, claims, create_pod, ip_of, records, wait_pods_with_ips};
+
+const NS: &str = "default";
+
+/// Asserts that records, claims and pod IPs tell the same story for `pods`.
+async fn assert_consistent(ipwarden: &Ipwarden, pods: &BTreeMap<String, Pod>) {
+    let client = ipwarden.client();
+    let records = records(&client).await;
+    let claims = claims(&client, NS).await;
+    let ips: BTreeSet<String> = pods.values().map(ip_of).collect();
+    assert_eq!(ips.len(), pods.len(), "every pod has its own IP");
+    for (name, pod) in pods {
+        let ip = ip_of(pod);
+        let uid = pod.uid().unwrap_or_default();
+        let record = records.get(&ip).unwrap_or_else(|| panic!("{name}'s IP {ip} has a record"));
+        assert_eq!(record.pod.uid, uid, "{ip} is recorded for {name}'s UID");
+        assert_eq!(Some(&record.node), pod.spec.as_ref().and_then(|s| s.node_name.as_ref()), "{ip}'s node");
+        let claim = claims.get(name).unwrap_or_else(|| panic!("{name} has a claim"));
+        assert_eq!(claim.spec.pod_uid, uid, "{name}'s claim names its UID");
+        assert_eq!(claim.spec.interfaces[0].ips[0].ip, ip, "{name}'s claim names its IP");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_concurrent_adds_from_four_agents_get_distinct_ips_that_records_and_claims_agree_on() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(4, &[("pool", json!({"cidr": "10.50.0.0/24", "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    let creations = (0..200).map(|i| {
+        let client = client.clone();
+        async move {
+            let node = format!("node-{}", i % 4);
+            create_pod(&client, NS, &format!("burst-{i}"), &node, json!({"app": "burst"})).await;
+        }
+    });
+    futures::stream::iter(creations).buffer_unordered(32).collect::<Vec<()>>().await;
+    let pods = wait_pods_with_ips(&client, NS, "app=burst", 200).await;
+    assert!(pods.values().all(|p| ip_of(p).starts_with("10.50.0.")), "IPs come from the pool");
+    assert_consistent(&ipwarden, &pods).await;
+    assert_eq!(records(&client).await.len(), 200, "exactly one record per pod");
+
+    let mut successes = 0.0;
+    for index in 0..4 {
+        let text = ipwarden.scrape_agent(index).await;
+        assert!(text.contains("ipwarden_agent_allocation_duration_seconds_bucket"), "latency histogram exposed");
+        assert!(text.contains("ipwarden_agent_conflict_retries_total"), "conflict retries exposed");
+        successes += metric(&text, r#"ipwarden_agent_allocations_total{result="success"}"#);
+    }
+    assert_eq!(successes, 200.0, "the agents counted 200 successful ADDs");
+}
+
+/// The value of the series `name_and_labels` in exposition `text` (0 when absent).
+fn metric(text: &str, name_and_labels: &str) -> f64 {
+    text.lines().find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok()).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statefulset_pod_deleted_and_recreated_keeps_its_ip_and_scale_down_frees_it() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(2, &[("pool", json!({"cidr": "10.51.0.0/24", "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    let sts: StatefulSet = serde_json::from_value(json!({
+        "metadata": {"name": "db"},
+        "spec": {"replicas": 2, "serviceName": "db", "selector": {"matchLabels": {"app": "db"}},
+                 "template": {"metadata": {"labels": {"app": "db"}},
+                              "spec": {"terminationGracePeriodSeconds": 1,
+                                       "containers": [{"name": "db", "image": "registry.invalid/db:1"}]}}},
+    }))
+    .expect("sts");
+    let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), NS);
+    statefulsets.create(&PostParams::default(), &sts).await.expect("create sts");
+    let before = wait_pods_with_ips(&client, NS, "app=db", 2).await;
+    assert_consistent(&ipwarden, &before).await;
+    let old = &before["db-1"];
+
+    Api::<Pod>::namespaced(client.clone(), NS).delete("db-1", &DeleteParams::default()).await.expect("delete db-1");
+    let old_uid = old.uid().unwrap_or_default();
+    let after = wait::until("db-1 recreated with a new UID", TIMEOUT, || async {
+        let pods = support::pods_with_ips(&client, NS, "app=db").await?;
+        Ok(match pods.get("db-1") {
+            Some(pod) if pod.uid().unwrap_or_default() != old_uid && pods.len() == 2 => Probe::Done(pods),
+            _ => Probe::Pending(format!("{:?}", pods.keys().collect::<Vec<_>>())),
+        })
+    })
+    .await
+    .expect("db-1 comes back");
+    assert_eq!(ip_of(&after["db-1"]), ip_of(old), "the recreated pod keeps its IP");
+    assert_eq!(ip_of(&after["db-0"]), ip_of(&before["db-0"]), "the other pod is untouched");
+    assert_consistent(&ipwarden, &after).await;
+
+    let scale = json!({"spec": {"replicas": 1}});
+    statefulsets.patch("db", &PatchParams::default(), &Patch::Merge(scale)).await.expect("scale down");
+    let freed_ip = ip_of(&after["db-1"]);
+    wait::until("db-1's IP and claim freed by scale-down", TIMEOUT, || async {
+        let held = records(&client).await.contains_key(&freed_ip);
+        let claimed = claims(&client, NS).await.contains_key("db-1");
+        Ok(if !held && !claimed { Probe::Done(()) } else { Probe::Pending(format!("record {held}, claim {claimed}")) })
+    })
+    .await
+    .expect("scale-down frees the ordinal");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_killed_in_the_middle_of_adds_restarts_without_a_duplicate_or_a_lost_record() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(2, &[("pool", json!({"cidr": "10.52.0.0/24", "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    for i in 0..30 {
+        create_pod(&client, NS, &format!("crash-{i}"), "node-0", json!({"app": "crash"})).await;
+    }
+    wait::until("some ADDs served on node-0", TIMEOUT, || async {
+        let n = records(&client).await.len();
+        Ok(if n >= 5 { Probe::Done(()) } else { Probe::Pending(format!("{n} records")) })
+    })
+    .await
+    .expect("ADDs start");
+    ipwarden.agents[0].kill();
+    let at_kill = records(&client).await.len();
+    assert!(at_kill < 30, "the agent was killed while ADDs were still due ({at_kill} of 30 done)");
+    ipwarden.agents[0].restart().expect("agent restarts");
+    ipwarden.wait_agent_serving(0).await;
+
+    let pods = wait_pods_with_ips(&client, NS, "app=crash", 30).await;
+    assert_consistent(&ipwarden, &pods).await;
+    wait::until("one record per pod (failed sandboxes released)", TIMEOUT, || async {
+        let n = records(&client).await.len();
+        Ok(if n == 30 { Probe::Done(()) } else { Probe::Pending(format!("{n} records")) })
+    })
+    .await
+    .expect("no leaked or lost record");
+    let checkpoint =
+        std::fs::read_to_string(ipwarden.cluster.nodes()[0].dir().join("checkpoint.json")).expect("checkpoint");
+    let entries =
+        serde_json::from_str::<serde_json::Value>(&checkpoint).expect("json")["entries"].as_array().map(Vec::len);
+    assert_eq!(entries, Some(30), "the checkpoint holds one entry per running pod");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_pools_get_a_condition_and_hand_out_nothing_until_resolved() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pools =
+        [("wide", json!({"cidr": "10.54.0.0/24", "default": true})), ("narrow", json!({"cidr": "10.54.0.128/25"}))];
+    let ipwarden = Ipwarden::start(1, &pools, &[]).await;
+    let client = ipwarden.client();
+    let api: Api<ipwarden::crd::IPPool> = Api::all(client.clone());
+    let overlapping = |pool: ipwarden::crd::IPPool| {
+        pool.status.and_then(|s| s.conditions.into_iter().find(|c| c.type_ == "Overlapping")).map(|c| c.status)
+    };
+    wait::until("both pools marked Overlapping", TIMEOUT, || async {
+        let wide = overlapping(api.get("wide").await.map_err(e2e::Error::kube("get wide"))?);
+        let narrow = overlapping(api.get("narrow").await.map_err(e2e::Error::kube("get narrow"))?);
+        Ok(if wide.as_deref() == Some("True") && narrow.as_deref() == Some("True") {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("wide {wide:?}, narrow {narrow:?}"))
+        })
+    })
+    .await
+    .expect("overlap is reported");
+    create_pod(&client, NS, "waiting", "node-0", json!({"app": "waiting"})).await;
+    wait::until("the agent refusing the ADD for want of a usable pool", TIMEOUT, || async {
+        let refused = metric(&ipwarden.scrape_agent(0).await, r#"ipwarden_agent_allocations_total{result="no_pool"}"#);
+        Ok(if refused >= 1.0 { Probe::Done(()) } else { Probe::Pending("no refusal yet".into()) })
+    })
+    .await
+    .expect("the ADD is refused");
+    assert!(records(&client).await.is_empty(), "nothing is allocated from overlapping pools");
+
+    api.delete("narrow", &DeleteParams::default()).await.expect("delete narrow");
+    let pods = wait_pods_with_ips(&client, NS, "app=waiting", 1).await;
+    assert!(ip_of(&pods["waiting"]).starts_with("10.54.0."), "the pod is served once the overlap is gone");
+    wait::until("the Overlapping condition clearing", TIMEOUT, || async {
+        let wide = overlapping(api.get("wide").await.map_err(e2e::Error::kube("get wide"))?);
+        Ok(if wide.as_deref() == Some("False") { Probe::Done(()) } else { Probe::Pending(format!("{wide:?}")) })
+    })
+    .await
+    .expect("the condition clears");
+}

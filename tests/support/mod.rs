@@ -1,0 +1,213 @@
+//! A real control plane with simulated nodes, ipwarden's CRDs, one `ipwarden agent` process
+//! per node, and the kubelet invoking the real `ipwarden-cni` plugin binary.
+
+#![allow(dead_code)] // Each test binary uses a different part of this support module.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use e2e::process::Component;
+use e2e::wait::{self, Probe};
+use e2e::{Cluster, ClusterOptions, CniNetwork, Error};
+use ipwarden::crd::{IPBlock, IPClaim, IPPool};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+/// The bound on every wait of these tests.
+pub const TIMEOUT: Duration = Duration::from_secs(180);
+
+/// A cluster running ipwarden's data plane.
+pub struct Ipwarden {
+    /// The cluster (control plane + simulated nodes).
+    pub cluster: Cluster,
+    /// One agent per node, in node order.
+    pub agents: Vec<Component>,
+    /// Each agent's metrics port on 127.0.0.1.
+    pub metrics_ports: Vec<u16>,
+}
+
+/// A CNI_PATH directory holding `ipwarden-cni`, a link to the binary under test, as a
+/// DaemonSet installs it on a node.
+fn plugin_dir() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cni-bin-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("plugin dir");
+        let link = dir.join("ipwarden-cni");
+        let _stale = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ipwarden"), &link).expect("plugin symlink");
+        dir
+    })
+    .clone()
+}
+
+/// The network the simulated kubelet uses: ipwarden's plugin, talking to the node's agent.
+pub fn network() -> CniNetwork {
+    CniNetwork {
+        plugin_dirs: vec![plugin_dir()],
+        netconf: Arc::new(|node| {
+            json!({"cniVersion": "1.1.0", "name": "ipwarden", "type": "ipwarden-cni",
+                   "socket": node.dir.join("agent.sock")})
+        }),
+        gc_interval: None,
+    }
+}
+
+impl Ipwarden {
+    /// Starts a cluster of `nodes` nodes, installs the CRDs, creates `pools` (name, spec)
+    /// and starts an agent per node with `agent_args` added to its command line.
+    pub async fn start(nodes: usize, pools: &[(&str, serde_json::Value)], agent_args: &[&str]) -> Self {
+        let options = ClusterOptions { nodes, network: Some(network()), ..ClusterOptions::default() };
+        let cluster = Cluster::start(options).await.expect("cluster starts");
+        ipwarden::crd::install(&cluster.client(), Duration::from_secs(60)).await.expect("CRDs install");
+        let api: Api<IPPool> = Api::all(cluster.client());
+        for (name, spec) in pools {
+            let pool: IPPool = serde_json::from_value(json!({
+                "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPPool", "metadata": {"name": name}, "spec": spec,
+            }))
+            .expect("pool");
+            api.create(&PostParams::default(), &pool).await.expect("create pool");
+        }
+        let mut ipwarden = Self { cluster, agents: Vec::new(), metrics_ports: Vec::new() };
+        for index in 0..nodes {
+            let port = e2e::process::free_port().expect("free port");
+            let agent = ipwarden.spawn_agent(index, port, agent_args);
+            ipwarden.agents.push(agent);
+            ipwarden.metrics_ports.push(port);
+        }
+        for index in 0..nodes {
+            ipwarden.wait_agent_serving(index).await;
+        }
+        ipwarden
+    }
+
+    fn spawn_agent(&self, index: usize, metrics_port: u16, extra: &[&str]) -> Component {
+        let node = &self.cluster.nodes()[index];
+        let dir = node.dir();
+        let mut args = vec![
+            "agent".to_string(),
+            format!("--node-name={}", node.name()),
+            format!("--socket={}", dir.join("agent.sock").display()),
+            format!("--checkpoint={}", dir.join("checkpoint.json").display()),
+            format!("--metrics-address=127.0.0.1:{metrics_port}"),
+        ];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let env = vec![
+            ("KUBECONFIG".to_string(), self.cluster.kubeconfig().display().to_string()),
+            ("RUST_LOG".to_string(), "info,kube_client=warn".to_string()),
+        ];
+        Component::start_with_env(
+            &format!("agent-{}", node.name()),
+            std::path::Path::new(env!("CARGO_BIN_EXE_ipwarden")),
+            args,
+            env,
+            dir.join("agent.log"),
+        )
+        .expect("agent starts")
+    }
+
+    /// Waits until agent `index` has created its socket (it does so once it serves).
+    pub async fn wait_agent_serving(&mut self, index: usize) {
+        let socket = self.cluster.nodes()[index].dir().join("agent.sock");
+        let agent = &mut self.agents[index];
+        let log = agent.log().display().to_string();
+        wait::until(&format!("agent {index} serving (log {log})"), TIMEOUT, || {
+            let running = agent.ensure_running();
+            let exists = socket.exists();
+            async move {
+                running?;
+                Ok(if exists { Probe::Done(()) } else { Probe::Pending("no socket yet".into()) })
+            }
+        })
+        .await
+        .expect("agent serves");
+    }
+
+    /// Agent `index`'s /metrics text.
+    pub async fn scrape_agent(&self, index: usize) -> String {
+        let uri: http::Uri = format!("http://127.0.0.1:{}", self.metrics_ports[index]).parse().expect("uri");
+        let client = Client::try_from(kube::Config::new(uri)).expect("metrics client");
+        let mut request = http::Request::new(Vec::new());
+        *request.uri_mut() = http::Uri::from_static("/metrics");
+        client.request_text(request).await.expect("scrape /metrics")
+    }
+
+    /// The admin client.
+    pub fn client(&self) -> Client {
+        self.cluster.client()
+    }
+}
+
+/// Creates a bare pod bound to `node` (no scheduler involved).
+pub async fn create_pod(client: &Client, namespace: &str, name: &str, node: &str, labels: serde_json::Value) {
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {"nodeName": node, "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "app", "image": "registry.invalid/ipwarden-test/app:1"}]},
+    }))
+    .expect("pod");
+    Api::<Pod>::namespaced(client.clone(), namespace).create(&PostParams::default(), &pod).await.expect("create pod");
+}
+
+/// Live (not terminating) pods matching `selector` that report an IP, by name.
+pub async fn pods_with_ips(client: &Client, namespace: &str, selector: &str) -> Result<BTreeMap<String, Pod>, Error> {
+    let list = Api::<Pod>::namespaced(client.clone(), namespace)
+        .list(&ListParams::default().labels(selector))
+        .await
+        .map_err(Error::kube(format!("listing pods {selector}")))?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| p.status.as_ref().and_then(|s| s.pod_ip.as_ref()).is_some())
+        .map(|p| (p.name_any(), p))
+        .collect())
+}
+
+/// Waits until exactly `count` pods matching `selector` run with an IP.
+pub async fn wait_pods_with_ips(
+    client: &Client,
+    namespace: &str,
+    selector: &str,
+    count: usize,
+) -> BTreeMap<String, Pod> {
+    wait::until(&format!("{count} pods {selector} with IPs"), TIMEOUT, || async {
+        let pods = pods_with_ips(client, namespace, selector).await?;
+        Ok(if pods.len() == count { Probe::Done(pods) } else { Probe::Pending(format!("{} of {count}", pods.len())) })
+    })
+    .await
+    .expect("pods get IPs")
+}
+
+/// The pod's IP.
+pub fn ip_of(pod: &Pod) -> String {
+    pod.status.as_ref().and_then(|s| s.pod_ip.clone()).unwrap_or_default()
+}
+
+/// Every allocation record: IP -> (pod namespace/name, pod uid, node, container id).
+pub async fn records(client: &Client) -> BTreeMap<String, ipwarden::crd::Allocation> {
+    Api::<IPBlock>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .expect("list blocks")
+        .items
+        .into_iter()
+        .flat_map(|b| b.spec.allocations.into_iter())
+        .collect()
+}
+
+/// Every IPClaim of `namespace`, by name.
+pub async fn claims(client: &Client, namespace: &str) -> BTreeMap<String, IPClaim> {
+    Api::<IPClaim>::namespaced(client.clone(), namespace)
+        .list(&ListParams::default())
+        .await
+        .expect("list claims")
+        .items
+        .into_iter()
+        .map(|c| (c.name_any(), c))
+        .collect()
+}
