@@ -110,27 +110,38 @@ impl Ipwarden {
         .expect("agent starts")
     }
 
-    /// Waits until agent `index` has created its socket (it does so once it serves).
+    /// Waits until agent `index` reports ready on /readyz (caches synced, checkpoint
+    /// restored, socket bound).
     pub async fn wait_agent_serving(&mut self, index: usize) {
-        let socket = self.cluster.nodes()[index].dir().join("agent.sock");
+        let client = self.agent_http(index);
         let agent = &mut self.agents[index];
         let log = agent.log().display().to_string();
-        wait::until(&format!("agent {index} serving (log {log})"), TIMEOUT, || {
+        wait::until(&format!("agent {index} ready (log {log})"), TIMEOUT, || {
             let running = agent.ensure_running();
-            let exists = socket.exists();
+            let client = client.clone();
             async move {
                 running?;
-                Ok(if exists { Probe::Done(()) } else { Probe::Pending("no socket yet".into()) })
+                let mut request = http::Request::new(Vec::new());
+                *request.uri_mut() = http::Uri::from_static("/readyz");
+                Ok(match client.request_text(request).await {
+                    Ok(body) if body == "ok" => Probe::Done(()),
+                    Ok(body) => Probe::Pending(body),
+                    Err(e) => Probe::Pending(e.to_string()),
+                })
             }
         })
         .await
         .expect("agent serves");
     }
 
+    fn agent_http(&self, index: usize) -> Client {
+        let uri: http::Uri = format!("http://127.0.0.1:{}", self.metrics_ports[index]).parse().expect("uri");
+        Client::try_from(kube::Config::new(uri)).expect("agent http client")
+    }
+
     /// Agent `index`'s /metrics text.
     pub async fn scrape_agent(&self, index: usize) -> String {
-        let uri: http::Uri = format!("http://127.0.0.1:{}", self.metrics_ports[index]).parse().expect("uri");
-        let client = Client::try_from(kube::Config::new(uri)).expect("metrics client");
+        let client = self.agent_http(index);
         let mut request = http::Request::new(Vec::new());
         *request.uri_mut() = http::Uri::from_static("/metrics");
         client.request_text(request).await.expect("scrape /metrics")
