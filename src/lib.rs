@@ -7,6 +7,7 @@ pub mod agent;
 pub mod blocks;
 pub mod cni;
 pub mod crd;
+pub mod gc;
 pub mod http;
 pub mod ipam;
 pub mod pools;

@@ -1,0 +1,195 @@
+//! A plain in-memory index of the cluster, built from cached objects, that every GC decision
+//! reads: pods by name, the IPs live pods report, claims, StatefulSets and nodes. Built once
+//! per sweep (or per traced pod), it answers each record's questions without an API call.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use jiff::Timestamp;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::ResourceExt;
+
+use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleSettings, Verdict, decide};
+use crate::crd::{Allocation, IPClaim, PodRef};
+use crate::workload::{self, KUBEVIRT_VMI_KIND};
+
+/// What the rules need of one pod.
+#[derive(Clone, Debug)]
+pub struct PodFacts {
+    /// Its UID.
+    pub uid: String,
+    /// Its phase.
+    pub phase: Phase,
+    /// Its deletionTimestamp.
+    pub deletion: Option<Timestamp>,
+    /// Its `status.podIPs`.
+    pub ips: Vec<String>,
+}
+
+impl PodFacts {
+    /// Extracts the facts of a pod object.
+    pub fn of(pod: &Pod) -> Self {
+        let status = pod.status.as_ref();
+        let phase = match status.and_then(|s| s.phase.as_deref()) {
+            Some("Succeeded" | "Failed") => Phase::Completed,
+            _ => Phase::Active,
+        };
+        let ips = status
+            .and_then(|s| s.pod_ips.as_ref())
+            .map(|ips| ips.iter().map(|ip| ip.ip.clone()).collect())
+            .unwrap_or_default();
+        Self {
+            uid: pod.uid().unwrap_or_default(),
+            phase,
+            deletion: pod.metadata.deletion_timestamp.as_ref().map(|t| t.0),
+            ips,
+        }
+    }
+
+    /// Whether the pod no longer protects its IPs (terminating or completed).
+    pub fn terminal(&self) -> bool {
+        self.deletion.is_some() || self.phase == Phase::Completed
+    }
+}
+
+/// What "owner still wants" needs of a StatefulSet.
+#[derive(Clone, Copy, Debug)]
+pub struct StatefulSetFacts {
+    /// `spec.replicas`.
+    pub replicas: i32,
+    /// `spec.ordinals.start`.
+    pub start: i32,
+    /// Whether it is being deleted.
+    pub deleting: bool,
+}
+
+type Key = (String, String);
+
+/// A pod reporting an IP.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holder {
+    /// The pod.
+    pub pod: PodRef,
+    /// Whether it is terminating or completed.
+    pub terminal: bool,
+}
+
+/// The index.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterIndex {
+    /// Pods by (namespace, name).
+    pub pods: HashMap<Key, PodFacts>,
+    /// The pod reporting each IP; a non-terminal holder wins over a terminal one.
+    pub live_ips: HashMap<String, Holder>,
+    /// Claim UID by (namespace, claim name).
+    pub claims: HashMap<Key, String>,
+    /// StatefulSets by (namespace, name).
+    pub statefulsets: HashMap<Key, StatefulSetFacts>,
+    /// Node states by name.
+    pub nodes: HashMap<String, NodeState>,
+}
+
+fn node_state(node: &Node) -> NodeState {
+    let ready =
+        node.status.as_ref().and_then(|s| s.conditions.as_ref()).and_then(|c| c.iter().find(|c| c.type_ == "Ready"));
+    match ready {
+        Some(c) if c.status == "True" => NodeState::Ready,
+        Some(c) => NodeState::NotReady(c.last_transition_time.as_ref().map_or(Timestamp::UNIX_EPOCH, |t| t.0)),
+        // A node that never reported is not yet trusted to run anything; treat as NotReady.
+        None => NodeState::NotReady(node.creation_timestamp().map_or(Timestamp::UNIX_EPOCH, |t| t.0)),
+    }
+}
+
+impl ClusterIndex {
+    /// Builds the index from cached objects.
+    pub fn build(
+        pods: &[Arc<Pod>],
+        nodes: &[Arc<Node>],
+        claims: &[Arc<IPClaim>],
+        statefulsets: &[Arc<StatefulSet>],
+    ) -> Self {
+        let mut index = Self::default();
+        for pod in pods {
+            let facts = PodFacts::of(pod);
+            let holder = Holder {
+                pod: PodRef {
+                    namespace: pod.namespace().unwrap_or_default(),
+                    name: pod.name_any(),
+                    uid: facts.uid.clone(),
+                },
+                terminal: facts.terminal(),
+            };
+            for ip in &facts.ips {
+                let entry = index.live_ips.entry(ip.clone()).or_insert_with(|| holder.clone());
+                if entry.terminal && !holder.terminal {
+                    *entry = holder.clone();
+                }
+            }
+            index.pods.insert((pod.namespace().unwrap_or_default(), pod.name_any()), facts);
+        }
+        for claim in claims {
+            index.claims.insert((claim.namespace().unwrap_or_default(), claim.name_any()), claim.spec.pod_uid.clone());
+        }
+        for sts in statefulsets {
+            let facts = StatefulSetFacts {
+                replicas: sts.spec.replicas.unwrap_or(1),
+                start: sts.spec.ordinals.as_ref().and_then(|o| o.start).unwrap_or(0),
+                deleting: sts.metadata.deletion_timestamp.is_some(),
+            };
+            index.statefulsets.insert((sts.namespace().unwrap_or_default(), sts.name_any()), facts);
+        }
+        for node in nodes {
+            index.nodes.insert(node.name_any(), node_state(node));
+        }
+        index
+    }
+
+    /// Whether a sticky record's owner still wants it. A StatefulSet answers by its
+    /// replicas and ordinals; other sticky owners (KubeVirt) are kept: the controller does
+    /// not watch their APIs, and keeping a reservation is the safe side.
+    pub fn owner_wants(&self, record: &Allocation) -> bool {
+        match record.owner.as_ref() {
+            Some(owner) if owner.kind == "StatefulSet" => {
+                self.statefulsets.get(&(record.pod.namespace.clone(), owner.name.clone())).is_some_and(|s| {
+                    workload::statefulset_wants(&owner.name, s.replicas, s.start, s.deleting, &record.pod.name)
+                })
+            }
+            Some(owner) if owner.kind == KUBEVIRT_VMI_KIND => true,
+            Some(_) => true,
+            None => false,
+        }
+    }
+
+    /// The verdict for one record at `now`.
+    pub fn evaluate<'a>(
+        &'a self,
+        ip: &'a str,
+        record: &'a Allocation,
+        now: Timestamp,
+        settings: &RuleSettings,
+    ) -> Verdict<'a> {
+        let key = (record.pod.namespace.clone(), record.pod.name.clone());
+        let claim_name = workload::claim_name(&record.pod.name, record.owner.as_ref());
+        let node = if record.node.is_empty() {
+            NodeState::Ready
+        } else {
+            self.nodes.get(&record.node).copied().unwrap_or(NodeState::Deleted)
+        };
+        let facts = Facts {
+            record: RecordView { ip, pod_uid: &record.pod.uid, node: &record.node, sticky: record.sticky },
+            pod: self.pods.get(&key).map(|p| PodView {
+                uid: &p.uid,
+                phase: p.phase,
+                deletion: p.deletion,
+                ips: &p.ips,
+            }),
+            claim_uid: self.claims.get(&(record.pod.namespace.clone(), claim_name)).map(String::as_str),
+            owner_wants: record.sticky && self.owner_wants(record),
+            node,
+            holder: self.live_ips.get(ip).map(|h| IpHolder { uid: &h.pod.uid, terminal: h.terminal }),
+            now,
+        };
+        decide(&facts, settings)
+    }
+}

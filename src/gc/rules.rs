@@ -1,0 +1,524 @@
+//! The GC rule table (docs/gc-rules.md): what to do with one allocation record given its
+//! pod, its claim, its owner and its node. Pure: every input is a plain view, every output a
+//! [`Verdict`]; the actors only gather the views and carry the verdicts out.
+
+use std::time::Duration;
+
+use jiff::Timestamp;
+
+/// A pod's lifecycle phase as the rules need it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Pending or Running (or Unknown): may hold its IP.
+    Active,
+    /// Succeeded or Failed: its containers are done.
+    Completed,
+}
+
+/// One allocation record.
+#[derive(Clone, Debug)]
+pub struct RecordView<'a> {
+    /// The IP.
+    pub ip: &'a str,
+    /// The UID the record names.
+    pub pod_uid: &'a str,
+    /// The node the record names.
+    pub node: &'a str,
+    /// Whether the record is a sticky (StatefulSet / KubeVirt) one.
+    pub sticky: bool,
+}
+
+/// The pod a record names, looked up by namespace and name.
+#[derive(Clone, Debug)]
+pub struct PodView<'a> {
+    /// Its UID.
+    pub uid: &'a str,
+    /// Its phase.
+    pub phase: Phase,
+    /// `deletionTimestamp`, when it is terminating (it already includes the grace period).
+    pub deletion: Option<Timestamp>,
+    /// Its `status.podIPs`.
+    pub ips: &'a [String],
+}
+
+/// The pod that reports the record's IP right now, from the index of live pods' IPs.
+#[derive(Clone, Debug)]
+pub struct IpHolder<'a> {
+    /// Its UID.
+    pub uid: &'a str,
+    /// Whether it is terminating or completed (then it no longer protects the IP).
+    pub terminal: bool,
+}
+
+/// The record's node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeState {
+    /// Ready (or the record names no node).
+    Ready,
+    /// NotReady or Unknown since this instant.
+    NotReady(Timestamp),
+    /// The Node object is gone.
+    Deleted,
+}
+
+/// What to do on nodes that are NotReady.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotReadyPolicy {
+    /// Keep IPs of pods on NotReady nodes until the node comes back or is deleted
+    /// (conservative: a partitioned node may still run the pod).
+    Keep,
+    /// Release them once the node has been NotReady this long.
+    ReleaseAfter(Duration),
+}
+
+/// Settings of the rules.
+#[derive(Clone, Copy, Debug)]
+pub struct RuleSettings {
+    /// Delay added to `deletionTimestamp` before a terminating pod's IP is released.
+    pub additional_delay: Duration,
+    /// The NotReady policy.
+    pub not_ready: NotReadyPolicy,
+}
+
+/// Everything the rules know about one record.
+#[derive(Clone, Debug)]
+pub struct Facts<'a> {
+    /// The record.
+    pub record: RecordView<'a>,
+    /// Its pod by namespace/name, if it exists.
+    pub pod: Option<PodView<'a>>,
+    /// The UID its IPClaim names, if there is a claim.
+    pub claim_uid: Option<&'a str>,
+    /// Whether the sticky owner still wants the ordinal / VM (false for non-sticky records).
+    pub owner_wants: bool,
+    /// Its node.
+    pub node: NodeState,
+    /// The live pod reporting its IP, if any.
+    pub holder: Option<IpHolder<'a>>,
+    /// Now.
+    pub now: Timestamp,
+}
+
+/// Why a record is kept (a skip, in metrics).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeepReason {
+    /// A live pod with the record's UID reports the IP, or is Pending/Running.
+    InUse,
+    /// Running but `status.podIPs` is still empty: status lags the CNI result.
+    StatusLags,
+    /// A sticky reservation whose owner still wants it.
+    StickyReservation,
+    /// A sticky pod was recreated and has not reported IPs yet: ADD will adopt the IP.
+    StickyRestarting,
+    /// The pod's node is NotReady and the policy keeps its IPs.
+    NodeNotReady,
+    /// The pod is still running on a deleted node; pod GC will remove it first.
+    PodOnDeletedNode,
+}
+
+/// Why a record is released (the `reason` label of the release metrics).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReleaseReason {
+    /// No pod of that name exists.
+    PodGone,
+    /// The pod terminated and its deadline passed.
+    TerminatingPastDeadline,
+    /// The pod Succeeded or Failed.
+    Completed,
+    /// A stateless pod of the same name now has another UID.
+    UidMismatch,
+    /// A sticky pod was re-added without ipwarden (its claim names another UID).
+    StickyReaddedWithoutIpwarden,
+    /// A sticky pod was re-added with other IPs: this record is stale.
+    StickyStaleRecord,
+    /// The node was deleted.
+    NodeDeleted,
+    /// The node has been NotReady longer than the policy allows.
+    NodeNotReady,
+}
+
+/// What to do with one record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict<'a> {
+    /// Leave it.
+    Keep(KeepReason),
+    /// Look again at this instant (a terminating pod before its deadline).
+    TraceUntil(Timestamp),
+    /// Release it (conditionally on its UID); `delete_claim` when its claim names that UID.
+    Release {
+        /// The rule row.
+        reason: ReleaseReason,
+        /// Whether the claim goes too.
+        delete_claim: bool,
+    },
+    /// A live pod with another UID reports the IP: the record is adopted by that UID,
+    /// never released.
+    Repair {
+        /// The UID to write into the record.
+        uid: &'a str,
+    },
+}
+
+impl KeepReason {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::InUse => "in_use",
+            Self::StatusLags => "status_lags",
+            Self::StickyReservation => "sticky_reservation",
+            Self::StickyRestarting => "sticky_restarting",
+            Self::NodeNotReady => "node_not_ready",
+            Self::PodOnDeletedNode => "pod_on_deleted_node",
+        }
+    }
+}
+
+impl ReleaseReason {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::PodGone => "pod_gone",
+            Self::TerminatingPastDeadline => "terminating_past_deadline",
+            Self::Completed => "completed",
+            Self::UidMismatch => "uid_mismatch",
+            Self::StickyReaddedWithoutIpwarden => "sticky_readded_without_ipwarden",
+            Self::StickyStaleRecord => "sticky_stale_record",
+            Self::NodeDeleted => "node_deleted",
+            Self::NodeNotReady => "node_not_ready",
+        }
+    }
+}
+
+fn release(reason: ReleaseReason, facts: &Facts<'_>) -> Verdict<'static> {
+    let delete_claim = facts.claim_uid == Some(facts.record.pod_uid);
+    Verdict::Release { reason, delete_claim }
+}
+
+/// The verdict for one record. Rows are checked in the order of docs/gc-rules.md; the first
+/// guard (a live pod reports the IP) comes before all of them, so an IP in use is never
+/// released whatever the other facts say.
+pub fn decide<'a>(facts: &Facts<'a>, settings: &RuleSettings) -> Verdict<'a> {
+    let record = &facts.record;
+    // Invariant 2: a non-terminal pod reporting the IP protects it; another UID is adopted.
+    if let Some(holder) = facts.holder.as_ref().filter(|h| !h.terminal) {
+        return if holder.uid == record.pod_uid {
+            Verdict::Keep(KeepReason::InUse)
+        } else {
+            Verdict::Repair { uid: holder.uid }
+        };
+    }
+    let sticky_wanted = record.sticky && facts.owner_wants;
+    let Some(pod) = facts.pod.as_ref() else {
+        // Pod absent (after a confirming read by the pool actor).
+        if sticky_wanted {
+            return Verdict::Keep(KeepReason::StickyReservation);
+        }
+        let reason = if facts.node == NodeState::Deleted { ReleaseReason::NodeDeleted } else { ReleaseReason::PodGone };
+        return release(reason, facts);
+    };
+    if pod.uid == record.pod_uid {
+        if pod.phase == Phase::Completed {
+            return if sticky_wanted {
+                Verdict::Keep(KeepReason::StickyReservation)
+            } else {
+                release(ReleaseReason::Completed, facts)
+            };
+        }
+        let Some(deleted_at) = pod.deletion else {
+            return match facts.node {
+                NodeState::Deleted => Verdict::Keep(KeepReason::PodOnDeletedNode),
+                _ if pod.ips.is_empty() => Verdict::Keep(KeepReason::StatusLags),
+                _ => Verdict::Keep(KeepReason::InUse),
+            };
+        };
+        // deletionTimestamp already includes the grace period (Spiderpool added it twice).
+        let deadline = deleted_at.saturating_add(settings.additional_delay).unwrap_or(Timestamp::MAX);
+        if facts.now < deadline && facts.node != NodeState::Deleted {
+            return Verdict::TraceUntil(deadline);
+        }
+        if sticky_wanted {
+            return Verdict::Keep(KeepReason::StickyReservation);
+        }
+        return match facts.node {
+            NodeState::Deleted => release(ReleaseReason::NodeDeleted, facts),
+            NodeState::NotReady(since) => match settings.not_ready {
+                NotReadyPolicy::Keep => Verdict::Keep(KeepReason::NodeNotReady),
+                NotReadyPolicy::ReleaseAfter(after) => {
+                    let due = since.saturating_add(after).unwrap_or(Timestamp::MAX);
+                    if facts.now >= due {
+                        release(ReleaseReason::NodeNotReady, facts)
+                    } else {
+                        Verdict::TraceUntil(due.max(deadline))
+                    }
+                }
+            },
+            NodeState::Ready => release(ReleaseReason::TerminatingPastDeadline, facts),
+        };
+    }
+    // A pod of the same name with another UID.
+    if record.sticky {
+        if pod.ips.is_empty() {
+            // Spiderpool #3778: the recreated pod is restarting; its ADD will adopt the IP.
+            return Verdict::Keep(KeepReason::StickyRestarting);
+        }
+        if facts.claim_uid != Some(pod.uid) {
+            return Verdict::Release { reason: ReleaseReason::StickyReaddedWithoutIpwarden, delete_claim: true };
+        }
+        // The IP is not among the pod's IPs (the holder guard handled that case).
+        return Verdict::Release { reason: ReleaseReason::StickyStaleRecord, delete_claim: false };
+    }
+    release(ReleaseReason::UidMismatch, facts)
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+    use proptest::prelude::*;
+
+    const NOW: i64 = 1_000_000;
+
+    fn at(second: i64) -> Timestamp {
+        Timestamp::from_second(second).expect("timestamp")
+    }
+
+    fn settings() -> RuleSettings {
+        RuleSettings { additional_delay: Duration::from_secs(5), not_ready: NotReadyPolicy::Keep }
+    }
+
+    fn facts<'a>(sticky: bool, pod: Option<PodView<'a>>) -> Facts<'a> {
+        Facts {
+            record: RecordView { ip: "10.0.0.5", pod_uid: "old", node: "n1", sticky },
+            pod,
+            claim_uid: Some("old"),
+            owner_wants: sticky,
+            node: NodeState::Ready,
+            holder: None,
+            now: at(NOW),
+        }
+    }
+
+    const IPS: &[String] = &[];
+
+    fn pod<'a>(uid: &'a str, phase: Phase, deletion: Option<Timestamp>, ips: &'a [String]) -> PodView<'a> {
+        PodView { uid, phase, deletion, ips }
+    }
+
+    fn ips(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn released(reason: ReleaseReason, delete_claim: bool) -> Verdict<'static> {
+        Verdict::Release { reason, delete_claim }
+    }
+
+    #[test]
+    fn pod_absent_and_sticky_owner_still_wants_it_keeps_the_reservation() {
+        assert_eq!(decide(&facts(true, None), &settings()), Verdict::Keep(KeepReason::StickyReservation));
+    }
+
+    #[test]
+    fn pod_absent_otherwise_releases_and_deletes_the_claim_naming_its_uid() {
+        assert_eq!(decide(&facts(false, None), &settings()), released(ReleaseReason::PodGone, true));
+        let mut unwanted = facts(true, None);
+        unwanted.owner_wants = false;
+        assert_eq!(decide(&unwanted, &settings()), released(ReleaseReason::PodGone, true));
+        let mut other_claim = facts(false, None);
+        other_claim.claim_uid = Some("newer");
+        assert_eq!(decide(&other_claim, &settings()), released(ReleaseReason::PodGone, false));
+    }
+
+    #[test]
+    fn same_uid_pending_or_running_keeps() {
+        let running = ips(&["10.0.0.5"]);
+        assert_eq!(
+            decide(&facts(false, Some(pod("old", Phase::Active, None, &running))), &settings()),
+            Verdict::Keep(KeepReason::InUse)
+        );
+    }
+
+    #[test]
+    fn same_uid_running_with_empty_pod_ips_keeps_because_status_lags_cni() {
+        // Spiderpool #4888, Antrea #8239: podIPs appear after the CNI result.
+        assert_eq!(
+            decide(&facts(false, Some(pod("old", Phase::Active, None, IPS))), &settings()),
+            Verdict::Keep(KeepReason::StatusLags)
+        );
+    }
+
+    #[test]
+    fn same_uid_terminating_before_its_deadline_is_traced_until_deletion_timestamp_plus_delay_only() {
+        let deletion = at(NOW - 2);
+        let verdict = decide(&facts(false, Some(pod("old", Phase::Active, Some(deletion), IPS))), &settings());
+        assert_eq!(verdict, Verdict::TraceUntil(at(NOW + 3)), "deadline = deletionTimestamp + 5 s, not + grace again");
+    }
+
+    #[test]
+    fn same_uid_terminating_past_its_deadline_releases_unless_sticky_and_wanted() {
+        let deletion = Some(at(NOW - 10));
+        let gone = decide(&facts(false, Some(pod("old", Phase::Active, deletion, IPS))), &settings());
+        assert_eq!(gone, released(ReleaseReason::TerminatingPastDeadline, true));
+        let sticky = decide(&facts(true, Some(pod("old", Phase::Active, deletion, IPS))), &settings());
+        assert_eq!(sticky, Verdict::Keep(KeepReason::StickyReservation));
+    }
+
+    #[test]
+    fn same_uid_terminating_on_a_not_ready_node_follows_the_policy() {
+        let deletion = Some(at(NOW - 10));
+        let mut on_not_ready = facts(false, Some(pod("old", Phase::Active, deletion, IPS)));
+        on_not_ready.node = NodeState::NotReady(at(NOW - 60));
+        assert_eq!(
+            decide(&on_not_ready, &settings()),
+            Verdict::Keep(KeepReason::NodeNotReady),
+            "conservative default keeps"
+        );
+        let after =
+            |secs| RuleSettings { not_ready: NotReadyPolicy::ReleaseAfter(Duration::from_secs(secs)), ..settings() };
+        assert_eq!(decide(&on_not_ready, &after(30)), released(ReleaseReason::NodeNotReady, true));
+        assert_eq!(decide(&on_not_ready, &after(120)), Verdict::TraceUntil(at(NOW + 60)));
+    }
+
+    #[test]
+    fn same_uid_completed_releases_and_deletes_the_claim_unless_sticky_and_wanted() {
+        let done = ips(&["10.0.0.5"]);
+        assert_eq!(
+            decide(&facts(false, Some(pod("old", Phase::Completed, None, &done))), &settings()),
+            released(ReleaseReason::Completed, true)
+        );
+        assert_eq!(
+            decide(&facts(true, Some(pod("old", Phase::Completed, None, &done))), &settings()),
+            Verdict::Keep(KeepReason::StickyReservation)
+        );
+    }
+
+    #[test]
+    fn other_uid_sticky_with_empty_pod_ips_keeps_while_the_pod_restarts() {
+        // Spiderpool #3778: releasing here gave the IP to another pod while ADD re-adopted it.
+        assert_eq!(
+            decide(&facts(true, Some(pod("new", Phase::Active, None, IPS))), &settings()),
+            Verdict::Keep(KeepReason::StickyRestarting)
+        );
+    }
+
+    #[test]
+    fn other_uid_sticky_readded_without_ipwarden_releases_and_deletes_the_claim() {
+        let other = ips(&["192.168.9.9"]);
+        assert_eq!(
+            decide(&facts(true, Some(pod("new", Phase::Active, None, &other))), &settings()),
+            released(ReleaseReason::StickyReaddedWithoutIpwarden, true)
+        );
+    }
+
+    #[test]
+    fn other_uid_sticky_with_its_claim_but_other_ips_releases_only_the_stale_record() {
+        let other = ips(&["10.0.0.9"]);
+        let mut claimed = facts(true, Some(pod("new", Phase::Active, None, &other)));
+        claimed.claim_uid = Some("new");
+        assert_eq!(decide(&claimed, &settings()), released(ReleaseReason::StickyStaleRecord, false));
+    }
+
+    #[test]
+    fn an_ip_a_live_pod_reports_is_repaired_to_that_pod_never_released() {
+        // Whereabouts: matching by name alone freed the new IP of a recreated pod.
+        let mut adopted = facts(false, Some(pod("new", Phase::Active, None, IPS)));
+        adopted.holder = Some(IpHolder { uid: "new", terminal: false });
+        assert_eq!(decide(&adopted, &settings()), Verdict::Repair { uid: "new" });
+        let mut own = facts(false, None);
+        own.holder = Some(IpHolder { uid: "old", terminal: false });
+        assert_eq!(decide(&own, &settings()), Verdict::Keep(KeepReason::InUse));
+    }
+
+    #[test]
+    fn other_uid_stateless_releases() {
+        let other = ips(&["10.0.0.9"]);
+        assert_eq!(
+            decide(&facts(false, Some(pod("new", Phase::Active, None, &other))), &settings()),
+            released(ReleaseReason::UidMismatch, true)
+        );
+    }
+
+    #[test]
+    fn node_deleted_releases_absent_or_terminating_pods_unless_sticky_and_wanted() {
+        let mut absent = facts(false, None);
+        absent.node = NodeState::Deleted;
+        assert_eq!(decide(&absent, &settings()), released(ReleaseReason::NodeDeleted, true));
+        let mut terminating = facts(false, Some(pod("old", Phase::Active, Some(at(NOW)), IPS)));
+        terminating.node = NodeState::Deleted;
+        assert_eq!(
+            decide(&terminating, &settings()),
+            released(ReleaseReason::NodeDeleted, true),
+            "no waiting for a deadline"
+        );
+        let mut sticky = facts(true, None);
+        sticky.node = NodeState::Deleted;
+        assert_eq!(decide(&sticky, &settings()), Verdict::Keep(KeepReason::StickyReservation));
+        let mut running = facts(false, Some(pod("old", Phase::Active, None, IPS)));
+        running.node = NodeState::Deleted;
+        assert_eq!(decide(&running, &settings()), Verdict::Keep(KeepReason::PodOnDeletedNode));
+    }
+
+    fn arb_uid() -> impl Strategy<Value = &'static str> {
+        prop_oneof![Just("a"), Just("b"), Just("c")]
+    }
+
+    prop_compose! {
+        fn arb_case()(
+            record_uid in arb_uid(), sticky in any::<bool>(), owner_wants in any::<bool>(),
+            pod in proptest::option::of((arb_uid(), any::<bool>(), proptest::option::of(-100i64..100), any::<bool>())),
+            claim in proptest::option::of(arb_uid()),
+            node in 0u8..3, holder in proptest::option::of((arb_uid(), any::<bool>())),
+            policy in proptest::option::of(0u64..200),
+        ) -> (Facts<'static>, RuleSettings, Vec<String>) {
+            let pod_ips = if pod.is_some_and(|p| p.3) { vec!["10.0.0.5".to_string()] } else { Vec::new() };
+            let ips: &'static [String] = Box::leak(pod_ips.clone().into_boxed_slice());
+            let facts = Facts {
+                record: RecordView { ip: "10.0.0.5", pod_uid: record_uid, node: "n1", sticky },
+                pod: pod.map(|(uid, completed, deletion, _)| PodView {
+                    uid,
+                    phase: if completed { Phase::Completed } else { Phase::Active },
+                    deletion: deletion.map(|d| at(NOW + d)),
+                    ips,
+                }),
+                claim_uid: claim,
+                owner_wants,
+                node: match node { 0 => NodeState::Ready, 1 => NodeState::NotReady(at(NOW - 50)), _ => NodeState::Deleted },
+                holder: holder.map(|(uid, terminal)| IpHolder { uid, terminal }),
+                now: at(NOW),
+            };
+            let settings = RuleSettings {
+                additional_delay: Duration::from_secs(5),
+                not_ready: policy.map_or(NotReadyPolicy::Keep, |s| NotReadyPolicy::ReleaseAfter(Duration::from_secs(s))),
+            };
+            (facts, settings, pod_ips)
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn no_verdict_releases_an_ip_a_non_terminal_pod_reports((facts, settings, _ips) in arb_case()) {
+            let verdict = decide(&facts, &settings);
+            if facts.holder.as_ref().is_some_and(|h| !h.terminal) {
+                prop_assert!(!matches!(verdict, Verdict::Release { .. }), "{verdict:?} for {facts:?}");
+            }
+        }
+
+        #[test]
+        fn no_verdict_releases_the_record_of_a_live_non_terminal_pod((facts, settings, _ips) in arb_case()) {
+            let verdict = decide(&facts, &settings);
+            let live_owner = facts.pod.as_ref().is_some_and(|p| {
+                p.uid == facts.record.pod_uid && p.phase == Phase::Active && p.deletion.is_none()
+            });
+            if live_owner {
+                prop_assert!(matches!(verdict, Verdict::Keep(_) | Verdict::Repair { .. }), "{verdict:?} for {facts:?}");
+            }
+        }
+
+        #[test]
+        fn no_verdict_releases_a_sticky_reservation_its_owner_still_wants((facts, settings, _ips) in arb_case()) {
+            let verdict = decide(&facts, &settings);
+            let same_pod_or_absent = facts.pod.as_ref().is_none_or(|p| p.uid == facts.record.pod_uid);
+            if facts.record.sticky && facts.owner_wants && same_pod_or_absent {
+                prop_assert!(!matches!(verdict, Verdict::Release { .. }), "{verdict:?} for {facts:?}");
+            }
+        }
+    }
+}
