@@ -3,13 +3,17 @@
 //! Layers, with arrows pointing one way: `crd` (types) <- pure logic <- I/O (agent, CNI
 //! plugin, controller actors) <- `main.rs` (wiring).
 
+pub mod actors;
 pub mod agent;
 pub mod blocks;
+pub mod claim_writes;
+pub mod cli;
 pub mod cni;
 pub mod crd;
 pub mod gc;
 pub mod http;
 pub mod ipam;
+pub mod lease;
 pub mod pools;
 pub mod protocol;
 pub mod workload;

@@ -29,6 +29,10 @@ enum Command {
     Agent(ipwarden::agent::AgentArgs),
     /// Run as the CNI plugin (the same as invoking this binary as `ipwarden-cni`).
     Cni,
+    /// Run the cluster garbage-collecting controller.
+    Controller(ipwarden::actors::ControllerArgs),
+    /// Ask the leading controller for a full sweep (or, with --dry-run, list what it would do).
+    Gc(ipwarden::cli::gc::GcArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -45,13 +49,27 @@ fn main() -> anyhow::Result<()> {
         Command::Cni => std::process::exit(ipwarden::cni::main_from_process()),
         Command::Agent(args) => {
             init_logging(cli.log_format);
-            let runtime = tokio::runtime::Builder::new_multi_thread()
+            actor_system()?.block_on(ipwarden::agent::run(args))
+        }
+        Command::Controller(args) => {
+            init_logging(cli.log_format);
+            actor_system()?.block_on(ipwarden::actors::run(args))
+        }
+        Command::Gc(args) => {
+            let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .context("building the tokio runtime")?;
-            actix::System::with_tokio_rt(move || runtime).block_on(ipwarden::agent::run(args))
+            runtime.block_on(ipwarden::cli::gc::run(args))
         }
     }
+}
+
+/// An actix system on a multi-thread tokio runtime, for the long-running roles.
+fn actor_system() -> anyhow::Result<actix::SystemRunner> {
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("building the tokio runtime")?;
+    Ok(actix::System::with_tokio_rt(move || runtime))
 }
 
 fn init_logging(format: LogFormat) {

@@ -16,7 +16,7 @@ use jiff::Timestamp;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, PostParams, Preconditions};
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
 use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 use tokio::sync::Mutex;
@@ -629,18 +629,9 @@ impl Core {
     }
 
     async fn delete_claim_of(&self, pod: &PodRef) {
-        let api: Api<IPClaim> = Api::namespaced(self.client.clone(), &pod.namespace);
-        let name = &pod.name;
-        let Ok(Some(claim)) = api.get_opt(name).await else { return };
-        if claim.spec.pod_uid != pod.uid {
-            return;
-        }
-        let params = DeleteParams {
-            preconditions: Some(Preconditions { uid: claim.uid(), resource_version: claim.resource_version() }),
-            ..DeleteParams::default()
-        };
-        if let Err(e) = api.delete(name, &params).await {
-            tracing::debug!(claim = %name, error = %e, "claim not deleted; the claim janitor will");
+        if let Err(e) = crate::claim_writes::delete_if_bound_to(&self.client, &pod.namespace, &pod.name, &pod.uid).await
+        {
+            tracing::debug!(claim = %pod.name, error = %e, "claim not deleted; the claim janitor will");
         }
     }
 

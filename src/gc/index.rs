@@ -88,6 +88,9 @@ pub struct ClusterIndex {
     pub statefulsets: HashMap<Key, StatefulSetFacts>,
     /// Node states by name.
     pub nodes: HashMap<String, NodeState>,
+    /// Owner kinds whose records count as sticky; a record of another kind is not, so an
+    /// owner kind removed from the list leaves ipwarden's stickiness.
+    pub sticky_kinds: Vec<String>,
 }
 
 fn node_state(node: &Node) -> NodeState {
@@ -108,8 +111,9 @@ impl ClusterIndex {
         nodes: &[Arc<Node>],
         claims: &[Arc<IPClaim>],
         statefulsets: &[Arc<StatefulSet>],
+        sticky_kinds: &[String],
     ) -> Self {
-        let mut index = Self::default();
+        let mut index = Self { sticky_kinds: sticky_kinds.to_vec(), ..Self::default() };
         for pod in pods {
             let facts = PodFacts::of(pod);
             let holder = Holder {
@@ -176,8 +180,9 @@ impl ClusterIndex {
         } else {
             self.nodes.get(&record.node).copied().unwrap_or(NodeState::Deleted)
         };
+        let sticky = record.sticky && workload::is_sticky(record.owner.as_ref(), &self.sticky_kinds);
         let facts = Facts {
-            record: RecordView { ip, pod_uid: &record.pod.uid, node: &record.node, sticky: record.sticky },
+            record: RecordView { ip, pod_uid: &record.pod.uid, node: &record.node, sticky },
             pod: self.pods.get(&key).map(|p| PodView {
                 uid: &p.uid,
                 phase: p.phase,
@@ -185,7 +190,7 @@ impl ClusterIndex {
                 ips: &p.ips,
             }),
             claim_uid: self.claims.get(&(record.pod.namespace.clone(), claim_name)).map(String::as_str),
-            owner_wants: record.sticky && self.owner_wants(record),
+            owner_wants: sticky && self.owner_wants(record),
             node,
             holder: self.live_ips.get(ip).map(|h| IpHolder { uid: &h.pod.uid, terminal: h.terminal }),
             now,

@@ -145,7 +145,7 @@ mod test {
             "10.0.0.3": record("stale-name", "u-old"),
         }))];
         let pods = [pod("live", "u-live", "10.0.0.1"), pod("adopter", "u-new", "10.0.0.3")];
-        let index = ClusterIndex::build(&pods, &[ready_node()], &[], &[]);
+        let index = ClusterIndex::build(&pods, &[ready_node()], &[], &[], &[]);
         let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
         let plan = plan(&index, &blocks, Timestamp::now(), &settings);
         assert_eq!(plan.scanned, 3);

@@ -1,0 +1,68 @@
+//! `ClaimJanitor`: deletes IPClaims whose workload is gone for good (completed Job pods
+//! included), on the leader only, on a timer.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use actix::{Actor, AsyncContext, Context, WrapFuture};
+use kube::{Client, ResourceExt};
+
+use super::Caches;
+use crate::gc::claims::gone_for_good;
+
+/// The janitor actor.
+pub struct ClaimJanitor {
+    client: Client,
+    caches: Caches,
+    leading: Arc<AtomicBool>,
+    interval: Duration,
+}
+
+impl ClaimJanitor {
+    /// A janitor running every `interval`.
+    pub fn new(client: Client, caches: Caches, leading: Arc<AtomicBool>, interval: Duration) -> Self {
+        Self { client, caches, leading, interval }
+    }
+
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        if !self.leading.load(Ordering::SeqCst) {
+            return;
+        }
+        let index = self.caches.index();
+        let doomed: Vec<(String, String, String)> = self
+            .caches
+            .claims
+            .state()
+            .iter()
+            .filter_map(|claim| {
+                let (namespace, name) = (claim.namespace()?, claim.name_any());
+                gone_for_good(&index, &namespace, &name, claim).then(|| (namespace, name, claim.spec.pod_uid.clone()))
+            })
+            .collect();
+        if doomed.is_empty() {
+            return;
+        }
+        let client = self.client.clone();
+        ctx.spawn(
+            async move {
+                for (namespace, name, uid) in doomed {
+                    match crate::claim_writes::delete_if_bound_to(&client, &namespace, &name, &uid).await {
+                        Ok(true) => tracing::info!(claim = %format!("{namespace}/{name}"), "deleted a claim whose workload is gone"),
+                        Ok(false) => {}
+                        Err(e) => tracing::warn!(claim = %format!("{namespace}/{name}"), error = %e, "deleting a claim failed"),
+                    }
+                }
+            }
+            .into_actor(self),
+        );
+    }
+}
+
+impl Actor for ClaimJanitor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(self.interval, |act, ctx| act.tick(ctx));
+    }
+}

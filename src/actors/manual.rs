@@ -1,0 +1,88 @@
+//! `ManualTrigger`: how an operator's `ipwarden gc` reaches the leader. The CLI writes a
+//! request ID into the ConfigMap [`TRIGGER_CONFIGMAP`] in the controller's namespace; the
+//! leader sees it, sweeps, and writes the report back under the same ID. Only kubeconfig
+//! access is needed, no route to the controller's pods.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, WrapFuture};
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, Patch, PatchParams};
+
+use super::pool::Trigger;
+use super::sweeper::{SweepNow, Sweeper};
+
+/// The ConfigMap carrying manual GC requests and their reports.
+pub const TRIGGER_CONFIGMAP: &str = "ipwarden-gc";
+
+/// Data key: the ID of the newest request.
+pub const REQUEST_KEY: &str = "request";
+
+/// Data key: the ID of the newest request the leader answered.
+pub const HANDLED_KEY: &str = "handled";
+
+/// Data key: the answer, a JSON `SweepReport`, or an error text under [`ERROR_KEY`].
+pub const RESULT_KEY: &str = "result";
+
+/// Data key: why the request could not be served.
+pub const ERROR_KEY: &str = "error";
+
+/// How often the leader looks for a request.
+const POLL_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The trigger actor.
+pub struct ManualTrigger {
+    api: Api<ConfigMap>,
+    sweeper: Addr<Sweeper>,
+    leading: Arc<AtomicBool>,
+    busy: bool,
+}
+
+impl ManualTrigger {
+    /// A trigger watching the ConfigMap through `api` (namespaced to the controller's).
+    pub fn new(api: Api<ConfigMap>, sweeper: Addr<Sweeper>, leading: Arc<AtomicBool>) -> Self {
+        Self { api, sweeper, leading, busy: false }
+    }
+
+    fn poll(&mut self, ctx: &mut Context<Self>) {
+        if self.busy || !self.leading.load(Ordering::SeqCst) {
+            return;
+        }
+        self.busy = true;
+        let (api, sweeper) = (self.api.clone(), self.sweeper.clone());
+        let work = async move {
+            let Some(map) = api.get_opt(TRIGGER_CONFIGMAP).await? else { return Ok(()) };
+            let data = map.data.unwrap_or_default();
+            let Some(request) = data.get(REQUEST_KEY).filter(|r| data.get(HANDLED_KEY) != Some(*r)).cloned() else {
+                return Ok(());
+            };
+            tracing::info!(%request, "manual GC requested");
+            let (result, error) = match sweeper.send(SweepNow(Trigger::Manual)).await {
+                Ok(Ok(report)) => (serde_json::to_string(&report).unwrap_or_default(), String::new()),
+                Ok(Err(e)) => (String::new(), e),
+                Err(e) => (String::new(), format!("the sweeper did not answer: {e}")),
+            };
+            let answer: BTreeMap<&str, String> =
+                [(HANDLED_KEY, request), (RESULT_KEY, result), (ERROR_KEY, error)].into_iter().collect();
+            let patch = serde_json::json!({"data": answer});
+            api.patch(TRIGGER_CONFIGMAP, &PatchParams::default(), &Patch::Merge(&patch)).await.map(drop)
+        };
+        ctx.spawn(work.into_actor(self).map(|result: Result<(), kube::Error>, act, _| {
+            act.busy = false;
+            if let Err(e) = result {
+                tracing::warn!(error = %e, "serving a manual GC request failed");
+            }
+        }));
+    }
+}
+
+impl Actor for ManualTrigger {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(POLL_INTERVAL, |act, ctx| act.poll(ctx));
+    }
+}

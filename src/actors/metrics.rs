@@ -1,0 +1,116 @@
+//! The controller's metrics, documented in docs/metrics.md.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Labels of a release.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReleaseLabels {
+    /// The pool.
+    pub pool: String,
+    /// The rule row (e.g. `pod_gone`).
+    pub reason: String,
+    /// `trace`, `sweep` or `manual`.
+    pub trigger: String,
+}
+
+/// Labels of a failed change.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FailureLabels {
+    /// The pool.
+    pub pool: String,
+}
+
+/// Labels of a skip.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SkipLabels {
+    /// Why the record was kept or a change dropped (e.g. `in_use`, `record_changed`).
+    pub reason: String,
+}
+
+/// Labels of a pool gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    /// The pool.
+    pub pool: String,
+}
+
+/// Everything the controller counts.
+#[derive(Clone)]
+pub struct ControllerMetrics {
+    /// Records released, by pool, reason and trigger.
+    pub releases: Family<ReleaseLabels, Counter>,
+    /// Records repaired (adopted by the pod reporting the IP), by pool.
+    pub repairs: Family<FailureLabels, Counter>,
+    /// Releases or repairs that failed to be written, by pool.
+    pub release_failures: Family<FailureLabels, Counter>,
+    /// Records of terminating pods being traced until their deadline.
+    pub candidates: Gauge,
+    /// How long a full sweep took.
+    pub sweep_duration: Histogram,
+    /// Records looked at by sweeps.
+    pub records_scanned: Counter,
+    /// Records kept by sweeps and changes dropped at write time, by reason.
+    pub skips: Family<SkipLabels, Counter>,
+    /// IPs a pool can hand out.
+    pub pool_total: Family<PoolLabels, Gauge>,
+    /// IPs allocated in a pool.
+    pub pool_allocated: Family<PoolLabels, Gauge>,
+    /// Sticky reservations in a pool.
+    pub pool_sticky: Family<PoolLabels, Gauge>,
+    /// 1 while this replica leads.
+    pub leader: Gauge,
+    /// From the pod's end (deletion or completion) to its IP being free.
+    pub reclaim_latency: Histogram,
+    /// IPBlock writes retried after a resourceVersion conflict.
+    pub conflict_retries: Counter,
+}
+
+impl ControllerMetrics {
+    /// Creates the metrics and registers them under `ipwarden`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self {
+            releases: Family::default(),
+            repairs: Family::default(),
+            release_failures: Family::default(),
+            candidates: Gauge::default(),
+            sweep_duration: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            records_scanned: Counter::default(),
+            skips: Family::default(),
+            pool_total: Family::default(),
+            pool_allocated: Family::default(),
+            pool_sticky: Family::default(),
+            leader: Gauge::default(),
+            reclaim_latency: Histogram::new(exponential_buckets(0.1, 2.0, 14)),
+            conflict_retries: Counter::default(),
+        };
+        let r = registry.sub_registry_with_prefix("ipwarden");
+        r.register("gc_releases", "Records released by the GC, by pool, rule and trigger", m.releases.clone());
+        r.register("gc_repairs", "Records adopted by the pod that reports their IP", m.repairs.clone());
+        r.register("gc_release_failures", "GC changes that could not be written", m.release_failures.clone());
+        r.register("gc_candidates", "Records of terminating pods traced until their deadline", m.candidates.clone());
+        r.register("gc_sweep_duration_seconds", "Duration of full sweeps", m.sweep_duration.clone());
+        r.register("gc_sweep_records_scanned", "Records looked at by full sweeps", m.records_scanned.clone());
+        r.register("gc_skips", "Records kept by sweeps and changes dropped at write time, by reason", m.skips.clone());
+        r.register("pool_total_ips", "IPs a pool can hand out", m.pool_total.clone());
+        r.register("pool_allocated_ips", "IPs allocated in a pool", m.pool_allocated.clone());
+        r.register("pool_sticky_ips", "Sticky reservations in a pool", m.pool_sticky.clone());
+        r.register("controller_leader", "1 while this controller replica leads", m.leader.clone());
+        r.register(
+            "gc_reclaim_latency_seconds",
+            "Time from a pod's deletion or completion to its IP being free",
+            m.reclaim_latency.clone(),
+        );
+        r.register("gc_conflict_retries", "IPBlock writes retried after a conflict", m.conflict_retries.clone());
+        m
+    }
+
+    /// Counts a skip.
+    pub fn skip(&self, reason: &str, count: u64) {
+        self.skips.get_or_create(&SkipLabels { reason: reason.to_string() }).inc_by(count);
+    }
+}

@@ -1,0 +1,294 @@
+//! `ipwarden controller`: the cluster-wide garbage collector, as actix actors.
+//!
+//! - [`leader::Leader`] elects one writer with a Lease.
+//! - [`tracer::PodTracer`] follows pod events and evaluates a pod's records at its deadline.
+//! - [`sweeper::Sweeper`] walks every record on a timer, on leadership gain and on request.
+//! - [`pool::PoolSupervisor`] runs one [`pool::PoolActor`] per IPPool, the only writer of
+//!   that pool's blocks.
+//! - [`janitor::ClaimJanitor`] deletes claims whose workload is gone for good.
+//! - [`manual::ManualTrigger`] serves `ipwarden gc`.
+//!
+//! Decisions come from `crate::gc` (pure); these actors gather caches and write.
+
+pub mod janitor;
+pub mod leader;
+pub mod manual;
+pub mod metrics;
+pub mod pool;
+pub mod sweeper;
+pub mod tracer;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use actix::{Actor, AsyncContext};
+use anyhow::Context as _;
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, Store, reflector};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use prometheus_client::registry::Registry;
+
+use crate::crd::{IPBlock, IPClaim, IPPool};
+use crate::gc::index::ClusterIndex;
+use crate::gc::rules::{NotReadyPolicy, RuleSettings};
+use crate::workload::DEFAULT_STICKY_KINDS;
+
+/// How long the controller waits for its caches at start.
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The cached cluster every actor reads.
+#[derive(Clone)]
+pub struct Caches {
+    /// Pods.
+    pub pods: Store<Pod>,
+    /// Nodes.
+    pub nodes: Store<Node>,
+    /// IPClaims.
+    pub claims: Store<IPClaim>,
+    /// StatefulSets (sticky owners).
+    pub statefulsets: Store<StatefulSet>,
+    /// IPBlocks.
+    pub blocks: Store<IPBlock>,
+    /// IPPools.
+    pub pools: Store<IPPool>,
+    /// Owner kinds whose records are sticky.
+    pub sticky_kinds: Arc<Vec<String>>,
+}
+
+impl Caches {
+    /// The index of the cluster as cached now.
+    pub fn index(&self) -> ClusterIndex {
+        ClusterIndex::build(
+            &self.pods.state(),
+            &self.nodes.state(),
+            &self.claims.state(),
+            &self.statefulsets.state(),
+            &self.sticky_kinds,
+        )
+    }
+}
+
+/// What to do with IPs of terminating pods on NotReady nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum NotReadyMode {
+    /// Keep them until the node returns or is deleted (a partitioned node may still run the pod).
+    Keep,
+    /// Release them after `--not-ready-release-after-seconds`.
+    Release,
+}
+
+/// The controller's flags; each has an environment fallback.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ControllerArgs {
+    /// Run the garbage collector (off: elect, cache and serve metrics, but never write).
+    #[arg(long, env = "IPWARDEN_GC_ENABLED", default_value_t = true, action = clap::ArgAction::Set)]
+    pub gc_enabled: bool,
+    /// Seconds between full sweeps.
+    #[arg(long, env = "IPWARDEN_GC_FULL_SCAN_INTERVAL_SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    pub full_scan_interval_seconds: u64,
+    /// Seconds added to a terminating pod's deletionTimestamp before its IP is released.
+    #[arg(long, env = "IPWARDEN_GC_ADDITIONAL_GRACE_SECONDS", default_value_t = 5)]
+    pub additional_grace_seconds: u64,
+    /// What to do with IPs of terminating pods on NotReady nodes.
+    #[arg(long, env = "IPWARDEN_GC_NOT_READY_POLICY", value_enum, default_value_t = NotReadyMode::Keep)]
+    pub not_ready_policy: NotReadyMode,
+    /// With `--not-ready-policy release`: seconds a node must be NotReady first.
+    #[arg(long, env = "IPWARDEN_GC_NOT_READY_RELEASE_AFTER_SECONDS", default_value_t = 300)]
+    pub not_ready_release_after_seconds: u64,
+    /// Milliseconds a pool actor collects changes before writing each block once.
+    #[arg(long, env = "IPWARDEN_GC_BATCH_WINDOW_MS", default_value_t = 200)]
+    pub batch_window_ms: u64,
+    /// Owner kinds whose pods keep their IPs (comma-separated; empty: none).
+    #[arg(long, env = "IPWARDEN_STICKY_OWNER_KINDS", value_delimiter = ',', default_values_t = DEFAULT_STICKY_KINDS.map(String::from))]
+    pub sticky_owner_kinds: Vec<String>,
+    /// Seconds between claim janitor passes.
+    #[arg(long, env = "IPWARDEN_CLAIM_JANITOR_INTERVAL_SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub claim_janitor_interval_seconds: u64,
+    /// The namespace of the leader Lease and of the manual-trigger ConfigMap.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    pub namespace: String,
+    /// The leader Lease's name.
+    #[arg(long, env = "IPWARDEN_LEASE_NAME", default_value = "ipwarden-controller")]
+    pub lease_name: String,
+    /// The leader Lease's duration in seconds; a dead leader is replaced within it.
+    #[arg(long, env = "IPWARDEN_LEASE_DURATION_SECONDS", default_value_t = 15, value_parser = clap::value_parser!(u64).range(2..))]
+    pub lease_duration_seconds: u64,
+    /// This replica's identity in the Lease (default: the pod name, else the host name).
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Where /metrics, /healthz and /readyz are served.
+    #[arg(long, env = "IPWARDEN_CONTROLLER_METRICS_ADDRESS", default_value = "0.0.0.0:9611")]
+    pub metrics_address: SocketAddr,
+    /// Apply ipwarden's CRDs at start.
+    #[arg(long, env = "IPWARDEN_INSTALL_CRDS")]
+    pub install_crds: bool,
+}
+
+fn cache<K>(api: Api<K>) -> (Store<K>, impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>>)
+where
+    K: kube::Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+{
+    let (store, writer) = reflector::store();
+    let stream = reflector(writer, watcher(api, watcher::Config::default())).default_backoff();
+    (store, stream)
+}
+
+fn drain<S>(stream: S)
+where
+    S: futures::Stream + Send + 'static,
+{
+    tokio::spawn(stream.for_each(|_| async {}));
+}
+
+/// Runs the controller until SIGINT or SIGTERM. Must run inside an actix System.
+pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
+    let client = Client::try_default().await.context("building the Kubernetes client (kubeconfig or in-cluster)")?;
+    if args.install_crds {
+        crate::crd::install(&client, STARTUP_TIMEOUT).await.context("installing the CRDs")?;
+    }
+    let identity = args
+        .identity
+        .clone()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| format!("ipwarden-controller-{}", std::process::id()));
+    let mut registry = Registry::default();
+    let metrics = metrics::ControllerMetrics::register(&mut registry);
+    let ready = Arc::new(AtomicBool::new(false));
+    let endpoint = crate::http::Endpoint { registry: Arc::new(registry), ready: ready.clone() };
+    let (address, http) = crate::http::bind(args.metrics_address, endpoint)
+        .await
+        .with_context(|| format!("binding the metrics address {}", args.metrics_address))?;
+    tokio::spawn(async move {
+        if let Err(e) = http.await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    });
+    tracing::info!(%address, %identity, "serving /metrics, /healthz and /readyz");
+
+    let (pods, pod_events) = cache(Api::<Pod>::all(client.clone()));
+    let (nodes, node_events) = cache(Api::<Node>::all(client.clone()));
+    let (claims, claim_events) = cache(Api::<IPClaim>::all(client.clone()));
+    let (statefulsets, sts_events) = cache(Api::<StatefulSet>::all(client.clone()));
+    let (blocks, block_events) = cache(Api::<IPBlock>::all(client.clone()));
+    let (pools, pool_events) = cache(Api::<IPPool>::all(client.clone()));
+    drain(node_events);
+    drain(claim_events);
+    drain(sts_events);
+    drain(block_events);
+    drain(pool_events);
+    let sticky_kinds =
+        Arc::new(args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect());
+    let caches = Caches { pods, nodes, claims, statefulsets, blocks, pools, sticky_kinds };
+
+    let leading = Arc::new(AtomicBool::new(false));
+    let settings = RuleSettings {
+        additional_delay: Duration::from_secs(args.additional_grace_seconds),
+        not_ready: match args.not_ready_policy {
+            NotReadyMode::Keep => NotReadyPolicy::Keep,
+            NotReadyMode::Release => {
+                NotReadyPolicy::ReleaseAfter(Duration::from_secs(args.not_ready_release_after_seconds))
+            }
+        },
+    };
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter { controller: "ipwarden-controller".into(), instance: Some(identity.clone()) },
+    );
+    let pool_context = pool::PoolContext {
+        client: client.clone(),
+        caches: caches.clone(),
+        leading: leading.clone(),
+        metrics: metrics.clone(),
+        identity: identity.clone(),
+        batch_window: Duration::from_millis(args.batch_window_ms),
+        recorder,
+    };
+
+    let mut subscribers = Vec::new();
+    let caches_for_wait = caches.clone();
+    let mut gc_actors = None;
+    if args.gc_enabled {
+        let supervisor = pool::PoolSupervisor::new(pool_context).start();
+        let sweeper = sweeper::Sweeper::new(
+            caches.clone(),
+            supervisor.clone(),
+            leading.clone(),
+            settings,
+            metrics.clone(),
+            Duration::from_secs(args.full_scan_interval_seconds),
+        );
+        let tracer =
+            tracer::PodTracer::new(caches.clone(), supervisor.clone(), leading.clone(), settings, metrics.clone());
+        let tracer = tracer::PodTracer::create(move |ctx| {
+            ctx.add_stream(pod_events);
+            tracer
+        });
+        let janitor = janitor::ClaimJanitor::new(
+            client.clone(),
+            caches.clone(),
+            leading.clone(),
+            Duration::from_secs(args.claim_janitor_interval_seconds),
+        )
+        .start();
+        gc_actors = Some((supervisor, tracer, janitor));
+        subscribers.push(sweeper_recipient(sweeper, &client, &args, &leading));
+    } else {
+        drain(pod_events);
+    }
+
+    tokio::time::timeout(STARTUP_TIMEOUT, async {
+        caches_for_wait.pods.wait_until_ready().await?;
+        caches_for_wait.nodes.wait_until_ready().await?;
+        caches_for_wait.claims.wait_until_ready().await?;
+        caches_for_wait.statefulsets.wait_until_ready().await?;
+        caches_for_wait.blocks.wait_until_ready().await?;
+        caches_for_wait.pools.wait_until_ready().await
+    })
+    .await
+    .context("caches did not sync in time (are the CRDs installed?)")?
+    .context("a cache closed before syncing")?;
+    ready.store(true, Ordering::SeqCst);
+    tracing::info!("caches synced; electing a leader");
+
+    let lease_api = Api::namespaced(client.clone(), &args.namespace);
+    let _leader = leader::Leader::new(
+        lease_api,
+        args.lease_name.clone(),
+        identity,
+        Duration::from_secs(args.lease_duration_seconds),
+        leading,
+        subscribers,
+        metrics,
+    )
+    .start();
+
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
+    tracing::info!("stopping");
+    drop(gc_actors);
+    actix::System::current().stop();
+    Ok(())
+}
+
+/// Starts the sweeper and the manual trigger; returns the sweeper's leadership recipient.
+fn sweeper_recipient(
+    sweeper: sweeper::Sweeper,
+    client: &Client,
+    args: &ControllerArgs,
+    leading: &Arc<AtomicBool>,
+) -> actix::Recipient<leader::LeadershipChanged> {
+    let sweeper = sweeper.start();
+    let trigger_api = Api::namespaced(client.clone(), &args.namespace);
+    manual::ManualTrigger::new(trigger_api, sweeper.clone(), leading.clone()).start();
+    sweeper.recipient()
+}

@@ -1,0 +1,475 @@
+//! `PoolSupervisor` and `PoolActor`: one actor per IPPool, the only writer of that pool's
+//! blocks in the controller. Changes are batched for a short window into one
+//! compare-and-swap write per block; right before writing, each change is re-checked: the
+//! record must still name the UID decided on, no live pod may report the IP, and a pod
+//! believed gone is confirmed gone by a live read.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseFuture, WrapFuture};
+use backon::{BackoffBuilder, ExponentialBuilder};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Api, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::{Client, Resource, ResourceExt};
+use tokio::sync::oneshot;
+
+use super::Caches;
+use super::metrics::{ControllerMetrics, FailureLabels, PoolLabels, ReleaseLabels};
+use crate::crd::{IPBlock, IPPool};
+use crate::gc::index::PodFacts;
+use crate::gc::rules::ReleaseReason;
+use crate::gc::sweep::{ChangeAction, RecordChange};
+
+/// How many times a block write is retried after conflicts.
+const MAX_CONFLICT_RETRIES: usize = 20;
+
+/// What started a change: the metric's `trigger` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trigger {
+    /// A traced pod reached its deadline or disappeared.
+    Trace,
+    /// A full sweep (timer or leadership gain).
+    Sweep,
+    /// A sweep an operator asked for.
+    Manual,
+}
+
+impl Trigger {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Trace => "trace",
+            Self::Sweep => "sweep",
+            Self::Manual => "manual",
+        }
+    }
+}
+
+/// What happened to one change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ChangeOutcome {
+    /// The record was removed.
+    Released,
+    /// The record was adopted by the pod reporting the IP.
+    Repaired,
+    /// The re-check dropped the change; the reason says why.
+    Skipped(&'static str),
+    /// The write failed.
+    Failed(String),
+}
+
+/// Totals of a set of changes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ApplyOutcome {
+    /// Records released.
+    pub released: usize,
+    /// Records repaired.
+    pub repaired: usize,
+    /// Changes dropped by the re-check.
+    pub skipped: usize,
+    /// Changes that failed.
+    pub failed: usize,
+}
+
+impl ApplyOutcome {
+    fn add(&mut self, outcome: &ChangeOutcome) {
+        match outcome {
+            ChangeOutcome::Released => self.released += 1,
+            ChangeOutcome::Repaired => self.repaired += 1,
+            ChangeOutcome::Skipped(_) => self.skipped += 1,
+            ChangeOutcome::Failed(_) => self.failed += 1,
+        }
+    }
+}
+
+/// Changes to carry out, from the tracer or a sweep.
+#[derive(Message)]
+#[rtype(result = "ApplyOutcome")]
+pub struct ApplyChanges {
+    /// The changes.
+    pub changes: Vec<RecordChange>,
+    /// Who asked.
+    pub trigger: Trigger,
+    /// When the pod ended, for the reclaim latency (traced changes only).
+    pub since: Option<Timestamp>,
+}
+
+/// Everything pool actors share.
+#[derive(Clone)]
+pub struct PoolContext {
+    /// The API client.
+    pub client: Client,
+    /// The controller's caches.
+    pub caches: Caches,
+    /// Whether this replica leads (checked right before every write).
+    pub leading: Arc<AtomicBool>,
+    /// Metrics.
+    pub metrics: ControllerMetrics,
+    /// This replica's identity, used as the writes' field manager.
+    pub identity: String,
+    /// How long changes are collected before one write per block.
+    pub batch_window: Duration,
+    /// Event recorder.
+    pub recorder: Recorder,
+}
+
+/// Starts and stops pool actors and routes changes to them.
+pub struct PoolSupervisor {
+    context: PoolContext,
+    pools: HashMap<String, Addr<PoolActor>>,
+}
+
+impl PoolSupervisor {
+    /// A supervisor over `context`.
+    pub fn new(context: PoolContext) -> Self {
+        Self { context, pools: HashMap::new() }
+    }
+
+    fn prune(&mut self) {
+        let existing: Vec<String> = self.context.caches.pools.state().iter().map(|p| p.name_any()).collect();
+        self.pools.retain(|name, _| {
+            let keep = existing.contains(name);
+            if !keep {
+                tracing::info!(pool = %name, "pool is gone; stopping its actor");
+            }
+            keep
+        });
+    }
+
+    fn actor(&mut self, pool: &str) -> Addr<PoolActor> {
+        let context = self.context.clone();
+        self.pools.entry(pool.to_string()).or_insert_with(|| PoolActor::new(pool.to_string(), context).start()).clone()
+    }
+}
+
+impl Actor for PoolSupervisor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(Duration::from_secs(30), |act, _| {
+            act.prune();
+            act.update_pool_gauges();
+        });
+    }
+}
+
+impl PoolSupervisor {
+    fn update_pool_gauges(&self) {
+        let mut allocated: BTreeMap<String, (i64, i64)> = BTreeMap::new();
+        for block in self.context.caches.blocks.state() {
+            let entry = allocated.entry(block.spec.pool.clone()).or_default();
+            entry.0 += i64::try_from(block.spec.allocations.len()).unwrap_or(i64::MAX);
+            entry.1 += i64::try_from(block.spec.allocations.values().filter(|a| a.sticky).count()).unwrap_or(i64::MAX);
+        }
+        for pool in self.context.caches.pools.state() {
+            let name = pool.name_any();
+            let labels = PoolLabels { pool: name.clone() };
+            let total = crate::pools::layout(&pool.spec).map(|l| l.capacity()).unwrap_or(0);
+            self.context.metrics.pool_total.get_or_create(&labels).set(i64::try_from(total).unwrap_or(i64::MAX));
+            let (used, sticky) = allocated.get(&name).copied().unwrap_or_default();
+            self.context.metrics.pool_allocated.get_or_create(&labels).set(used);
+            self.context.metrics.pool_sticky.get_or_create(&labels).set(sticky);
+        }
+    }
+}
+
+impl Handler<ApplyChanges> for PoolSupervisor {
+    type Result = ResponseFuture<ApplyOutcome>;
+
+    fn handle(&mut self, msg: ApplyChanges, _ctx: &mut Context<Self>) -> Self::Result {
+        self.prune();
+        let mut by_pool: BTreeMap<String, Vec<RecordChange>> = BTreeMap::new();
+        for change in msg.changes {
+            by_pool.entry(change.pool.clone()).or_default().push(change);
+        }
+        let sends: Vec<_> = by_pool
+            .into_iter()
+            .map(|(pool, changes)| self.actor(&pool).send(Batch { changes, trigger: msg.trigger, since: msg.since }))
+            .collect();
+        Box::pin(async move {
+            let mut total = ApplyOutcome::default();
+            for send in sends {
+                match send.await {
+                    Ok(outcomes) => outcomes.iter().for_each(|o| total.add(o)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a pool actor did not answer");
+                        total.failed += 1;
+                    }
+                }
+            }
+            total
+        })
+    }
+}
+
+/// Changes for one pool.
+#[derive(Message)]
+#[rtype(result = "Vec<ChangeOutcome>")]
+struct Batch {
+    changes: Vec<RecordChange>,
+    trigger: Trigger,
+    since: Option<Timestamp>,
+}
+
+struct Pending {
+    change: RecordChange,
+    trigger: Trigger,
+    since: Option<Timestamp>,
+    reply: oneshot::Sender<ChangeOutcome>,
+}
+
+/// The writer of one pool's blocks.
+pub struct PoolActor {
+    pool: String,
+    context: PoolContext,
+    pending: Vec<Pending>,
+    flush_scheduled: bool,
+}
+
+impl PoolActor {
+    fn new(pool: String, context: PoolContext) -> Self {
+        Self { pool, context, pending: Vec::new(), flush_scheduled: false }
+    }
+
+    fn flush(&mut self, ctx: &mut Context<Self>) {
+        self.flush_scheduled = false;
+        let batch = std::mem::take(&mut self.pending);
+        let (context, pool) = (self.context.clone(), self.pool.clone());
+        // `wait`: no other message is handled until this pool's writes are done.
+        ctx.wait(write_batch(context, pool, batch).into_actor(self).map(|(), _, _| ()));
+    }
+}
+
+impl Actor for PoolActor {
+    type Context = Context<Self>;
+}
+
+impl Handler<Batch> for PoolActor {
+    type Result = ResponseFuture<Vec<ChangeOutcome>>;
+
+    fn handle(&mut self, msg: Batch, ctx: &mut Context<Self>) -> Self::Result {
+        let mut replies = Vec::new();
+        for change in msg.changes {
+            let (reply, receiver) = oneshot::channel();
+            self.pending.push(Pending { change, trigger: msg.trigger, since: msg.since, reply });
+            replies.push(receiver);
+        }
+        if !self.flush_scheduled {
+            self.flush_scheduled = true;
+            ctx.run_later(self.context.batch_window, |act, ctx| act.flush(ctx));
+        }
+        Box::pin(async move {
+            let mut outcomes = Vec::new();
+            for receiver in replies {
+                outcomes.push(receiver.await.unwrap_or_else(|_| ChangeOutcome::Failed("pool actor stopped".into())));
+            }
+            outcomes
+        })
+    }
+}
+
+async fn write_batch(context: PoolContext, pool: String, batch: Vec<Pending>) {
+    let mut by_block: BTreeMap<String, Vec<Pending>> = BTreeMap::new();
+    for pending in batch {
+        by_block.entry(pending.change.block.clone()).or_default().push(pending);
+    }
+    for (block, items) in by_block {
+        let changes: Vec<&RecordChange> = items.iter().map(|p| &p.change).collect();
+        let outcomes = write_block(&context, &block, &changes).await;
+        for (pending, outcome) in items.into_iter().zip(outcomes) {
+            after_write(&context, &pool, &pending, &outcome).await;
+            let _receiver_gone = pending.reply.send(outcome);
+        }
+    }
+}
+
+/// Metrics, Events and claim deletion after one change.
+async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outcome: &ChangeOutcome) {
+    let change = &pending.change;
+    let metrics = &context.metrics;
+    match (outcome, &change.action) {
+        (ChangeOutcome::Released, ChangeAction::Release { reason, delete_claim }) => {
+            let labels = ReleaseLabels {
+                pool: pool.to_string(),
+                reason: reason.label().to_string(),
+                trigger: pending.trigger.label().to_string(),
+            };
+            metrics.releases.get_or_create(&labels).inc();
+            if let Some(since) = pending.since {
+                let seconds = Timestamp::now().duration_since(since).as_secs_f64().max(0.0);
+                metrics.reclaim_latency.observe(seconds);
+            }
+            if *delete_claim {
+                let deleted = crate::claim_writes::delete_if_bound_to(
+                    &context.client,
+                    &change.pod.namespace,
+                    &change.claim,
+                    &change.pod.uid,
+                )
+                .await;
+                if let Err(e) = deleted {
+                    tracing::warn!(claim = %change.claim, error = %e, "deleting the claim failed; the janitor will retry");
+                }
+            }
+            let note = format!(
+                "released {} of pod {}/{} (uid {}): rule {}, trigger {}",
+                change.ip,
+                change.pod.namespace,
+                change.pod.name,
+                change.pod.uid,
+                reason.label(),
+                pending.trigger.label()
+            );
+            publish(context, pool, "IPReleased", note).await;
+            tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), reason = reason.label(), trigger = pending.trigger.label(), "released");
+        }
+        (ChangeOutcome::Repaired, ChangeAction::Repair { pod }) => {
+            metrics.repairs.get_or_create(&FailureLabels { pool: pool.to_string() }).inc();
+            let note = format!(
+                "record of {} adopted by pod {}/{} (uid {}), which reports it",
+                change.ip, pod.namespace, pod.name, pod.uid
+            );
+            publish(context, pool, "IPRecordRepaired", note).await;
+        }
+        (ChangeOutcome::Skipped(reason), _) => metrics.skip(reason, 1),
+        (ChangeOutcome::Failed(e), _) => {
+            metrics.release_failures.get_or_create(&FailureLabels { pool: pool.to_string() }).inc();
+            tracing::warn!(pool, ip = %change.ip, error = %e, "GC change failed");
+        }
+        _ => {}
+    }
+}
+
+async fn publish(context: &PoolContext, pool: &str, reason: &str, note: String) {
+    let Some(object) = context.caches.pools.state().into_iter().find(|p| p.name_any() == pool) else { return };
+    let reference = IPPool::object_ref(&object, &());
+    let event = Event {
+        type_: EventType::Normal,
+        reason: reason.to_string(),
+        note: Some(note),
+        action: "GarbageCollect".to_string(),
+        secondary: None,
+    };
+    if let Err(e) = context.recorder.publish(&event, &reference).await {
+        tracing::debug!(error = %e, "publishing an Event failed");
+    }
+}
+
+/// The non-terminal pod reporting each of `ips`, from the cache.
+fn live_holders(context: &PoolContext, ips: &[&str]) -> HashMap<String, String> {
+    let mut holders = HashMap::new();
+    for pod in context.caches.pods.state() {
+        let facts = PodFacts::of(&pod);
+        if facts.terminal() {
+            continue;
+        }
+        for ip in facts.ips.iter().filter(|ip| ips.contains(&ip.as_str())) {
+            holders.insert(ip.clone(), facts.uid.clone());
+        }
+    }
+    holders
+}
+
+/// Whether the pod a "pod gone" decision was made for really is gone (or replaced), read
+/// from the apiserver rather than the cache.
+async fn confirmed_gone(client: &Client, change: &RecordChange) -> Result<bool, kube::Error> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &change.pod.namespace);
+    Ok(pods.get_opt(&change.pod.name).await?.is_none_or(|p| p.uid().as_deref() != Some(change.pod.uid.as_str())))
+}
+
+/// Applies `changes` to block `name` in one compare-and-swap write, retried on conflict.
+async fn write_block(context: &PoolContext, name: &str, changes: &[&RecordChange]) -> Vec<ChangeOutcome> {
+    let api: Api<IPBlock> = Api::all(context.client.clone());
+    let mut delays = ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(10))
+        .with_max_delay(Duration::from_millis(500))
+        .with_max_times(MAX_CONFLICT_RETRIES)
+        .with_jitter()
+        .build();
+    let params = PostParams {
+        field_manager: Some(format!("ipwarden-controller-{}", context.identity)),
+        ..PostParams::default()
+    };
+    loop {
+        let mut block = match api.get_opt(name).await {
+            Ok(Some(block)) => block,
+            Ok(None) => return changes.iter().map(|_| ChangeOutcome::Skipped("block_gone")).collect(),
+            Err(e) => {
+                return changes.iter().map(|_| ChangeOutcome::Failed(format!("reading IPBlock {name}: {e}"))).collect();
+            }
+        };
+        let ips: Vec<&str> = changes.iter().map(|c| c.ip.as_str()).collect();
+        let holders = live_holders(context, &ips);
+        let now = Timestamp::now();
+        let mut outcomes = Vec::new();
+        for change in changes {
+            outcomes.push(apply_one(context, &mut block, change, &holders, now).await);
+        }
+        if !outcomes.iter().any(|o| matches!(o, ChangeOutcome::Released | ChangeOutcome::Repaired)) {
+            return outcomes;
+        }
+        if !context.leading.load(Ordering::SeqCst) {
+            return changes.iter().map(|_| ChangeOutcome::Skipped("not_leader")).collect();
+        }
+        match api.replace(name, &params, &block).await {
+            Ok(_) => return outcomes,
+            Err(kube::Error::Api(status)) if status.code == 409 => {
+                context.metrics.conflict_retries.inc();
+                let Some(delay) = delays.next() else {
+                    return changes
+                        .iter()
+                        .map(|_| ChangeOutcome::Failed(format!("IPBlock {name} kept changing")))
+                        .collect();
+                };
+                tokio::time::sleep(delay).await;
+            }
+            Err(e) => {
+                return changes.iter().map(|_| ChangeOutcome::Failed(format!("writing IPBlock {name}: {e}"))).collect();
+            }
+        }
+    }
+}
+
+/// Re-checks one change against the fresh block and applies it to `block` in memory.
+async fn apply_one(
+    context: &PoolContext,
+    block: &mut IPBlock,
+    change: &RecordChange,
+    holders: &HashMap<String, String>,
+    now: Timestamp,
+) -> ChangeOutcome {
+    let Some(record) = block.spec.allocations.get_mut(&change.ip) else { return ChangeOutcome::Skipped("record_gone") };
+    if record.pod.uid != change.pod.uid {
+        return ChangeOutcome::Skipped("record_changed");
+    }
+    match &change.action {
+        ChangeAction::Release { reason, .. } => {
+            if holders.contains_key(&change.ip) {
+                return ChangeOutcome::Skipped("in_use");
+            }
+            if matches!(reason, ReleaseReason::PodGone | ReleaseReason::NodeDeleted) {
+                match confirmed_gone(&context.client, change).await {
+                    Ok(true) => {}
+                    Ok(false) => return ChangeOutcome::Skipped("pod_exists"),
+                    Err(e) => return ChangeOutcome::Failed(format!("confirming pod {} is gone: {e}", change.pod.name)),
+                }
+            }
+            block.spec.allocations.remove(&change.ip);
+            block.spec.released.insert(change.ip.clone(), Time(now));
+            ChangeOutcome::Released
+        }
+        ChangeAction::Repair { pod } => {
+            if holders.get(&change.ip) != Some(&pod.uid) {
+                return ChangeOutcome::Skipped("holder_changed");
+            }
+            record.pod = pod.clone();
+            ChangeOutcome::Repaired
+        }
+    }
+}

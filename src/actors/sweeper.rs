@@ -1,0 +1,146 @@
+//! `Sweeper` (gc-all): on a timer, on gaining leadership and on an operator's request, walks
+//! every record of every pool against the caches (no API read per record) and sends the
+//! verdicts to the pool actors. Only the leader sweeps.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseActFuture, WrapFuture};
+use jiff::Timestamp;
+
+use super::Caches;
+use super::leader::LeadershipChanged;
+use super::metrics::ControllerMetrics;
+use super::pool::{ApplyChanges, ApplyOutcome, PoolSupervisor, Trigger};
+use crate::gc::rules::RuleSettings;
+use crate::gc::sweep;
+
+/// What one sweep did; what `ipwarden gc` prints.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SweepReport {
+    /// Records looked at.
+    pub scanned: usize,
+    /// Releases and repairs decided.
+    pub planned: usize,
+    /// Records released.
+    pub released: usize,
+    /// Records repaired.
+    pub repaired: usize,
+    /// Decided changes the re-check dropped.
+    pub skipped: usize,
+    /// Changes that failed.
+    pub failed: usize,
+    /// Records of terminating pods still within their deadline.
+    pub traced: usize,
+    /// Records kept, by reason.
+    pub kept: BTreeMap<String, usize>,
+    /// How long it took, in milliseconds.
+    pub duration_ms: u64,
+}
+
+/// Ask for a sweep now; answers with its report, or why it could not run.
+#[derive(Message)]
+#[rtype(result = "Result<SweepReport, String>")]
+pub struct SweepNow(pub Trigger);
+
+/// The sweeper actor.
+pub struct Sweeper {
+    caches: Caches,
+    supervisor: Addr<PoolSupervisor>,
+    leading: Arc<AtomicBool>,
+    settings: RuleSettings,
+    metrics: ControllerMetrics,
+    interval: Duration,
+}
+
+impl Sweeper {
+    /// A sweeper running every `interval`.
+    pub fn new(
+        caches: Caches,
+        supervisor: Addr<PoolSupervisor>,
+        leading: Arc<AtomicBool>,
+        settings: RuleSettings,
+        metrics: ControllerMetrics,
+        interval: Duration,
+    ) -> Self {
+        Self { caches, supervisor, leading, settings, metrics, interval }
+    }
+
+    fn sweep(&self, trigger: Trigger) -> impl Future<Output = SweepReport> + 'static {
+        let started = Instant::now();
+        let index = self.caches.index();
+        let blocks = self.caches.blocks.state();
+        let plan = sweep::plan(&index, &blocks, Timestamp::now(), &self.settings);
+        let metrics = self.metrics.clone();
+        metrics.records_scanned.inc_by(u64::try_from(plan.scanned).unwrap_or(u64::MAX));
+        for (reason, count) in &plan.kept {
+            metrics.skip(reason, u64::try_from(*count).unwrap_or(u64::MAX));
+        }
+        let mut report = SweepReport {
+            scanned: plan.scanned,
+            planned: plan.changes.len(),
+            traced: plan.traced.len(),
+            kept: plan.kept.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            ..SweepReport::default()
+        };
+        let send = (!plan.changes.is_empty())
+            .then(|| self.supervisor.send(ApplyChanges { changes: plan.changes, trigger, since: None }));
+        async move {
+            let outcome = match send {
+                Some(send) => send.await.unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "the pool supervisor did not answer");
+                    ApplyOutcome { failed: report.planned, ..ApplyOutcome::default() }
+                }),
+                None => ApplyOutcome::default(),
+            };
+            report.released = outcome.released;
+            report.repaired = outcome.repaired;
+            report.skipped = outcome.skipped;
+            report.failed = outcome.failed;
+            let elapsed = started.elapsed();
+            report.duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
+            metrics.sweep_duration.observe(elapsed.as_secs_f64());
+            tracing::info!(trigger = trigger.label(), ?report, "sweep done");
+            report
+        }
+    }
+
+    fn sweep_if_leading(&mut self, trigger: Trigger, ctx: &mut Context<Self>) {
+        if self.leading.load(Ordering::SeqCst) {
+            ctx.spawn(self.sweep(trigger).into_actor(self).map(|_, _, _| ()));
+        }
+    }
+}
+
+impl Actor for Sweeper {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(self.interval, |act, ctx| act.sweep_if_leading(Trigger::Sweep, ctx));
+    }
+}
+
+impl Handler<LeadershipChanged> for Sweeper {
+    type Result = ();
+
+    fn handle(&mut self, msg: LeadershipChanged, ctx: &mut Context<Self>) {
+        if msg.0 {
+            // A new leader sweeps at once: whatever its predecessor left is caught now.
+            self.sweep_if_leading(Trigger::Sweep, ctx);
+        }
+    }
+}
+
+impl Handler<SweepNow> for Sweeper {
+    type Result = ResponseActFuture<Self, Result<SweepReport, String>>;
+
+    fn handle(&mut self, SweepNow(trigger): SweepNow, _ctx: &mut Context<Self>) -> Self::Result {
+        if !self.leading.load(Ordering::SeqCst) {
+            return Box::pin(actix::fut::ready(Err("this controller replica is not the leader".to_string())));
+        }
+        Box::pin(self.sweep(trigger).into_actor(self).map(|report, _, _| Ok(report)))
+    }
+}

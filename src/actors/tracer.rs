@@ -1,0 +1,168 @@
+//! `PodTracer`: follows pod events. A pod that terminates, completes or disappears has its
+//! records (found through its IPClaim) evaluated at its deadline, `deletionTimestamp` plus
+//! the additional delay (the timestamp already includes the grace period), and the verdicts
+//! go to the pool actors. Records without a claim are left to the sweeper.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use actix::{Actor, Addr, AsyncContext, Context, SpawnHandle, StreamHandler, WrapFuture};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::runtime::watcher;
+
+use super::Caches;
+use super::metrics::ControllerMetrics;
+use super::pool::{ApplyChanges, PoolSupervisor, Trigger};
+use crate::crd::PodRef;
+use crate::gc::index::PodFacts;
+use crate::gc::rules::{RuleSettings, Verdict};
+use crate::gc::sweep::{ChangeAction, RecordChange};
+use crate::workload;
+
+/// A traced pod: who it was and when it ended.
+#[derive(Clone, Debug)]
+struct Traced {
+    pod: PodRef,
+    claim: String,
+    since: Timestamp,
+}
+
+/// The tracer actor.
+pub struct PodTracer {
+    caches: Caches,
+    supervisor: Addr<PoolSupervisor>,
+    leading: Arc<AtomicBool>,
+    settings: RuleSettings,
+    metrics: ControllerMetrics,
+    timers: HashMap<String, SpawnHandle>,
+}
+
+impl PodTracer {
+    /// A tracer over the caches, sending changes to `supervisor`.
+    pub fn new(
+        caches: Caches,
+        supervisor: Addr<PoolSupervisor>,
+        leading: Arc<AtomicBool>,
+        settings: RuleSettings,
+        metrics: ControllerMetrics,
+    ) -> Self {
+        Self { caches, supervisor, leading, settings, metrics, timers: HashMap::new() }
+    }
+
+    fn schedule(&mut self, traced: Traced, at: Timestamp, ctx: &mut Context<Self>) {
+        let key = traced.pod.uid.clone();
+        if let Some(previous) = self.timers.remove(&key) {
+            ctx.cancel_future(previous);
+        }
+        let delay = Duration::try_from(at.duration_since(Timestamp::now())).unwrap_or(Duration::ZERO);
+        let handle = ctx.run_later(delay, move |act, ctx| act.evaluate(traced, ctx));
+        self.timers.insert(key, handle);
+        self.metrics.candidates.set(i64::try_from(self.timers.len()).unwrap_or(i64::MAX));
+    }
+
+    fn evaluate(&mut self, traced: Traced, ctx: &mut Context<Self>) {
+        self.timers.remove(&traced.pod.uid);
+        self.metrics.candidates.set(i64::try_from(self.timers.len()).unwrap_or(i64::MAX));
+        if !self.leading.load(Ordering::SeqCst) {
+            return;
+        }
+        let Some(claim) =
+            self.caches.claims.state().into_iter().find(|c| {
+                c.namespace().as_deref() == Some(traced.pod.namespace.as_str()) && c.name_any() == traced.claim
+            })
+        else {
+            return;
+        };
+        let index = self.caches.index();
+        let blocks = self.caches.blocks.state();
+        let now = Timestamp::now();
+        let mut changes = Vec::new();
+        let mut again: Option<Timestamp> = None;
+        for claimed in claim.spec.interfaces.iter().flat_map(|i| i.ips.iter()) {
+            let Some(block) = blocks.iter().find(|b| b.name_any() == claimed.block) else { continue };
+            let Some(record) = block.spec.allocations.get(&claimed.ip) else { continue };
+            if record.pod.uid != traced.pod.uid {
+                continue;
+            }
+            let change = |action| RecordChange {
+                pool: block.spec.pool.clone(),
+                block: claimed.block.clone(),
+                ip: claimed.ip.clone(),
+                pod: record.pod.clone(),
+                claim: traced.claim.clone(),
+                action,
+            };
+            match index.evaluate(&claimed.ip, record, now, &self.settings) {
+                Verdict::Release { reason, delete_claim } => {
+                    changes.push(change(ChangeAction::Release { reason, delete_claim }))
+                }
+                Verdict::TraceUntil(at) => again = Some(again.map_or(at, |a| a.min(at))),
+                Verdict::Repair { .. } | Verdict::Keep(_) => {}
+            }
+        }
+        if let Some(at) = again {
+            self.schedule(traced.clone(), at, ctx);
+        }
+        if changes.is_empty() {
+            return;
+        }
+        let request = ApplyChanges { changes, trigger: Trigger::Trace, since: Some(traced.since) };
+        let send = self.supervisor.send(request);
+        ctx.spawn(
+            async move {
+                if let Err(e) = send.await {
+                    tracing::warn!(error = %e, "the pool supervisor did not answer");
+                }
+            }
+            .into_actor(self),
+        );
+    }
+
+    fn traced(&self, pod: &Pod) -> Traced {
+        let owner = workload::controller_of(pod);
+        let facts = PodFacts::of(pod);
+        let ended = facts.deletion.unwrap_or_else(Timestamp::now);
+        Traced {
+            pod: PodRef { namespace: pod.namespace().unwrap_or_default(), name: pod.name_any(), uid: facts.uid },
+            claim: workload::claim_name(&pod.name_any(), owner.as_ref()),
+            since: ended,
+        }
+    }
+
+    fn deadline(&self, pod: &Pod) -> Timestamp {
+        let base = pod.metadata.deletion_timestamp.as_ref().map_or_else(Timestamp::now, |t| t.0);
+        base.saturating_add(self.settings.additional_delay).unwrap_or(Timestamp::MAX)
+    }
+}
+
+impl Actor for PodTracer {
+    type Context = Context<Self>;
+}
+
+impl StreamHandler<Result<watcher::Event<Pod>, watcher::Error>> for PodTracer {
+    fn handle(&mut self, event: Result<watcher::Event<Pod>, watcher::Error>, ctx: &mut Context<Self>) {
+        match event {
+            Ok(watcher::Event::Delete(pod)) => {
+                let at = self.deadline(&pod);
+                self.schedule(self.traced(&pod), at, ctx);
+            }
+            Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
+                let facts = PodFacts::of(&pod);
+                if facts.terminal() {
+                    let at = if facts.deletion.is_some() { self.deadline(&pod) } else { Timestamp::now() };
+                    self.schedule(self.traced(&pod), at, ctx);
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "pod watch error; retrying with backoff"),
+        }
+    }
+
+    fn finished(&mut self, _ctx: &mut Context<Self>) {
+        tracing::error!("the pod watch ended; the tracer stops (sweeps still run)");
+    }
+}

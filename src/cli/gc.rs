@@ -1,0 +1,162 @@
+//! `ipwarden gc`: ask the leader for a full sweep and print its report, or with `--dry-run`
+//! compute locally what a sweep would release and by which rule row, changing nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use jiff::Timestamp;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, Resource};
+
+use super::{Output, table};
+use crate::actors::manual::{ERROR_KEY, HANDLED_KEY, REQUEST_KEY, RESULT_KEY, TRIGGER_CONFIGMAP};
+use crate::actors::sweeper::SweepReport;
+use crate::crd::{IPBlock, IPClaim};
+use crate::gc::index::ClusterIndex;
+use crate::gc::rules::{NotReadyPolicy, RuleSettings};
+use crate::gc::sweep::{self, ChangeAction};
+use crate::workload::DEFAULT_STICKY_KINDS;
+
+/// `ipwarden gc` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct GcArgs {
+    /// Only list what a sweep would release or repair, and by which rule; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// The controller's namespace (where its Lease and the trigger ConfigMap live).
+    #[arg(long, short = 'n', env = "IPWARDEN_NAMESPACE", default_value = "default")]
+    pub namespace: String,
+    /// Seconds to wait for the leader's report.
+    #[arg(long, default_value_t = 120)]
+    pub timeout_seconds: u64,
+    /// Output format.
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+}
+
+async fn list<K>(client: &Client) -> anyhow::Result<Vec<Arc<K>>>
+where
+    K: Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
+{
+    let api: Api<K> = Api::all(client.clone());
+    let items = api.list(&ListParams::default()).await.with_context(|| format!("listing {}", K::plural(&())))?;
+    Ok(items.items.into_iter().map(Arc::new).collect())
+}
+
+/// Runs `ipwarden gc`.
+pub async fn run(args: GcArgs) -> anyhow::Result<()> {
+    let client = Client::try_default().await.context("building the Kubernetes client from the kubeconfig")?;
+    if args.dry_run { dry_run(&client, &args).await } else { ask_leader(&client, &args).await }
+}
+
+async fn dry_run(client: &Client, args: &GcArgs) -> anyhow::Result<()> {
+    let sticky: Vec<String> = DEFAULT_STICKY_KINDS.iter().map(|k| k.to_string()).collect();
+    let index = ClusterIndex::build(
+        &list::<Pod>(client).await?,
+        &list::<Node>(client).await?,
+        &list::<IPClaim>(client).await?,
+        &list::<StatefulSet>(client).await?,
+        &sticky,
+    );
+    let blocks = list::<IPBlock>(client).await?;
+    let settings = RuleSettings { additional_delay: Duration::from_secs(5), not_ready: NotReadyPolicy::Keep };
+    let plan = sweep::plan(&index, &blocks, Timestamp::now(), &settings);
+    if args.output == Output::Json {
+        let changes: Vec<serde_json::Value> = plan
+            .changes
+            .iter()
+            .map(|c| {
+                let (action, rule) = describe(&c.action);
+                serde_json::json!({"ip": c.ip, "pool": c.pool, "block": c.block,
+                    "pod": format!("{}/{}", c.pod.namespace, c.pod.name), "podUid": c.pod.uid, "action": action, "rule": rule})
+            })
+            .collect();
+        let out = serde_json::json!({"scanned": plan.scanned, "changes": changes, "traced": plan.traced.len(), "kept": plan.kept});
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    let rows: Vec<Vec<String>> = plan
+        .changes
+        .iter()
+        .map(|c| {
+            let (action, rule) = describe(&c.action);
+            vec![c.ip.clone(), c.pool.clone(), format!("{}/{}", c.pod.namespace, c.pod.name), action.to_string(), rule]
+        })
+        .collect();
+    print!("{}", table(&["IP", "POOL", "POD", "ACTION", "RULE"], &rows));
+    println!(
+        "{} records scanned, {} would change, {} traced until their deadline (dry run: nothing changed)",
+        plan.scanned,
+        plan.changes.len(),
+        plan.traced.len()
+    );
+    Ok(())
+}
+
+fn describe(action: &ChangeAction) -> (&'static str, String) {
+    match action {
+        ChangeAction::Release { reason, .. } => ("release", reason.label().to_string()),
+        ChangeAction::Repair { pod } => ("repair", format!("adopt by {}/{}", pod.namespace, pod.name)),
+    }
+}
+
+async fn ask_leader(client: &Client, args: &GcArgs) -> anyhow::Result<()> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), &args.namespace);
+    let request = format!("{}", Timestamp::now().as_nanosecond());
+    let patch = serde_json::json!({"data": {REQUEST_KEY: request}});
+    match api.patch(TRIGGER_CONFIGMAP, &PatchParams::default(), &Patch::Merge(&patch)).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(status)) if status.code == 404 => {
+            let map: ConfigMap = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": TRIGGER_CONFIGMAP, "namespace": args.namespace}, "data": {REQUEST_KEY: request},
+            }))?;
+            api.create(&PostParams::default(), &map).await.context("creating the GC trigger ConfigMap")?;
+        }
+        Err(e) => return Err(e).context(format!("writing the GC request into {}/{TRIGGER_CONFIGMAP}", args.namespace)),
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(args.timeout_seconds);
+    loop {
+        let data = api.get(TRIGGER_CONFIGMAP).await.context("reading the GC report")?.data.unwrap_or_default();
+        if data.get(HANDLED_KEY) == Some(&request) {
+            if let Some(error) = data.get(ERROR_KEY).filter(|e| !e.is_empty()) {
+                bail!("the controller could not sweep: {error}");
+            }
+            let text = data.get(RESULT_KEY).cloned().unwrap_or_default();
+            let report: SweepReport = serde_json::from_str(&text).context("decoding the sweep report")?;
+            print_report(&report, args.output)?;
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            bail!(
+                "no report within {} s: is an ipwarden controller leading in namespace {}?",
+                args.timeout_seconds,
+                args.namespace
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+fn print_report(report: &SweepReport, output: Output) -> anyhow::Result<()> {
+    if output == Output::Json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+        return Ok(());
+    }
+    let rows = vec![
+        vec!["scanned".into(), report.scanned.to_string()],
+        vec!["released".into(), report.released.to_string()],
+        vec!["repaired".into(), report.repaired.to_string()],
+        vec!["skipped at write".into(), report.skipped.to_string()],
+        vec!["failed".into(), report.failed.to_string()],
+        vec!["traced".into(), report.traced.to_string()],
+    ];
+    print!("{}", table(&["SWEEP", "RECORDS"], &rows));
+    for (reason, count) in &report.kept {
+        println!("kept {count} ({reason})");
+    }
+    println!("took {} ms", report.duration_ms);
+    Ok(())
+}

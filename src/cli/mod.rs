@@ -1,0 +1,46 @@
+//! The operator CLI: commands that read (and, for `gc`, ask the leader to change) the
+//! cluster with the user's kubeconfig. Tables for people, `-o json` for scripts.
+
+pub mod gc;
+
+/// Output format of CLI commands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    /// Aligned columns for people.
+    Table,
+    /// JSON for scripts.
+    Json,
+}
+
+/// Renders rows as aligned columns under `headers`.
+pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().enumerate() {
+            if let Some(w) = widths.get_mut(i) {
+                *w = (*w).max(cell.len());
+            }
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        padded.join("  ").trim_end().to_string()
+    };
+    let mut out = line(headers.to_vec());
+    out.push('\n');
+    for row in rows {
+        out.push_str(&line(row.iter().map(String::as_str).collect()));
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod test {
+    #[test]
+    fn tables_align_columns_to_the_widest_cell() {
+        let text =
+            super::table(&["IP", "POD"], &[vec!["10.0.0.10".into(), "a".into()], vec!["1.1".into(), "bb".into()]]);
+        assert_eq!(text, "IP         POD\n10.0.0.10  a\n1.1        bb\n");
+    }
+}
