@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
-use support::{Ipwarden, TIMEOUT, claims, create_pod, ip_of, records, wait_pods_with_ips};
+use support::{Ipwarden, TIMEOUT, claims, create_pod, ip_of, metric, records, wait_pods_with_ips};
 
 const NS: &str = "default";
 
@@ -61,11 +61,6 @@ async fn two_hundred_concurrent_adds_from_four_agents_get_distinct_ips_that_reco
         successes += metric(&text, r#"ipwarden_agent_allocations_total{result="success"}"#);
     }
     assert_eq!(successes, 200.0, "the agents counted 200 successful ADDs");
-}
-
-/// The value of the series `name_and_labels` in exposition `text` (0 when absent).
-fn metric(text: &str, name_and_labels: &str) -> f64 {
-    text.lines().find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok()).unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,6 +28,10 @@ pub struct Ipwarden {
     pub agents: Vec<Component>,
     /// Each agent's metrics port on 127.0.0.1.
     pub metrics_ports: Vec<u16>,
+    /// Controller replicas started with [`Ipwarden::start_controller`].
+    pub controllers: Vec<Component>,
+    /// Each controller's metrics port on 127.0.0.1.
+    pub controller_ports: Vec<u16>,
 }
 
 /// A CNI_PATH directory holding `ipwarden-cni`, a link to the binary under test, as a
@@ -72,7 +76,13 @@ impl Ipwarden {
             .expect("pool");
             api.create(&PostParams::default(), &pool).await.expect("create pool");
         }
-        let mut ipwarden = Self { cluster, agents: Vec::new(), metrics_ports: Vec::new() };
+        let mut ipwarden = Self {
+            cluster,
+            agents: Vec::new(),
+            metrics_ports: Vec::new(),
+            controllers: Vec::new(),
+            controller_ports: Vec::new(),
+        };
         for index in 0..nodes {
             let port = e2e::process::free_port().expect("free port");
             let agent = ipwarden.spawn_agent(index, port, agent_args);
@@ -135,8 +145,70 @@ impl Ipwarden {
     }
 
     fn agent_http(&self, index: usize) -> Client {
-        let uri: http::Uri = format!("http://127.0.0.1:{}", self.metrics_ports[index]).parse().expect("uri");
-        Client::try_from(kube::Config::new(uri)).expect("agent http client")
+        http_client(self.metrics_ports[index])
+    }
+
+    /// Starts a controller replica named `identity` (short timings for tests, plus `extra`)
+    /// and returns its index.
+    pub fn start_controller(&mut self, identity: &str, extra: &[&str]) -> usize {
+        let port = e2e::process::free_port().expect("free port");
+        let mut args = vec![
+            "controller".to_string(),
+            format!("--identity={identity}"),
+            "--namespace=default".to_string(),
+            format!("--metrics-address=127.0.0.1:{port}"),
+            "--lease-duration-seconds=4".to_string(),
+            "--additional-grace-seconds=1".to_string(),
+            "--batch-window-ms=100".to_string(),
+            "--claim-janitor-interval-seconds=2".to_string(),
+        ];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let env = vec![
+            ("KUBECONFIG".to_string(), self.cluster.kubeconfig().display().to_string()),
+            ("RUST_LOG".to_string(), "info,kube_client=warn".to_string()),
+        ];
+        let log = self.cluster.dir().join(format!("controller-{identity}.log"));
+        let controller = Component::start_with_env(
+            &format!("controller-{identity}"),
+            std::path::Path::new(env!("CARGO_BIN_EXE_ipwarden")),
+            args,
+            env,
+            log,
+        )
+        .expect("controller starts");
+        self.controllers.push(controller);
+        self.controller_ports.push(port);
+        self.controllers.len() - 1
+    }
+
+    /// Controller `index`'s /metrics text, or None while it does not answer.
+    pub async fn scrape_controller(&self, index: usize) -> Option<String> {
+        let mut request = http::Request::new(Vec::new());
+        *request.uri_mut() = http::Uri::from_static("/metrics");
+        http_client(self.controller_ports[index]).request_text(request).await.ok()
+    }
+
+    /// Waits until controller `index` leads (its `ipwarden_controller_leader` is 1).
+    pub async fn wait_leader(&mut self, index: usize) {
+        let log = self.controllers[index].log().display().to_string();
+        let port = self.controller_ports[index];
+        let controller = &mut self.controllers[index];
+        wait::until(&format!("controller {index} leading (log {log})"), TIMEOUT, || {
+            let running = controller.ensure_running();
+            async move {
+                running?;
+                let mut request = http::Request::new(Vec::new());
+                *request.uri_mut() = http::Uri::from_static("/metrics");
+                let text = http_client(port).request_text(request).await.unwrap_or_default();
+                Ok(if metric(&text, "ipwarden_controller_leader") == 1.0 {
+                    Probe::Done(())
+                } else {
+                    Probe::Pending("not leading".into())
+                })
+            }
+        })
+        .await
+        .expect("controller leads");
     }
 
     /// Agent `index`'s /metrics text.
@@ -151,6 +223,70 @@ impl Ipwarden {
     pub fn client(&self) -> Client {
         self.cluster.client()
     }
+}
+
+fn http_client(port: u16) -> Client {
+    let uri: http::Uri = format!("http://127.0.0.1:{port}").parse().expect("uri");
+    Client::try_from(kube::Config::new(uri)).expect("http client")
+}
+
+/// The value of the series `name_and_labels` in exposition `text` (0 when absent).
+pub fn metric(text: &str, name_and_labels: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name_and_labels)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The sum of every series of `name` whose labels contain all of `labels` (e.g.
+/// `reason="pod_gone"`).
+pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")) || line.starts_with(&format!("{name} ")))
+        .filter(|line| labels.iter().all(|l| line.contains(l)))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Writes `record` for `ip` straight into block `block` of `pool` (a leak injected by a
+/// test), creating the block when needed; compare-and-swap, retried on conflict.
+pub async fn inject_record(client: &Client, pool: &str, block: &str, cidr: &str, ip: &str, record: serde_json::Value) {
+    let api: Api<IPBlock> = Api::all(client.clone());
+    let allocation: ipwarden::crd::Allocation = serde_json::from_value(record).expect("record");
+    for _ in 0..50 {
+        let written = match api.get_opt(block).await.expect("read block") {
+            Some(mut existing) => {
+                existing.spec.allocations.insert(ip.to_string(), allocation.clone());
+                api.replace(block, &PostParams::default(), &existing).await.map(drop)
+            }
+            None => {
+                let mut spec =
+                    ipwarden::crd::IPBlockSpec { pool: pool.into(), cidr: cidr.into(), ..Default::default() };
+                spec.allocations.insert(ip.to_string(), allocation.clone());
+                api.create(&PostParams::default(), &IPBlock::new(block, spec)).await.map(drop)
+            }
+        };
+        match written {
+            Ok(()) => return,
+            Err(kube::Error::Api(status)) if status.code == 409 => continue,
+            Err(e) => panic!("injecting a record into {block}: {e}"),
+        }
+    }
+    panic!("injecting a record into {block}: too many conflicts");
+}
+
+/// A record as the agent writes it.
+pub fn record_json(
+    namespace: &str,
+    pod: &str,
+    uid: &str,
+    node: &str,
+    owner: Option<(&str, &str)>,
+    sticky: bool,
+) -> serde_json::Value {
+    json!({"pod": {"namespace": namespace, "name": pod, "uid": uid}, "node": node, "network": "ipwarden",
+           "containerId": format!("injected-{uid}"), "interface": "eth0", "sticky": sticky,
+           "owner": owner.map(|(kind, name)| json!({"kind": kind, "name": name})),
+           "allocatedAt": "2026-01-01T00:00:00Z"})
 }
 
 /// Creates a bare pod bound to `node` (no scheduler involved).

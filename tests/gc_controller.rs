@@ -1,0 +1,382 @@
+//! The GC controller end to end on the real control plane: every class of rule row, the
+//! manual trigger through the CLI, leader failover with a standby that never writes, and a
+//! controller killed in the middle of a sweep.
+
+mod support;
+
+use std::collections::BTreeSet;
+
+use e2e::wait::{self, Probe};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use serde_json::json;
+use support::{
+    Ipwarden, TIMEOUT, create_pod, inject_record, ip_of, metric_sum, record_json, records, wait_pods_with_ips,
+};
+
+const NS: &str = "default";
+const POOL: &str = "pool";
+const BLOCK: &str = "pool-10-70-0-0-24";
+const CIDR: &str = "10.70.0.0/24";
+
+fn pool() -> [(&'static str, serde_json::Value); 1] {
+    [(POOL, json!({"cidr": CIDR, "default": true}))]
+}
+
+async fn wait_record_gone(client: &kube::Client, ip: &str, what: &str) {
+    wait::until(what, TIMEOUT, || async {
+        let held = records(client).await.get(ip).map(|r| r.pod.name.clone());
+        Ok(match held {
+            None => Probe::Done(()),
+            Some(pod) => Probe::Pending(format!("{ip} still recorded for {pod}")),
+        })
+    })
+    .await
+    .expect("the leak is reclaimed");
+}
+
+fn workload(kind: &str, name: &str, spec: serde_json::Value) -> serde_json::Value {
+    json!({"metadata": {"name": name}, "spec": spec, "kind": kind})
+}
+
+fn template(app: &str, extra: serde_json::Value) -> serde_json::Value {
+    let mut spec =
+        json!({"terminationGracePeriodSeconds": 1, "containers": [{"name": "c", "image": "registry.invalid/c:1"}]});
+    if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
+        spec.extend(extra.clone());
+    }
+    json!({"metadata": {"labels": {"app": app}}, "spec": spec})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_never_touched() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(2, &pool(), &[]).await;
+    let client = ipwarden.client();
+    let controller = ipwarden.start_controller("solo", &["--full-scan-interval-seconds=3"]);
+    ipwarden.wait_leader(controller).await;
+
+    // Live workloads that must come through untouched.
+    for i in 0..4 {
+        create_pod(&client, NS, &format!("live-{i}"), &format!("node-{}", i % 2), json!({"app": "live"})).await;
+    }
+    let live = wait_pods_with_ips(&client, NS, "app=live", 4).await;
+    let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), NS);
+    let sts = |name: &str, replicas: i32, extra: serde_json::Value| -> StatefulSet {
+        serde_json::from_value(workload(
+            "StatefulSet",
+            name,
+            json!({"replicas": replicas, "serviceName": name,
+            "selector": {"matchLabels": {"app": name}}, "template": template(name, extra)}),
+        ))
+        .expect("sts")
+    };
+    statefulsets.create(&PostParams::default(), &sts("db", 1, json!({}))).await.expect("db");
+    // A StatefulSet whose pod cannot be created (missing ServiceAccount): its ordinal 0 is
+    // wanted but absent. One whose pod stays Pending (no node matches): restarting.
+    statefulsets
+        .create(&PostParams::default(), &sts("blocked", 1, json!({"serviceAccountName": "missing"})))
+        .await
+        .expect("blocked");
+    statefulsets
+        .create(&PostParams::default(), &sts("pending", 1, json!({"nodeSelector": {"nowhere": "true"}})))
+        .await
+        .expect("pending");
+    let db = wait_pods_with_ips(&client, NS, "app=db", 1).await;
+
+    // Row "uid == r.uid, Succeeded": a Job pod completes on a node that skips DEL.
+    ipwarden.cluster.nodes()[1].faults().set_skip_del(true);
+    let job: Job = serde_json::from_value(workload("Job", "batch", json!({"backoffLimit": 0, "template": {
+        "metadata": {"labels": {"app": "batch"}, "annotations": {e2e::kubelet::RUN_SECONDS_ANNOTATION: "1"}},
+        "spec": {"restartPolicy": "Never", "nodeName": "node-1", "containers": [{"name": "c", "image": "registry.invalid/c:1"}]}}})))
+    .expect("job");
+    Api::<Job>::namespaced(client.clone(), NS).create(&PostParams::default(), &job).await.expect("job");
+    let job_ip = wait::until("the Job pod's IP", TIMEOUT, || async {
+        let pods = Api::<Pod>::namespaced(client.clone(), NS)
+            .list(&ListParams::default().labels("app=batch"))
+            .await
+            .map_err(e2e::Error::kube("list"))?;
+        Ok(match pods.items.first().map(ip_of).filter(|ip| !ip.is_empty()) {
+            Some(ip) => Probe::Done(ip),
+            None => Probe::Pending("no IP yet".into()),
+        })
+    })
+    .await
+    .expect("job pod runs");
+
+    // Row "pod absent" via a force delete whose DEL is skipped: traced, released at deadline.
+    create_pod(&client, NS, "forced", "node-1", json!({"app": "forced"})).await;
+    let forced = wait_pods_with_ips(&client, NS, "app=forced", 1).await;
+    let forced_ip = ip_of(&forced["forced"]);
+    let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+    Api::<Pod>::namespaced(client.clone(), NS).delete("forced", &force).await.expect("force delete");
+
+    // Injected leaks, one per row.
+    let live_uid = live["live-0"].uid().unwrap_or_default();
+    inject_record(
+        &client,
+        POOL,
+        BLOCK,
+        CIDR,
+        "10.70.0.201",
+        record_json(NS, "ghost", "ghost-uid", "node-0", None, false),
+    )
+    .await;
+    inject_record(
+        &client,
+        POOL,
+        BLOCK,
+        CIDR,
+        "10.70.0.202",
+        record_json(NS, "live-1", "stale-uid", "node-0", None, false),
+    )
+    .await;
+    inject_record(
+        &client,
+        POOL,
+        BLOCK,
+        CIDR,
+        "10.70.0.203",
+        record_json(NS, "lost", "lost-uid", "node-gone", None, false),
+    )
+    .await;
+    let sts_owner = |name| Some(("StatefulSet", name));
+    inject_record(
+        &client,
+        POOL,
+        BLOCK,
+        CIDR,
+        "10.70.0.204",
+        record_json(NS, "db-3", "db3-uid", "node-0", sts_owner("db"), true),
+    )
+    .await;
+    inject_record(
+        &client,
+        POOL,
+        BLOCK,
+        CIDR,
+        "10.70.0.205",
+        record_json(NS, "blocked-0", "b-uid", "node-0", sts_owner("blocked"), true),
+    )
+    .await;
+    inject_record(
+        &client,
+        POOL,
+        BLOCK,
+        CIDR,
+        "10.70.0.206",
+        record_json(NS, "pending-0", "p-uid", "node-0", sts_owner("pending"), true),
+    )
+    .await;
+    // Row "IP in a live pod's podIPs, record names another UID": repaired, never released.
+    let live0_ip = ip_of(&live["live-0"]);
+    inject_record(
+        &client,
+        POOL,
+        BLOCK,
+        CIDR,
+        &live0_ip,
+        record_json(NS, "impostor", "impostor-uid", "node-0", None, false),
+    )
+    .await;
+
+    wait_record_gone(&client, "10.70.0.201", "pod_gone: a record naming a pod that never existed").await;
+    wait_record_gone(&client, "10.70.0.202", "uid_mismatch: a stateless record naming an old UID").await;
+    wait_record_gone(&client, "10.70.0.203", "node_deleted: a record on a node that is gone").await;
+    wait_record_gone(&client, "10.70.0.204", "a sticky record of an ordinal the StatefulSet no longer wants").await;
+    wait_record_gone(&client, &job_ip, "completed: a finished Job pod whose DEL was missed").await;
+    wait_record_gone(&client, &forced_ip, "a force-deleted pod whose DEL was missed").await;
+    wait::until("the impostor record repaired to the pod reporting the IP", TIMEOUT, || async {
+        let uid = records(&client).await.get(&live0_ip).map(|r| r.pod.uid.clone());
+        Ok(if uid.as_deref() == Some(live_uid.as_str()) { Probe::Done(()) } else { Probe::Pending(format!("{uid:?}")) })
+    })
+    .await
+    .expect("repair");
+
+    // After more sweeps, what must stay has stayed.
+    let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+    let sweeps_before = metric_sum(&text, "ipwarden_gc_sweep_duration_seconds_count", &[]);
+    wait::until("two more sweeps", TIMEOUT, || async {
+        let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+        let sweeps = metric_sum(&text, "ipwarden_gc_sweep_duration_seconds_count", &[]);
+        Ok(if sweeps >= sweeps_before + 2.0 { Probe::Done(()) } else { Probe::Pending(format!("{sweeps} sweeps")) })
+    })
+    .await
+    .expect("sweeps go on");
+    let held = records(&client).await;
+    assert!(held.contains_key("10.70.0.205"), "absent pod, sticky, owner wants ordinal: reservation kept");
+    assert!(held.contains_key("10.70.0.206"), "recreated sticky pod with empty podIPs: kept while it restarts");
+    for pod in live.values().chain(db.values()) {
+        let ip = ip_of(pod);
+        assert_eq!(held.get(&ip).map(|r| r.pod.uid.clone()), pod.uid(), "{}'s record is untouched", pod.name_any());
+    }
+
+    let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+    for (reason, trigger) in [("pod_gone", None), ("uid_mismatch", None), ("node_deleted", None), ("completed", None)] {
+        let mut labels = vec![format!("reason=\"{reason}\"")];
+        labels.extend(trigger.map(|t: &str| format!("trigger=\"{t}\"")));
+        let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+        assert!(metric_sum(&text, "ipwarden_gc_releases_total", &labels) >= 1.0, "a release counted under {reason}");
+    }
+    assert!(metric_sum(&text, "ipwarden_gc_repairs_total", &[]) >= 1.0, "the repair is counted");
+    let claims = support::claims(&client, NS).await;
+    let job_claims: BTreeSet<&String> = claims.keys().filter(|k| k.starts_with("batch-")).collect();
+    assert!(job_claims.is_empty(), "the completed Job pod's claim is deleted: {job_claims:?}");
+}
+
+fn ipwarden_cli(ipwarden: &Ipwarden, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_ipwarden"))
+        .args(args)
+        .env("KUBECONFIG", ipwarden.cluster.kubeconfig())
+        .output()
+        .expect("ipwarden runs")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipwarden_gc_asks_the_leader_for_a_sweep_and_prints_its_result_and_dry_run_changes_nothing() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &pool(), &[]).await;
+    let client = ipwarden.client();
+    // No timer sweep during the test: only the manual one can release the leak.
+    let controller = ipwarden.start_controller("manual", &["--full-scan-interval-seconds=3600"]);
+    ipwarden.wait_leader(controller).await;
+    wait::until("the leadership sweep", TIMEOUT, || async {
+        let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+        let sweeps = metric_sum(&text, "ipwarden_gc_sweep_duration_seconds_count", &[]);
+        Ok(if sweeps >= 1.0 { Probe::Done(()) } else { Probe::Pending("no sweep yet".into()) })
+    })
+    .await
+    .expect("first sweep");
+    inject_record(
+        &client,
+        POOL,
+        BLOCK,
+        CIDR,
+        "10.70.0.210",
+        record_json(NS, "ghost", "ghost-uid", "node-0", None, false),
+    )
+    .await;
+
+    let dry = ipwarden_cli(&ipwarden, &["gc", "--dry-run", "-o", "json"]);
+    assert!(dry.status.success(), "dry run: {}", String::from_utf8_lossy(&dry.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&dry.stdout).expect("dry-run JSON");
+    assert_eq!(plan["changes"][0]["ip"], "10.70.0.210");
+    assert_eq!(plan["changes"][0]["rule"], "pod_gone");
+    assert!(records(&client).await.contains_key("10.70.0.210"), "a dry run changes nothing");
+
+    let run = ipwarden_cli(&ipwarden, &["gc", "-o", "json"]);
+    assert!(run.status.success(), "gc: {}", String::from_utf8_lossy(&run.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&run.stdout).expect("report JSON");
+    assert_eq!(report["released"], 1, "{report}");
+    assert!(report["scanned"].as_u64().is_some_and(|n| n >= 1));
+    assert!(!records(&client).await.contains_key("10.70.0.210"), "the manual sweep released the leak");
+    let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+    assert_eq!(metric_sum(&text, "ipwarden_gc_releases_total", &["trigger=\"manual\""]), 1.0);
+
+    let table = ipwarden_cli(&ipwarden, &["gc"]);
+    assert!(String::from_utf8_lossy(&table.stdout).contains("released"), "a table for people");
+}
+
+/// Field managers that wrote each IPBlock.
+async fn block_writers(client: &kube::Client) -> BTreeSet<String> {
+    Api::<ipwarden::crd::IPBlock>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .expect("blocks")
+        .items
+        .iter()
+        .flat_map(|b| b.metadata.managed_fields.iter().flatten().filter_map(|f| f.manager.clone()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_within_the_lease_and_never_writes_while_standing_by() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &pool(), &[]).await;
+    let client = ipwarden.client();
+    let first = ipwarden.start_controller("first", &["--full-scan-interval-seconds=2"]);
+    ipwarden.wait_leader(first).await;
+    let second = ipwarden.start_controller("second", &["--full-scan-interval-seconds=2"]);
+    inject_record(
+        &client,
+        POOL,
+        BLOCK,
+        CIDR,
+        "10.70.0.220",
+        record_json(NS, "ghost-a", "a-uid", "node-0", None, false),
+    )
+    .await;
+    wait_record_gone(&client, "10.70.0.220", "the leader releasing the first leak").await;
+    let standby = ipwarden.scrape_controller(second).await.unwrap_or_default();
+    assert_eq!(metric_sum(&standby, "ipwarden_controller_leader", &[]), 0.0, "the second replica stands by");
+    assert!(!block_writers(&client).await.contains("ipwarden-controller-second"), "a standby never writes");
+    let ready = ipwarden.scrape_controller(second).await.is_some();
+    assert!(ready, "the standby serves metrics (warm caches)");
+
+    ipwarden.controllers[first].kill();
+    let killed = std::time::Instant::now();
+    ipwarden.wait_leader(second).await;
+    assert!(
+        killed.elapsed() < std::time::Duration::from_secs(4 + 6),
+        "took over within the lease (4 s) and a renew period"
+    );
+    inject_record(
+        &client,
+        POOL,
+        BLOCK,
+        CIDR,
+        "10.70.0.221",
+        record_json(NS, "ghost-b", "b-uid", "node-0", None, false),
+    )
+    .await;
+    wait_record_gone(&client, "10.70.0.221", "the new leader releasing the second leak").await;
+    let text = ipwarden.scrape_controller(second).await.unwrap_or_default();
+    assert_eq!(
+        metric_sum(&text, "ipwarden_gc_releases_total", &[]),
+        1.0,
+        "the new leader released only the second leak"
+    );
+    assert!(block_writers(&client).await.contains("ipwarden-controller-second"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_killed_in_the_middle_of_a_sweep_loses_nothing() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &pool(), &[]).await;
+    let client = ipwarden.client();
+    for i in 0..3 {
+        create_pod(&client, NS, &format!("keep-{i}"), "node-0", json!({"app": "keep"})).await;
+    }
+    let live = wait_pods_with_ips(&client, NS, "app=keep", 3).await;
+    for i in 0..120u32 {
+        let ip = format!("10.70.0.{}", 100 + i);
+        inject_record(
+            &client,
+            POOL,
+            BLOCK,
+            CIDR,
+            &ip,
+            record_json(NS, &format!("ghost-{i}"), &format!("g{i}"), "node-0", None, false),
+        )
+        .await;
+    }
+    let controller = ipwarden.start_controller("crashy", &["--full-scan-interval-seconds=2"]);
+    ipwarden.wait_leader(controller).await;
+    ipwarden.controllers[controller].kill();
+    let after_kill = records(&client).await.len();
+    ipwarden.controllers[controller].restart().expect("restart");
+    wait::until("every injected leak reclaimed after the restart", TIMEOUT, || async {
+        let n = records(&client).await.len();
+        Ok(if n == 3 { Probe::Done(()) } else { Probe::Pending(format!("{n} records (3 live)")) })
+    })
+    .await
+    .expect("nothing lost");
+    assert!(after_kill > 3, "the kill came before the sweep finished ({after_kill} records left then)");
+    let held = records(&client).await;
+    for pod in live.values() {
+        assert_eq!(held.get(&ip_of(pod)).map(|r| r.pod.uid.clone()), pod.uid(), "live records untouched");
+    }
+}
