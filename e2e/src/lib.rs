@@ -13,6 +13,7 @@ pub mod cni;
 pub mod controlplane;
 pub mod demo;
 pub mod error;
+pub mod ipwarden;
 pub mod kubelet;
 pub mod pki;
 pub mod process;

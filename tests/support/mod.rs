@@ -4,14 +4,13 @@
 #![allow(dead_code)] // Each test binary uses a different part of this support module.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use e2e::process::Component;
 use e2e::wait::{self, Probe};
 use e2e::{Cluster, ClusterOptions, CniNetwork, Error};
-use ipwarden::crd::{IPBlock, IPClaim, IPPool};
+use ipwarden::crd::{IPBlock, IPClaim};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -34,31 +33,15 @@ pub struct Ipwarden {
     pub controller_ports: Vec<u16>,
 }
 
-/// A CNI_PATH directory holding `ipwarden-cni`, a link to the binary under test, as a
-/// DaemonSet installs it on a node.
-fn plugin_dir() -> PathBuf {
-    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cni-bin-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("plugin dir");
-        let link = dir.join("ipwarden-cni");
-        let _stale = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ipwarden"), &link).expect("plugin symlink");
-        dir
-    })
-    .clone()
+/// The binary under test.
+fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_ipwarden"))
 }
 
-/// The network the simulated kubelet uses: ipwarden's plugin, talking to the node's agent.
+/// The network the simulated kubelet uses: the real `ipwarden-cni`, talking to the node's agent.
 pub fn network() -> CniNetwork {
-    CniNetwork {
-        plugin_dirs: vec![plugin_dir()],
-        netconf: Arc::new(|node| {
-            json!({"cniVersion": "1.1.0", "name": "ipwarden", "type": "ipwarden-cni",
-                   "socket": node.dir.join("agent.sock")})
-        }),
-        gc_interval: None,
-    }
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cni-bin-{}", std::process::id()));
+    e2e::ipwarden::network(binary(), &dir).expect("CNI network")
 }
 
 impl Ipwarden {
@@ -68,13 +51,8 @@ impl Ipwarden {
         let options = ClusterOptions { nodes, network: Some(network()), ..ClusterOptions::default() };
         let cluster = Cluster::start(options).await.expect("cluster starts");
         ipwarden::crd::install(&cluster.client(), Duration::from_secs(60)).await.expect("CRDs install");
-        let api: Api<IPPool> = Api::all(cluster.client());
         for (name, spec) in pools {
-            let pool: IPPool = serde_json::from_value(json!({
-                "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPPool", "metadata": {"name": name}, "spec": spec,
-            }))
-            .expect("pool");
-            api.create(&PostParams::default(), &pool).await.expect("create pool");
+            e2e::ipwarden::create_pool(&cluster.client(), name, spec.clone()).await.expect("create pool");
         }
         let mut ipwarden = Self {
             cluster,
@@ -96,56 +74,14 @@ impl Ipwarden {
     }
 
     fn spawn_agent(&self, index: usize, metrics_port: u16, extra: &[&str]) -> Component {
-        let node = &self.cluster.nodes()[index];
-        let dir = node.dir();
-        let mut args = vec![
-            "agent".to_string(),
-            format!("--node-name={}", node.name()),
-            format!("--socket={}", dir.join("agent.sock").display()),
-            format!("--checkpoint={}", dir.join("checkpoint.json").display()),
-            format!("--metrics-address=127.0.0.1:{metrics_port}"),
-        ];
-        args.extend(extra.iter().map(|a| a.to_string()));
-        let env = vec![
-            ("KUBECONFIG".to_string(), self.cluster.kubeconfig().display().to_string()),
-            ("RUST_LOG".to_string(), "info,kube_client=warn".to_string()),
-        ];
-        Component::start_with_env(
-            &format!("agent-{}", node.name()),
-            std::path::Path::new(env!("CARGO_BIN_EXE_ipwarden")),
-            args,
-            env,
-            dir.join("agent.log"),
-        )
-        .expect("agent starts")
+        e2e::ipwarden::start_agent(&self.cluster, binary(), index, metrics_port, extra).expect("agent starts")
     }
 
     /// Waits until agent `index` reports ready on /readyz (caches synced, checkpoint
     /// restored, socket bound).
     pub async fn wait_agent_serving(&mut self, index: usize) {
-        let client = self.agent_http(index);
-        let agent = &mut self.agents[index];
-        let log = agent.log().display().to_string();
-        wait::until(&format!("agent {index} ready (log {log})"), TIMEOUT, || {
-            let running = agent.ensure_running();
-            let client = client.clone();
-            async move {
-                running?;
-                let mut request = http::Request::new(Vec::new());
-                *request.uri_mut() = http::Uri::from_static("/readyz");
-                Ok(match client.request_text(request).await {
-                    Ok(body) if body == "ok" => Probe::Done(()),
-                    Ok(body) => Probe::Pending(body),
-                    Err(e) => Probe::Pending(e.to_string()),
-                })
-            }
-        })
-        .await
-        .expect("agent serves");
-    }
-
-    fn agent_http(&self, index: usize) -> Client {
-        http_client(self.metrics_ports[index])
+        let port = self.metrics_ports[index];
+        e2e::ipwarden::wait_ready(&mut self.agents[index], port, TIMEOUT).await.expect("agent serves");
     }
 
     /// Starts a controller replica named `identity` (short timings for tests, plus `extra`)
@@ -153,29 +89,14 @@ impl Ipwarden {
     pub fn start_controller(&mut self, identity: &str, extra: &[&str]) -> usize {
         let port = e2e::process::free_port().expect("free port");
         let mut args = vec![
-            "controller".to_string(),
-            format!("--identity={identity}"),
-            "--namespace=default".to_string(),
-            format!("--metrics-address=127.0.0.1:{port}"),
-            "--lease-duration-seconds=4".to_string(),
-            "--additional-grace-seconds=1".to_string(),
-            "--batch-window-ms=100".to_string(),
-            "--claim-janitor-interval-seconds=2".to_string(),
+            "--lease-duration-seconds=4",
+            "--additional-grace-seconds=1",
+            "--batch-window-ms=100",
+            "--claim-janitor-interval-seconds=2",
         ];
-        args.extend(extra.iter().map(|a| a.to_string()));
-        let env = vec![
-            ("KUBECONFIG".to_string(), self.cluster.kubeconfig().display().to_string()),
-            ("RUST_LOG".to_string(), "info,kube_client=warn".to_string()),
-        ];
-        let log = self.cluster.dir().join(format!("controller-{identity}.log"));
-        let controller = Component::start_with_env(
-            &format!("controller-{identity}"),
-            std::path::Path::new(env!("CARGO_BIN_EXE_ipwarden")),
-            args,
-            env,
-            log,
-        )
-        .expect("controller starts");
+        args.extend(extra);
+        let controller =
+            e2e::ipwarden::start_controller(&self.cluster, binary(), identity, port, &args).expect("controller starts");
         self.controllers.push(controller);
         self.controller_ports.push(port);
         self.controllers.len() - 1
@@ -183,9 +104,7 @@ impl Ipwarden {
 
     /// Controller `index`'s /metrics text, or None while it does not answer.
     pub async fn scrape_controller(&self, index: usize) -> Option<String> {
-        let mut request = http::Request::new(Vec::new());
-        *request.uri_mut() = http::Uri::from_static("/metrics");
-        http_client(self.controller_ports[index]).request_text(request).await.ok()
+        e2e::ipwarden::get(self.controller_ports[index], "/metrics").await.ok()
     }
 
     /// Waits until controller `index` leads (its `ipwarden_controller_leader` is 1).
@@ -197,9 +116,7 @@ impl Ipwarden {
             let running = controller.ensure_running();
             async move {
                 running?;
-                let mut request = http::Request::new(Vec::new());
-                *request.uri_mut() = http::Uri::from_static("/metrics");
-                let text = http_client(port).request_text(request).await.unwrap_or_default();
+                let text = e2e::ipwarden::get(port, "/metrics").await.unwrap_or_default();
                 Ok(if metric(&text, "ipwarden_controller_leader") == 1.0 {
                     Probe::Done(())
                 } else {
@@ -213,21 +130,13 @@ impl Ipwarden {
 
     /// Agent `index`'s /metrics text.
     pub async fn scrape_agent(&self, index: usize) -> String {
-        let client = self.agent_http(index);
-        let mut request = http::Request::new(Vec::new());
-        *request.uri_mut() = http::Uri::from_static("/metrics");
-        client.request_text(request).await.expect("scrape /metrics")
+        e2e::ipwarden::get(self.metrics_ports[index], "/metrics").await.expect("scrape /metrics")
     }
 
     /// The admin client.
     pub fn client(&self) -> Client {
         self.cluster.client()
     }
-}
-
-fn http_client(port: u16) -> Client {
-    let uri: http::Uri = format!("http://127.0.0.1:{port}").parse().expect("uri");
-    Client::try_from(kube::Config::new(uri)).expect("http client")
 }
 
 /// The value of the series `name_and_labels` in exposition `text` (0 when absent).

@@ -1,0 +1,134 @@
+//! Running ipwarden itself on a test cluster: the CNI network that invokes the real
+//! `ipwarden-cni` binary, one agent process per node, controller replicas, pools, and the
+//! processes' HTTP endpoints. The binary under test is passed in (the harness does not
+//! depend on the ipwarden crate).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::Client;
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
+use serde_json::json;
+
+use crate::cluster::Cluster;
+use crate::cni::CniNetwork;
+use crate::error::{Error, Result};
+use crate::process::Component;
+use crate::wait::{self, Probe};
+
+/// The netconf name of ipwarden's network in tests.
+pub const NETWORK: &str = "ipwarden";
+
+/// A CNI network whose plugin is `binary` installed as `ipwarden-cni` in `plugin_dir`, talking
+/// to the agent socket in each node's directory.
+pub fn network(binary: &Path, plugin_dir: &Path) -> Result<CniNetwork> {
+    std::fs::create_dir_all(plugin_dir).map_err(Error::io("creating the CNI plugin directory", plugin_dir))?;
+    let link = plugin_dir.join("ipwarden-cni");
+    let _stale = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(binary, &link).map_err(Error::io("linking ipwarden-cni", &link))?;
+    Ok(CniNetwork {
+        plugin_dirs: vec![plugin_dir.to_path_buf()],
+        netconf: Arc::new(
+            |node| json!({"cniVersion": "1.1.0", "name": NETWORK, "type": "ipwarden-cni", "socket": node.dir.join("agent.sock")}),
+        ),
+        gc_interval: None,
+    })
+}
+
+/// The agent socket of a node.
+pub fn agent_socket(cluster: &Cluster, node: usize) -> PathBuf {
+    cluster.nodes()[node].dir().join("agent.sock")
+}
+
+fn spawn(cluster: &Cluster, binary: &Path, name: &str, args: Vec<String>, log: PathBuf) -> Result<Component> {
+    let env = vec![
+        ("KUBECONFIG".to_string(), cluster.kubeconfig().display().to_string()),
+        ("RUST_LOG".to_string(), "info,kube_client=warn".to_string()),
+    ];
+    Component::start_with_env(name, binary, args, env, log)
+}
+
+/// Starts the agent of node `node`, serving metrics on 127.0.0.1:`metrics_port`, with
+/// `extra` flags; its log is `agent.log` in the node's directory.
+pub fn start_agent(
+    cluster: &Cluster,
+    binary: &Path,
+    node: usize,
+    metrics_port: u16,
+    extra: &[&str],
+) -> Result<Component> {
+    let handle = &cluster.nodes()[node];
+    let dir = handle.dir();
+    let mut args = vec![
+        "agent".to_string(),
+        format!("--node-name={}", handle.name()),
+        format!("--socket={}", dir.join("agent.sock").display()),
+        format!("--checkpoint={}", dir.join("checkpoint.json").display()),
+        format!("--metrics-address=127.0.0.1:{metrics_port}"),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    spawn(cluster, binary, &format!("agent-{}", handle.name()), args, dir.join("agent.log"))
+}
+
+/// Starts a controller replica named `identity` in namespace `default`, serving metrics on
+/// 127.0.0.1:`metrics_port`, with `extra` flags; its log is in the run directory.
+pub fn start_controller(
+    cluster: &Cluster,
+    binary: &Path,
+    identity: &str,
+    metrics_port: u16,
+    extra: &[&str],
+) -> Result<Component> {
+    let mut args = vec![
+        "controller".to_string(),
+        format!("--identity={identity}"),
+        "--namespace=default".to_string(),
+        format!("--metrics-address=127.0.0.1:{metrics_port}"),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let log = cluster.dir().join(format!("controller-{identity}.log"));
+    spawn(cluster, binary, &format!("controller-{identity}"), args, log)
+}
+
+/// A plain-HTTP client for an ipwarden process's endpoint on 127.0.0.1:`port`.
+pub fn endpoint_client(port: u16) -> Result<Client> {
+    let text = format!("http://127.0.0.1:{port}");
+    let uri: http::Uri = text
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| Error::Kubeconfig { path: text.into(), reason: e.to_string() })?;
+    Client::try_from(kube::Config::new(uri)).map_err(Error::kube(format!("building a client for 127.0.0.1:{port}")))
+}
+
+/// GETs `path` (e.g. `/metrics`) from the process on 127.0.0.1:`port`.
+pub async fn get(port: u16, path: &'static str) -> Result<String> {
+    let mut request = http::Request::new(Vec::new());
+    *request.uri_mut() = http::Uri::from_static(path);
+    endpoint_client(port)?.request_text(request).await.map_err(Error::kube(format!("GET {path} on 127.0.0.1:{port}")))
+}
+
+/// Waits until the process on `port` answers `/readyz` with ok, failing at once if it exits.
+pub async fn wait_ready(component: &mut Component, port: u16, timeout: Duration) -> Result<()> {
+    let what = format!("{} ready (log {})", component.name(), component.log().display());
+    wait::until(&what, timeout, || {
+        let running = component.ensure_running();
+        async move {
+            running?;
+            Ok(match get(port, "/readyz").await {
+                Ok(body) if body == "ok" => Probe::Done(()),
+                Ok(body) => Probe::Pending(body),
+                Err(e) => Probe::Pending(e.to_string()),
+            })
+        }
+    })
+    .await
+}
+
+/// Creates IPPool `name` with `spec`.
+pub async fn create_pool(client: &Client, name: &str, spec: serde_json::Value) -> Result<()> {
+    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk("ipwarden.io", "v1alpha1", "IPPool"));
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &resource);
+    let mut pool = DynamicObject::new(name, &resource);
+    pool.data = json!({"spec": spec});
+    api.create(&PostParams::default(), &pool).await.map(drop).map_err(Error::kube(format!("creating IPPool {name}")))
+}
