@@ -14,7 +14,8 @@ test: controlplane
 	cargo test --locked --workspace
 
 demo: controlplane
-	cargo run --quiet --locked -p ipwarden-e2e --bin ipwarden-e2e -- up --demo --kubeconfig .e2e/kubeconfig
+	cargo build --quiet --locked --workspace --bins
+	target/debug/ipwarden-e2e up --demo --ipwarden target/debug/ipwarden --kubeconfig .e2e/kubeconfig
 
 cluster-up:
 	bash e2e/cluster/cluster-up.sh

@@ -53,14 +53,19 @@ async fn two_hundred_concurrent_adds_from_four_agents_get_distinct_ips_that_reco
     assert_consistent(&ipwarden, &pods).await;
     assert_eq!(records(&client).await.len(), 200, "exactly one record per pod");
 
-    let mut successes = 0.0;
+    // A loaded machine can make the plugin give up on a queued ADD that the agent then
+    // serves; the runtime DELs that sandbox and retries. So count: allocations minus
+    // releases is exactly one per pod.
+    let (mut successes, mut released) = (0.0, 0.0);
     for index in 0..4 {
         let text = ipwarden.scrape_agent(index).await;
         assert!(text.contains("ipwarden_agent_allocation_duration_seconds_bucket"), "latency histogram exposed");
         assert!(text.contains("ipwarden_agent_conflict_retries_total"), "conflict retries exposed");
         successes += metric(&text, r#"ipwarden_agent_allocations_total{result="success"}"#);
+        released += metric(&text, r#"ipwarden_agent_releases_total{result="released"}"#);
     }
-    assert_eq!(successes, 200.0, "the agents counted 200 successful ADDs");
+    assert!(successes >= 200.0, "the agents counted at least 200 successful ADDs ({successes})");
+    assert_eq!(successes - released, 200.0, "every allocation beyond one per pod was released again");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -222,6 +222,18 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
         assert!(metric_sum(&text, "ipwarden_gc_releases_total", &labels) >= 1.0, "a release counted under {reason}");
     }
     assert!(metric_sum(&text, "ipwarden_gc_repairs_total", &[]) >= 1.0, "the repair is counted");
+    wait::until("the pool's status counts matching its records", TIMEOUT, || async {
+        let pool =
+            Api::<ipwarden::crd::IPPool>::all(client.clone()).get(POOL).await.map_err(e2e::Error::kube("get pool"))?;
+        let status = pool.status.unwrap_or_default();
+        let held = records(&client).await;
+        let sticky = held.values().filter(|r| r.sticky).count();
+        let expected = (254, held.len() as i64, sticky as i64);
+        let shown = (status.total, status.allocated, status.sticky_reserved);
+        Ok(if shown == expected { Probe::Done(()) } else { Probe::Pending(format!("{shown:?}, want {expected:?}")) })
+    })
+    .await
+    .expect("kubectl get ippools shows true counts");
     let claims = support::claims(&client, NS).await;
     let job_claims: BTreeSet<&String> = claims.keys().filter(|k| k.starts_with("batch-")).collect();
     assert!(job_claims.is_empty(), "the completed Job pod's claim is deleted: {job_claims:?}");

@@ -152,15 +152,44 @@ impl Actor for PoolSupervisor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        ctx.run_interval(Duration::from_secs(30), |act, _| {
+        ctx.run_interval(POOL_STATUS_INTERVAL, |act, ctx| {
             act.prune();
-            act.update_pool_gauges();
+            let counts = act.update_pool_gauges();
+            if act.context.leading.load(Ordering::SeqCst) {
+                ctx.spawn(write_pool_counts(act.context.clone(), counts).into_actor(act));
+            }
         });
     }
 }
 
+/// How often pool gauges and IPPool status counts are refreshed.
+const POOL_STATUS_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Total, allocated and sticky IPs of one pool.
+type PoolCounts = (String, i64, i64, i64);
+
+/// Writes each pool's status counts where they differ from what the pool shows.
+async fn write_pool_counts(context: PoolContext, counts: Vec<PoolCounts>) {
+    let api: Api<IPPool> = Api::all(context.client.clone());
+    for (name, total, allocated, sticky) in counts {
+        let current = context.caches.pools.state().into_iter().find(|p| p.name_any() == name);
+        let shown = current.and_then(|p| p.status.clone()).unwrap_or_default();
+        if (shown.total, shown.allocated, shown.sticky_reserved) == (total, allocated, sticky) {
+            continue;
+        }
+        let patch = serde_json::json!({"status": {"total": total, "allocated": allocated, "stickyReserved": sticky}});
+        if let Err(e) =
+            api.patch_status(&name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch)).await
+        {
+            tracing::warn!(pool = %name, error = %e, "updating the pool's status counts failed");
+        }
+    }
+}
+
 impl PoolSupervisor {
-    fn update_pool_gauges(&self) {
+    /// Refreshes the pool gauges from the caches and returns the counts per pool.
+    fn update_pool_gauges(&self) -> Vec<PoolCounts> {
+        let mut counts = Vec::new();
         let mut allocated: BTreeMap<String, (i64, i64)> = BTreeMap::new();
         for block in self.context.caches.blocks.state() {
             let entry = allocated.entry(block.spec.pool.clone()).or_default();
@@ -175,7 +204,9 @@ impl PoolSupervisor {
             let (used, sticky) = allocated.get(&name).copied().unwrap_or_default();
             self.context.metrics.pool_allocated.get_or_create(&labels).set(used);
             self.context.metrics.pool_sticky.get_or_create(&labels).set(sticky);
+            counts.push((name, i64::try_from(total).unwrap_or(i64::MAX), used, sticky));
         }
+        counts
     }
 }
 

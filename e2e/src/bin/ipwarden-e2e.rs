@@ -34,6 +34,10 @@ enum Command {
         /// With --demo: seconds between two pod deletions.
         #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
         churn_seconds: u64,
+        /// Run ipwarden from this binary: its CNI plugin on every node, an agent per node, two
+        /// controller replicas and a default pool. Without it, nodes use Debian's host-local.
+        #[arg(long)]
+        ipwarden: Option<PathBuf>,
     },
 }
 
@@ -44,30 +48,92 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
-        Command::Up { nodes, kubeconfig, demo, churn_seconds } => {
-            up(nodes, kubeconfig, demo.then(|| Duration::from_secs(churn_seconds))).await
+        Command::Up { nodes, kubeconfig, demo, churn_seconds, ipwarden } => {
+            up(nodes, kubeconfig, demo.then(|| Duration::from_secs(churn_seconds)), ipwarden).await
         }
     }
 }
 
-async fn up(nodes: usize, kubeconfig: PathBuf, churn: Option<Duration>) -> anyhow::Result<()> {
+/// How long an ipwarden process may take to report ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// ipwarden's processes on the demo cluster, stopped when dropped.
+struct Ipwarden {
+    processes: Vec<e2e::process::Component>,
+    endpoints: Vec<(String, u16)>,
+}
+
+async fn start_ipwarden(cluster: &e2e::Cluster, binary: &std::path::Path) -> anyhow::Result<Ipwarden> {
+    let mut started = Ipwarden { processes: Vec::new(), endpoints: Vec::new() };
+    for node in 0..cluster.nodes().len() {
+        let port = e2e::process::free_port()?;
+        // The first agent installs the CRDs; the others find them.
+        let extra: &[&str] = if node == 0 { &["--install-crds"] } else { &[] };
+        let mut agent = e2e::ipwarden::start_agent(cluster, binary, node, port, extra)?;
+        e2e::ipwarden::wait_ready(&mut agent, port, READY_TIMEOUT).await?;
+        started.endpoints.push((format!("agent {}", cluster.nodes()[node].name()), port));
+        started.processes.push(agent);
+    }
+    e2e::ipwarden::create_pool(
+        &cluster.client(),
+        "default",
+        serde_json::json!({"cidr": "10.244.0.0/16", "default": true}),
+    )
+    .await?;
+    for identity in ["controller-a", "controller-b"] {
+        let port = e2e::process::free_port()?;
+        let mut controller = e2e::ipwarden::start_controller(cluster, binary, identity, port, &[])?;
+        e2e::ipwarden::wait_ready(&mut controller, port, READY_TIMEOUT).await?;
+        started.endpoints.push((identity.to_string(), port));
+        started.processes.push(controller);
+    }
+    Ok(started)
+}
+
+async fn up(
+    nodes: usize,
+    kubeconfig: PathBuf,
+    churn: Option<Duration>,
+    ipwarden: Option<PathBuf>,
+) -> anyhow::Result<()> {
     let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let options = e2e::ClusterOptions { nodes, ..e2e::ClusterOptions::default() };
+    let state_dir = kubeconfig.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let network = match &ipwarden {
+        Some(binary) => {
+            let binary = std::fs::canonicalize(binary).with_context(|| format!("finding {}", binary.display()))?;
+            Some(e2e::ipwarden::network(&binary, &state_dir.join("cni-bin"))?)
+        }
+        None => None,
+    };
+    let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
     let cluster = tokio::select! {
         cluster = e2e::Cluster::start(options) => cluster.context("starting the test cluster")?,
         _ = terminate.recv() => return Ok(()),
         _ = interrupt.recv() => return Ok(()),
     };
-    if let Some(parent) = kubeconfig.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
-    }
+    std::fs::create_dir_all(state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
+    let running = match &ipwarden {
+        Some(binary) => Some(
+            start_ipwarden(&cluster, &std::fs::canonicalize(binary)?)
+                .await
+                .context("starting ipwarden's agents and controllers")?,
+        ),
+        None => None,
+    };
     std::fs::copy(cluster.kubeconfig(), &kubeconfig)
         .with_context(|| format!("copying the kubeconfig to {}", kubeconfig.display()))?;
     println!("cluster ready: {} simulated nodes", cluster.nodes().len());
     println!("  kubeconfig: {}", kubeconfig.display());
     println!("  kubectl:    {} --kubeconfig {} get nodes", cluster.kubectl().display(), kubeconfig.display());
     println!("  run dir:    {}", cluster.dir().display());
+    if let (Some(running), Some(binary)) = (&running, &ipwarden) {
+        for (name, port) in &running.endpoints {
+            println!("  metrics:    http://127.0.0.1:{port}/metrics ({name})");
+        }
+        println!("  GC preview: KUBECONFIG={} {} gc --dry-run", kubeconfig.display(), binary.display());
+        println!("  pools:      kubectl ... get ippools,ipblocks; kubectl ... get ipclaims -A");
+    }
     let churning = match churn {
         Some(interval) => {
             e2e::demo::create(&cluster.client()).await.context("creating the demo workload")?;
@@ -86,6 +152,7 @@ async fn up(nodes: usize, kubeconfig: PathBuf, churn: Option<Duration>) -> anyho
     churning.abort();
     println!("stopping the cluster");
     let _removed = std::fs::remove_file(&kubeconfig);
+    drop(running);
     cluster.stop();
     Ok(())
 }
