@@ -39,6 +39,18 @@ pub async fn bind(
     Ok((local, async move { axum::serve(listener, app).await }))
 }
 
+/// Binds `address` and serves the endpoint on a background task; returns the bound address.
+pub async fn spawn(address: SocketAddr, endpoint: Endpoint) -> std::io::Result<SocketAddr> {
+    let (local, server) = bind(address, endpoint).await?;
+    tokio::spawn(async move {
+        if let Err(e) = server.await {
+            tracing::error!(error = %e, "the metrics and health endpoint stopped");
+        }
+    });
+    tracing::info!(address = %local, "serving /metrics, /healthz and /readyz");
+    Ok(local)
+}
+
 async fn metrics(State(endpoint): State<Endpoint>) -> impl IntoResponse {
     let mut body = String::new();
     match prometheus_client::encoding::text::encode(&mut body, &endpoint.registry) {

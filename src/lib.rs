@@ -16,4 +16,5 @@ pub mod ipam;
 pub mod lease;
 pub mod pools;
 pub mod protocol;
+pub mod retry;
 pub mod workload;

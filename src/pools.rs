@@ -26,6 +26,32 @@ pub fn block_name(pool: &str, block: IpNet) -> String {
     format!("{pool}-{text}")
 }
 
+/// A snapshot of pools with their layouts computed once, to hand out [`PoolView`]s.
+pub struct PoolSet {
+    names: Vec<String>,
+    specs: Vec<IPPoolSpec>,
+    layouts: Vec<Result<PoolLayout, LayoutError>>,
+}
+
+impl PoolSet {
+    /// Computes the layouts of `pools` (name, spec).
+    pub fn new(pools: impl IntoIterator<Item = (String, IPPoolSpec)>) -> Self {
+        let (names, specs): (Vec<String>, Vec<IPPoolSpec>) = pools.into_iter().unzip();
+        let layouts = specs.iter().map(layout).collect();
+        Self { names, specs, layouts }
+    }
+
+    /// One view per pool.
+    pub fn views(&self) -> Vec<PoolView<'_>> {
+        self.names
+            .iter()
+            .zip(&self.specs)
+            .zip(&self.layouts)
+            .map(|((name, spec), layout)| PoolView { name, spec, layout: layout.as_ref() })
+            .collect()
+    }
+}
+
 /// A pool as the selection sees it.
 #[derive(Clone, Debug)]
 pub struct PoolView<'a> {

@@ -26,6 +26,11 @@ fn pool() -> [(&'static str, serde_json::Value); 1] {
     [(POOL, json!({"cidr": CIDR, "default": true}))]
 }
 
+/// Writes a leaked record for `ip` into the test pool's block.
+async fn leak(client: &kube::Client, ip: &str, record: serde_json::Value) {
+    inject_record(client, POOL, BLOCK, CIDR, ip, record).await;
+}
+
 async fn wait_record_gone(client: &kube::Client, ip: &str, what: &str) {
     wait::until(what, TIMEOUT, || async {
         let held = records(client).await.get(ip).map(|r| r.pod.name.clone());
@@ -116,72 +121,16 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
 
     // Injected leaks, one per row.
     let live_uid = live["live-0"].uid().unwrap_or_default();
-    inject_record(
-        &client,
-        POOL,
-        BLOCK,
-        CIDR,
-        "10.70.0.201",
-        record_json(NS, "ghost", "ghost-uid", "node-0", None, false),
-    )
-    .await;
-    inject_record(
-        &client,
-        POOL,
-        BLOCK,
-        CIDR,
-        "10.70.0.202",
-        record_json(NS, "live-1", "stale-uid", "node-0", None, false),
-    )
-    .await;
-    inject_record(
-        &client,
-        POOL,
-        BLOCK,
-        CIDR,
-        "10.70.0.203",
-        record_json(NS, "lost", "lost-uid", "node-gone", None, false),
-    )
-    .await;
+    leak(&client, "10.70.0.201", record_json(NS, "ghost", "ghost-uid", "node-0", None, false)).await;
+    leak(&client, "10.70.0.202", record_json(NS, "live-1", "stale-uid", "node-0", None, false)).await;
+    leak(&client, "10.70.0.203", record_json(NS, "lost", "lost-uid", "node-gone", None, false)).await;
     let sts_owner = |name| Some(("StatefulSet", name));
-    inject_record(
-        &client,
-        POOL,
-        BLOCK,
-        CIDR,
-        "10.70.0.204",
-        record_json(NS, "db-3", "db3-uid", "node-0", sts_owner("db"), true),
-    )
-    .await;
-    inject_record(
-        &client,
-        POOL,
-        BLOCK,
-        CIDR,
-        "10.70.0.205",
-        record_json(NS, "blocked-0", "b-uid", "node-0", sts_owner("blocked"), true),
-    )
-    .await;
-    inject_record(
-        &client,
-        POOL,
-        BLOCK,
-        CIDR,
-        "10.70.0.206",
-        record_json(NS, "pending-0", "p-uid", "node-0", sts_owner("pending"), true),
-    )
-    .await;
+    leak(&client, "10.70.0.204", record_json(NS, "db-3", "db3-uid", "node-0", sts_owner("db"), true)).await;
+    leak(&client, "10.70.0.205", record_json(NS, "blocked-0", "b-uid", "node-0", sts_owner("blocked"), true)).await;
+    leak(&client, "10.70.0.206", record_json(NS, "pending-0", "p-uid", "node-0", sts_owner("pending"), true)).await;
     // Row "IP in a live pod's podIPs, record names another UID": repaired, never released.
     let live0_ip = ip_of(&live["live-0"]);
-    inject_record(
-        &client,
-        POOL,
-        BLOCK,
-        CIDR,
-        &live0_ip,
-        record_json(NS, "impostor", "impostor-uid", "node-0", None, false),
-    )
-    .await;
+    leak(&client, &live0_ip, record_json(NS, "impostor", "impostor-uid", "node-0", None, false)).await;
 
     wait_record_gone(&client, "10.70.0.201", "pod_gone: a record naming a pod that never existed").await;
     wait_record_gone(&client, "10.70.0.202", "uid_mismatch: a stateless record naming an old UID").await;
@@ -262,15 +211,7 @@ async fn ipwarden_gc_asks_the_leader_for_a_sweep_and_prints_its_result_and_dry_r
     })
     .await
     .expect("first sweep");
-    inject_record(
-        &client,
-        POOL,
-        BLOCK,
-        CIDR,
-        "10.70.0.210",
-        record_json(NS, "ghost", "ghost-uid", "node-0", None, false),
-    )
-    .await;
+    leak(&client, "10.70.0.210", record_json(NS, "ghost", "ghost-uid", "node-0", None, false)).await;
 
     let dry = ipwarden_cli(&ipwarden, &["gc", "--dry-run", "-o", "json"]);
     assert!(dry.status.success(), "dry run: {}", String::from_utf8_lossy(&dry.stderr));
@@ -312,15 +253,7 @@ async fn a_standby_takes_over_within_the_lease_and_never_writes_while_standing_b
     let first = ipwarden.start_controller("first", &["--full-scan-interval-seconds=2"]);
     ipwarden.wait_leader(first).await;
     let second = ipwarden.start_controller("second", &["--full-scan-interval-seconds=2"]);
-    inject_record(
-        &client,
-        POOL,
-        BLOCK,
-        CIDR,
-        "10.70.0.220",
-        record_json(NS, "ghost-a", "a-uid", "node-0", None, false),
-    )
-    .await;
+    leak(&client, "10.70.0.220", record_json(NS, "ghost-a", "a-uid", "node-0", None, false)).await;
     wait_record_gone(&client, "10.70.0.220", "the leader releasing the first leak").await;
     let standby = ipwarden.scrape_controller(second).await.unwrap_or_default();
     assert_eq!(metric_sum(&standby, "ipwarden_controller_leader", &[]), 0.0, "the second replica stands by");
@@ -335,15 +268,7 @@ async fn a_standby_takes_over_within_the_lease_and_never_writes_while_standing_b
         killed.elapsed() < std::time::Duration::from_secs(4 + 6),
         "took over within the lease (4 s) and a renew period"
     );
-    inject_record(
-        &client,
-        POOL,
-        BLOCK,
-        CIDR,
-        "10.70.0.221",
-        record_json(NS, "ghost-b", "b-uid", "node-0", None, false),
-    )
-    .await;
+    leak(&client, "10.70.0.221", record_json(NS, "ghost-b", "b-uid", "node-0", None, false)).await;
     wait_record_gone(&client, "10.70.0.221", "the new leader releasing the second leak").await;
     let text = ipwarden.scrape_controller(second).await.unwrap_or_default();
     assert_eq!(
@@ -365,15 +290,7 @@ async fn a_controller_killed_in_the_middle_of_a_sweep_loses_nothing() {
     let live = wait_pods_with_ips(&client, NS, "app=keep", 3).await;
     for i in 0..120u32 {
         let ip = format!("10.70.0.{}", 100 + i);
-        inject_record(
-            &client,
-            POOL,
-            BLOCK,
-            CIDR,
-            &ip,
-            record_json(NS, &format!("ghost-{i}"), &format!("g{i}"), "node-0", None, false),
-        )
-        .await;
+        leak(&client, &ip, record_json(NS, &format!("ghost-{i}"), &format!("g{i}"), "node-0", None, false)).await;
     }
     let controller = ipwarden.start_controller("crashy", &["--full-scan-interval-seconds=2"]);
     ipwarden.wait_leader(controller).await;

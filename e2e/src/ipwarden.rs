@@ -24,9 +24,14 @@ pub const NETWORK: &str = "ipwarden";
 /// to the agent socket in each node's directory.
 pub fn network(binary: &Path, plugin_dir: &Path) -> Result<CniNetwork> {
     std::fs::create_dir_all(plugin_dir).map_err(Error::io("creating the CNI plugin directory", plugin_dir))?;
+    // Link under a unique name, then rename over the final one: atomic, so tests that set up
+    // the same directory at once never see it missing or collide.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let link = plugin_dir.join("ipwarden-cni");
-    let _stale = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(binary, &link).map_err(Error::io("linking ipwarden-cni", &link))?;
+    let unique = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let temp = plugin_dir.join(format!(".ipwarden-cni-{}-{unique}", std::process::id()));
+    std::os::unix::fs::symlink(binary, &temp).map_err(Error::io("linking ipwarden-cni", &temp))?;
+    std::fs::rename(&temp, &link).map_err(Error::io("installing ipwarden-cni", &link))?;
     Ok(CniNetwork {
         plugin_dirs: vec![plugin_dir.to_path_buf()],
         netconf: Arc::new(

@@ -161,15 +161,10 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     let metrics = metrics::ControllerMetrics::register(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
     let endpoint = crate::http::Endpoint { registry: Arc::new(registry), ready: ready.clone() };
-    let (address, http) = crate::http::bind(args.metrics_address, endpoint)
+    let address = crate::http::spawn(args.metrics_address, endpoint)
         .await
         .with_context(|| format!("binding the metrics address {}", args.metrics_address))?;
-    tokio::spawn(async move {
-        if let Err(e) = http.await {
-            tracing::error!(error = %e, "metrics server stopped");
-        }
-    });
-    tracing::info!(%address, %identity, "serving /metrics, /healthz and /readyz");
+    tracing::info!(%address, %identity, "controller starting");
 
     let (pods, pod_events) = cache(Api::<Pod>::all(client.clone()));
     let (nodes, node_events) = cache(Api::<Node>::all(client.clone()));

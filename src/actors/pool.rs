@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseFuture, WrapFuture};
-use backon::{BackoffBuilder, ExponentialBuilder};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -417,12 +416,8 @@ async fn confirmed_gone(client: &Client, change: &RecordChange) -> Result<bool, 
 /// Applies `changes` to block `name` in one compare-and-swap write, retried on conflict.
 async fn write_block(context: &PoolContext, name: &str, changes: &[&RecordChange]) -> Vec<ChangeOutcome> {
     let api: Api<IPBlock> = Api::all(context.client.clone());
-    let mut delays = ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(10))
-        .with_max_delay(Duration::from_millis(500))
-        .with_max_times(MAX_CONFLICT_RETRIES)
-        .with_jitter()
-        .build();
+    let mut delays =
+        crate::retry::conflict_delays(Duration::from_millis(10), Duration::from_millis(500), MAX_CONFLICT_RETRIES);
     let params = PostParams {
         field_manager: Some(format!("ipwarden-controller-{}", context.identity)),
         ..PostParams::default()

@@ -10,7 +10,6 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use backon::{BackoffBuilder, ExponentialBuilder};
 use ipnet::IpNet;
 use jiff::Timestamp;
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -29,7 +28,7 @@ use crate::crd::{
     POOL_ANNOTATION, PodRef,
 };
 use crate::ipam::{BlockUsage, ChooseError, PoolLayout, choose_ip};
-use crate::pools::{self, PodPlacement, PoolView};
+use crate::pools::{self, PodPlacement, PoolSet};
 use crate::protocol::{AttachmentRequest, CniError, GcRequest, IpConfig, IpamResult, Route, StatusRequest};
 use crate::workload::{self, KUBEVIRT_VMI_KIND};
 
@@ -285,14 +284,8 @@ impl Core {
     ) -> Result<Vec<CheckpointIp>, CniError> {
         let namespace_name = pod.namespace().unwrap_or_default();
         let pools_snapshot = self.pools.state();
-        let layouts: Vec<_> = pools_snapshot.iter().map(|p| pools::layout(&p.spec)).collect();
-        let names: Vec<String> = pools_snapshot.iter().map(|p| p.name_any()).collect();
-        let views: Vec<PoolView<'_>> = pools_snapshot
-            .iter()
-            .zip(&layouts)
-            .zip(&names)
-            .map(|((p, layout), name)| PoolView { name, spec: &p.spec, layout: layout.as_ref() })
-            .collect();
+        let pool_set = PoolSet::new(pools_snapshot.iter().map(|p| (p.name_any(), p.spec.clone())));
+        let views = pool_set.views();
         let namespace = Api::<Namespace>::all(self.client.clone())
             .get_opt(&namespace_name)
             .await
@@ -416,12 +409,8 @@ impl Core {
         mut mutate: impl FnMut(&mut IPBlockSpec) -> Option<T>,
     ) -> Result<Option<T>, CniError> {
         let api: Api<IPBlock> = Api::all(self.client.clone());
-        let mut delays = ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(5))
-            .with_max_delay(Duration::from_millis(250))
-            .with_max_times(MAX_CONFLICT_RETRIES)
-            .with_jitter()
-            .build();
+        let mut delays =
+            crate::retry::conflict_delays(Duration::from_millis(5), Duration::from_millis(250), MAX_CONFLICT_RETRIES);
         loop {
             let current = api.get_opt(name).await.map_err(api_error(format!("reading IPBlock {name}")))?;
             let written = match current {
@@ -635,10 +624,24 @@ impl Core {
         }
     }
 
-    /// CNI CHECK: the sandbox's records still exist and hold the IPs the runtime has.
+    /// CNI CHECK: the sandbox's records still exist (read fresh from the blocks) and hold
+    /// the IPs the runtime has.
     pub async fn check(&self, request: &AttachmentRequest) -> Result<(), CniError> {
-        let found: BTreeSet<String> =
-            self.records_of_sandbox(&request.container_id, &request.ifname).into_iter().map(|(_, ip, _)| ip).collect();
+        let entry = self.checkpoint.lock().await.get(&attachment_key(request)).cloned();
+        let mut targets: BTreeSet<(String, String)> =
+            entry.iter().flat_map(|e| e.ips.iter()).map(|ip| (ip.block.clone(), ip.ip.clone())).collect();
+        targets.extend(
+            self.records_of_sandbox(&request.container_id, &request.ifname).into_iter().map(|(b, ip, _)| (b, ip)),
+        );
+        let api: Api<IPBlock> = Api::all(self.client.clone());
+        let mut found = BTreeSet::new();
+        for (block, ip) in targets {
+            let fresh = api.get_opt(&block).await.map_err(api_error(format!("reading IPBlock {block}")))?;
+            let held = fresh.and_then(|b| b.spec.allocations.get(&ip).cloned());
+            if held.is_some_and(|r| r.container_id == request.container_id && r.interface == request.ifname) {
+                found.insert(ip);
+            }
+        }
         if found.is_empty() {
             return Err(CniError::unknown_container(format!(
                 "no IP is recorded for container {} interface {}",

@@ -65,15 +65,9 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let metrics = Arc::new(metrics::AgentMetrics::register(&mut registry));
     let ready = Arc::new(AtomicBool::new(false));
     let endpoint = crate::http::Endpoint { registry: Arc::new(registry), ready: ready.clone() };
-    let (metrics_address, http) = crate::http::bind(args.metrics_address, endpoint)
+    crate::http::spawn(args.metrics_address, endpoint)
         .await
         .with_context(|| format!("binding the metrics address {}", args.metrics_address))?;
-    tokio::spawn(async move {
-        if let Err(e) = http.await {
-            tracing::error!(error = %e, "metrics server stopped");
-        }
-    });
-    tracing::info!(%metrics_address, "serving /metrics, /healthz and /readyz");
 
     let (pools, pools_writer) = reflector::store::<IPPool>();
     let (blocks, blocks_writer) = reflector::store::<IPBlock>();

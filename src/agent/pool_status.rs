@@ -12,19 +12,13 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 
 use crate::crd::IPPool;
-use crate::pools::{self, OVERLAPPING_CONDITION, PoolView};
+use crate::pools::{self, OVERLAPPING_CONDITION, PoolSet};
 
 /// Brings every pool's `Overlapping` condition in line with the current pools.
 pub async fn reconcile(client: &Client, pools: &Store<IPPool>) {
     let snapshot: Vec<Arc<IPPool>> = pools.state();
-    let layouts: Vec<_> = snapshot.iter().map(|p| pools::layout(&p.spec)).collect();
-    let names: Vec<String> = snapshot.iter().map(|p| p.name_any()).collect();
-    let views: Vec<PoolView<'_>> = snapshot
-        .iter()
-        .zip(&layouts)
-        .zip(&names)
-        .map(|((p, layout), name)| PoolView { name, spec: &p.spec, layout: layout.as_ref() })
-        .collect();
+    let pool_set = PoolSet::new(snapshot.iter().map(|p| (p.name_any(), p.spec.clone())));
+    let views = pool_set.views();
     let api: Api<IPPool> = Api::all(client.clone());
     for (pool, (overlapping, message)) in pools::overlap_conditions(&views) {
         let Some(current) = snapshot.iter().find(|p| p.name_any() == pool) else { continue };
