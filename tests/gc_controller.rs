@@ -119,6 +119,37 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
     let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
     Api::<Pod>::namespaced(client.clone(), NS).delete("forced", &force).await.expect("force delete");
 
+    // Row "terminating past its deadline": a finalizer keeps the pod Terminating after the
+    // kubelet (which skips DEL on node-1) let it go.
+    let held_pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "held", "labels": {"app": "held"}, "finalizers": ["e2e.ipwarden.io/hold"]},
+        "spec": {"nodeName": "node-1", "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "c", "image": "registry.invalid/c:1"}]},
+    }))
+    .expect("pod");
+    let pods_api: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods_api.create(&PostParams::default(), &held_pod).await.expect("held pod");
+    let held_ip = ip_of(&wait_pods_with_ips(&client, NS, "app=held", 1).await["held"]);
+    pods_api.delete("held", &DeleteParams::default()).await.expect("delete held");
+
+    // Rows 9 and 10: sticky records of a pod of the same name with another UID and IPs.
+    // A hostNetwork pod reports IPs without ipwarden (no claim): re-added without ipwarden.
+    let outsider: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "outsider", "labels": {"app": "outsider"}},
+        "spec": {"nodeName": "node-0", "hostNetwork": true, "containers": [{"name": "c", "image": "registry.invalid/c:1"}]},
+    }))
+    .expect("pod");
+    pods_api.create(&PostParams::default(), &outsider).await.expect("outsider");
+    wait_pods_with_ips(&client, NS, "app=outsider", 1).await;
+    leak(
+        &client,
+        "10.70.0.207",
+        record_json(NS, "outsider", "outsider-old", "node-0", Some(("StatefulSet", "outsider")), true),
+    )
+    .await;
+    // db-0 runs with its own claim and IP: an old sticky record of it elsewhere is stale.
+    leak(&client, "10.70.0.208", record_json(NS, "db-0", "db0-old", "node-0", Some(("StatefulSet", "db")), true)).await;
+
     // Injected leaks, one per row.
     let live_uid = live["live-0"].uid().unwrap_or_default();
     leak(&client, "10.70.0.201", record_json(NS, "ghost", "ghost-uid", "node-0", None, false)).await;
@@ -138,6 +169,9 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
     wait_record_gone(&client, "10.70.0.204", "a sticky record of an ordinal the StatefulSet no longer wants").await;
     wait_record_gone(&client, &job_ip, "completed: a finished Job pod whose DEL was missed").await;
     wait_record_gone(&client, &forced_ip, "a force-deleted pod whose DEL was missed").await;
+    wait_record_gone(&client, &held_ip, "terminating_past_deadline: a pod stuck Terminating").await;
+    wait_record_gone(&client, "10.70.0.207", "sticky_readded_without_ipwarden").await;
+    wait_record_gone(&client, "10.70.0.208", "sticky_stale_record").await;
     wait::until("the impostor record repaired to the pod reporting the IP", TIMEOUT, || async {
         let uid = records(&client).await.get(&live0_ip).map(|r| r.pod.uid.clone());
         Ok(if uid.as_deref() == Some(live_uid.as_str()) { Probe::Done(()) } else { Probe::Pending(format!("{uid:?}")) })
@@ -164,7 +198,16 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
     }
 
     let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
-    for (reason, trigger) in [("pod_gone", None), ("uid_mismatch", None), ("node_deleted", None), ("completed", None)] {
+    let reasons = [
+        ("pod_gone", None),
+        ("uid_mismatch", None),
+        ("node_deleted", None),
+        ("completed", None),
+        ("terminating_past_deadline", Some("trace")),
+        ("sticky_readded_without_ipwarden", None),
+        ("sticky_stale_record", None),
+    ];
+    for (reason, trigger) in reasons {
         let mut labels = vec![format!("reason=\"{reason}\"")];
         labels.extend(trigger.map(|t: &str| format!("trigger=\"{t}\"")));
         let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
@@ -183,6 +226,9 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
     })
     .await
     .expect("kubectl get ippools shows true counts");
+    let mut unhold = pods_api.get("held").await.expect("held pod");
+    unhold.metadata.finalizers = None;
+    pods_api.replace("held", &PostParams::default(), &unhold).await.expect("release the finalizer");
     let claims = support::claims(&client, NS).await;
     let job_claims: BTreeSet<&String> = claims.keys().filter(|k| k.starts_with("batch-")).collect();
     assert!(job_claims.is_empty(), "the completed Job pod's claim is deleted: {job_claims:?}");
