@@ -22,7 +22,7 @@ use super::Caches;
 use super::metrics::{ControllerMetrics, FailureLabels, PoolLabels, ReleaseLabels};
 use crate::crd::{IPBlock, IPPool};
 use crate::gc::index::PodFacts;
-use crate::gc::rules::ReleaseReason;
+use crate::gc::rules::recheck_release;
 use crate::gc::sweep::{ChangeAction, RecordChange};
 
 /// How many times a block write is retried after conflicts.
@@ -406,11 +406,16 @@ fn live_holders(context: &PoolContext, ips: &[&str]) -> HashMap<String, String> 
     holders
 }
 
-/// Whether the pod a "pod gone" decision was made for really is gone (or replaced), read
-/// from the apiserver rather than the cache.
-async fn confirmed_gone(client: &Client, change: &RecordChange) -> Result<bool, kube::Error> {
+/// Why a release must not be written after all, from a live read of the record's pod (not
+/// the cache): see [`recheck_release`].
+async fn live_recheck(client: &Client, change: &RecordChange) -> Result<Option<&'static str>, kube::Error> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), &change.pod.namespace);
-    Ok(pods.get_opt(&change.pod.name).await?.is_none_or(|p| p.uid().as_deref() != Some(change.pod.uid.as_str())))
+    let live = pods.get_opt(&change.pod.name).await?.map(|p| PodFacts::of(&p));
+    Ok(recheck_release(
+        &change.pod.uid,
+        &change.ip,
+        live.as_ref().map(|f| (f.uid.as_str(), f.terminal(), f.ips.as_slice())),
+    ))
 }
 
 /// Applies `changes` to block `name` in one compare-and-swap write, retried on conflict.
@@ -475,15 +480,18 @@ async fn apply_one(
         return ChangeOutcome::Skipped("record_changed");
     }
     match &change.action {
-        ChangeAction::Release { reason, .. } => {
+        ChangeAction::Release { .. } => {
             if holders.contains_key(&change.ip) {
                 return ChangeOutcome::Skipped("in_use");
             }
-            if matches!(reason, ReleaseReason::PodGone | ReleaseReason::NodeDeleted) {
-                match confirmed_gone(&context.client, change).await {
-                    Ok(true) => {}
-                    Ok(false) => return ChangeOutcome::Skipped("pod_exists"),
-                    Err(e) => return ChangeOutcome::Failed(format!("confirming pod {} is gone: {e}", change.pod.name)),
+            match live_recheck(&context.client, change).await {
+                Ok(None) => {}
+                Ok(Some(reason)) => return ChangeOutcome::Skipped(reason),
+                Err(e) => {
+                    return ChangeOutcome::Failed(format!(
+                        "reading pod {}/{}: {e}",
+                        change.pod.namespace, change.pod.name
+                    ));
                 }
             }
             block.spec.allocations.remove(&change.ip);

@@ -270,10 +270,40 @@ pub fn decide<'a>(facts: &Facts<'a>, settings: &RuleSettings) -> Verdict<'a> {
     release(ReleaseReason::UidMismatch, facts)
 }
 
+/// The last word before a release is written, on a live read of the record's pod (by
+/// namespace and name): `Some(reason)` stops the release. Caches lag both ways: a recreated
+/// pod may have taken the record while the cache still shows its predecessor, or a new pod's
+/// status may not yet list the IP; the live read settles it. `live` is the pod's UID, whether
+/// it is terminal, and its `status.podIPs`.
+pub fn recheck_release(record_uid: &str, ip: &str, live: Option<(&str, bool, &[String])>) -> Option<&'static str> {
+    match live {
+        None => None,
+        Some((uid, terminal, _)) if uid == record_uid => (!terminal).then_some("pod_exists"),
+        Some((_, terminal, ips)) => (!terminal && ips.iter().any(|i| i == ip)).then_some("in_use"),
+    }
+}
+
 #[cfg(test)]
 mod test {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_release_is_stopped_by_a_live_pod_that_owns_or_reports_the_record() {
+        let ip = "10.0.0.5";
+        let reports = vec![ip.to_string()];
+        let none: Vec<String> = Vec::new();
+        assert_eq!(recheck_release("u1", ip, None), None, "pod gone: release");
+        assert_eq!(recheck_release("u1", ip, Some(("u1", false, &none))), Some("pod_exists"), "the cache was stale");
+        assert_eq!(recheck_release("u1", ip, Some(("u1", true, &reports))), None, "its own pod is finished");
+        assert_eq!(
+            recheck_release("u1", ip, Some(("u2", false, &reports))),
+            Some("in_use"),
+            "another live pod reports it"
+        );
+        assert_eq!(recheck_release("u1", ip, Some(("u2", false, &none))), None, "a replacement with other IPs");
+        assert_eq!(recheck_release("u1", ip, Some(("u2", true, &reports))), None, "a finished replacement");
+    }
 
     const NOW: i64 = 1_000_000;
 
