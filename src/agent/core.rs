@@ -703,6 +703,56 @@ impl Core {
         if free { Ok(()) } else { Err(CniError::limited_resources("every IPPool is exhausted")) }
     }
 
+    /// Start-up GC, before the agent serves CNI: releases this node's records that no local
+    /// pod holds. A record is in use when its pod exists on this node with the record's UID
+    /// and has not finished, whatever its `status.podIPs` say yet (pod status lags the CNI
+    /// result; the record and the checkpoint are the node's own word). Releases are
+    /// conditional on the sandbox and UID, and a sticky record its owner wants stays reserved.
+    pub async fn startup_gc(&self) -> Result<usize, CniError> {
+        let node = &self.settings.node;
+        let params = kube::api::ListParams::default().fields(&format!("spec.nodeName={node}"));
+        let pods = Api::<Pod>::all(self.client.clone())
+            .list(&params)
+            .await
+            .map_err(api_error(format!("listing the pods of node {node}")))?;
+        let live: BTreeMap<(String, String), String> = pods
+            .items
+            .iter()
+            .filter(|p| !crate::gc::index::PodFacts::of(p).terminal())
+            .map(|p| ((p.namespace().unwrap_or_default(), p.name_any()), p.uid().unwrap_or_default()))
+            .collect();
+        let blocks = Api::<IPBlock>::all(self.client.clone())
+            .list(&kube::api::ListParams::default())
+            .await
+            .map_err(api_error("listing IPBlocks".to_string()))?;
+        let mut stale = Vec::new();
+        for block in &blocks.items {
+            for (ip, record) in &block.spec.allocations {
+                if record.node != *node || record.container_id.is_empty() {
+                    continue;
+                }
+                let key = (record.pod.namespace.clone(), record.pod.name.clone());
+                if live.get(&key) != Some(&record.pod.uid) {
+                    stale.push((block.name_any(), block.spec.pool.clone(), ip.clone(), record.clone()));
+                }
+            }
+        }
+        let mut checkpoint = self.checkpoint.lock().await;
+        for (block, pool, ip, record) in &stale {
+            tracing::info!(%ip, pod = %format!("{}/{}", record.pod.namespace, record.pod.name), "start-up GC: no local pod holds it");
+            let target =
+                CheckpointIp { ip: ip.clone(), prefix_len: 0, gateway: None, pool: pool.clone(), block: block.clone() };
+            self.release_ips(&[target], &record.container_id, &record.interface, Some(&record.pod.uid)).await;
+            let key = AttachmentKey {
+                network: record.network.clone(),
+                container_id: record.container_id.clone(),
+                ifname: record.interface.clone(),
+            };
+            checkpoint.remove(&key).map_err(checkpoint_error)?;
+        }
+        Ok(stale.len())
+    }
+
     /// Rebuilds the checkpoint from this node's records in the blocks (after a corrupt file
     /// was moved aside).
     pub async fn rebuild_checkpoint(&self) -> Result<usize, CniError> {

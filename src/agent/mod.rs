@@ -111,6 +111,8 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         }
     }
 
+    let released = core.startup_gc().await.map_err(|e| anyhow::anyhow!("start-up GC: {}", e.msg))?;
+    tracing::info!(released, "start-up GC done");
     let allocator = allocator::NodeAllocator::new(core).start();
     let listener =
         server::bind(&args.socket).with_context(|| format!("binding the CNI socket {}", args.socket.display()))?;
