@@ -310,10 +310,9 @@ async fn a_standby_takes_over_within_the_lease_and_never_writes_while_standing_b
     ipwarden.controllers[first].kill();
     let killed = std::time::Instant::now();
     ipwarden.wait_leader(second).await;
-    assert!(
-        killed.elapsed() < std::time::Duration::from_secs(4 + 6),
-        "took over within the lease (4 s) and a renew period"
-    );
+    // The lease (4 s) must expire before the standby may take it; the rest is the standby's
+    // renew period (1 s) and slack for a loaded machine.
+    assert!(killed.elapsed() < std::time::Duration::from_secs(15), "took over in {:?}", killed.elapsed());
     leak(&client, "10.70.0.221", record_json(NS, "ghost-b", "b-uid", "node-0", None, false)).await;
     wait_record_gone(&client, "10.70.0.221", "the new leader releasing the second leak").await;
     let text = ipwarden.scrape_controller(second).await.unwrap_or_default();
