@@ -33,6 +33,10 @@ enum Command {
     Controller(ipwarden::actors::ControllerArgs),
     /// Ask the leading controller for a full sweep (or, with --dry-run, list what it would do).
     Gc(ipwarden::cli::gc::GcArgs),
+    /// Used, sticky-reserved, cooling and leak-candidate IPs per pool and node.
+    Status(ipwarden::cli::status::StatusArgs),
+    /// Consistency report; exit status 1 when a problem is found.
+    Check(ipwarden::cli::check::CheckArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -55,14 +59,21 @@ fn main() -> anyhow::Result<()> {
             init_logging(cli.log_format);
             actor_system()?.block_on(ipwarden::actors::run(args))
         }
-        Command::Gc(args) => {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .context("building the tokio runtime")?;
-            runtime.block_on(ipwarden::cli::gc::run(args))
+        Command::Gc(args) => cli_runtime()?.block_on(ipwarden::cli::gc::run(args)),
+        Command::Status(args) => cli_runtime()?.block_on(ipwarden::cli::status::run(args)),
+        Command::Check(args) => {
+            let consistent = cli_runtime()?.block_on(ipwarden::cli::check::run(args))?;
+            if !consistent {
+                std::process::exit(1);
+            }
+            Ok(())
         }
     }
+}
+
+/// A single-threaded runtime for the short-lived CLI commands.
+fn cli_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().context("building the tokio runtime")
 }
 
 /// An actix system on a multi-thread tokio runtime, for the long-running roles.

@@ -1,17 +1,16 @@
 //! `ipwarden gc`: ask the leader for a full sweep and print its report, or with `--dry-run`
 //! compute locally what a sweep would release and by which rule row, changing nothing.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use jiff::Timestamp;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use kube::{Client, Resource};
+use kube::Client;
+use kube::api::{Api, Patch, PatchParams, PostParams};
 
-use super::{Output, table};
+use super::{Output, list, table};
 use crate::actors::manual::{ERROR_KEY, HANDLED_KEY, REQUEST_KEY, RESULT_KEY, TRIGGER_CONFIGMAP};
 use crate::actors::sweeper::SweepReport;
 use crate::crd::{IPBlock, IPClaim};
@@ -35,15 +34,6 @@ pub struct GcArgs {
     /// Output format.
     #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
     pub output: Output,
-}
-
-async fn list<K>(client: &Client) -> anyhow::Result<Vec<Arc<K>>>
-where
-    K: Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
-{
-    let api: Api<K> = Api::all(client.clone());
-    let items = api.list(&ListParams::default()).await.with_context(|| format!("listing {}", K::plural(&())))?;
-    Ok(items.items.into_iter().map(Arc::new).collect())
 }
 
 /// Runs `ipwarden gc`.

@@ -1,7 +1,25 @@
 //! The operator CLI: commands that read (and, for `gc`, ask the leader to change) the
 //! cluster with the user's kubeconfig. Tables for people, `-o json` for scripts.
 
+pub mod check;
 pub mod gc;
+pub mod status;
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use kube::api::{Api, ListParams};
+use kube::{Client, Resource};
+
+/// Lists every object of kind `K` in the cluster.
+pub async fn list<K>(client: &Client) -> anyhow::Result<Vec<Arc<K>>>
+where
+    K: Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
+{
+    let api: Api<K> = Api::all(client.clone());
+    let items = api.list(&ListParams::default()).await.with_context(|| format!("listing {}", K::plural(&())))?;
+    Ok(items.items.into_iter().map(Arc::new).collect())
+}
 
 /// Output format of CLI commands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

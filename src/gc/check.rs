@@ -1,0 +1,229 @@
+//! The consistency report behind `ipwarden check` (and the chaos suites' invariant checker):
+//! what in the cluster's IPAM state breaks an invariant right now. Pure over a snapshot.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use serde::Serialize;
+
+use super::index::{ClusterIndex, PodFacts};
+use super::rules::{RuleSettings, Verdict};
+use crate::crd::{IPBlock, IPClaim, IPPool};
+use crate::pools;
+
+/// One kind of inconsistency.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ProblemKind {
+    /// Two live pods report the same IP (invariant 1).
+    Conflict,
+    /// A record the GC would release: its pod is gone, replaced or finished (invariant 3).
+    LeakedRecord,
+    /// A record naming another UID than the live pod that reports its IP (to be repaired).
+    WrongUid,
+    /// A live pod reports an IP of a pool that has no record for it.
+    UnrecordedPodIp,
+    /// A claim whose IPs have no record for its pod.
+    ClaimWithoutRecord,
+    /// A pool's status counts differ from its records.
+    CountDrift,
+}
+
+/// One inconsistency.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Problem {
+    /// What kind.
+    pub kind: ProblemKind,
+    /// The object it concerns (an IP, a pod, a claim or a pool).
+    pub subject: String,
+    /// What exactly is wrong.
+    pub detail: String,
+}
+
+/// A snapshot to check.
+pub struct Snapshot<'a> {
+    /// Every pod.
+    pub pods: &'a [Arc<Pod>],
+    /// Every pool.
+    pub pools: &'a [Arc<IPPool>],
+    /// Every block.
+    pub blocks: &'a [Arc<IPBlock>],
+    /// Every claim.
+    pub claims: &'a [Arc<IPClaim>],
+    /// The index built from the same snapshot.
+    pub index: &'a ClusterIndex,
+}
+
+/// Every problem of the snapshot at `now`, sorted by kind and subject.
+pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    let mut holders: HashMap<String, Vec<String>> = HashMap::new();
+    for pod in snapshot.pods {
+        let facts = PodFacts::of(pod);
+        let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
+        if facts.terminal() || host_network {
+            continue;
+        }
+        for ip in &facts.ips {
+            holders.entry(ip.clone()).or_default().push(format!(
+                "{}/{}",
+                pod.namespace().unwrap_or_default(),
+                pod.name_any()
+            ));
+        }
+    }
+    for (ip, pods) in holders.iter().filter(|(_, pods)| pods.len() > 1) {
+        problems.push(Problem {
+            kind: ProblemKind::Conflict,
+            subject: ip.clone(),
+            detail: format!("held by {}", pods.join(", ")),
+        });
+    }
+    let mut records: HashMap<&str, (&str, &crate::crd::Allocation)> = HashMap::new();
+    let mut per_pool: BTreeMap<&str, i64> = BTreeMap::new();
+    for block in snapshot.blocks {
+        *per_pool.entry(&block.spec.pool).or_default() +=
+            i64::try_from(block.spec.allocations.len()).unwrap_or(i64::MAX);
+        for (ip, record) in &block.spec.allocations {
+            records.insert(ip, (&block.spec.pool, record));
+            let pod = format!("{}/{} (uid {})", record.pod.namespace, record.pod.name, record.pod.uid);
+            match snapshot.index.evaluate(ip, record, now, settings) {
+                Verdict::Release { reason, .. } => problems.push(Problem {
+                    kind: ProblemKind::LeakedRecord,
+                    subject: ip.clone(),
+                    detail: format!("recorded for {pod}: {}", reason.label()),
+                }),
+                Verdict::Repair { uid } => problems.push(Problem {
+                    kind: ProblemKind::WrongUid,
+                    subject: ip.clone(),
+                    detail: format!("recorded for {pod} but reported by the pod with uid {uid}"),
+                }),
+                Verdict::Keep(_) | Verdict::TraceUntil(_) => {}
+            }
+        }
+    }
+    let layouts: Vec<_> =
+        snapshot.pools.iter().filter_map(|p| Some((p.name_any(), pools::layout(&p.spec).ok()?))).collect();
+    for pod in snapshot.pods {
+        let facts = PodFacts::of(pod);
+        if facts.terminal() || pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false) {
+            continue;
+        }
+        for ip in &facts.ips {
+            let Ok(addr) = ip.parse() else { continue };
+            let Some((pool, _)) = layouts.iter().find(|(_, l)| l.contains(addr)) else { continue };
+            if records.get(ip.as_str()).is_none_or(|(_, r)| r.pod.uid != facts.uid) {
+                problems.push(Problem {
+                    kind: ProblemKind::UnrecordedPodIp,
+                    subject: ip.clone(),
+                    detail: format!(
+                        "pod {}/{} reports it, pool {pool} has no record for that pod",
+                        pod.namespace().unwrap_or_default(),
+                        pod.name_any()
+                    ),
+                });
+            }
+        }
+    }
+    for claim in snapshot.claims {
+        for claimed in claim.spec.interfaces.iter().flat_map(|i| i.ips.iter()) {
+            if records.get(claimed.ip.as_str()).is_none_or(|(_, r)| r.pod.uid != claim.spec.pod_uid) {
+                problems.push(Problem {
+                    kind: ProblemKind::ClaimWithoutRecord,
+                    subject: format!("{}/{}", claim.namespace().unwrap_or_default(), claim.name_any()),
+                    detail: format!(
+                        "claims {} for uid {} but no record holds it for that uid",
+                        claimed.ip, claim.spec.pod_uid
+                    ),
+                });
+            }
+        }
+    }
+    for pool in snapshot.pools {
+        let Some(status) = pool.status.as_ref().filter(|s| s.total > 0) else { continue };
+        let counted = per_pool.get(pool.name_any().as_str()).copied().unwrap_or(0);
+        if status.allocated != counted {
+            problems.push(Problem {
+                kind: ProblemKind::CountDrift,
+                subject: pool.name_any(),
+                detail: format!("status says {} allocated, the blocks hold {counted} records", status.allocated),
+            });
+        }
+    }
+    problems.sort_by(|a, b| (a.kind, &a.subject).cmp(&(b.kind, &b.subject)));
+    problems
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+    use crate::gc::rules::NotReadyPolicy;
+    use serde_json::json;
+    use std::time::Duration;
+
+    fn pod(name: &str, uid: &str, ip: &str) -> Arc<Pod> {
+        Arc::new(
+            serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": name, "uid": uid},
+                "status": {"phase": "Running", "podIPs": [{"ip": ip}]}}))
+            .expect("pod"),
+        )
+    }
+
+    fn block(records: serde_json::Value) -> Arc<IPBlock> {
+        Arc::new(
+            serde_json::from_value(json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPBlock",
+                "metadata": {"name": "p-10-0-0-0-24"}, "spec": {"pool": "p", "cidr": "10.0.0.0/24", "allocations": records}}))
+            .expect("block"),
+        )
+    }
+
+    fn record(name: &str, uid: &str) -> serde_json::Value {
+        json!({"pod": {"namespace": "ns", "name": name, "uid": uid}, "node": "", "network": "ipwarden",
+               "containerId": "c", "interface": "eth0", "allocatedAt": "2026-01-01T00:00:00Z"})
+    }
+
+    fn pool(allocated: i64) -> Arc<IPPool> {
+        Arc::new(
+            serde_json::from_value(
+                json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPPool", "metadata": {"name": "p"},
+                "spec": {"cidr": "10.0.0.0/24"}, "status": {"total": 254, "allocated": allocated}}),
+            )
+            .expect("pool"),
+        )
+    }
+
+    fn kinds(problems: &[Problem]) -> Vec<(ProblemKind, &str)> {
+        problems.iter().map(|p| (p.kind, p.subject.as_str())).collect()
+    }
+
+    #[test]
+    fn a_consistent_cluster_has_no_problem_and_each_break_is_reported() {
+        let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let good_pods = [pod("a", "ua", "10.0.0.1")];
+        let good_blocks = [block(json!({"10.0.0.1": record("a", "ua")}))];
+        let pools = [pool(1)];
+        let index = ClusterIndex::build(&good_pods, &[], &[], &[], &[]);
+        let snapshot = Snapshot { pods: &good_pods, pools: &pools, blocks: &good_blocks, claims: &[], index: &index };
+        assert!(check(&snapshot, Timestamp::now(), &settings).is_empty());
+
+        let pods = [pod("a", "ua", "10.0.0.1"), pod("b", "ub", "10.0.0.1"), pod("c", "uc", "10.0.0.3")];
+        let blocks = [block(json!({"10.0.0.1": record("a", "ua"), "10.0.0.2": record("gone", "ug")}))];
+        let index = ClusterIndex::build(&pods, &[], &[], &[], &[]);
+        let snapshot = Snapshot { pods: &pods, pools: &pools, blocks: &blocks, claims: &[], index: &index };
+        let problems = check(&snapshot, Timestamp::now(), &settings);
+        assert_eq!(
+            kinds(&problems),
+            vec![
+                (ProblemKind::Conflict, "10.0.0.1"),
+                (ProblemKind::LeakedRecord, "10.0.0.2"),
+                (ProblemKind::UnrecordedPodIp, "10.0.0.1"),
+                (ProblemKind::UnrecordedPodIp, "10.0.0.3"),
+                (ProblemKind::CountDrift, "p"),
+            ]
+        );
+    }
+}
