@@ -11,6 +11,7 @@ pub mod cli;
 pub mod cni;
 pub mod crd;
 pub mod gc;
+pub mod hostlocal;
 pub mod http;
 pub mod ipam;
 pub mod lease;

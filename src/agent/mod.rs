@@ -26,6 +26,10 @@ use crate::crd::{IPBlock, IPPool};
 use crate::workload::DEFAULT_STICKY_KINDS;
 use checkpoint::{Checkpoint, Restored};
 
+/// Only host-local reservations at least this old are collected at start: an ADD in flight
+/// has reserved its IP before its pod's status shows it.
+const HOST_LOCAL_MIN_AGE: Duration = Duration::from_secs(300);
+
 /// How long the agent waits for its caches and CRDs at start.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -50,6 +54,13 @@ pub struct AgentArgs {
     /// Where /metrics, /healthz and /readyz are served.
     #[arg(long, env = "IPWARDEN_AGENT_METRICS_ADDRESS", default_value = "0.0.0.0:9612")]
     pub metrics_address: SocketAddr,
+    /// At start, also collect the host-local plugin's reservations under this data directory
+    /// that no live pod of the node holds (with --host-local-network).
+    #[arg(long, env = "IPWARDEN_HOST_LOCAL_DATA_DIR", requires = "host_local_network")]
+    pub host_local_data_dir: Option<PathBuf>,
+    /// The host-local network name to collect at start.
+    #[arg(long, env = "IPWARDEN_HOST_LOCAL_NETWORK", requires = "host_local_data_dir")]
+    pub host_local_network: Option<String>,
     /// Apply ipwarden's CRDs at start (off when the chart installs them).
     #[arg(long, env = "IPWARDEN_INSTALL_CRDS")]
     pub install_crds: bool,
@@ -100,7 +111,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         cooldown: Duration::from_secs(args.reuse_cooldown_seconds),
         sticky_kinds: args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect(),
     };
-    let core = Arc::new(core::Core::new(client, settings, pools, blocks, checkpoint, metrics));
+    let core = Arc::new(core::Core::new(client.clone(), settings, pools, blocks, checkpoint, metrics));
     match restored {
         Restored::Fresh => tracing::info!(path = %args.checkpoint.display(), "no checkpoint: first start"),
         Restored::Loaded => tracing::info!(path = %args.checkpoint.display(), "checkpoint restored"),
@@ -113,6 +124,13 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
 
     let released = core.startup_gc().await.map_err(|e| anyhow::anyhow!("start-up GC: {}", e.msg))?;
     tracing::info!(released, "start-up GC done");
+    if let (Some(data_dir), Some(network)) = (&args.host_local_data_dir, &args.host_local_network) {
+        let live = crate::hostlocal::live_ips_on_node(&client, &args.node_name)
+            .await
+            .context("listing the node's pods for host-local GC")?;
+        let freed = crate::hostlocal::collect(data_dir, network, &live, HOST_LOCAL_MIN_AGE, false)?;
+        tracing::info!(released = freed.len(), %network, "host-local start-up GC done");
+    }
     let allocator = allocator::NodeAllocator::new(core).start();
     let listener =
         server::bind(&args.socket).with_context(|| format!("binding the CNI socket {}", args.socket.display()))?;

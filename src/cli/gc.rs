@@ -34,12 +34,71 @@ pub struct GcArgs {
     /// Output format.
     #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
     pub output: Output,
+    /// Collect another IPAM's leftovers instead.
+    #[command(subcommand)]
+    pub target: Option<GcTarget>,
+}
+
+/// What else `ipwarden gc` can collect.
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum GcTarget {
+    /// Release the standard host-local plugin's reservations that no live pod of the node holds.
+    HostLocal(HostLocalArgs),
+}
+
+/// `ipwarden gc host-local` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct HostLocalArgs {
+    /// host-local's data directory (its `dataDir`, default /var/lib/cni/networks).
+    #[arg(long, default_value = "/var/lib/cni/networks")]
+    pub data_dir: std::path::PathBuf,
+    /// The network name (the netconf `name`; a directory under the data directory).
+    #[arg(long)]
+    pub network: String,
+    /// The node whose pods hold the live IPs.
+    #[arg(long, env = "NODE_NAME")]
+    pub node: String,
+    /// Only reservations written at least this long ago are collected (an ADD in flight has
+    /// reserved its IP before its pod's status shows it).
+    #[arg(long, default_value_t = 300)]
+    pub min_age_seconds: u64,
+    /// List what would be released; remove nothing.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 /// Runs `ipwarden gc`.
 pub async fn run(args: GcArgs) -> anyhow::Result<()> {
     let client = Client::try_default().await.context("building the Kubernetes client from the kubeconfig")?;
-    if args.dry_run { dry_run(&client, &args).await } else { ask_leader(&client, &args).await }
+    match &args.target {
+        Some(GcTarget::HostLocal(host_local)) => collect_host_local(&client, host_local, args.output).await,
+        None if args.dry_run => dry_run(&client, &args).await,
+        None => ask_leader(&client, &args).await,
+    }
+}
+
+async fn collect_host_local(client: &Client, args: &HostLocalArgs, output: Output) -> anyhow::Result<()> {
+    let live = crate::hostlocal::live_ips_on_node(client, &args.node)
+        .await
+        .with_context(|| format!("listing the pods of node {}", args.node))?;
+    let min_age = Duration::from_secs(args.min_age_seconds);
+    let released = crate::hostlocal::collect(&args.data_dir, &args.network, &live, min_age, args.dry_run)?;
+    let verb = if args.dry_run { "would release" } else { "released" };
+    if output == Output::Json {
+        let items: Vec<serde_json::Value> = released
+            .iter()
+            .map(|r| serde_json::json!({"ip": r.ip.to_string(), "containerId": r.container_id, "ifname": r.ifname}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"dryRun": args.dry_run, "released": items}))?);
+        return Ok(());
+    }
+    let rows: Vec<Vec<String>> = released
+        .iter()
+        .map(|r| vec![r.ip.to_string(), r.container_id.clone(), r.ifname.clone().unwrap_or_default()])
+        .collect();
+    print!("{}", table(&["IP", "CONTAINER", "IFNAME"], &rows));
+    println!("{verb} {} host-local reservations of network {}", released.len(), args.network);
+    Ok(())
 }
 
 async fn dry_run(client: &Client, args: &GcArgs) -> anyhow::Result<()> {
