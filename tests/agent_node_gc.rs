@@ -94,3 +94,43 @@ async fn the_cni_gc_verb_releases_attachments_the_runtime_no_longer_lists() {
     assert!(!held.contains_key(&ip_of(&pods["missed"])), "GC released the unlisted attachment");
     assert_eq!(held.get(&ip_of(&pods["kept"])).map(|r| r.pod.uid.clone()), pods["kept"].uid(), "the listed one stays");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_calls_during_a_burst_of_adds_release_nothing_just_allocated_and_reclaim_a_missed_del() {
+    let mut network = support::network();
+    // The kubelet calls CNI GC every 300 ms with its live and in-flight sandboxes, as CRI-O does.
+    network.gc_interval = Some(std::time::Duration::from_millis(300));
+    let ipwarden = Ipwarden::start_with_network(1, &pool(), &[], network).await;
+    let client = ipwarden.client();
+    let creations = (0..30).map(|i| {
+        let client = client.clone();
+        async move { create_pod(&client, NS, &format!("burst-{i}"), "node-0", json!({"app": "burst"})).await }
+    });
+    futures::StreamExt::collect::<Vec<()>>(futures::StreamExt::buffer_unordered(futures::stream::iter(creations), 10))
+        .await;
+    let pods = wait_pods_with_ips(&client, NS, "app=burst", 30).await;
+    let held = records(&client).await;
+    for pod in pods.values() {
+        assert_eq!(held.get(&ip_of(pod)).map(|r| r.pod.uid.clone()), pod.uid(), "{} keeps its record", pod.name_any());
+    }
+    let text = ipwarden.scrape_agent(0).await;
+    assert_eq!(
+        support::metric(&text, r#"ipwarden_agent_releases_total{result="released"}"#),
+        0.0,
+        "no GC released anything during the burst"
+    );
+
+    ipwarden.cluster.nodes()[0].faults().set_skip_del(true);
+    let gone_ip = ip_of(&pods["burst-0"]);
+    Api::<Pod>::namespaced(client.clone(), NS).delete("burst-0", &DeleteParams::default()).await.expect("delete");
+    e2e::wait::until("the periodic GC reclaiming the missed DEL", support::TIMEOUT, || async {
+        Ok(if records(&client).await.contains_key(&gone_ip) {
+            e2e::wait::Probe::Pending("still recorded".into())
+        } else {
+            e2e::wait::Probe::Done(())
+        })
+    })
+    .await
+    .expect("GC reclaims it");
+    assert_eq!(records(&client).await.len(), 29, "only the deleted pod's IP went");
+}

@@ -48,7 +48,17 @@ impl Ipwarden {
     /// Starts a cluster of `nodes` nodes, installs the CRDs, creates `pools` (name, spec)
     /// and starts an agent per node with `agent_args` added to its command line.
     pub async fn start(nodes: usize, pools: &[(&str, serde_json::Value)], agent_args: &[&str]) -> Self {
-        let options = ClusterOptions { nodes, network: Some(network()), ..ClusterOptions::default() };
+        Self::start_with_network(nodes, pools, agent_args, network()).await
+    }
+
+    /// Like [`Ipwarden::start`] with a given network (e.g. one whose kubelet calls CNI GC).
+    pub async fn start_with_network(
+        nodes: usize,
+        pools: &[(&str, serde_json::Value)],
+        agent_args: &[&str],
+        network: CniNetwork,
+    ) -> Self {
+        let options = ClusterOptions { nodes, network: Some(network), ..ClusterOptions::default() };
         let cluster = Cluster::start(options).await.expect("cluster starts");
         ipwarden::crd::install(&cluster.client(), Duration::from_secs(60)).await.expect("CRDs install");
         for (name, spec) in pools {

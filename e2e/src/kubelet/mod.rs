@@ -177,6 +177,8 @@ pub async fn start_node(
         faults: faults.clone(),
         alive: alive_rx,
         sandboxes: sandboxes.clone(),
+        pending: Arc::default(),
+        gc_gate: Arc::default(),
     };
     if let Some(interval) = pods.network.gc_interval {
         tasks.spawn(pods.clone().gc_loop(interval));

@@ -40,6 +40,11 @@ pub(super) struct NodeRuntime {
     pub(super) faults: Arc<Faults>,
     pub(super) alive: watch::Receiver<bool>,
     pub(super) sandboxes: Arc<Mutex<HashMap<String, Sandbox>>>,
+    /// Container IDs whose ADD is in flight: they exist for the runtime, so GC lists them.
+    pub(super) pending: Arc<Mutex<HashSet<String>>>,
+    /// GC takes it for writing while it lists and calls; an ADD takes it for reading only to
+    /// register as pending, so no ADD starts between the list and the GC call.
+    pub(super) gc_gate: Arc<tokio::sync::RwLock<()>>,
 }
 
 impl NodeRuntime {
@@ -99,11 +104,16 @@ impl NodeRuntime {
             if alive.wait_for(|up| *up).await.is_err() {
                 return;
             }
-            let valid: Vec<Attachment> = self
+            let _gate = self.gc_gate.write().await;
+            let mut valid: Vec<Attachment> = self
                 .live_sandboxes()
                 .into_values()
                 .map(|s| Attachment { container_id: s.container_id, ifname: s.ifname })
                 .collect();
+            let pending: Vec<String> = self.pending.lock().map(|p| p.iter().cloned().collect()).unwrap_or_default();
+            valid.extend(
+                pending.into_iter().map(|container_id| Attachment { container_id, ifname: POD_IFNAME.to_string() }),
+            );
             let netconf = cni::with_valid_attachments(&(self.network.netconf)(&self.node), &valid);
             let call = Invocation { command: "GC", container_id: "", ifname: "", pod: None, netconf: &netconf };
             if let Err(e) = self.network.invoke(&call).await {
@@ -251,7 +261,29 @@ impl NodeRuntime {
             pod: Some(&args),
             netconf: &netconf,
         };
-        let result = match self.network.invoke(&call).await {
+        {
+            let _gate = self.gc_gate.read().await;
+            if let Ok(mut pending) = self.pending.lock() {
+                pending.insert(container_id.clone());
+            }
+        }
+        let next = self.finish_add(uid, pod, state, container_id.clone(), self.network.invoke(&call).await);
+        // Only now is the sandbox either recorded as live or given up: until then GC lists it.
+        if let Ok(mut pending) = self.pending.lock() {
+            pending.remove(&container_id);
+        }
+        next
+    }
+
+    fn finish_add(
+        &self,
+        uid: &str,
+        pod: &Pod,
+        state: &mut PodState,
+        container_id: String,
+        outcome: crate::error::Result<Option<serde_json::Value>>,
+    ) -> Next {
+        let result = match outcome {
             Ok(Some(result)) => result,
             Ok(None) => {
                 tracing::warn!(node = %self.node.name, pod = %pod_key(pod), "CNI ADD printed no result; retrying");
