@@ -1,6 +1,6 @@
 //! The real `ipwarden-cni` binary against a real agent: ADD is idempotent, DEL of an unknown
-//! or already deleted sandbox succeeds, CHECK and VERSION work, an unreachable agent is
-//! "try again later" (11); and the agent's checkpoint handling at start: a corrupt file is
+//! or already deleted sandbox succeeds, CHECK, VERSION and STATUS work, an unreachable agent
+//! is "try again later" (11) and STATUS 50; and the agent's checkpoint handling at start: a corrupt file is
 //! moved aside and rebuilt, an unknown version refuses to start.
 
 mod support;
@@ -73,9 +73,21 @@ async fn the_plugin_binary_speaks_cni_through_the_agent() {
         .expect("versions");
     assert_eq!(version["supportedVersions"], json!(["1.0.0", "1.1.0"]));
 
+    let status = |conf: Value| {
+        let network = network.clone();
+        async move {
+            network
+                .invoke(&Invocation { command: "STATUS", container_id: "", ifname: "", pod: None, netconf: &conf })
+                .await
+        }
+    };
+    assert_eq!(status(conf.clone()).await.expect("STATUS: agent up, pool has free IPs"), None);
+
     let nowhere = netconf(&ipwarden.cluster.dir().join("no-agent.sock"));
-    let err = call("ADD", nowhere).await.expect_err("no agent");
+    let err = call("ADD", nowhere.clone()).await.expect_err("no agent");
     assert!(err.to_string().contains("code 11"), "an unreachable agent is try-again-later: {err}");
+    let err = status(nowhere).await.expect_err("STATUS without an agent");
+    assert!(err.to_string().contains("code 50"), "STATUS without an agent is code 50: {err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
