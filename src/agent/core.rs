@@ -529,16 +529,24 @@ impl Core {
             .into_iter()
             .map(|((block, ip), pool)| CheckpointIp { ip, prefix_len: 0, gateway: None, pool, block })
             .collect();
-        let kept = self.release_ips(&ips, container_id, ifname, uid).await;
-        if let (Some(entry), false) = (entry, kept) {
-            self.delete_claim_of(&entry.pod).await;
+        let summary = self.release_ips(&ips, container_id, ifname, uid).await;
+        let fallback = entry.map(|e| e.pod.clone());
+        if let (false, Some(claim)) = (summary.kept, summary.claim.or(fallback)) {
+            self.delete_claim_of(&claim).await;
         }
         Ok(())
     }
 
-    /// Releases `ips` of a sandbox; returns whether any was kept as a sticky reservation.
-    async fn release_ips(&self, ips: &[CheckpointIp], container_id: &str, ifname: &str, uid: Option<&str>) -> bool {
-        let mut kept = false;
+    /// Releases `ips` of a sandbox; says whether any was kept as a sticky reservation and
+    /// which claim (namespace, claim name, pod UID) the released records belong to.
+    async fn release_ips(
+        &self,
+        ips: &[CheckpointIp],
+        container_id: &str,
+        ifname: &str,
+        uid: Option<&str>,
+    ) -> ReleaseSummary {
+        let mut summary = ReleaseSummary::default();
         for target in ips {
             let Some(pool) = self.resolve_pool(&target.pool) else { continue };
             let Some(net) = target.ip.parse().ok().and_then(|ip| pool.layout.block_of(ip)) else { continue };
@@ -551,6 +559,11 @@ impl Core {
                 }
             };
             let Some(record) = record else { continue };
+            summary.claim = Some(PodRef {
+                namespace: record.pod.namespace.clone(),
+                name: workload::claim_name(&record.pod.name, record.owner.as_ref()),
+                uid: record.pod.uid.clone(),
+            });
             let keep = record.sticky && self.owner_wants(&record).await;
             let now = Timestamp::now();
             let outcome = self
@@ -564,7 +577,7 @@ impl Core {
             match outcome {
                 Ok(Some(ReleaseOutcome::Released)) => self.metrics.release("released"),
                 Ok(Some(ReleaseOutcome::Reserved)) => {
-                    kept = true;
+                    summary.kept = true;
                     self.metrics.release("reserved");
                 }
                 Ok(_) => {}
@@ -574,7 +587,7 @@ impl Core {
                 }
             }
         }
-        kept
+        summary
     }
 
     /// Whether the workload of a sticky record still wants its IP. Unknown answers (API
@@ -617,10 +630,12 @@ impl Core {
         }
     }
 
-    async fn delete_claim_of(&self, pod: &PodRef) {
-        if let Err(e) = crate::claim_writes::delete_if_bound_to(&self.client, &pod.namespace, &pod.name, &pod.uid).await
-        {
-            tracing::debug!(claim = %pod.name, error = %e, "claim not deleted; the claim janitor will");
+    /// Deletes claim `claim.name` in `claim.namespace` if it is still bound to `claim.uid`.
+    async fn delete_claim_of(&self, claim: &PodRef) {
+        let deleted =
+            crate::claim_writes::delete_if_bound_to(&self.client, &claim.namespace, &claim.name, &claim.uid).await;
+        if let Err(e) = deleted {
+            tracing::debug!(claim = %claim.name, error = %e, "claim not deleted; the claim janitor will");
         }
     }
 
@@ -785,6 +800,15 @@ impl Core {
         self.checkpoint.lock().await.replace_all(entries.into_values().collect()).map_err(checkpoint_error)?;
         Ok(count)
     }
+}
+
+/// What releasing a sandbox's IPs did.
+#[derive(Default)]
+struct ReleaseSummary {
+    /// Some IP stayed as a sticky reservation (the claim stays too).
+    kept: bool,
+    /// The claim of the released records: namespace, claim name (the VM's for KubeVirt), UID.
+    claim: Option<PodRef>,
 }
 
 /// Whether record `a` and the new record `b` belong to the same sticky workload: the same
