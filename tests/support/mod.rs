@@ -138,6 +138,21 @@ impl Ipwarden {
         .expect("controller leads");
     }
 
+    /// Waits until controller `index` has finished `count` more full sweeps than when called.
+    pub async fn wait_sweeps(&self, index: usize, count: u32) {
+        let sweeps = || async {
+            let text = self.scrape_controller(index).await.unwrap_or_default();
+            metric_sum(&text, "ipwarden_gc_sweep_duration_seconds_count", &[])
+        };
+        let target = sweeps().await + f64::from(count);
+        wait::until(&format!("{count} more sweeps of controller {index}"), TIMEOUT, || async {
+            let done = sweeps().await;
+            Ok(if done >= target { Probe::Done(()) } else { Probe::Pending(format!("{done} of {target} sweeps")) })
+        })
+        .await
+        .expect("sweeps go on");
+    }
+
     /// Agent `index`'s /metrics text.
     pub async fn scrape_agent(&self, index: usize) -> String {
         e2e::ipwarden::get(self.metrics_ports[index], "/metrics").await.expect("scrape /metrics")
