@@ -14,7 +14,8 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 use support::{
-    Ipwarden, TIMEOUT, create_pod, inject_record, ip_of, metric_sum, record_json, records, wait_pods_with_ips,
+    Ipwarden, TIMEOUT, create_pod, inject_record, ip_of, metric_sum, pod_template, record_json, records,
+    wait_pods_with_ips,
 };
 
 const NS: &str = "default";
@@ -47,15 +48,6 @@ fn workload(kind: &str, name: &str, spec: serde_json::Value) -> serde_json::Valu
     json!({"metadata": {"name": name}, "spec": spec, "kind": kind})
 }
 
-fn template(app: &str, extra: serde_json::Value) -> serde_json::Value {
-    let mut spec =
-        json!({"terminationGracePeriodSeconds": 1, "containers": [{"name": "c", "image": "registry.invalid/c:1"}]});
-    if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
-        spec.extend(extra.clone());
-    }
-    json!({"metadata": {"labels": {"app": app}}, "spec": spec})
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_never_touched() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
@@ -77,7 +69,7 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
             "StatefulSet",
             name,
             json!({"replicas": replicas, "serviceName": name,
-            "selector": {"matchLabels": {"app": name}}, "template": template(name, extra)}),
+            "selector": {"matchLabels": {"app": name}}, "template": pod_template(name, extra)}),
         ))
         .expect("sts")
     };
