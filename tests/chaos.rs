@@ -498,3 +498,28 @@ async fn killing_the_controller_an_agent_the_apiserver_and_etcd_during_churn_los
     checker.finish().await;
     wait_settled(&client, SETTLE).await;
 }
+
+#[test]
+fn the_checker_flags_a_statefulset_pod_back_with_another_ip_unless_its_ordinal_was_let_go() {
+    use support::invariants::{StickyMemory, sticky_changes};
+    let pod = |uid: &str, ip: &str| -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"namespace": NS, "name": "web-1", "uid": uid,
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "s", "controller": true}]},
+            "status": {"phase": "Running", "podIPs": [{"ip": ip}]},
+        }))
+        .expect("pod")
+    };
+    let sts = |replicas: i32| -> StatefulSet {
+        serde_json::from_value(json!({"metadata": {"namespace": NS, "name": "web"}, "spec": {
+            "replicas": replicas, "serviceName": "web", "selector": {}, "template": {}}}))
+        .expect("sts")
+    };
+    let mut memory = StickyMemory::new();
+    assert!(sticky_changes(&[pod("u1", "10.0.0.5")], &[sts(2)], &mut memory).is_empty());
+    assert!(sticky_changes(&[pod("u1", "10.0.0.5")], &[sts(2)], &mut memory).is_empty(), "same pod, same IP");
+    let moved = sticky_changes(&[pod("u2", "10.0.0.9")], &[sts(2)], &mut memory);
+    assert_eq!(moved.len(), 1, "recreated with another IP: {moved:?}");
+    assert!(sticky_changes(&[], &[sts(1)], &mut memory).is_empty(), "scaled below the ordinal");
+    assert!(sticky_changes(&[pod("u3", "10.0.0.7")], &[sts(2)], &mut memory).is_empty(), "a let-go ordinal may move");
+}

@@ -38,7 +38,7 @@ pub struct InvariantChecker {
 }
 
 /// The IP a StatefulSet pod name had, and the UID it had it with.
-type StickyMemory = BTreeMap<(String, String), (String, String)>;
+pub type StickyMemory = BTreeMap<(String, String), (String, String)>;
 
 impl InvariantChecker {
     /// Starts polling the cluster behind `client`.
@@ -92,7 +92,7 @@ async fn poll(client: &Client, sticky: &mut StickyMemory) -> anyhow::Result<Vec<
 }
 
 /// The StatefulSet pods recreated with another IP than their ordinal had; updates `memory`.
-fn sticky_changes(pods: &[Pod], statefulsets: &[StatefulSet], memory: &mut StickyMemory) -> Vec<String> {
+pub fn sticky_changes(pods: &[Pod], statefulsets: &[StatefulSet], memory: &mut StickyMemory) -> Vec<String> {
     // Forget ordinals their StatefulSet stopped wanting: they may come back with any IP.
     memory.retain(|(namespace, name), _| {
         statefulsets.iter().any(|s| {
