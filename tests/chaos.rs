@@ -270,19 +270,23 @@ async fn every_kind_of_injected_leak_is_reclaimed_and_nothing_else_is_touched() 
     let mut leaks: Vec<String> = Vec::new();
 
     // An agent killed between allocation and checkpoint: SIGKILL during a burst of ADDs.
-    for i in 0..8 {
+    const BURST: usize = 12;
+    for i in 0..BURST {
         create_pod(&client, NS, &format!("burst-{i}"), "node-0", json!({"app": "burst"})).await;
     }
+    let burst_records =
+        || async { records(&client).await.values().filter(|r| r.pod.name.starts_with("burst-")).count() };
     wait::until("the burst under way", TIMEOUT, || async {
-        let started = records(&client).await.values().filter(|r| r.pod.name.starts_with("burst-")).count();
-        Ok(if started >= 1 { Probe::Done(()) } else { Probe::Pending("no ADD done yet".into()) })
+        Ok(if burst_records().await >= 1 { Probe::Done(()) } else { Probe::Pending("no ADD done yet".into()) })
     })
     .await
     .expect("burst starts");
     ipwarden.agents[0].kill();
+    let at_kill = burst_records().await;
+    assert!(at_kill < BURST, "the agent died with ADDs still due ({at_kill} of {BURST} recorded)");
     ipwarden.agents[0].restart().expect("agent restarts");
     ipwarden.wait_agent_serving(0).await;
-    running(&client, "burst", 8).await;
+    running(&client, "burst", BURST).await;
 
     // DEL skipped on node-1, once for a graceful delete and once for a force delete.
     for name in ["skipped", "forced"] {
@@ -333,7 +337,7 @@ async fn every_kind_of_injected_leak_is_reclaimed_and_nothing_else_is_touched() 
         assert_eq!(held.get(&ip_of(pod)).map(|r| r.pod.uid.clone()), pod.uid(), "{name}'s record untouched");
     }
     let burst: Vec<_> = held.values().filter(|r| r.pod.name.starts_with("burst-")).collect();
-    assert_eq!(burst.len(), 8, "one record per burst pod after the agent's crash: {burst:?}");
+    assert_eq!(burst.len(), BURST, "one record per burst pod after the agent's crash: {burst:?}");
     checker.finish().await;
     wait_settled(&client, SETTLE).await;
 }
