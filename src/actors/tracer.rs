@@ -1,7 +1,7 @@
 //! `PodTracer`: follows pod events. A pod that terminates, completes or disappears has its
-//! records (found through its IPClaim) evaluated at its deadline, `deletionTimestamp` plus
-//! the additional delay (the timestamp already includes the grace period), and the verdicts
-//! go to the pool actors. Records without a claim are left to the sweeper.
+//! records (found by its UID in the cached blocks) evaluated at its deadline,
+//! `deletionTimestamp` plus the additional delay (the timestamp already includes the grace
+//! period), and the verdicts go to the pool actors.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,13 +21,11 @@ use crate::crd::PodRef;
 use crate::gc::index::PodFacts;
 use crate::gc::rules::RuleSettings;
 use crate::gc::sweep::{ChangeAction, Planned, RecordChange, next_step};
-use crate::workload;
 
 /// A traced pod: who it was and when it ended.
 #[derive(Clone, Debug)]
 struct Traced {
     pod: PodRef,
-    claim: String,
     since: Timestamp,
 }
 
@@ -70,28 +68,26 @@ impl PodTracer {
         if !self.leading.load(Ordering::SeqCst) {
             return;
         }
-        let Some(claim) =
-            self.caches.claims.state().into_iter().find(|c| {
-                c.namespace().as_deref() == Some(traced.pod.namespace.as_str()) && c.name_any() == traced.claim
-            })
-        else {
-            return;
-        };
         let index = self.caches.index();
         let blocks = self.caches.blocks.state();
         let now = Timestamp::now();
         let mut changes = Vec::new();
         let mut again: Option<Timestamp> = None;
-        for claimed in claim.spec.interfaces.iter().flat_map(|i| i.ips.iter()) {
-            let Some(block) = blocks.iter().find(|b| b.name_any() == claimed.block) else { continue };
-            let Some(record) = block.spec.allocations.get(&claimed.ip) else { continue };
-            if record.pod.uid != traced.pod.uid {
-                continue;
-            }
-            let verdict = index.evaluate(&claimed.ip, record, now, &self.settings);
+        // The records are found by the pod's UID, not through its IPClaim: the claim janitor
+        // may have deleted the claim of a pod that is gone before its deadline came.
+        let records = blocks.iter().flat_map(|block| {
+            block
+                .spec
+                .allocations
+                .iter()
+                .filter(|(_, r)| r.pod.uid == traced.pod.uid)
+                .map(move |(ip, r)| (block, ip, r))
+        });
+        for (block, ip, record) in records {
+            let verdict = index.evaluate(ip, record, now, &self.settings);
             match next_step(verdict, record, index.agent_can_answer(record)) {
                 Planned::Change(action @ (ChangeAction::Release { .. } | ChangeAction::AbortHandshake)) => {
-                    changes.push(RecordChange::of(&index, block, &claimed.ip, record, action))
+                    changes.push(RecordChange::of(&index, block, ip, record, action))
                 }
                 Planned::Trace(at) => again = Some(again.map_or(at, |a| a.min(at))),
                 // Repairs are the sweep's: it resolves the adopting pod from the IP index.
@@ -117,12 +113,10 @@ impl PodTracer {
     }
 
     fn traced(&self, pod: &Pod) -> Traced {
-        let owner = workload::controller_of(pod);
         let facts = PodFacts::of(pod);
         let ended = facts.deletion.unwrap_or_else(Timestamp::now);
         Traced {
             pod: PodRef { namespace: pod.namespace().unwrap_or_default(), name: pod.name_any(), uid: facts.uid },
-            claim: workload::claim_name(&pod.name_any(), owner.as_ref()),
             since: ended,
         }
     }
