@@ -5,7 +5,7 @@
 //! reclaim latency, apiserver writes per release, controller CPU and peak memory, and IP
 //! conflicts seen between live pods.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -190,6 +190,18 @@ pub struct ControllerUsage {
     pub peak_rss_mib: f64,
 }
 
+/// What the controllers' GC did during the run, from their counters: why IPs took as long as
+/// they did to come back.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct GcActivity {
+    /// `ipwarden_gc_releases_total` by `trigger` (trace, handshake, sweep, manual).
+    pub releases_by_trigger: BTreeMap<String, u64>,
+    /// `ipwarden_gc_release_handshakes_total` by `step` (marked, aborted).
+    pub handshakes_by_step: BTreeMap<String, u64>,
+    /// `ipwarden_gc_skips_total` by `reason`.
+    pub skips_by_reason: BTreeMap<String, u64>,
+}
+
 /// IPs seen on two live pods at once, and compare-and-swap retries.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Conflicts {
@@ -238,6 +250,8 @@ pub struct Report {
     pub writes: Writes,
     /// The controller replicas.
     pub controllers: Vec<ControllerUsage>,
+    /// The GC's releases, handshakes and skips.
+    pub gc: GcActivity,
     /// Conflicts.
     pub conflicts: Conflicts,
     /// Whether every record of a deleted pod was released within the settle bound.
@@ -589,6 +603,21 @@ fn grown(before: &[Scrape], after: &[Scrape], name: &str, select: impl Fn(&Label
     (counter(after, name, select) - counter(before, name, select)).max(0.0).round() as u64
 }
 
+/// Counter `name` after minus before, for each value of label `label` that grew.
+fn grown_by(before: &[Scrape], after: &[Scrape], name: &str, label: &str) -> BTreeMap<String, u64> {
+    let values: BTreeSet<&String> = after
+        .iter()
+        .flat_map(|scrape| scrape.samples.iter())
+        .filter(|sample| sample.name == name)
+        .filter_map(|sample| sample.labels.get(label))
+        .collect();
+    values
+        .into_iter()
+        .map(|value| (value.clone(), grown(before, after, name, |l| l.get(label) == Some(value))))
+        .filter(|(_, count)| *count > 0)
+        .collect()
+}
+
 fn per(numerator: u64, denominator: u64) -> Option<f64> {
     (denominator > 0).then(|| numerator as f64 / denominator as f64)
 }
@@ -684,6 +713,21 @@ fn measure(
         ),
         writes,
         controllers,
+        gc: GcActivity {
+            releases_by_trigger: grown_by(
+                &before.controllers,
+                &after.controllers,
+                "ipwarden_gc_releases_total",
+                "trigger",
+            ),
+            handshakes_by_step: grown_by(
+                &before.controllers,
+                &after.controllers,
+                "ipwarden_gc_release_handshakes_total",
+                "step",
+            ),
+            skips_by_reason: grown_by(&before.controllers, &after.controllers, "ipwarden_gc_skips_total", "reason"),
+        },
         conflicts: Conflicts {
             ip_conflicts: conflicts.len(),
             examples: conflicts.into_iter().take(10).collect(),
@@ -766,6 +810,13 @@ impl std::fmt::Display for Report {
             let leader = if c.leader { "yes" } else { "no" };
             writeln!(f, "{:<16} {leader:>6} {:>14.2} {:>14.1}", c.identity, c.cpu_seconds, c.peak_rss_mib)?;
         }
+        let counts = |counts: &BTreeMap<String, u64>| {
+            let listed: Vec<String> = counts.iter().map(|(key, count)| format!("{key} {count}")).collect();
+            if listed.is_empty() { "none".to_string() } else { listed.join(", ") }
+        };
+        writeln!(f, "GC releases by trigger: {}", counts(&self.gc.releases_by_trigger))?;
+        writeln!(f, "GC release handshakes: {}", counts(&self.gc.handshakes_by_step))?;
+        writeln!(f, "GC skips by reason: {}", counts(&self.gc.skips_by_reason))?;
         writeln!(f)?;
         let c = &self.conflicts;
         writeln!(f, "IP conflicts between live pods: {} ({} polls, one a second)", c.ip_conflicts, c.polls)?;
@@ -865,7 +916,9 @@ mod test {
         };
         let controller = |released: u32, leader: u32| {
             scrape(&format!(
-                "ipwarden_gc_releases_total{{pool=\"default\",reason=\"pod_gone\",trigger=\"handshake\"}} {released}\nipwarden_controller_leader {leader}\n"
+                "ipwarden_gc_releases_total{{pool=\"default\",reason=\"pod_gone\",trigger=\"handshake\"}} {released}\n\
+                 ipwarden_gc_releases_total{{pool=\"default\",reason=\"pod_gone\",trigger=\"sweep\"}} 4\n\
+                 ipwarden_controller_leader {leader}\n"
             ))
         };
         let usage = |cpu: f64| Usage { cpu_seconds: cpu, peak_rss_bytes: 64 * 1024 * 1024 };
@@ -885,6 +938,8 @@ mod test {
         let report = measure(&before, &after, &Timeline::default(), &identities, (Vec::new(), 7));
         let w = report.writes;
         assert_eq!((w.agent_releases, w.controller_releases), (8, 2));
+        // Sweep releases stayed at 4: only the handshake trigger grew.
+        assert_eq!(report.gc.releases_by_trigger, BTreeMap::from([("handshake".to_string(), 2)]));
         assert_eq!(w.ipblock_writes, 2 + 20 + 3);
         assert_eq!(w.ipblock_conflicts, 3);
         assert_eq!(w.ipclaim_writes, 2);
