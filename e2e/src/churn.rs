@@ -488,6 +488,14 @@ async fn live(pods: Api<Pod>, manifest: Pod, fate: Fate, lifetime: Duration, tim
 
 /// Runs the churn on `cluster`, where `installation` runs ipwarden, and reports.
 pub async fn run(cluster: &Cluster, installation: &Installation, options: &ChurnOptions) -> Result<Report> {
+    let nodes: Vec<String> = cluster.nodes().iter().map(|n| n.name().to_string()).collect();
+    if nodes.is_empty() {
+        return Err(Error::Churn("the cluster has no nodes".into()));
+    }
+    // Negative, zero, infinite and NaN rates have no period (or a zero one).
+    let period = Duration::try_from_secs_f64(1.0 / options.rate).ok().filter(|p| !p.is_zero()).ok_or_else(|| {
+        Error::Churn(format!("the rate must be a positive number of pods per second, not {}", options.rate))
+    })?;
     let client = cluster.client();
     let timeline: Shared<Timeline> = Arc::default();
     let (store, writer) = reflector::store::<Pod>();
@@ -508,10 +516,10 @@ pub async fn run(cluster: &Cluster, installation: &Installation, options: &Churn
     let before = snapshot(&client, installation).await?;
     let started = Instant::now();
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
-    let nodes: Vec<String> = cluster.nodes().iter().map(|n| n.name().to_string()).collect();
-    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / options.rate));
+    let mut ticker = tokio::time::interval(period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut lives = JoinSet::new();
+    let mut round_robin = nodes.iter().cycle();
     let mut n: u64 = 0;
     loop {
         ticker.tick().await;
@@ -519,7 +527,7 @@ pub async fn run(cluster: &Cluster, installation: &Installation, options: &Churn
             break;
         }
         let fate = fate(n, options.leak_percent, options.force_percent);
-        let node = &nodes[usize::try_from(n).unwrap_or_default() % nodes.len().max(1)];
+        let Some(node) = round_robin.next() else { break };
         let manifest = manifest(&format!("churn-{n:06}"), node, fate)?;
         lives.spawn(live(pods.clone(), manifest, fate, options.lifetime, timeline.clone()));
         n += 1;

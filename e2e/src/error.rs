@@ -120,6 +120,9 @@ pub enum Error {
         /// The line that could not be read.
         source: crate::exposition::BadLine,
     },
+    /// The churn benchmark was asked for something it cannot do.
+    #[error("the churn benchmark cannot run: {0}")]
+    Churn(String),
     /// No free loopback port could be reserved.
     #[error("reserving a free loopback port: {0}")]
     Port(std::io::Error),
