@@ -1,6 +1,9 @@
 # The project's entry points. `make test` is the test command CI runs (.ci/run); `make demo`
 # is the main job on the local default. Both install what they need themselves.
-.PHONY: test demo soak cluster-up cluster-down controlplane deps
+.PHONY: test demo soak churn-bench cluster-up cluster-down controlplane deps
+
+# Where cargo puts what it builds (CARGO_TARGET_DIR when set).
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 
 deps:
 	bash e2e/cluster/install-deps.sh
@@ -10,7 +13,7 @@ controlplane: deps
 
 test: controlplane
 	cargo fmt --all -- --check
-	cargo clippy --locked --all-targets -- -D warnings
+	cargo clippy --locked --workspace --all-targets -- -D warnings
 	cargo test --locked --workspace
 
 # A longer run of the chaos suites than CI's (see docs/testing.md).
@@ -20,6 +23,12 @@ soak: controlplane
 demo: controlplane
 	cargo build --quiet --locked --workspace --bins
 	target/debug/ipwarden-e2e up --demo --ipwarden target/debug/ipwarden --kubeconfig .e2e/kubeconfig
+
+# The churn benchmark (docs/benchmarks.md): release binaries, defaults, a report at the end.
+# Not part of `make test`.
+churn-bench: controlplane
+	cargo build --release --locked --workspace --bins
+	$(TARGET_DIR)/release/ipwarden-e2e churn --ipwarden $(TARGET_DIR)/release/ipwarden
 
 cluster-up:
 	bash e2e/cluster/cluster-up.sh

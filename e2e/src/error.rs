@@ -112,6 +112,17 @@ pub enum Error {
         /// Exit status, error object or parse failure.
         reason: String,
     },
+    /// A `/metrics` endpoint returned text that is not Prometheus or OpenMetrics exposition.
+    #[error("reading the metrics of {what}: {source}")]
+    Scrape {
+        /// Whose metrics.
+        what: String,
+        /// The line that could not be read.
+        source: crate::exposition::BadLine,
+    },
+    /// The churn benchmark was asked for something it cannot do.
+    #[error("the churn benchmark cannot run: {0}")]
+    Churn(String),
     /// No free loopback port could be reserved.
     #[error("reserving a free loopback port: {0}")]
     Port(std::io::Error),

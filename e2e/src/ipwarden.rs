@@ -129,6 +129,51 @@ pub async fn wait_ready(component: &mut Component, port: u16, timeout: Duration)
     .await
 }
 
+/// How long an ipwarden process may take to report ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// One ipwarden process on a test cluster.
+pub struct Daemon {
+    /// What it is: `agent node-0`, `controller-a`, ...
+    pub name: String,
+    /// Its `/metrics` port on 127.0.0.1.
+    pub metrics_port: u16,
+    /// The process itself; stopped when dropped.
+    pub component: Component,
+}
+
+/// ipwarden as `ipwarden-e2e up --ipwarden` runs it: an agent per node, a default pool
+/// 10.244.0.0/16 and two controller replicas. Dropping it stops the processes.
+pub struct Installation {
+    /// One agent per node, in node order.
+    pub agents: Vec<Daemon>,
+    /// The controller replicas `controller-a` and `controller-b`.
+    pub controllers: Vec<Daemon>,
+}
+
+/// Starts ipwarden from `binary` on `cluster` (whose network must be [`network`]): an agent
+/// per node (the first installs the CRDs), the default pool, then two controller replicas,
+/// each waited on until ready.
+pub async fn install(cluster: &Cluster, binary: &Path) -> Result<Installation> {
+    let mut installed = Installation { agents: Vec::new(), controllers: Vec::new() };
+    for node in 0..cluster.nodes().len() {
+        let port = crate::process::free_port()?;
+        let extra: &[&str] = if node == 0 { &["--install-crds"] } else { &[] };
+        let mut agent = start_agent(cluster, binary, node, port, extra)?;
+        wait_ready(&mut agent, port, READY_TIMEOUT).await?;
+        let name = format!("agent {}", cluster.nodes()[node].name());
+        installed.agents.push(Daemon { name, metrics_port: port, component: agent });
+    }
+    create_pool(&cluster.client(), "default", json!({"cidr": "10.244.0.0/16", "default": true})).await?;
+    for identity in ["controller-a", "controller-b"] {
+        let port = crate::process::free_port()?;
+        let mut controller = start_controller(cluster, binary, identity, port, &[])?;
+        wait_ready(&mut controller, port, READY_TIMEOUT).await?;
+        installed.controllers.push(Daemon { name: identity.to_string(), metrics_port: port, component: controller });
+    }
+    Ok(installed)
+}
+
 /// Creates IPPool `name` with `spec`.
 pub async fn create_pool(client: &Client, name: &str, spec: serde_json::Value) -> Result<()> {
     let resource = ApiResource::from_gvk(&GroupVersionKind::gvk("ipwarden.io", "v1alpha1", "IPPool"));

@@ -8,15 +8,18 @@
 //! imitates the apiserver: every object goes through the real one.
 
 pub mod binaries;
+pub mod churn;
 pub mod cluster;
 pub mod cni;
 pub mod controlplane;
 pub mod demo;
 pub mod error;
+pub mod exposition;
 pub mod ipwarden;
 pub mod kubelet;
 pub mod pki;
 pub mod process;
+pub mod procstat;
 pub mod wait;
 
 pub use cluster::{Cluster, ClusterOptions};

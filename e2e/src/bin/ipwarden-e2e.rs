@@ -1,8 +1,10 @@
 //! `ipwarden-e2e up`: runs a test cluster for a human until SIGINT or SIGTERM, with its admin
 //! kubeconfig copied to a fixed path, optionally with the churning demo workload.
 //! `make cluster-up` / `make cluster-down` and `make demo` drive it.
+//!
+//! `ipwarden-e2e churn`: the churn benchmark (`make churn-bench`, docs/benchmarks.md).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -39,6 +41,48 @@ enum Command {
         #[arg(long)]
         ipwarden: Option<PathBuf>,
     },
+    /// Measure ipwarden under pod churn: start a cluster as `up --ipwarden` does, create bare
+    /// pods at a set rate round robin over the nodes, delete each after its lifetime, wait until
+    /// every IP of a deleted pod is released, report and stop. Exits non-zero when an IP was
+    /// seen on two live pods or the cluster did not settle.
+    Churn {
+        /// The ipwarden binary to measure.
+        #[arg(long)]
+        ipwarden: PathBuf,
+        /// How many simulated nodes to register.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+        nodes: u64,
+        /// Pods created per second, across all nodes.
+        #[arg(long, default_value_t = 2.0)]
+        rate: f64,
+        /// How long to create pods for.
+        #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+        duration_seconds: u64,
+        /// How long each pod lives before it is deleted.
+        #[arg(long, default_value_t = 10)]
+        lifetime_seconds: u64,
+        /// Percent of pods whose CNI DEL the simulated runtime loses: leaks for the GC.
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=100))]
+        leak_percent: u32,
+        /// Percent of pods deleted with grace period 0.
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=100))]
+        force_percent: u32,
+        /// How long to wait after the last deletion for every IP to be released.
+        #[arg(long, default_value_t = 300)]
+        settle_timeout_seconds: u64,
+        /// `table` for people, `json` for scripts.
+        #[arg(long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+}
+
+/// How `churn` prints its report.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Output {
+    /// Aligned text for people.
+    Table,
+    /// The report as one JSON object.
+    Json,
 }
 
 #[tokio::main]
@@ -51,43 +95,60 @@ async fn main() -> anyhow::Result<()> {
         Command::Up { nodes, kubeconfig, demo, churn_seconds, ipwarden } => {
             up(nodes, kubeconfig, demo.then(|| Duration::from_secs(churn_seconds)), ipwarden).await
         }
+        Command::Churn {
+            ipwarden,
+            nodes,
+            rate,
+            duration_seconds,
+            lifetime_seconds,
+            leak_percent,
+            force_percent,
+            settle_timeout_seconds,
+            output,
+        } => {
+            anyhow::ensure!(
+                rate > 0.0 && rate <= 1000.0,
+                "--rate must be more than 0 and at most 1000 pods per second"
+            );
+            anyhow::ensure!(leak_percent + force_percent <= 100, "--leak-percent plus --force-percent exceed 100");
+            let options = e2e::churn::ChurnOptions {
+                rate,
+                duration: Duration::from_secs(duration_seconds),
+                lifetime: Duration::from_secs(lifetime_seconds),
+                leak_percent,
+                force_percent,
+                settle_timeout: Duration::from_secs(settle_timeout_seconds),
+            };
+            churn(usize::try_from(nodes)?, &ipwarden, &options, output).await
+        }
     }
 }
 
-/// How long an ipwarden process may take to report ready.
-const READY_TIMEOUT: Duration = Duration::from_secs(180);
-
-/// ipwarden's processes on the demo cluster, stopped when dropped.
-struct Ipwarden {
-    processes: Vec<e2e::process::Component>,
-    endpoints: Vec<(String, u16)>,
-}
-
-async fn start_ipwarden(cluster: &e2e::Cluster, binary: &std::path::Path) -> anyhow::Result<Ipwarden> {
-    let mut started = Ipwarden { processes: Vec::new(), endpoints: Vec::new() };
-    for node in 0..cluster.nodes().len() {
-        let port = e2e::process::free_port()?;
-        // The first agent installs the CRDs; the others find them.
-        let extra: &[&str] = if node == 0 { &["--install-crds"] } else { &[] };
-        let mut agent = e2e::ipwarden::start_agent(cluster, binary, node, port, extra)?;
-        e2e::ipwarden::wait_ready(&mut agent, port, READY_TIMEOUT).await?;
-        started.endpoints.push((format!("agent {}", cluster.nodes()[node].name()), port));
-        started.processes.push(agent);
-    }
-    e2e::ipwarden::create_pool(
-        &cluster.client(),
-        "default",
-        serde_json::json!({"cidr": "10.244.0.0/16", "default": true}),
-    )
-    .await?;
-    for identity in ["controller-a", "controller-b"] {
-        let port = e2e::process::free_port()?;
-        let mut controller = e2e::ipwarden::start_controller(cluster, binary, identity, port, &[])?;
-        e2e::ipwarden::wait_ready(&mut controller, port, READY_TIMEOUT).await?;
-        started.endpoints.push((identity.to_string(), port));
-        started.processes.push(controller);
-    }
-    Ok(started)
+/// A cluster as `up` starts it: the control plane and `nodes` simulated nodes; with
+/// `ipwarden`, its CNI plugin (linked into `plugin_dir`) on every node, an agent per node, two
+/// controller replicas and the default pool.
+async fn start(
+    nodes: usize,
+    ipwarden: Option<&Path>,
+    plugin_dir: &Path,
+) -> anyhow::Result<(e2e::Cluster, Option<e2e::ipwarden::Installation>)> {
+    let binary = match ipwarden {
+        Some(binary) => Some(std::fs::canonicalize(binary).with_context(|| format!("finding {}", binary.display()))?),
+        None => None,
+    };
+    let network = match &binary {
+        Some(binary) => Some(e2e::ipwarden::network(binary, plugin_dir)?),
+        None => None,
+    };
+    let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
+    let cluster = e2e::Cluster::start(options).await.context("starting the test cluster")?;
+    let installation = match &binary {
+        Some(binary) => {
+            Some(e2e::ipwarden::install(&cluster, binary).await.context("starting ipwarden's agents and controllers")?)
+        }
+        None => None,
+    };
+    Ok((cluster, installation))
 }
 
 async fn up(
@@ -98,29 +159,14 @@ async fn up(
 ) -> anyhow::Result<()> {
     let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let state_dir = kubeconfig.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    let network = match &ipwarden {
-        Some(binary) => {
-            let binary = std::fs::canonicalize(binary).with_context(|| format!("finding {}", binary.display()))?;
-            Some(e2e::ipwarden::network(&binary, &state_dir.join("cni-bin"))?)
-        }
-        None => None,
-    };
-    let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
-    let cluster = tokio::select! {
-        cluster = e2e::Cluster::start(options) => cluster.context("starting the test cluster")?,
+    let state_dir = kubeconfig.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let plugin_dir = state_dir.join("cni-bin");
+    let (cluster, running) = tokio::select! {
+        started = start(nodes, ipwarden.as_deref(), &plugin_dir) => started?,
         _ = terminate.recv() => return Ok(()),
         _ = interrupt.recv() => return Ok(()),
     };
     std::fs::create_dir_all(state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
-    let running = match &ipwarden {
-        Some(binary) => Some(
-            start_ipwarden(&cluster, &std::fs::canonicalize(binary)?)
-                .await
-                .context("starting ipwarden's agents and controllers")?,
-        ),
-        None => None,
-    };
     std::fs::copy(cluster.kubeconfig(), &kubeconfig)
         .with_context(|| format!("copying the kubeconfig to {}", kubeconfig.display()))?;
     println!("cluster ready: {} simulated nodes", cluster.nodes().len());
@@ -128,8 +174,8 @@ async fn up(
     println!("  kubectl:    {} --kubeconfig {} get nodes", cluster.kubectl().display(), kubeconfig.display());
     println!("  run dir:    {}", cluster.dir().display());
     if let (Some(running), Some(binary)) = (&running, &ipwarden) {
-        for (name, port) in &running.endpoints {
-            println!("  metrics:    http://127.0.0.1:{port}/metrics ({name})");
+        for daemon in running.agents.iter().chain(&running.controllers) {
+            println!("  metrics:    http://127.0.0.1:{}/metrics ({})", daemon.metrics_port, daemon.name);
         }
         println!("  status:     KUBECONFIG={} {} status", kubeconfig.display(), binary.display());
         println!("  check:      KUBECONFIG={} {} check", kubeconfig.display(), binary.display());
@@ -156,5 +202,50 @@ async fn up(
     let _removed = std::fs::remove_file(&kubeconfig);
     drop(running);
     cluster.stop();
+    Ok(())
+}
+
+/// Where `churn` links the plugin under test (its own, so a `make demo` running beside it keeps
+/// its binary).
+const CHURN_PLUGIN_DIR: &str = ".e2e/churn-cni-bin";
+
+async fn churn(
+    nodes: usize,
+    ipwarden: &Path,
+    options: &e2e::churn::ChurnOptions,
+    output: Output,
+) -> anyhow::Result<()> {
+    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let measured = async {
+        let (cluster, installation) = start(nodes, Some(ipwarden), Path::new(CHURN_PLUGIN_DIR)).await?;
+        let installation = installation.context("ipwarden was not started")?;
+        eprintln!(
+            "churn: cluster ready ({} nodes, run dir {}); creating {} pods/s for {:?}",
+            nodes,
+            cluster.dir().display(),
+            options.rate,
+            options.duration
+        );
+        let report = e2e::churn::run(&cluster, &installation, options).await.context("running the churn")?;
+        drop(installation);
+        cluster.stop();
+        anyhow::Ok(report)
+    };
+    let report = tokio::select! {
+        report = measured => report?,
+        _ = terminate.recv() => anyhow::bail!("churn: stopped by SIGTERM"),
+        _ = interrupt.recv() => anyhow::bail!("churn: stopped by SIGINT"),
+    };
+    match output {
+        Output::Table => print!("{report}"),
+        Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+    }
+    anyhow::ensure!(
+        report.conflicts.ip_conflicts == 0,
+        "churn: {} IPs were held by two live pods at once",
+        report.conflicts.ip_conflicts
+    );
+    anyhow::ensure!(report.settled, "churn: the cluster did not settle: {}", report.unsettled);
     Ok(())
 }

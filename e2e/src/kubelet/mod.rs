@@ -26,7 +26,7 @@ use tokio::task::JoinSet;
 use crate::cni::{CniNetwork, NodeInfo};
 use crate::error::{Error, Result};
 
-pub use pods::{EXIT_CODE_ANNOTATION, RUN_SECONDS_ANNOTATION};
+pub use pods::{EXIT_CODE_ANNOTATION, RUN_SECONDS_ANNOTATION, SKIP_DEL_ANNOTATION};
 
 /// The field manager of every write the simulated kubelet makes.
 const FIELD_MANAGER: &str = "ipwarden-e2e-kubelet";

@@ -28,6 +28,10 @@ pub const RUN_SECONDS_ANNOTATION: &str = "e2e.ipwarden.io/run-seconds";
 /// Failed).
 pub const EXIT_CODE_ANNOTATION: &str = "e2e.ipwarden.io/exit-code";
 
+/// Pod annotation: when "true", the runtime loses this pod's CNI DEL, as the node-wide
+/// [`Faults::set_skip_del`] does for every pod: the IP leaks for the GC to find.
+pub const SKIP_DEL_ANNOTATION: &str = "e2e.ipwarden.io/skip-del";
+
 /// How long a worker waits before retrying a failed CNI call or API write.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
 
@@ -181,7 +185,7 @@ impl NodeRuntime {
     /// DELs the sandboxes whose ADD failed, as a runtime cleans up a sandbox it could not
     /// set up; until that succeeds the pod gets no new sandbox.
     async fn teardown_orphans(&self, uid: &str, state: &mut PodState) -> bool {
-        if self.faults.skip_del() {
+        if self.faults.skip_del() || state.skip_del {
             state.orphans.clear();
         }
         while let Some(container_id) = state.orphans.last() {
@@ -253,6 +257,7 @@ impl NodeRuntime {
         let container_id = format!("{}{:032x}", uid.replace('-', ""), state.attempt);
         let args = pod_args(pod, uid);
         state.args = Some(args.clone());
+        state.skip_del = pod.annotations().get(SKIP_DEL_ANNOTATION).is_some_and(|v| v == "true");
         let netconf = (self.network.netconf)(&self.node);
         let call = Invocation {
             command: "ADD",
@@ -317,7 +322,7 @@ impl NodeRuntime {
     /// false when DEL failed and must be retried.
     async fn teardown(&self, uid: &str, state: &mut PodState) -> bool {
         let Some(sandbox) = state.sandbox.as_ref() else { return true };
-        if self.faults.skip_del() {
+        if self.faults.skip_del() || state.skip_del {
             tracing::info!(node = %self.node.name, pod = %sandbox.pod, container_id = %sandbox.container_id, "fault: CNI DEL skipped");
         } else {
             let netconf = cni::with_prev_result(&(self.network.netconf)(&self.node), &sandbox.result);
@@ -397,6 +402,8 @@ struct PodState {
     orphans: Vec<String>,
     /// The pod's CNI_ARGS, for those DELs.
     args: Option<PodArgs>,
+    /// The pod asks for its DEL to be lost ([`SKIP_DEL_ANNOTATION`]).
+    skip_del: bool,
 }
 
 fn pod_key(pod: &Pod) -> String {
