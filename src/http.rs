@@ -77,10 +77,8 @@ async fn metrics(State(endpoint): State<Endpoint>, headers: HeaderMap) -> impl I
 /// `# EOF` or `# UNIT` line. Parsers of the classic format (promtool) otherwise see samples
 /// without HELP or TYPE.
 fn classic_text(openmetrics: &str) -> String {
-    let counters: std::collections::HashSet<&str> = openmetrics
-        .lines()
-        .filter_map(|line| line.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
-        .collect();
+    let counters: std::collections::HashSet<&str> =
+        openmetrics.lines().filter_map(|line| line.strip_prefix("# TYPE ")?.strip_suffix(" counter")).collect();
     let mut out = String::with_capacity(openmetrics.len());
     for line in openmetrics.lines() {
         if line == "# EOF" || line.starts_with("# UNIT ") {

@@ -102,6 +102,16 @@ impl Cluster {
         &self.control_plane.kubeconfig
     }
 
+    /// The apiserver's URL.
+    pub fn server(&self) -> &str {
+        &self.control_plane.server
+    }
+
+    /// The cluster CA certificate, which signed the apiserver's serving certificate.
+    pub fn ca_cert(&self) -> &Path {
+        &self.control_plane.pki.ca_cert
+    }
+
     /// The run directory (PKI, component logs, node state).
     pub fn dir(&self) -> &Path {
         &self.dir
