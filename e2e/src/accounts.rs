@@ -2,7 +2,7 @@
 //! for that account through the TokenRequest API, so the process is authenticated and
 //! authorised exactly as a pod of that account would be (RBAC included, no admin rights).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::ServiceAccount;
@@ -28,23 +28,7 @@ pub async fn kubeconfig_for(cluster: &Cluster, namespace: &str, name: &str) -> R
         .map_err(Error::kube(format!("requesting a token for ServiceAccount {namespace}/{name}")))?;
     let token = issued.status.and_then(|s| s.token).unwrap_or_default();
     let path = cluster.dir().join(format!("sa-{namespace}-{name}.kubeconfig"));
-    write(&path, cluster, &format!("system:serviceaccount:{namespace}:{name}"), &token)?;
+    let user = format!("system:serviceaccount:{namespace}:{name}");
+    cluster.pki().write_kubeconfig(&path, cluster.server(), &user, serde_json::json!({"token": token}))?;
     Ok(path)
-}
-
-fn write(path: &Path, cluster: &Cluster, user: &str, token: &str) -> Result<()> {
-    let kubeconfig = serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "ipwarden-e2e", "cluster": {"server": cluster.server(), "certificate-authority": cluster.ca_cert()}}],
-        "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": "ipwarden-e2e", "context": {"cluster": "ipwarden-e2e", "user": user}}],
-        "current-context": "ipwarden-e2e",
-    });
-    let text = serde_json::to_string_pretty(&kubeconfig).map_err(|e| Error::Io {
-        what: "serializing kubeconfig".to_string(),
-        path: path.to_path_buf(),
-        source: e.into(),
-    })?;
-    std::fs::write(path, text).map_err(Error::io("writing kubeconfig", path))
 }

@@ -107,9 +107,9 @@ impl Cluster {
         &self.control_plane.server
     }
 
-    /// The cluster CA certificate, which signed the apiserver's serving certificate.
-    pub fn ca_cert(&self) -> &Path {
-        &self.control_plane.pki.ca_cert
+    /// The cluster's PKI (CA, serving and admin certificates).
+    pub fn pki(&self) -> &crate::pki::Pki {
+        &self.control_plane.pki
     }
 
     /// The run directory (PKI, component logs, node state).
