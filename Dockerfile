@@ -9,7 +9,11 @@
 # conflist onto the host with `cp` and `mv` (an atomic install needs a shell, not a new
 # subcommand), and the binary links glibc.
 
-FROM rust:1.95-slim-bookworm AS build
+# Builder and runtime share a Debian release, so the binary's glibc matches.
+ARG RUST_IMAGE=rust:1.95-slim-bookworm
+ARG BASE_IMAGE=debian:bookworm-slim
+
+FROM ${RUST_IMAGE} AS build
 WORKDIR /src
 # Dependencies first, so a source change reuses the cached dependency layer.
 COPY Cargo.toml Cargo.lock ./
@@ -20,11 +24,10 @@ RUN mkdir -p src e2e/src benches \
     && cargo fetch --locked
 COPY src src
 COPY benches benches
-COPY crds crds
-RUN cargo build --release --locked -p ipwarden --bin ipwarden \
-    && strip target/release/ipwarden
+ENV CARGO_PROFILE_RELEASE_STRIP=symbols
+RUN cargo build --release --locked -p ipwarden --bin ipwarden
 
-FROM debian:bookworm-slim
+FROM ${BASE_IMAGE}
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="ipwarden" \
       org.opencontainers.image.description="Kubernetes IPAM with a StatefulSet-aware IP garbage collector" \
