@@ -1,6 +1,6 @@
 # The project's entry points. `make test` is the test command CI runs (.ci/run); `make demo`
 # is the main job on the local default. Both install what they need themselves.
-.PHONY: test demo cluster-up cluster-down controlplane tools deps
+.PHONY: test demo soak cluster-up cluster-down controlplane tools deps
 
 deps:
 	bash e2e/cluster/install-deps.sh
@@ -16,6 +16,10 @@ test: controlplane tools
 	cargo fmt --all -- --check
 	cargo clippy --locked --all-targets -- -D warnings
 	cargo test --locked --workspace
+
+# A longer run of the chaos suites than CI's (see docs/testing.md).
+soak: controlplane
+	IPWARDEN_CHAOS_ROUNDS=40 cargo test --locked --test chaos
 
 demo: controlplane
 	cargo build --quiet --locked --workspace --bins

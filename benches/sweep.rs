@@ -49,6 +49,7 @@ fn cluster() -> Cluster {
                     owner: None,
                     sticky: false,
                     allocated_at: Time(Timestamp::UNIX_EPOCH),
+                    release_handshake: None,
                 },
             );
             let (phase, pod_uid) = match r % 10 {

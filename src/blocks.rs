@@ -85,6 +85,7 @@ mod test {
             owner: None,
             sticky: false,
             allocated_at: Time(Timestamp::UNIX_EPOCH),
+            release_handshake: None,
         }
     }
 

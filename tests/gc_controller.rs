@@ -14,7 +14,8 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 use support::{
-    Ipwarden, TIMEOUT, create_pod, inject_record, ip_of, metric_sum, record_json, records, wait_pods_with_ips,
+    Ipwarden, TIMEOUT, create_pod, inject_record, ip_of, metric_sum, pod_template, record_json, records,
+    wait_pods_with_ips,
 };
 
 const NS: &str = "default";
@@ -47,19 +48,12 @@ fn workload(kind: &str, name: &str, spec: serde_json::Value) -> serde_json::Valu
     json!({"metadata": {"name": name}, "spec": spec, "kind": kind})
 }
 
-fn template(app: &str, extra: serde_json::Value) -> serde_json::Value {
-    let mut spec =
-        json!({"terminationGracePeriodSeconds": 1, "containers": [{"name": "c", "image": "registry.invalid/c:1"}]});
-    if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
-        spec.extend(extra.clone());
-    }
-    json!({"metadata": {"labels": {"app": app}}, "spec": spec})
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_never_touched() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let mut ipwarden = Ipwarden::start(2, &pool(), &[]).await;
+    // Node-1 skips DEL: its agent still holds those sandboxes, so it answers the release
+    // handshake only once their grace has run out.
+    let mut ipwarden = Ipwarden::start(2, &pool(), &["--release-sandbox-grace-seconds=2"]).await;
     let client = ipwarden.client();
     let controller = ipwarden.start_controller("solo", &["--full-scan-interval-seconds=3"]);
     ipwarden.wait_leader(controller).await;
@@ -75,7 +69,7 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
             "StatefulSet",
             name,
             json!({"replicas": replicas, "serviceName": name,
-            "selector": {"matchLabels": {"app": name}}, "template": template(name, extra)}),
+            "selector": {"matchLabels": {"app": name}}, "template": pod_template(name, extra)}),
         ))
         .expect("sts")
     };
@@ -180,15 +174,7 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
     .expect("repair");
 
     // After more sweeps, what must stay has stayed.
-    let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
-    let sweeps_before = metric_sum(&text, "ipwarden_gc_sweep_duration_seconds_count", &[]);
-    wait::until("two more sweeps", TIMEOUT, || async {
-        let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
-        let sweeps = metric_sum(&text, "ipwarden_gc_sweep_duration_seconds_count", &[]);
-        Ok(if sweeps >= sweeps_before + 2.0 { Probe::Done(()) } else { Probe::Pending(format!("{sweeps} sweeps")) })
-    })
-    .await
-    .expect("sweeps go on");
+    ipwarden.wait_sweeps(controller, 2).await;
     let held = records(&client).await;
     assert!(held.contains_key("10.70.0.205"), "absent pod, sticky, owner wants ordinal: reservation kept");
     assert!(held.contains_key("10.70.0.206"), "recreated sticky pod with empty podIPs: kept while it restarts");
@@ -203,7 +189,7 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
         ("uid_mismatch", None),
         ("node_deleted", None),
         ("completed", None),
-        ("terminating_past_deadline", Some("trace")),
+        ("terminating_past_deadline", Some("handshake")),
         ("sticky_readded_without_ipwarden", None),
         ("sticky_stale_record", None),
     ];
@@ -214,6 +200,17 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
         assert!(metric_sum(&text, "ipwarden_gc_releases_total", &labels) >= 1.0, "a release counted under {reason}");
     }
     assert!(metric_sum(&text, "ipwarden_gc_repairs_total", &[]) >= 1.0, "the repair is counted");
+    assert_eq!(
+        metric_sum(&text, "ipwarden_gc_releases_total", &["reason=\"node_deleted\"", "trigger=\"handshake\""]),
+        0.0,
+        "a record on a deleted node has no agent to ask"
+    );
+    let answers = ipwarden.scrape_agent(1).await;
+    assert!(
+        metric_sum(&answers, "ipwarden_agent_release_handshake_answers_total", &["answer=\"ready_for_release\""])
+            >= 3.0,
+        "node-1's agent answered the marks of the Job pod, the forced pod and the held pod"
+    );
     wait::until("the pool's status counts matching its records", TIMEOUT, || async {
         let pool =
             Api::<ipwarden::crd::IPPool>::all(client.clone()).get(POOL).await.map_err(e2e::Error::kube("get pool"))?;
@@ -264,19 +261,21 @@ async fn ipwarden_gc_asks_the_leader_for_a_sweep_and_prints_its_result_and_dry_r
     let plan: serde_json::Value = serde_json::from_slice(&dry.stdout).expect("dry-run JSON");
     assert_eq!(plan["changes"][0]["ip"], "10.70.0.210");
     assert_eq!(plan["changes"][0]["rule"], "pod_gone");
+    assert_eq!(plan["changes"][0]["action"], "release (handshake)", "node-0's agent will be asked first");
     assert!(records(&client).await.contains_key("10.70.0.210"), "a dry run changes nothing");
 
     let run = ipwarden_cli(&ipwarden, &["gc", "-o", "json"]);
     assert!(run.status.success(), "gc: {}", String::from_utf8_lossy(&run.stderr));
     let report: serde_json::Value = serde_json::from_slice(&run.stdout).expect("report JSON");
-    assert_eq!(report["released"], 1, "{report}");
+    assert_eq!(report["marked"], 1, "node-0 has an agent: the leak is marked for release first; {report}");
     assert!(report["scanned"].as_u64().is_some_and(|n| n >= 1));
-    assert!(!records(&client).await.contains_key("10.70.0.210"), "the manual sweep released the leak");
+    wait_record_gone(&client, "10.70.0.210", "the leak released once node-0's agent answered").await;
     let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
-    assert_eq!(metric_sum(&text, "ipwarden_gc_releases_total", &["trigger=\"manual\""]), 1.0);
+    assert_eq!(metric_sum(&text, "ipwarden_gc_release_handshakes_total", &["step=\"marked\""]), 1.0);
+    assert_eq!(metric_sum(&text, "ipwarden_gc_releases_total", &["trigger=\"handshake\""]), 1.0);
 
     let table = ipwarden_cli(&ipwarden, &["gc"]);
-    assert!(String::from_utf8_lossy(&table.stdout).contains("released"), "a table for people");
+    assert!(String::from_utf8_lossy(&table.stdout).contains("marked for release"), "a table for people");
 }
 
 /// Field managers that wrote each IPBlock.

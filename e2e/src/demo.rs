@@ -54,25 +54,35 @@ pub async fn create(client: &Client) -> Result<()> {
 /// Deletes one running demo pod every `interval`, alternating between the workloads,
 /// until the future is dropped. Errors are logged, not fatal: churn goes on.
 pub async fn churn(client: Client, interval: Duration) {
-    let pods: Api<Pod> = Api::namespaced(client, NAMESPACE);
-    for app in ["web", "api"].iter().cycle() {
+    let selectors = ["web", "api"].map(|app| format!("{APP_LABEL}={app}"));
+    churn_selected(client, NAMESPACE, &selectors, interval).await;
+}
+
+/// Deletes the oldest running pod matching `selector` in `namespace` every `interval`, until
+/// the future is dropped: the churn of the chaos suites.
+pub async fn churn_pods(client: Client, namespace: &str, selector: &str, interval: Duration) {
+    churn_selected(client, namespace, &[selector.to_string()], interval).await;
+}
+
+async fn churn_selected(client: Client, namespace: &str, selectors: &[String], interval: Duration) {
+    let pods: Api<Pod> = Api::namespaced(client, namespace);
+    for selector in selectors.iter().cycle() {
         tokio::time::sleep(interval).await;
-        let params = ListParams::default().labels(&format!("{APP_LABEL}={app}"));
-        let victim = match pods.list(&params).await {
+        let victim = match pods.list(&ListParams::default().labels(selector)).await {
             Ok(list) => list
                 .items
                 .into_iter()
                 .filter(|p| p.metadata.deletion_timestamp.is_none())
                 .min_by_key(|p| p.creation_timestamp().map(|t| t.0)),
             Err(e) => {
-                tracing::warn!(error = %e, "demo: listing pods failed");
+                tracing::warn!(error = %e, "churn: listing pods failed");
                 continue;
             }
         };
         if let Some(pod) = victim {
-            tracing::info!(pod = %pod.name_any(), "demo: deleting pod");
+            tracing::info!(pod = %pod.name_any(), "churn: deleting pod");
             if let Err(e) = pods.delete(&pod.name_any(), &DeleteParams::default()).await {
-                tracing::warn!(pod = %pod.name_any(), error = %e, "demo: deleting pod failed");
+                tracing::warn!(pod = %pod.name_any(), error = %e, "churn: deleting pod failed");
             }
         }
     }

@@ -14,7 +14,7 @@ pub struct ReleaseLabels {
     pub pool: String,
     /// The rule row (e.g. `pod_gone`).
     pub reason: String,
-    /// `trace`, `sweep` or `manual`.
+    /// `trace`, `sweep`, `manual` or `handshake`.
     pub trigger: String,
 }
 
@@ -30,6 +30,15 @@ pub struct FailureLabels {
 pub struct SkipLabels {
     /// Why the record was kept or a change dropped (e.g. `in_use`, `record_changed`).
     pub reason: String,
+}
+
+/// Labels of a release-handshake step.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HandshakeLabels {
+    /// The pool.
+    pub pool: String,
+    /// `marked` or `aborted`.
+    pub step: String,
 }
 
 /// Labels of a pool gauge.
@@ -62,6 +71,10 @@ pub struct ControllerMetrics {
     pub pool_allocated: Family<PoolLabels, Gauge>,
     /// Sticky reservations in a pool.
     pub pool_sticky: Family<PoolLabels, Gauge>,
+    /// Records of a pool in a release handshake (marked, or answered and not yet released).
+    pub pool_handshaking: Family<PoolLabels, Gauge>,
+    /// Release-handshake steps the controller wrote, by pool and step.
+    pub handshakes: Family<HandshakeLabels, Counter>,
     /// 1 while this replica leads.
     pub leader: Gauge,
     /// From the pod's end (deletion or completion) to its IP being free.
@@ -84,6 +97,8 @@ impl ControllerMetrics {
             pool_total: Family::default(),
             pool_allocated: Family::default(),
             pool_sticky: Family::default(),
+            pool_handshaking: Family::default(),
+            handshakes: Family::default(),
             leader: Gauge::default(),
             reclaim_latency: Histogram::new(exponential_buckets(0.1, 2.0, 14)),
             conflict_retries: Counter::default(),
@@ -99,6 +114,16 @@ impl ControllerMetrics {
         r.register("pool_total_ips", "IPs a pool can hand out", m.pool_total.clone());
         r.register("pool_allocated_ips", "IPs allocated in a pool", m.pool_allocated.clone());
         r.register("pool_sticky_ips", "Sticky reservations in a pool", m.pool_sticky.clone());
+        r.register(
+            "pool_handshaking_ips",
+            "Records of a pool in a release handshake with their node's agent",
+            m.pool_handshaking.clone(),
+        );
+        r.register(
+            "gc_release_handshakes",
+            "Release-handshake steps written by the controller, by pool and step (marked, aborted)",
+            m.handshakes.clone(),
+        );
         r.register("controller_leader", "1 while this controller replica leads", m.leader.clone());
         r.register(
             "gc_reclaim_latency_seconds",
@@ -107,6 +132,11 @@ impl ControllerMetrics {
         );
         r.register("gc_conflict_retries", "IPBlock writes retried after a conflict", m.conflict_retries.clone());
         m
+    }
+
+    /// Counts a release-handshake step.
+    pub fn handshake(&self, pool: &str, step: &str) {
+        self.handshakes.get_or_create(&HandshakeLabels { pool: pool.to_string(), step: step.to_string() }).inc();
     }
 
     /// Counts a skip.

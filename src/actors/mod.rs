@@ -175,7 +175,6 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     drain(node_events);
     drain(claim_events);
     drain(sts_events);
-    drain(block_events);
     drain(pool_events);
     let sticky_kinds =
         Arc::new(args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect());
@@ -232,9 +231,10 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         )
         .start();
         gc_actors = Some((supervisor, tracer, janitor));
-        subscribers.push(sweeper_recipient(sweeper, &client, &args, &leading));
+        subscribers.push(sweeper_recipient(sweeper, block_events, &client, &args, &leading));
     } else {
         drain(pod_events);
+        drain(block_events);
     }
 
     tokio::time::timeout(STARTUP_TIMEOUT, async {
@@ -278,11 +278,15 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
 /// Starts the sweeper and the manual trigger; returns the sweeper's leadership recipient.
 fn sweeper_recipient(
     sweeper: sweeper::Sweeper,
+    block_events: impl futures::Stream<Item = Result<watcher::Event<IPBlock>, watcher::Error>> + 'static,
     client: &Client,
     args: &ControllerArgs,
     leading: &Arc<AtomicBool>,
 ) -> actix::Recipient<leader::LeadershipChanged> {
-    let sweeper = sweeper.start();
+    let sweeper = sweeper::Sweeper::create(move |ctx| {
+        ctx.add_stream(block_events.touched_objects());
+        sweeper
+    });
     let trigger_api = Api::namespaced(client.clone(), &args.namespace);
     manual::ManualTrigger::new(trigger_api, sweeper.clone(), leading.clone()).start();
     sweeper.recipient()

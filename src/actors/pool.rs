@@ -20,10 +20,11 @@ use tokio::sync::oneshot;
 
 use super::Caches;
 use super::metrics::{ControllerMetrics, FailureLabels, PoolLabels, ReleaseLabels};
-use crate::crd::{IPBlock, IPPool};
+use crate::crd::{HandshakeState, IPBlock, IPPool, ReleaseHandshake};
+use crate::gc::handshake::{ControllerStep, controller_step};
 use crate::gc::index::PodFacts;
 use crate::gc::rules::recheck_release;
-use crate::gc::sweep::{ChangeAction, RecordChange};
+use crate::gc::sweep::{AWAITING_AGENT, ChangeAction, RecordChange};
 
 /// How many times a block write is retried after conflicts.
 const MAX_CONFLICT_RETRIES: usize = 20;
@@ -37,6 +38,8 @@ pub enum Trigger {
     Sweep,
     /// A sweep an operator asked for.
     Manual,
+    /// A node agent answered a release handshake.
+    Handshake,
 }
 
 impl Trigger {
@@ -46,6 +49,7 @@ impl Trigger {
             Self::Trace => "trace",
             Self::Sweep => "sweep",
             Self::Manual => "manual",
+            Self::Handshake => "handshake",
         }
     }
 }
@@ -53,10 +57,14 @@ impl Trigger {
 /// What happened to one change.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ChangeOutcome {
-    /// The record was removed.
-    Released,
+    /// The record was removed; carries when its pod ended, if a release handshake kept it.
+    Released(Option<Timestamp>),
     /// The record was adopted by the pod reporting the IP.
     Repaired,
+    /// The record was marked for release; its node's agent answers next.
+    Marked,
+    /// The record's release handshake was cleared.
+    Aborted,
     /// The re-check dropped the change; the reason says why.
     Skipped(&'static str),
     /// The write failed.
@@ -70,6 +78,10 @@ pub struct ApplyOutcome {
     pub released: usize,
     /// Records repaired.
     pub repaired: usize,
+    /// Records marked for release, waiting for their node's agent.
+    pub marked: usize,
+    /// Release handshakes cleared.
+    pub aborted: usize,
     /// Changes dropped by the re-check.
     pub skipped: usize,
     /// Changes that failed.
@@ -79,8 +91,10 @@ pub struct ApplyOutcome {
 impl ApplyOutcome {
     fn add(&mut self, outcome: &ChangeOutcome) {
         match outcome {
-            ChangeOutcome::Released => self.released += 1,
+            ChangeOutcome::Released(_) => self.released += 1,
             ChangeOutcome::Repaired => self.repaired += 1,
+            ChangeOutcome::Marked => self.marked += 1,
+            ChangeOutcome::Aborted => self.aborted += 1,
             ChangeOutcome::Skipped(_) => self.skipped += 1,
             ChangeOutcome::Failed(_) => self.failed += 1,
         }
@@ -189,20 +203,24 @@ impl PoolSupervisor {
     /// Refreshes the pool gauges from the caches and returns the counts per pool.
     fn update_pool_gauges(&self) -> Vec<PoolCounts> {
         let mut counts = Vec::new();
-        let mut allocated: BTreeMap<String, (i64, i64)> = BTreeMap::new();
+        let mut allocated: BTreeMap<String, (i64, i64, i64)> = BTreeMap::new();
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         for block in self.context.caches.blocks.state() {
             let entry = allocated.entry(block.spec.pool.clone()).or_default();
-            entry.0 += i64::try_from(block.spec.allocations.len()).unwrap_or(i64::MAX);
-            entry.1 += i64::try_from(block.spec.allocations.values().filter(|a| a.sticky).count()).unwrap_or(i64::MAX);
+            let records = block.spec.allocations.values();
+            entry.0 += count(records.len());
+            entry.1 += count(records.clone().filter(|a| a.sticky).count());
+            entry.2 += count(records.filter(|a| a.release_handshake.is_some()).count());
         }
         for pool in self.context.caches.pools.state() {
             let name = pool.name_any();
             let labels = PoolLabels { pool: name.clone() };
             let total = crate::pools::layout(&pool.spec).map(|l| l.capacity()).unwrap_or(0);
             self.context.metrics.pool_total.get_or_create(&labels).set(i64::try_from(total).unwrap_or(i64::MAX));
-            let (used, sticky) = allocated.get(&name).copied().unwrap_or_default();
+            let (used, sticky, handshaking) = allocated.get(&name).copied().unwrap_or_default();
             self.context.metrics.pool_allocated.get_or_create(&labels).set(used);
             self.context.metrics.pool_sticky.get_or_create(&labels).set(sticky);
+            self.context.metrics.pool_handshaking.get_or_create(&labels).set(handshaking);
             counts.push((name, i64::try_from(total).unwrap_or(i64::MAX), used, sticky));
         }
         counts
@@ -310,7 +328,7 @@ async fn write_batch(context: PoolContext, pool: String, batch: Vec<Pending>) {
         by_block.entry(pending.change.block.clone()).or_default().push(pending);
     }
     for (block, items) in by_block {
-        let changes: Vec<&RecordChange> = items.iter().map(|p| &p.change).collect();
+        let changes: Vec<(&RecordChange, Option<Timestamp>)> = items.iter().map(|p| (&p.change, p.since)).collect();
         let outcomes = write_block(&context, &block, &changes).await;
         for (pending, outcome) in items.into_iter().zip(outcomes) {
             after_write(&context, &pool, &pending, &outcome).await;
@@ -324,14 +342,14 @@ async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outco
     let change = &pending.change;
     let metrics = &context.metrics;
     match (outcome, &change.action) {
-        (ChangeOutcome::Released, ChangeAction::Release { reason, delete_claim }) => {
+        (ChangeOutcome::Released(ended), ChangeAction::Release { reason, delete_claim }) => {
             let labels = ReleaseLabels {
                 pool: pool.to_string(),
                 reason: reason.label().to_string(),
                 trigger: pending.trigger.label().to_string(),
             };
             metrics.releases.get_or_create(&labels).inc();
-            if let Some(since) = pending.since {
+            if let Some(since) = pending.since.or(*ended) {
                 let seconds = Timestamp::now().duration_since(since).as_secs_f64().max(0.0);
                 metrics.reclaim_latency.observe(seconds);
             }
@@ -366,6 +384,14 @@ async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outco
                 change.ip, pod.namespace, pod.name, pod.uid
             );
             publish(context, pool, "IPRecordRepaired", note).await;
+        }
+        (ChangeOutcome::Marked, ChangeAction::Release { reason, .. }) => {
+            metrics.handshake(pool, "marked");
+            tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), reason = reason.label(), "marked for release; asking the node's agent");
+        }
+        (ChangeOutcome::Aborted, _) => {
+            metrics.handshake(pool, "aborted");
+            tracing::info!(pool, ip = %change.ip, "release handshake aborted: no longer a candidate, or the agent refused");
         }
         (ChangeOutcome::Skipped(reason), _) => metrics.skip(reason, 1),
         (ChangeOutcome::Failed(e), _) => {
@@ -419,7 +445,13 @@ async fn live_recheck(client: &Client, change: &RecordChange) -> Result<Option<&
 }
 
 /// Applies `changes` to block `name` in one compare-and-swap write, retried on conflict.
-async fn write_block(context: &PoolContext, name: &str, changes: &[&RecordChange]) -> Vec<ChangeOutcome> {
+/// `changes` pairs each change with when its pod ended, if known (kept in a release mark for
+/// the reclaim latency).
+async fn write_block(
+    context: &PoolContext,
+    name: &str,
+    changes: &[(&RecordChange, Option<Timestamp>)],
+) -> Vec<ChangeOutcome> {
     let api: Api<IPBlock> = Api::all(context.client.clone());
     let mut delays =
         crate::retry::conflict_delays(Duration::from_millis(10), Duration::from_millis(500), MAX_CONFLICT_RETRIES);
@@ -435,14 +467,20 @@ async fn write_block(context: &PoolContext, name: &str, changes: &[&RecordChange
                 return changes.iter().map(|_| ChangeOutcome::Failed(format!("reading IPBlock {name}: {e}"))).collect();
             }
         };
-        let ips: Vec<&str> = changes.iter().map(|c| c.ip.as_str()).collect();
+        let ips: Vec<&str> = changes.iter().map(|(c, _)| c.ip.as_str()).collect();
         let holders = live_holders(context, &ips);
         let now = Timestamp::now();
         let mut outcomes = Vec::new();
-        for change in changes {
-            outcomes.push(apply_one(context, &mut block, change, &holders, now).await);
+        for (change, ended) in changes {
+            outcomes.push(apply_one(context, &mut block, change, *ended, &holders, now).await);
         }
-        if !outcomes.iter().any(|o| matches!(o, ChangeOutcome::Released | ChangeOutcome::Repaired)) {
+        let writes = |o: &ChangeOutcome| {
+            matches!(
+                o,
+                ChangeOutcome::Released(_) | ChangeOutcome::Repaired | ChangeOutcome::Marked | ChangeOutcome::Aborted
+            )
+        };
+        if !outcomes.iter().any(writes) {
             return outcomes;
         }
         if !context.leading.load(Ordering::SeqCst) {
@@ -472,6 +510,7 @@ async fn apply_one(
     context: &PoolContext,
     block: &mut IPBlock,
     change: &RecordChange,
+    ended: Option<Timestamp>,
     holders: &HashMap<String, String>,
     now: Timestamp,
 ) -> ChangeOutcome {
@@ -480,7 +519,17 @@ async fn apply_one(
         return ChangeOutcome::Skipped("record_changed");
     }
     match &change.action {
-        ChangeAction::Release { .. } => {
+        ChangeAction::Release { reason, .. } => {
+            let handshake = record.release_handshake.as_ref().map(|h| h.state);
+            let step = controller_step(handshake, change.via_agent);
+            match step {
+                ControllerStep::Await => return ChangeOutcome::Skipped(AWAITING_AGENT),
+                ControllerStep::Abort => {
+                    record.release_handshake = None;
+                    return ChangeOutcome::Aborted;
+                }
+                ControllerStep::Mark | ControllerStep::Release => {}
+            }
             if holders.contains_key(&change.ip) {
                 return ChangeOutcome::Skipped("in_use");
             }
@@ -494,16 +543,34 @@ async fn apply_one(
                     ));
                 }
             }
+            if step == ControllerStep::Mark {
+                record.release_handshake = Some(ReleaseHandshake {
+                    state: HandshakeState::MarkedForRelease,
+                    marked_at: Time(now),
+                    reason: reason.label().to_string(),
+                    detail: None,
+                    pod_ended_at: ended.map(Time),
+                });
+                return ChangeOutcome::Marked;
+            }
+            let ended = record.release_handshake.as_ref().and_then(|h| h.pod_ended_at.as_ref()).map(|t| t.0);
             block.spec.allocations.remove(&change.ip);
             block.spec.released.insert(change.ip.clone(), Time(now));
-            ChangeOutcome::Released
+            ChangeOutcome::Released(ended)
         }
         ChangeAction::Repair { pod } => {
             if holders.get(&change.ip) != Some(&pod.uid) {
                 return ChangeOutcome::Skipped("holder_changed");
             }
             record.pod = pod.clone();
+            record.release_handshake = None;
             ChangeOutcome::Repaired
+        }
+        ChangeAction::AbortHandshake => {
+            if record.release_handshake.take().is_none() {
+                return ChangeOutcome::Skipped("no_handshake");
+            }
+            ChangeOutcome::Aborted
         }
     }
 }

@@ -7,13 +7,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseActFuture, WrapFuture};
+use actix::{
+    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseActFuture, StreamHandler, WrapFuture,
+};
 use jiff::Timestamp;
+use kube::runtime::watcher;
 
 use super::Caches;
 use super::leader::LeadershipChanged;
 use super::metrics::ControllerMetrics;
 use super::pool::{ApplyChanges, ApplyOutcome, PoolSupervisor, Trigger};
+use crate::crd::{HandshakeState, IPBlock};
 use crate::gc::rules::RuleSettings;
 use crate::gc::sweep;
 
@@ -29,6 +33,12 @@ pub struct SweepReport {
     pub released: usize,
     /// Records repaired.
     pub repaired: usize,
+    /// Records marked for release, waiting for their node's agent.
+    #[serde(default)]
+    pub marked: usize,
+    /// Release handshakes cleared.
+    #[serde(default)]
+    pub aborted: usize,
     /// Decided changes the re-check dropped.
     pub skipped: usize,
     /// Changes that failed.
@@ -98,6 +108,8 @@ impl Sweeper {
             };
             report.released = outcome.released;
             report.repaired = outcome.repaired;
+            report.marked = outcome.marked;
+            report.aborted = outcome.aborted;
             report.skipped = outcome.skipped;
             report.failed = outcome.failed;
             let elapsed = started.elapsed();
@@ -131,6 +143,61 @@ impl Handler<LeadershipChanged> for Sweeper {
             // A new leader sweeps at once: whatever its predecessor left is caught now.
             self.sweep_if_leading(Trigger::Sweep, ctx);
         }
+    }
+}
+
+/// Whether a node agent has answered a release handshake in `block`.
+fn has_answers(block: &IPBlock) -> bool {
+    block.spec.allocations.values().any(|r| {
+        r.release_handshake
+            .as_ref()
+            .is_some_and(|h| matches!(h.state, HandshakeState::ReadyForRelease | HandshakeState::DoNotRelease))
+    })
+}
+
+/// Block changes: an agent's answer to a release handshake is acted on at once, not at the
+/// next sweep.
+impl StreamHandler<Result<IPBlock, watcher::Error>> for Sweeper {
+    fn handle(&mut self, event: Result<IPBlock, watcher::Error>, ctx: &mut Context<Self>) {
+        let block = match event {
+            Ok(block) if has_answers(&block) => block,
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "IPBlock watch error; retrying with backoff");
+                return;
+            }
+        };
+        if !self.leading.load(Ordering::SeqCst) {
+            return;
+        }
+        let index = self.caches.index();
+        let block = Arc::new(block);
+        let plan = sweep::plan(&index, std::slice::from_ref(&block), Timestamp::now(), &self.settings);
+        let answered = |change: &sweep::RecordChange| {
+            block
+                .spec
+                .allocations
+                .get(&change.ip)
+                .and_then(|r| r.release_handshake.as_ref())
+                .is_some_and(|h| matches!(h.state, HandshakeState::ReadyForRelease | HandshakeState::DoNotRelease))
+        };
+        let changes: Vec<_> = plan.changes.into_iter().filter(answered).collect();
+        if changes.is_empty() {
+            return;
+        }
+        let send = self.supervisor.send(ApplyChanges { changes, trigger: Trigger::Handshake, since: None });
+        ctx.spawn(
+            async move {
+                if let Err(e) = send.await {
+                    tracing::warn!(error = %e, "the pool supervisor did not answer");
+                }
+            }
+            .into_actor(self),
+        );
+    }
+
+    fn finished(&mut self, _ctx: &mut Context<Self>) {
+        tracing::error!("the IPBlock watch ended; answered handshakes wait for the next sweep");
     }
 }
 

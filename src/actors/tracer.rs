@@ -19,8 +19,8 @@ use super::metrics::ControllerMetrics;
 use super::pool::{ApplyChanges, PoolSupervisor, Trigger};
 use crate::crd::PodRef;
 use crate::gc::index::PodFacts;
-use crate::gc::rules::{RuleSettings, Verdict};
-use crate::gc::sweep::{ChangeAction, RecordChange};
+use crate::gc::rules::RuleSettings;
+use crate::gc::sweep::{ChangeAction, Planned, RecordChange, next_step};
 use crate::workload;
 
 /// A traced pod: who it was and when it ended.
@@ -88,20 +88,14 @@ impl PodTracer {
             if record.pod.uid != traced.pod.uid {
                 continue;
             }
-            let change = |action| RecordChange {
-                pool: block.spec.pool.clone(),
-                block: claimed.block.clone(),
-                ip: claimed.ip.clone(),
-                pod: record.pod.clone(),
-                claim: traced.claim.clone(),
-                action,
-            };
-            match index.evaluate(&claimed.ip, record, now, &self.settings) {
-                Verdict::Release { reason, delete_claim } => {
-                    changes.push(change(ChangeAction::Release { reason, delete_claim }))
+            let verdict = index.evaluate(&claimed.ip, record, now, &self.settings);
+            match next_step(verdict, record, index.agent_can_answer(record)) {
+                Planned::Change(action @ (ChangeAction::Release { .. } | ChangeAction::AbortHandshake)) => {
+                    changes.push(RecordChange::of(&index, block, &claimed.ip, record, action))
                 }
-                Verdict::TraceUntil(at) => again = Some(again.map_or(at, |a| a.min(at))),
-                Verdict::Repair { .. } | Verdict::Keep(_) => {}
+                Planned::Trace(at) => again = Some(again.map_or(at, |a| a.min(at))),
+                // Repairs are the sweep's: it resolves the adopting pod from the IP index.
+                Planned::Change(ChangeAction::Repair { .. }) | Planned::Keep(_) => {}
             }
         }
         if let Some(at) = again {

@@ -1,5 +1,6 @@
-//! The node's one allocation actor: ADD, DEL, CHECK, GC and STATUS are messages to it and
-//! are served one at a time, so node-side GC never interleaves with an allocation.
+//! The node's one allocation actor: ADD, DEL, CHECK, GC, STATUS and the answers to the
+//! controller's release marks are messages to it and are served one at a time, so neither
+//! node-side GC nor a release answer ever interleaves with an allocation.
 
 use std::sync::Arc;
 
@@ -47,6 +48,27 @@ impl Handler<Call> for NodeAllocator {
                 match outcome {
                     Ok(result) => AgentResponse::Ok { result },
                     Err(error) => AgentResponse::Error(error),
+                }
+            }
+            .into_actor(self),
+        ))
+    }
+}
+
+/// Answer the controller's release marks on this node's records, under the allocation lock.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct AnswerMarks;
+
+impl Handler<AnswerMarks> for NodeAllocator {
+    type Result = AtomicResponse<Self, ()>;
+
+    fn handle(&mut self, _msg: AnswerMarks, _ctx: &mut Context<Self>) -> Self::Result {
+        let core = self.core.clone();
+        AtomicResponse::new(Box::pin(
+            async move {
+                if let Err(e) = core.answer_marks().await {
+                    tracing::warn!(error = %e.msg, "answering release marks failed; retrying on the next pass");
                 }
             }
             .into_actor(self),

@@ -24,9 +24,10 @@ use super::checkpoint::{AttachmentKey, Checkpoint, CheckpointEntry, CheckpointIp
 use super::metrics::{AgentMetrics, PoolLabels};
 use crate::blocks::{self, ReleaseOutcome};
 use crate::crd::{
-    Allocation, ClaimedInterface, ClaimedIp, IPBlock, IPBlockSpec, IPClaim, IPClaimSpec, IPPool, OwnerRef,
-    POOL_ANNOTATION, PodRef,
+    Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPBlock, IPBlockSpec, IPClaim, IPClaimSpec, IPPool,
+    OwnerRef, POOL_ANNOTATION, PodRef,
 };
+use crate::gc::handshake::{AgentAnswer, PodOnNode, agent_answer};
 use crate::ipam::{BlockUsage, ChooseError, PoolLayout, choose_ip};
 use crate::pools::{self, PodPlacement, PoolSet};
 use crate::protocol::{AttachmentRequest, CniError, GcRequest, IpConfig, IpamResult, Route, StatusRequest};
@@ -53,6 +54,9 @@ pub struct Settings {
     pub cooldown: Duration,
     /// Owner kinds whose pods keep their IPs between pods.
     pub sticky_kinds: Vec<String>,
+    /// How long a sandbox still attached on the node holds a record marked for release
+    /// before its DEL counts as lost.
+    pub sandbox_grace: Duration,
 }
 
 /// The agent's state: caches, the checkpoint, and the client.
@@ -214,6 +218,7 @@ impl Core {
             owner: owner.cloned(),
             sticky,
             allocated_at: Time(Timestamp::now()),
+            release_handshake: None,
         }
     }
 
@@ -768,6 +773,86 @@ impl Core {
         Ok(stale.len())
     }
 
+    /// Answers the controller's release marks on this node's records
+    /// ([`crate::gc::handshake`]). Runs inside the allocation actor, so no ADD, DEL or GC
+    /// interleaves: after `ready-for-release` the IP is in no checkpoint entry, and only a
+    /// new record (which clears the mark) could hand it out again. Returns how many marks
+    /// were answered; marks that must wait are left for the next pass.
+    pub async fn answer_marks(&self) -> Result<usize, CniError> {
+        let node = &self.settings.node;
+        let marked: Vec<(String, String, IpNet, String, Allocation)> = self
+            .blocks
+            .state()
+            .iter()
+            .filter_map(|b| b.spec.cidr.parse::<IpNet>().ok().map(|cidr| (b, cidr)))
+            .flat_map(|(b, cidr)| {
+                b.spec
+                    .allocations
+                    .iter()
+                    .filter(|(_, r)| r.node == *node && marked_for_release(r))
+                    .map(move |(ip, r)| (b.name_any(), b.spec.pool.clone(), cidr, ip.clone(), r.clone()))
+            })
+            .collect();
+        if marked.is_empty() {
+            return Ok(0);
+        }
+        let mut checkpoint = self.checkpoint.lock().await;
+        let mut answered = 0;
+        for (block, pool, cidr, ip, record) in marked {
+            let pod = self.pod_on_node(&record).await?;
+            let attached: Vec<AttachmentKey> =
+                checkpoint.entries().filter(|e| e.ips.iter().any(|i| i.ip == ip)).map(|e| e.key.clone()).collect();
+            let marked_at = record.release_handshake.as_ref().map_or(Timestamp::UNIX_EPOCH, |h| h.marked_at.0);
+            let marked_for = Duration::try_from(Timestamp::now().duration_since(marked_at)).unwrap_or(Duration::ZERO);
+            let answer = agent_answer(pod, !attached.is_empty(), marked_for, self.settings.sandbox_grace);
+            let Some(state) = answer.state() else { continue };
+            let detail = match (answer, attached.is_empty()) {
+                (AgentAnswer::DoNotRelease, _) => "the pod is running on this node".to_string(),
+                (_, true) => "no sandbox on this node holds the IP".to_string(),
+                (_, false) => format!(
+                    "its sandbox got no DEL within {} s of the mark; counted as lost",
+                    self.settings.sandbox_grace.as_secs()
+                ),
+            };
+            let written = self
+                .write_block(&block, &pool, cidr, |spec| {
+                    let current = spec.allocations.get_mut(&ip).filter(|r| r.pod.uid == record.pod.uid)?;
+                    let handshake =
+                        current.release_handshake.as_mut().filter(|h| h.state == HandshakeState::MarkedForRelease)?;
+                    handshake.state = state;
+                    handshake.detail = Some(detail.clone());
+                    Some(())
+                })
+                .await?;
+            if written.is_none() {
+                continue;
+            }
+            if answer == AgentAnswer::Ready {
+                for key in &attached {
+                    checkpoint.remove(key).map_err(checkpoint_error)?;
+                }
+            }
+            self.metrics.handshake_answer(answer.label());
+            tracing::info!(%ip, pod = %format!("{}/{}", record.pod.namespace, record.pod.name), answer = answer.label(), %detail, "answered a release mark");
+            answered += 1;
+        }
+        Ok(answered)
+    }
+
+    /// The record's pod as the handshake needs it, from a live read (not the cache).
+    async fn pod_on_node(&self, record: &Allocation) -> Result<PodOnNode, CniError> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &record.pod.namespace);
+        let pod = pods
+            .get_opt(&record.pod.name)
+            .await
+            .map_err(api_error(format!("reading pod {}/{}", record.pod.namespace, record.pod.name)))?;
+        Ok(match pod.map(|p| crate::gc::index::PodFacts::of(&p)) {
+            Some(facts) if facts.uid == record.pod.uid && !facts.terminal() => PodOnNode::Active,
+            Some(facts) if facts.uid == record.pod.uid => PodOnNode::Ending,
+            _ => PodOnNode::Gone,
+        })
+    }
+
     /// Rebuilds the checkpoint from this node's records in the blocks (after a corrupt file
     /// was moved aside).
     pub async fn rebuild_checkpoint(&self) -> Result<usize, CniError> {
@@ -800,6 +885,11 @@ impl Core {
         self.checkpoint.lock().await.replace_all(entries.into_values().collect()).map_err(checkpoint_error)?;
         Ok(count)
     }
+}
+
+/// Whether the controller has marked `record` for release and waits for this agent.
+pub fn marked_for_release(record: &Allocation) -> bool {
+    record.release_handshake.as_ref().is_some_and(|h| h.state == HandshakeState::MarkedForRelease)
 }
 
 /// What releasing a sandbox's IPs did.
@@ -893,6 +983,7 @@ mod test {
             owner: owner.map(|(kind, name)| OwnerRef { kind: kind.into(), name: name.into() }),
             sticky: true,
             allocated_at: Time(Timestamp::UNIX_EPOCH),
+            release_handshake: None,
         };
         let sts = Some(("StatefulSet", "web"));
         assert!(same_workload(&record("web-0", sts), &record("web-0", sts)));

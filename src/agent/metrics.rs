@@ -13,6 +13,13 @@ pub struct ResultLabels {
     pub result: String,
 }
 
+/// Labels of an answer to a release mark.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AnswerLabels {
+    /// `ready_for_release` or `do_not_release`.
+    pub answer: String,
+}
+
 /// Labels naming a pool.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolLabels {
@@ -32,6 +39,8 @@ pub struct AgentMetrics {
     pub conflict_retries: Counter,
     /// ADDs that found a pool without a free IP.
     pub pool_exhausted: Family<PoolLabels, Counter>,
+    /// Answers to the controller's release marks.
+    pub handshake_answers: Family<AnswerLabels, Counter>,
 }
 
 impl AgentMetrics {
@@ -43,6 +52,7 @@ impl AgentMetrics {
             allocation_duration: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             conflict_retries: Counter::default(),
             pool_exhausted: Family::default(),
+            handshake_answers: Family::default(),
         };
         let agent = registry.sub_registry_with_prefix("ipwarden_agent");
         agent.register("allocations", "CNI ADD requests by result", metrics.allocations.clone());
@@ -58,12 +68,22 @@ impl AgentMetrics {
             metrics.conflict_retries.clone(),
         );
         agent.register("pool_exhausted", "CNI ADDs that found no free IP in a pool", metrics.pool_exhausted.clone());
+        agent.register(
+            "release_handshake_answers",
+            "Answers to the controller's release marks, by answer",
+            metrics.handshake_answers.clone(),
+        );
         metrics
     }
 
     /// Counts one ADD outcome.
     pub fn allocation(&self, result: &str) {
         self.allocations.get_or_create(&ResultLabels { result: result.to_string() }).inc();
+    }
+
+    /// Counts one answer to a release mark.
+    pub fn handshake_answer(&self, answer: &str) {
+        self.handshake_answers.get_or_create(&AnswerLabels { answer: answer.to_string() }).inc();
     }
 
     /// Counts one released or reserved IP.

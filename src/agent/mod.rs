@@ -21,6 +21,7 @@ use futures::StreamExt;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
+use tokio::sync::Notify;
 
 use crate::crd::{IPBlock, IPPool};
 use crate::workload::DEFAULT_STICKY_KINDS;
@@ -29,6 +30,10 @@ use checkpoint::{Checkpoint, Restored};
 /// Only host-local reservations at least this old are collected at start: an ADD in flight
 /// has reserved its IP before its pod's status shows it.
 const HOST_LOCAL_MIN_AGE: Duration = Duration::from_secs(300);
+
+/// How often the agent looks for release marks it has not answered yet, besides reacting to
+/// block changes at once (a sandbox's grace runs out without a block change).
+const MARK_RESCAN_INTERVAL: Duration = Duration::from_secs(5);
 
 /// How long the agent waits for its caches and CRDs at start.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
@@ -61,6 +66,11 @@ pub struct AgentArgs {
     /// The host-local network name to collect at start.
     #[arg(long, env = "IPWARDEN_HOST_LOCAL_NETWORK", requires = "host_local_data_dir")]
     pub host_local_network: Option<String>,
+    /// Seconds a sandbox still attached on this node (ADDed, no DEL yet) keeps a record the
+    /// controller marked for release; after that its DEL counts as lost and the agent
+    /// answers ready-for-release.
+    #[arg(long, env = "IPWARDEN_RELEASE_SANDBOX_GRACE_SECONDS", default_value_t = 60)]
+    pub release_sandbox_grace_seconds: u64,
     /// Apply ipwarden's CRDs at start (off when the chart installs them).
     #[arg(long, env = "IPWARDEN_INSTALL_CRDS")]
     pub install_crds: bool,
@@ -96,7 +106,16 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             }
         }
     }));
-    tokio::spawn(block_events.default_backoff().touched_objects().for_each(|_| async {}));
+    let marks = Arc::new(Notify::new());
+    let (node, notify) = (args.node_name.clone(), marks.clone());
+    tokio::spawn(block_events.default_backoff().touched_objects().for_each(move |block| {
+        if let Ok(block) = block
+            && block.spec.allocations.values().any(|r| r.node == node && core::marked_for_release(r))
+        {
+            notify.notify_one();
+        }
+        async {}
+    }));
     tokio::time::timeout(STARTUP_TIMEOUT, async {
         pools.wait_until_ready().await?;
         blocks.wait_until_ready().await
@@ -110,6 +129,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         node: args.node_name.clone(),
         cooldown: Duration::from_secs(args.reuse_cooldown_seconds),
         sticky_kinds: args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect(),
+        sandbox_grace: Duration::from_secs(args.release_sandbox_grace_seconds),
     };
     let core = Arc::new(core::Core::new(client.clone(), settings, pools, blocks, checkpoint, metrics));
     match restored {
@@ -132,10 +152,22 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         tracing::info!(released = freed.len(), %network, "host-local start-up GC done");
     }
     let allocator = allocator::NodeAllocator::new(core).start();
+    tokio::spawn(answer_marks(allocator.clone(), marks));
     let listener =
         server::bind(&args.socket).with_context(|| format!("binding the CNI socket {}", args.socket.display()))?;
     ready.store(true, Ordering::Relaxed);
     tracing::info!(socket = %args.socket.display(), node = %args.node_name, "serving CNI");
     server::serve(listener, allocator).await;
     Ok(())
+}
+
+/// Asks the allocation actor to answer release marks whenever a block with a mark for this
+/// node changes, and every [`MARK_RESCAN_INTERVAL`] in any case.
+async fn answer_marks(allocator: actix::Addr<allocator::NodeAllocator>, marks: Arc<Notify>) {
+    loop {
+        let _woken = tokio::time::timeout(MARK_RESCAN_INTERVAL, marks.notified()).await;
+        if allocator.send(allocator::AnswerMarks).await.is_err() {
+            return;
+        }
+    }
 }

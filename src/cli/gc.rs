@@ -16,7 +16,7 @@ use crate::actors::sweeper::SweepReport;
 use crate::crd::{IPBlock, IPClaim};
 use crate::gc::index::ClusterIndex;
 use crate::gc::rules::{NotReadyPolicy, RuleSettings};
-use crate::gc::sweep::{self, ChangeAction};
+use crate::gc::sweep::{self, ChangeAction, RecordChange};
 use crate::workload::DEFAULT_STICKY_KINDS;
 
 /// `ipwarden gc` flags.
@@ -118,7 +118,7 @@ async fn dry_run(client: &Client, args: &GcArgs) -> anyhow::Result<()> {
             .changes
             .iter()
             .map(|c| {
-                let (action, rule) = describe(&c.action);
+                let (action, rule) = describe(c);
                 serde_json::json!({"ip": c.ip, "pool": c.pool, "block": c.block,
                     "pod": format!("{}/{}", c.pod.namespace, c.pod.name), "podUid": c.pod.uid, "action": action, "rule": rule})
             })
@@ -131,7 +131,7 @@ async fn dry_run(client: &Client, args: &GcArgs) -> anyhow::Result<()> {
         .changes
         .iter()
         .map(|c| {
-            let (action, rule) = describe(&c.action);
+            let (action, rule) = describe(c);
             vec![c.ip.clone(), c.pool.clone(), format!("{}/{}", c.pod.namespace, c.pod.name), action.to_string(), rule]
         })
         .collect();
@@ -145,10 +145,14 @@ async fn dry_run(client: &Client, args: &GcArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn describe(action: &ChangeAction) -> (&'static str, String) {
-    match action {
+/// The action and rule columns of one change. A release on a node with a live agent goes
+/// through the release handshake first.
+fn describe(change: &RecordChange) -> (&'static str, String) {
+    match &change.action {
+        ChangeAction::Release { reason, .. } if change.via_agent => ("release (handshake)", reason.label().to_string()),
         ChangeAction::Release { reason, .. } => ("release", reason.label().to_string()),
         ChangeAction::Repair { pod } => ("repair", format!("adopt by {}/{}", pod.namespace, pod.name)),
+        ChangeAction::AbortHandshake => ("abort handshake", "no longer a candidate".to_string()),
     }
 }
 
@@ -198,6 +202,8 @@ fn print_report(report: &SweepReport, output: Output) -> anyhow::Result<()> {
         vec!["scanned".into(), report.scanned.to_string()],
         vec!["released".into(), report.released.to_string()],
         vec!["repaired".into(), report.repaired.to_string()],
+        vec!["marked for release".into(), report.marked.to_string()],
+        vec!["handshakes aborted".into(), report.aborted.to_string()],
         vec!["skipped at write".into(), report.skipped.to_string()],
         vec!["failed".into(), report.failed.to_string()],
         vec!["traced".into(), report.traced.to_string()],

@@ -65,4 +65,41 @@ pub struct Allocation {
     pub sticky: bool,
     /// When the IP was handed to this pod.
     pub allocated_at: Time,
+    /// The release handshake under way for this record, if the controller wants it released
+    /// and the record's node has a live agent to ask.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_handshake: Option<ReleaseHandshake>,
+}
+
+/// Where a release handshake stands. The controller writes `marked-for-release`; the node's
+/// agent answers, under its allocation lock, with one of the other two.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum HandshakeState {
+    /// The controller wants the record released and waits for the agent.
+    MarkedForRelease,
+    /// The agent holds no sandbox with the IP and will not hand it out or adopt it: the
+    /// controller may release it.
+    ReadyForRelease,
+    /// The agent says the IP is in use on the node: the controller must not release it.
+    DoNotRelease,
+}
+
+/// A release handshake between the controller and the record's node agent, kept in the
+/// record itself so that it survives a restart of either side.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReleaseHandshake {
+    /// Where it stands.
+    pub state: HandshakeState,
+    /// When the controller marked the record.
+    pub marked_at: Time,
+    /// The GC rule row the controller decided by.
+    pub reason: String,
+    /// The agent's explanation of its answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// When the record's pod ended, as the controller saw it, for the reclaim latency.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_ended_at: Option<Time>,
 }

@@ -165,6 +165,12 @@ impl ClusterIndex {
         }
     }
 
+    /// Whether the record's node has an agent that can answer the release handshake: the
+    /// record names a node, and that node exists and is Ready.
+    pub fn agent_can_answer(&self, record: &Allocation) -> bool {
+        !record.node.is_empty() && self.nodes.get(&record.node) == Some(&NodeState::Ready)
+    }
+
     /// The verdict for one record at `now`.
     pub fn evaluate<'a>(
         &'a self,

@@ -196,8 +196,22 @@ fn release(reason: ReleaseReason, facts: &Facts<'_>) -> Verdict<'static> {
 
 /// The verdict for one record. Rows are checked in the order of docs/gc-rules.md; the first
 /// guard (a live pod reports the IP) comes before all of them, so an IP in use is never
-/// released whatever the other facts say.
+/// released whatever the other facts say. A release of a record on a NotReady node waits
+/// for the NotReady policy whatever the row: the node's agent cannot answer the release
+/// handshake, and a partitioned node may still run the sandbox.
 pub fn decide<'a>(facts: &Facts<'a>, settings: &RuleSettings) -> Verdict<'a> {
+    let verdict = decide_row(facts, settings);
+    let (Verdict::Release { .. }, NodeState::NotReady(since)) = (verdict, facts.node) else { return verdict };
+    match settings.not_ready {
+        NotReadyPolicy::Keep => Verdict::Keep(KeepReason::NodeNotReady),
+        NotReadyPolicy::ReleaseAfter(after) => {
+            let due = since.saturating_add(after).unwrap_or(Timestamp::MAX);
+            if facts.now >= due { release(ReleaseReason::NodeNotReady, facts) } else { Verdict::TraceUntil(due) }
+        }
+    }
+}
+
+fn decide_row<'a>(facts: &Facts<'a>, settings: &RuleSettings) -> Verdict<'a> {
     let record = &facts.record;
     // Invariant 2: a non-terminal pod reporting the IP protects it; another UID is adopted.
     if let Some(holder) = facts.holder.as_ref().filter(|h| !h.terminal) {
@@ -239,21 +253,11 @@ pub fn decide<'a>(facts: &Facts<'a>, settings: &RuleSettings) -> Verdict<'a> {
         if sticky_wanted {
             return Verdict::Keep(KeepReason::StickyReservation);
         }
-        return match facts.node {
-            NodeState::Deleted => release(ReleaseReason::NodeDeleted, facts),
-            NodeState::NotReady(since) => match settings.not_ready {
-                NotReadyPolicy::Keep => Verdict::Keep(KeepReason::NodeNotReady),
-                NotReadyPolicy::ReleaseAfter(after) => {
-                    let due = since.saturating_add(after).unwrap_or(Timestamp::MAX);
-                    if facts.now >= due {
-                        release(ReleaseReason::NodeNotReady, facts)
-                    } else {
-                        Verdict::TraceUntil(due.max(deadline))
-                    }
-                }
-            },
-            NodeState::Ready => release(ReleaseReason::TerminatingPastDeadline, facts),
+        let reason = match facts.node {
+            NodeState::Deleted => ReleaseReason::NodeDeleted,
+            _ => ReleaseReason::TerminatingPastDeadline,
         };
+        return release(reason, facts);
     }
     // A pod of the same name with another UID.
     if record.sticky {
@@ -408,6 +412,17 @@ mod test {
     }
 
     #[test]
+    fn every_release_on_a_not_ready_node_waits_for_the_policy() {
+        let mut gone = facts(false, None);
+        gone.node = NodeState::NotReady(at(NOW - 60));
+        assert_eq!(decide(&gone, &settings()), Verdict::Keep(KeepReason::NodeNotReady), "its sandbox may still run");
+        let after =
+            |secs| RuleSettings { not_ready: NotReadyPolicy::ReleaseAfter(Duration::from_secs(secs)), ..settings() };
+        assert_eq!(decide(&gone, &after(30)), released(ReleaseReason::NodeNotReady, true));
+        assert_eq!(decide(&gone, &after(90)), Verdict::TraceUntil(at(NOW + 30)));
+    }
+
+    #[test]
     fn same_uid_completed_releases_and_deletes_the_claim_unless_sticky_and_wanted() {
         let done = ips(&["10.0.0.5"]);
         assert_eq!(
@@ -539,6 +554,18 @@ mod test {
             });
             if live_owner {
                 prop_assert!(matches!(verdict, Verdict::Keep(_) | Verdict::Repair { .. }), "{verdict:?} for {facts:?}");
+            }
+        }
+
+        #[test]
+        fn a_not_ready_node_releases_only_by_its_policy((facts, settings, _ips) in arb_case()) {
+            let verdict = decide(&facts, &settings);
+            if let (Verdict::Release { reason, .. }, NodeState::NotReady(since)) = (verdict, facts.node) {
+                prop_assert_eq!(reason, ReleaseReason::NodeNotReady);
+                let NotReadyPolicy::ReleaseAfter(after) = settings.not_ready else {
+                    return Err(TestCaseError::fail("released under the keep policy"));
+                };
+                prop_assert!(facts.now >= since.saturating_add(after).unwrap_or(Timestamp::MAX));
             }
         }
 

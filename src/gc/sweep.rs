@@ -8,9 +8,10 @@ use std::sync::Arc;
 use jiff::Timestamp;
 use kube::ResourceExt;
 
+use super::handshake::{ControllerStep, controller_step};
 use super::index::ClusterIndex;
 use super::rules::{ReleaseReason, RuleSettings, Verdict};
-use crate::crd::{IPBlock, PodRef};
+use crate::crd::{Allocation, IPBlock, PodRef};
 
 /// A change to one record, decided from a snapshot and re-checked before it is written.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -25,8 +26,25 @@ pub struct RecordChange {
     pub pod: PodRef,
     /// The claim name of the record's workload.
     pub claim: String,
+    /// Whether the record's node has an agent to answer the release handshake.
+    pub via_agent: bool,
     /// What to do.
     pub action: ChangeAction,
+}
+
+impl RecordChange {
+    /// A change to `record`, the record of `ip` in `block`.
+    pub fn of(index: &ClusterIndex, block: &IPBlock, ip: &str, record: &Allocation, action: ChangeAction) -> Self {
+        Self {
+            pool: block.spec.pool.clone(),
+            block: block.name_any(),
+            ip: ip.to_string(),
+            pod: record.pod.clone(),
+            claim: crate::workload::claim_name(&record.pod.name, record.owner.as_ref()),
+            via_agent: index.agent_can_answer(record),
+            action,
+        }
+    }
 }
 
 /// A release or a repair.
@@ -44,6 +62,47 @@ pub enum ChangeAction {
         /// The adopting pod.
         pod: PodRef,
     },
+    /// Clear the record's release handshake: it is no longer a candidate.
+    AbortHandshake,
+}
+
+/// The next step for one record, from its verdict and its release handshake.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Planned {
+    /// Leave it; the label says why.
+    Keep(&'static str),
+    /// Look again at this instant.
+    Trace(Timestamp),
+    /// Carry this out.
+    Change(ChangeAction),
+}
+
+/// Why a record marked for release is left while its agent has not answered.
+pub const AWAITING_AGENT: &str = "awaiting_agent";
+
+/// The next step for a record given its verdict. A record that is no longer a candidate has
+/// its handshake aborted; one marked and waiting for its agent is left alone.
+pub fn next_step(verdict: Verdict<'_>, record: &Allocation, via_agent: bool) -> Planned {
+    let handshake = record.release_handshake.as_ref().map(|h| h.state);
+    match verdict {
+        Verdict::Keep(_) if handshake.is_some() => Planned::Change(ChangeAction::AbortHandshake),
+        Verdict::Keep(reason) => Planned::Keep(reason.label()),
+        Verdict::TraceUntil(when) => Planned::Trace(when),
+        Verdict::Release { reason, delete_claim } => {
+            if controller_step(handshake, via_agent) == ControllerStep::Await {
+                Planned::Keep(AWAITING_AGENT)
+            } else {
+                Planned::Change(ChangeAction::Release { reason, delete_claim })
+            }
+        }
+        Verdict::Repair { uid } => Planned::Change(ChangeAction::Repair {
+            pod: PodRef {
+                namespace: record.pod.namespace.clone(),
+                name: record.pod.name.clone(),
+                uid: uid.to_string(),
+            },
+        }),
+    }
 }
 
 /// What one sweep found.
@@ -63,35 +122,23 @@ pub struct SweepPlan {
 pub fn plan(index: &ClusterIndex, blocks: &[Arc<IPBlock>], now: Timestamp, settings: &RuleSettings) -> SweepPlan {
     let mut plan = SweepPlan::default();
     for block in blocks {
-        let block_name = block.name_any();
         for (ip, record) in &block.spec.allocations {
             plan.scanned += 1;
-            let change = |action| RecordChange {
-                pool: block.spec.pool.clone(),
-                block: block_name.clone(),
-                ip: ip.clone(),
-                pod: record.pod.clone(),
-                claim: crate::workload::claim_name(&record.pod.name, record.owner.as_ref()),
-                action,
-            };
-            match index.evaluate(ip, record, now, settings) {
-                Verdict::Keep(reason) => *plan.kept.entry(reason.label()).or_default() += 1,
-                Verdict::TraceUntil(when) => {
+            let verdict = index.evaluate(ip, record, now, settings);
+            let via_agent = index.agent_can_answer(record);
+            match next_step(verdict, record, via_agent) {
+                Planned::Keep(reason) => *plan.kept.entry(reason).or_default() += 1,
+                Planned::Trace(when) => {
                     let placeholder =
                         ChangeAction::Release { reason: ReleaseReason::TerminatingPastDeadline, delete_claim: false };
-                    plan.traced.push((change(placeholder), when));
+                    plan.traced.push((RecordChange::of(index, block, ip, record, placeholder), when));
                 }
-                Verdict::Release { reason, delete_claim } => {
-                    plan.changes.push(change(ChangeAction::Release { reason, delete_claim }))
+                Planned::Change(ChangeAction::Repair { pod }) => {
+                    // The adopter's full reference (namespace and name too) from the IP index.
+                    let pod = index.live_ips.get(ip).map_or(pod, |h| h.pod.clone());
+                    plan.changes.push(RecordChange::of(index, block, ip, record, ChangeAction::Repair { pod }));
                 }
-                Verdict::Repair { uid } => {
-                    let pod = index.live_ips.get(ip).map(|h| h.pod.clone()).unwrap_or_else(|| PodRef {
-                        namespace: record.pod.namespace.clone(),
-                        name: record.pod.name.clone(),
-                        uid: uid.to_string(),
-                    });
-                    plan.changes.push(change(ChangeAction::Repair { pod }))
-                }
+                Planned::Change(action) => plan.changes.push(RecordChange::of(index, block, ip, record, action)),
             }
         }
     }
@@ -163,5 +210,44 @@ mod test {
                 ),
             ]
         );
+    }
+
+    fn marked(mut record: serde_json::Value, state: &str) -> serde_json::Value {
+        record["releaseHandshake"] = json!({"state": state, "markedAt": "2026-01-01T00:00:00Z", "reason": "pod_gone"});
+        record
+    }
+
+    fn planned(allocations: serde_json::Value, pods: &[Arc<Pod>]) -> SweepPlan {
+        let index = ClusterIndex::build(pods, &[ready_node()], &[], &[], &[]);
+        let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        plan(&index, &[block(allocations)], Timestamp::now(), &settings)
+    }
+
+    #[test]
+    fn a_leak_on_a_ready_node_waits_for_its_agent_once_marked() {
+        let fresh = planned(json!({"10.0.0.2": record("gone", "u-gone")}), &[]);
+        assert!(fresh.changes[0].via_agent, "n1 is Ready: the release goes through the handshake");
+        let waiting = planned(json!({"10.0.0.2": marked(record("gone", "u-gone"), "marked-for-release")}), &[]);
+        assert!(waiting.changes.is_empty());
+        assert_eq!(waiting.kept.get(AWAITING_AGENT), Some(&1));
+        let answered = planned(json!({"10.0.0.2": marked(record("gone", "u-gone"), "ready-for-release")}), &[]);
+        assert!(matches!(answered.changes[0].action, ChangeAction::Release { reason: ReleaseReason::PodGone, .. }));
+    }
+
+    #[test]
+    fn a_record_that_stopped_being_a_candidate_has_its_handshake_aborted() {
+        let pods = [pod("live", "u-live", "10.0.0.1")];
+        let plan = planned(json!({"10.0.0.1": marked(record("live", "u-live"), "marked-for-release")}), &pods);
+        assert_eq!(plan.changes.len(), 1);
+        assert_eq!(plan.changes[0].action, ChangeAction::AbortHandshake);
+    }
+
+    #[test]
+    fn a_record_on_a_deleted_node_is_released_without_asking() {
+        let mut gone = record("gone", "u-gone");
+        gone["node"] = json!("deleted-node");
+        let plan = planned(json!({"10.0.0.2": marked(gone, "marked-for-release")}), &[]);
+        assert!(!plan.changes[0].via_agent);
+        assert!(matches!(plan.changes[0].action, ChangeAction::Release { reason: ReleaseReason::NodeDeleted, .. }));
     }
 }

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)] // Each test binary uses a different part of this support module.
 
+pub mod invariants;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -159,6 +161,36 @@ impl Ipwarden {
         .expect("controller leads");
     }
 
+    /// Waits until some controller replica leads and returns its index.
+    pub async fn wait_any_leader(&self) -> usize {
+        wait::until("a controller replica leading", TIMEOUT, || async {
+            for index in 0..self.controllers.len() {
+                let text = self.scrape_controller(index).await.unwrap_or_default();
+                if metric(&text, "ipwarden_controller_leader") == 1.0 {
+                    return Ok(Probe::Done(index));
+                }
+            }
+            Ok(Probe::Pending("no replica leads".into()))
+        })
+        .await
+        .expect("a leader")
+    }
+
+    /// Waits until controller `index` has finished `count` more full sweeps than when called.
+    pub async fn wait_sweeps(&self, index: usize, count: u32) {
+        let sweeps = || async {
+            let text = self.scrape_controller(index).await.unwrap_or_default();
+            metric_sum(&text, "ipwarden_gc_sweep_duration_seconds_count", &[])
+        };
+        let target = sweeps().await + f64::from(count);
+        wait::until(&format!("{count} more sweeps of controller {index}"), TIMEOUT, || async {
+            let done = sweeps().await;
+            Ok(if done >= target { Probe::Done(()) } else { Probe::Pending(format!("{done} of {target} sweeps")) })
+        })
+        .await
+        .expect("sweeps go on");
+    }
+
     /// Agent `index`'s /metrics text.
     pub async fn scrape_agent(&self, index: usize) -> String {
         e2e::ipwarden::get(self.metrics_ports[index], "/metrics").await.expect("scrape /metrics")
@@ -227,6 +259,16 @@ pub fn record_json(
            "containerId": format!("injected-{uid}"), "interface": "eth0", "sticky": sticky,
            "owner": owner.map(|(kind, name)| json!({"kind": kind, "name": name})),
            "allocatedAt": "2026-01-01T00:00:00Z"})
+}
+
+/// A workload's pod template: label `app`, grace 1 s, one container, plus `extra` spec fields.
+pub fn pod_template(app: &str, extra: serde_json::Value) -> serde_json::Value {
+    let mut spec =
+        json!({"terminationGracePeriodSeconds": 1, "containers": [{"name": "c", "image": "registry.invalid/c:1"}]});
+    if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
+        spec.extend(extra.clone());
+    }
+    json!({"metadata": {"labels": {"app": app}}, "spec": spec})
 }
 
 /// Creates a bare pod bound to `node` (no scheduler involved).

@@ -131,6 +131,8 @@ async fn up(
         for (name, port) in &running.endpoints {
             println!("  metrics:    http://127.0.0.1:{port}/metrics ({name})");
         }
+        println!("  status:     KUBECONFIG={} {} status", kubeconfig.display(), binary.display());
+        println!("  check:      KUBECONFIG={} {} check", kubeconfig.display(), binary.display());
         println!("  GC preview: KUBECONFIG={} {} gc --dry-run", kubeconfig.display(), binary.display());
         println!("  pools:      kubectl ... get ippools,ipblocks; kubectl ... get ipclaims -A");
     }
