@@ -1,7 +1,8 @@
 //! A real Prometheus (Debian's package) scrapes a real controller and agent through a scripted
 //! scenario, evaluating the chart's alert rules: both targets are up, the key series carry the
 //! values the scenario implies, the alerts the scenario should raise are active and the others
-//! are not, and `promtool check metrics` has nothing to say about either exposition.
+//! are not (then a pod reporting another pod's IP raises IpwardenIpConflicts), and
+//! `promtool check metrics` has nothing to say about either exposition.
 
 mod support;
 
@@ -10,6 +11,8 @@ use std::path::PathBuf;
 
 use e2e::prometheus::Prometheus;
 use e2e::wait::{self, Probe};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 use support::{Ipwarden, TIMEOUT, create_pod, inject_record, ip_of, record_json, wait_pods_with_ips};
 
@@ -171,6 +174,27 @@ async fn prometheus_scrapes_the_controller_and_an_agent_and_sees_the_scenario() 
     assert_eq!(conflict.state, "firing", "a repair alerts at once");
     let fill = active.iter().find(|a| a.labels["alertname"] == "IpwardenPoolNearlyExhausted").expect("fill");
     assert_eq!(fill.state, "pending", "pool fill waits its 10 minutes");
+
+    // A conflict: a pod no kubelet runs (its node does not exist) reports web-2's IP.
+    create_pod(&client, NS, "impostor", "node-absent", json!({"app": "impostor"})).await;
+    let status = json!({"status": {"phase": "Running", "podIP": ip_of(&pods["web-2"]), "podIPs": [{"ip": ip_of(&pods["web-2"])}]}});
+    Api::<Pod>::namespaced(client.clone(), NS)
+        .patch_status("impostor", &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("the impostor reports web-2's IP");
+    wait::until("the conflict counted and alerting", TIMEOUT, || async {
+        let conflicts = single(&prometheus, "max(ipwarden_ip_conflicts)").await;
+        let alerts = prometheus.alerts().await?;
+        let alerting =
+            alerts.iter().any(|a| a.labels.get("alertname").map(String::as_str) == Some("IpwardenIpConflicts"));
+        Ok(if conflicts == Some(1.0) && alerting {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("conflicts {conflicts:?}, alerting {alerting}"))
+        })
+    })
+    .await
+    .expect("Prometheus sees the conflict");
 
     promtool_check(ipwarden.controller_ports[controller], "controller").await;
     promtool_check(ipwarden.metrics_ports[0], "agent").await;
