@@ -1,6 +1,6 @@
 # The project's entry points. `make test` is the test command CI runs (.ci/run); `make demo`
 # is the main job on the local default. Both install what they need themselves.
-.PHONY: test demo soak churn-bench cluster-up cluster-down controlplane deps
+.PHONY: test demo soak churn-bench cluster-up cluster-down controlplane tools deps
 
 # Where cargo puts what it builds (CARGO_TARGET_DIR when set).
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
@@ -11,7 +11,11 @@ deps:
 controlplane: deps
 	bash e2e/cluster/build-controlplane.sh >/dev/null
 
-test: controlplane
+# Helm, built from its pinned Go module like the control plane (the chart tests run it).
+tools: deps
+	bash e2e/cluster/build-helm.sh >/dev/null
+
+test: controlplane tools
 	cargo fmt --all -- --check
 	cargo clippy --locked --workspace --all-targets -- -D warnings
 	cargo test --locked --workspace

@@ -102,6 +102,16 @@ impl Cluster {
         &self.control_plane.kubeconfig
     }
 
+    /// The apiserver's URL.
+    pub fn server(&self) -> &str {
+        &self.control_plane.server
+    }
+
+    /// The cluster's PKI (CA, serving and admin certificates).
+    pub fn pki(&self) -> &crate::pki::Pki {
+        &self.control_plane.pki
+    }
+
     /// The run directory (PKI, component logs, node state).
     pub fn dir(&self) -> &Path {
         &self.dir

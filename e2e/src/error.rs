@@ -6,8 +6,8 @@ use std::time::Duration;
 /// Why the harness could not build, start, drive or stop a cluster.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The control-plane build script failed or printed no binary directory.
-    #[error("building the control plane with {script} failed: {reason}")]
+    /// A build script (control plane, Helm) failed or printed nothing.
+    #[error("building with {script} failed: {reason}")]
     Build {
         /// The script that was run.
         script: PathBuf,
@@ -123,6 +123,22 @@ pub enum Error {
     /// The churn benchmark was asked for something it cannot do.
     #[error("the churn benchmark cannot run: {0}")]
     Churn(String),
+    /// An external tool (helm, kubectl, promtool) failed.
+    #[error("{command} failed: {reason}")]
+    Tool {
+        /// The command line, shortened to the program and its first arguments.
+        command: String,
+        /// Its exit status and error output.
+        reason: String,
+    },
+    /// Prometheus answered a query with an error or something unexpected.
+    #[error("Prometheus query {query}: {reason}")]
+    Prometheus {
+        /// The PromQL expression or API path.
+        query: String,
+        /// What went wrong.
+        reason: String,
+    },
     /// No free loopback port could be reserved.
     #[error("reserving a free loopback port: {0}")]
     Port(std::io::Error),

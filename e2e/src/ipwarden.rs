@@ -46,22 +46,51 @@ pub fn agent_socket(cluster: &Cluster, node: usize) -> PathBuf {
     cluster.nodes()[node].dir().join("agent.sock")
 }
 
-fn spawn(cluster: &Cluster, binary: &Path, name: &str, args: Vec<String>, log: PathBuf) -> Result<Component> {
+/// Who an ipwarden process talks to the apiserver as, and where the controller keeps its
+/// Lease and trigger ConfigMap.
+#[derive(Clone, Debug)]
+pub struct RunAs {
+    /// The kubeconfig (the admin's, or a ServiceAccount's from [`crate::accounts`]).
+    pub kubeconfig: PathBuf,
+    /// The controller's `--namespace`.
+    pub namespace: String,
+}
+
+impl RunAs {
+    /// The admin identity, namespace `default`.
+    pub fn admin(cluster: &Cluster) -> Self {
+        Self { kubeconfig: cluster.kubeconfig().to_path_buf(), namespace: "default".to_string() }
+    }
+}
+
+fn spawn(binary: &Path, name: &str, args: Vec<String>, log: PathBuf, kubeconfig: &Path) -> Result<Component> {
     let env = vec![
-        ("KUBECONFIG".to_string(), cluster.kubeconfig().display().to_string()),
+        ("KUBECONFIG".to_string(), kubeconfig.display().to_string()),
         ("RUST_LOG".to_string(), "info,kube_client=warn".to_string()),
     ];
     Component::start_with_env(name, binary, args, env, log)
 }
 
-/// Starts the agent of node `node`, serving metrics on 127.0.0.1:`metrics_port`, with
-/// `extra` flags; its log is `agent.log` in the node's directory.
+/// Starts the agent of node `node` as the admin, serving metrics on 127.0.0.1:`metrics_port`,
+/// with `extra` flags; its log is `agent.log` in the node's directory.
 pub fn start_agent(
     cluster: &Cluster,
     binary: &Path,
     node: usize,
     metrics_port: u16,
     extra: &[&str],
+) -> Result<Component> {
+    start_agent_as(cluster, binary, node, metrics_port, extra, &RunAs::admin(cluster))
+}
+
+/// Like [`start_agent`], talking to the apiserver as `run_as`.
+pub fn start_agent_as(
+    cluster: &Cluster,
+    binary: &Path,
+    node: usize,
+    metrics_port: u16,
+    extra: &[&str],
+    run_as: &RunAs,
 ) -> Result<Component> {
     let handle = &cluster.nodes()[node];
     let dir = handle.dir();
@@ -73,11 +102,11 @@ pub fn start_agent(
         format!("--metrics-address=127.0.0.1:{metrics_port}"),
     ];
     args.extend(extra.iter().map(|a| a.to_string()));
-    spawn(cluster, binary, &format!("agent-{}", handle.name()), args, dir.join("agent.log"))
+    spawn(binary, &format!("agent-{}", handle.name()), args, dir.join("agent.log"), &run_as.kubeconfig)
 }
 
-/// Starts a controller replica named `identity` in namespace `default`, serving metrics on
-/// 127.0.0.1:`metrics_port`, with `extra` flags; its log is in the run directory.
+/// Starts a controller replica named `identity` as the admin in namespace `default`, serving
+/// metrics on 127.0.0.1:`metrics_port`, with `extra` flags; its log is in the run directory.
 pub fn start_controller(
     cluster: &Cluster,
     binary: &Path,
@@ -85,15 +114,28 @@ pub fn start_controller(
     metrics_port: u16,
     extra: &[&str],
 ) -> Result<Component> {
+    start_controller_as(cluster, binary, identity, metrics_port, extra, &RunAs::admin(cluster))
+}
+
+/// Like [`start_controller`], talking to the apiserver as `run_as` and keeping its Lease in
+/// `run_as.namespace`.
+pub fn start_controller_as(
+    cluster: &Cluster,
+    binary: &Path,
+    identity: &str,
+    metrics_port: u16,
+    extra: &[&str],
+    run_as: &RunAs,
+) -> Result<Component> {
     let mut args = vec![
         "controller".to_string(),
         format!("--identity={identity}"),
-        "--namespace=default".to_string(),
+        format!("--namespace={}", run_as.namespace),
         format!("--metrics-address=127.0.0.1:{metrics_port}"),
     ];
     args.extend(extra.iter().map(|a| a.to_string()));
     let log = cluster.dir().join(format!("controller-{identity}.log"));
-    spawn(cluster, binary, &format!("controller-{identity}"), args, log)
+    spawn(binary, &format!("controller-{identity}"), args, log, &run_as.kubeconfig)
 }
 
 /// A plain-HTTP client for an ipwarden process's endpoint on 127.0.0.1:`port`.
@@ -105,10 +147,13 @@ pub fn endpoint_client(port: u16) -> Result<Client> {
     Client::try_from(kube::Config::new(uri)).map_err(Error::kube(format!("building a client for 127.0.0.1:{port}")))
 }
 
-/// GETs `path` (e.g. `/metrics`) from the process on 127.0.0.1:`port`.
-pub async fn get(port: u16, path: &'static str) -> Result<String> {
+/// GETs `path` (e.g. `/metrics`, or a path with a query) from the process on
+/// 127.0.0.1:`port`.
+pub async fn get(port: u16, path: &str) -> Result<String> {
     let mut request = http::Request::new(Vec::new());
-    *request.uri_mut() = http::Uri::from_static(path);
+    *request.uri_mut() = path
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| Error::Kubeconfig { path: path.into(), reason: e.to_string() })?;
     endpoint_client(port)?.request_text(request).await.map_err(Error::kube(format!("GET {path} on 127.0.0.1:{port}")))
 }
 

@@ -7,6 +7,7 @@
 //! by invoking a real CNI plugin binary exactly as a container runtime does. Nothing here
 //! imitates the apiserver: every object goes through the real one.
 
+pub mod accounts;
 pub mod binaries;
 pub mod churn;
 pub mod cluster;
@@ -15,11 +16,13 @@ pub mod controlplane;
 pub mod demo;
 pub mod error;
 pub mod exposition;
+pub mod helm;
 pub mod ipwarden;
 pub mod kubelet;
 pub mod pki;
 pub mod process;
 pub mod procstat;
+pub mod prometheus;
 pub mod wait;
 
 pub use cluster::{Cluster, ClusterOptions};

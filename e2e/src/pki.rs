@@ -106,6 +106,13 @@ impl Pki {
 
     /// Writes a kubeconfig for the admin user pointing at `server`.
     pub fn write_admin_kubeconfig(&self, path: &Path, server: &str) -> Result<()> {
+        let user = serde_json::json!({"client-certificate": self.admin_cert, "client-key": self.admin_key});
+        self.write_kubeconfig(path, server, "admin", user)
+    }
+
+    /// Writes a kubeconfig for `server` (trusting this CA) whose user `name` authenticates
+    /// with the kubeconfig `user` fields (a client certificate, a token, ...).
+    pub fn write_kubeconfig(&self, path: &Path, server: &str, name: &str, user: serde_json::Value) -> Result<()> {
         let kubeconfig = serde_json::json!({
             "apiVersion": "v1",
             "kind": "Config",
@@ -113,11 +120,8 @@ impl Pki {
                 "server": server,
                 "certificate-authority": self.ca_cert,
             }}],
-            "users": [{"name": "admin", "user": {
-                "client-certificate": self.admin_cert,
-                "client-key": self.admin_key,
-            }}],
-            "contexts": [{"name": "ipwarden-e2e", "context": {"cluster": "ipwarden-e2e", "user": "admin"}}],
+            "users": [{"name": name, "user": user}],
+            "contexts": [{"name": "ipwarden-e2e", "context": {"cluster": "ipwarden-e2e", "user": name}}],
             "current-context": "ipwarden-e2e",
         });
         let text = serde_json::to_string_pretty(&kubeconfig).map_err(|e| Error::Io {

@@ -145,3 +145,32 @@ pub fn free_port() -> Result<u16> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(Error::Port)?;
     Ok(listener.local_addr().map_err(Error::Port)?.port())
 }
+
+/// Runs a short-lived tool (helm, kubectl, promtool) to completion with `stdin` as its input
+/// and returns its standard output; a non-zero exit fails with its error output.
+pub async fn run_tool(program: &Path, args: &[String], stdin: Option<&[u8]>) -> Result<String> {
+    use tokio::io::AsyncWriteExt;
+    let name = program.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let command = std::iter::once(name.as_str()).chain(args.iter().take(3).map(String::as_str)).collect::<Vec<_>>();
+    let command = command.join(" ");
+    let mut child = tokio::process::Command::new(program)
+        .args(args)
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|source| Error::Spawn { component: name.clone(), binary: program.to_path_buf(), source })?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(input).await.map_err(|e| Error::Tool { command: command.clone(), reason: e.to_string() })?;
+    }
+    let output =
+        child.wait_with_output().await.map_err(|e| Error::Tool { command: command.clone(), reason: e.to_string() })?;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    if output.status.success() {
+        Ok(stdout)
+    } else {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        Err(Error::Tool { command, reason: format!("{}: {}{}", output.status, stderr.trim(), stdout.trim()) })
+    }
+}

@@ -81,6 +81,8 @@ pub struct ControllerMetrics {
     pub reclaim_latency: Histogram,
     /// IPBlock writes retried after a resourceVersion conflict.
     pub conflict_retries: Counter,
+    /// IPs that more than one live pod reports (invariant 1 broken; `ipwarden check` names them).
+    pub ip_conflicts: Gauge,
 }
 
 impl ControllerMetrics {
@@ -102,6 +104,7 @@ impl ControllerMetrics {
             leader: Gauge::default(),
             reclaim_latency: Histogram::new(exponential_buckets(0.1, 2.0, 14)),
             conflict_retries: Counter::default(),
+            ip_conflicts: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("ipwarden");
         r.register("gc_releases", "Records released by the GC, by pool, rule and trigger", m.releases.clone());
@@ -131,6 +134,7 @@ impl ControllerMetrics {
             m.reclaim_latency.clone(),
         );
         r.register("gc_conflict_retries", "IPBlock writes retried after a conflict", m.conflict_retries.clone());
+        r.register("ip_conflicts", "IPs that more than one live pod reports", m.ip_conflicts.clone());
         m
     }
 

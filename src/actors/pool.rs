@@ -200,7 +200,8 @@ async fn write_pool_counts(context: PoolContext, counts: Vec<PoolCounts>) {
 }
 
 impl PoolSupervisor {
-    /// Refreshes the pool gauges from the caches and returns the counts per pool.
+    /// Refreshes the pool gauges (and the IP conflict gauge) from the caches and returns the
+    /// counts per pool.
     fn update_pool_gauges(&self) -> Vec<PoolCounts> {
         let mut counts = Vec::new();
         let mut allocated: BTreeMap<String, (i64, i64, i64)> = BTreeMap::new();
@@ -223,6 +224,8 @@ impl PoolSupervisor {
             self.context.metrics.pool_handshaking.get_or_create(&labels).set(handshaking);
             counts.push((name, i64::try_from(total).unwrap_or(i64::MAX), used, sticky));
         }
+        let conflicts = crate::gc::check::conflicts(&self.context.caches.pods.state()).len();
+        self.context.metrics.ip_conflicts.set(count(conflicts));
         counts
     }
 }

@@ -58,11 +58,11 @@ pub struct Snapshot<'a> {
     pub index: &'a ClusterIndex,
 }
 
-/// Every problem of the snapshot at `now`, sorted by kind and subject.
-pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -> Vec<Problem> {
-    let mut problems = Vec::new();
-    let mut holders: HashMap<String, Vec<String>> = HashMap::new();
-    for pod in snapshot.pods {
+/// The IPs that more than one live pod reports (invariant 1 broken), with those pods'
+/// `namespace/name`; host-network pods report the node's IP and do not count.
+pub fn conflicts(pods: &[Arc<Pod>]) -> BTreeMap<String, Vec<String>> {
+    let mut holders: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for pod in pods {
         let facts = PodFacts::of(pod);
         let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
         if facts.terminal() || host_network {
@@ -76,10 +76,17 @@ pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -
             ));
         }
     }
-    for (ip, pods) in holders.iter().filter(|(_, pods)| pods.len() > 1) {
+    holders.retain(|_, pods| pods.len() > 1);
+    holders
+}
+
+/// Every problem of the snapshot at `now`, sorted by kind and subject.
+pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    for (ip, pods) in conflicts(snapshot.pods) {
         problems.push(Problem {
             kind: ProblemKind::Conflict,
-            subject: ip.clone(),
+            subject: ip,
             detail: format!("held by {}", pods.join(", ")),
         });
     }

@@ -33,6 +33,11 @@ pub struct Ipwarden {
     pub controllers: Vec<Component>,
     /// Each controller's metrics port on 127.0.0.1.
     pub controller_ports: Vec<u16>,
+    /// The identity agents started from now on use (default: the admin).
+    pub agent_run_as: Option<e2e::ipwarden::RunAs>,
+    /// The identity and namespace controllers started from now on use (default: the admin,
+    /// namespace `default`).
+    pub controller_run_as: Option<e2e::ipwarden::RunAs>,
 }
 
 /// The binary under test.
@@ -60,33 +65,48 @@ impl Ipwarden {
         agent_args: &[&str],
         network: CniNetwork,
     ) -> Self {
+        let mut ipwarden = Self::without_agents(nodes, pools, network).await;
+        ipwarden.start_agents(agent_args).await;
+        ipwarden
+    }
+
+    /// A cluster with the CRDs and `pools` but no agent yet (to set [`Ipwarden::agent_run_as`]
+    /// first); [`Ipwarden::start_agents`] starts them.
+    pub async fn without_agents(nodes: usize, pools: &[(&str, serde_json::Value)], network: CniNetwork) -> Self {
         let options = ClusterOptions { nodes, network: Some(network), ..ClusterOptions::default() };
         let cluster = Cluster::start(options).await.expect("cluster starts");
         ipwarden::crd::install(&cluster.client(), Duration::from_secs(60)).await.expect("CRDs install");
         for (name, spec) in pools {
             e2e::ipwarden::create_pool(&cluster.client(), name, spec.clone()).await.expect("create pool");
         }
-        let mut ipwarden = Self {
+        Self {
             cluster,
             agents: Vec::new(),
             metrics_ports: Vec::new(),
             controllers: Vec::new(),
             controller_ports: Vec::new(),
-        };
-        for index in 0..nodes {
+            agent_run_as: None,
+            controller_run_as: None,
+        }
+    }
+
+    /// Starts an agent per node with `agent_args` and waits until each serves.
+    pub async fn start_agents(&mut self, agent_args: &[&str]) {
+        for index in 0..self.cluster.nodes().len() {
             let port = e2e::process::free_port().expect("free port");
-            let agent = ipwarden.spawn_agent(index, port, agent_args);
-            ipwarden.agents.push(agent);
-            ipwarden.metrics_ports.push(port);
+            let agent = self.spawn_agent(index, port, agent_args);
+            self.agents.push(agent);
+            self.metrics_ports.push(port);
         }
-        for index in 0..nodes {
-            ipwarden.wait_agent_serving(index).await;
+        for index in 0..self.agents.len() {
+            self.wait_agent_serving(index).await;
         }
-        ipwarden
     }
 
     fn spawn_agent(&self, index: usize, metrics_port: u16, extra: &[&str]) -> Component {
-        e2e::ipwarden::start_agent(&self.cluster, binary(), index, metrics_port, extra).expect("agent starts")
+        let run_as = self.agent_run_as.clone().unwrap_or_else(|| e2e::ipwarden::RunAs::admin(&self.cluster));
+        e2e::ipwarden::start_agent_as(&self.cluster, binary(), index, metrics_port, extra, &run_as)
+            .expect("agent starts")
     }
 
     /// Waits until agent `index` reports ready on /readyz (caches synced, checkpoint
@@ -107,8 +127,9 @@ impl Ipwarden {
             "--claim-janitor-interval-seconds=2",
         ];
         args.extend(extra);
-        let controller =
-            e2e::ipwarden::start_controller(&self.cluster, binary(), identity, port, &args).expect("controller starts");
+        let run_as = self.controller_run_as.clone().unwrap_or_else(|| e2e::ipwarden::RunAs::admin(&self.cluster));
+        let controller = e2e::ipwarden::start_controller_as(&self.cluster, binary(), identity, port, &args, &run_as)
+            .expect("controller starts");
         self.controllers.push(controller);
         self.controller_ports.push(port);
         self.controllers.len() - 1

@@ -1,0 +1,281 @@
+//! RBAC proven under load: agents and two controller replicas run as the chart's
+//! ServiceAccounts (tokens the apiserver issued, bound only by the chart's rendered RBAC)
+//! through a StatefulSet scale storm on a pool of exactly 5 IPs. Two StatefulSets of 5
+//! compete: one is scaled to 0 and the other created (later: scaled up) while the first's pods
+//! still terminate, then the first is scaled back; invariants are checked all along and after
+//! the cluster settles. A missing rule shows up as a 403 in a log, a process that exits, or a
+//! storm that never settles.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use e2e::ipwarden::RunAs;
+use e2e::wait::{self, Probe};
+use ipwarden::crd::{IPBlock, IPPool};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use support::{Ipwarden, TIMEOUT, claims, inject_record, ip_of, network, pods_with_ips, record_json};
+
+/// The chart's release namespace in this test.
+const SYSTEM: &str = "ipwarden-system";
+/// Where the StatefulSets run.
+const NS: &str = "default";
+/// Storm rounds (each: alpha 5 -> 0 with beta 0 -> 5, then beta 5 -> 0 with alpha 0 -> 5).
+const ROUNDS: usize = 2;
+const REPLICAS: i32 = 5;
+
+/// Renders the chart's ServiceAccounts and RBAC and applies them with the built kubectl.
+async fn apply_chart_rbac(ipwarden: &Ipwarden) {
+    let namespace: Namespace = serde_json::from_value(json!({"metadata": {"name": SYSTEM}})).expect("namespace");
+    Api::<Namespace>::all(ipwarden.client()).create(&PostParams::default(), &namespace).await.expect("namespace");
+    let helm = e2e::helm::Helm::locate().expect("helm builds");
+    let chart = e2e::helm::chart().display().to_string();
+    let mut args = vec!["template", "ipwarden", chart.as_str(), "--namespace", SYSTEM];
+    for template in ["templates/serviceaccounts.yaml", "templates/controller-rbac.yaml", "templates/agent-rbac.yaml"] {
+        args.extend(["--show-only", template]);
+    }
+    let rendered = helm.run(&args).await.expect("helm template renders the RBAC");
+    let kubectl = ipwarden.cluster.kubectl();
+    let apply = vec![
+        format!("--kubeconfig={}", ipwarden.cluster.kubeconfig().display()),
+        "apply".into(),
+        "-f".into(),
+        "-".into(),
+    ];
+    let applied = e2e::process::run_tool(&kubectl, &apply, Some(rendered.as_bytes())).await.expect("kubectl apply");
+    assert!(applied.contains("clusterrole.rbac.authorization.k8s.io/ipwarden-agent created"), "{applied}");
+}
+
+fn statefulset(name: &str, replicas: i32) -> StatefulSet {
+    serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"replicas": replicas, "serviceName": name, "podManagementPolicy": "Parallel",
+                 "selector": {"matchLabels": {"app": name}},
+                 "template": {"metadata": {"labels": {"app": name, "storm": "true"}},
+                              "spec": {"terminationGracePeriodSeconds": 1,
+                                       "containers": [{"name": "app", "image": "registry.invalid/storm:1"}]}}},
+    }))
+    .expect("statefulset")
+}
+
+async fn scale(client: &Client, name: &str, replicas: i32) {
+    let patch = json!({"spec": {"replicas": replicas}});
+    Api::<StatefulSet>::namespaced(client.clone(), NS)
+        .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+        .await
+        .unwrap_or_else(|e| panic!("scaling {name} to {replicas}: {e}"));
+}
+
+/// Waits until `name` runs `count` pods with IPs, and no pod of the other set runs.
+async fn wait_running(client: &Client, name: &str, other: &str) {
+    wait::until(&format!("{REPLICAS} pods of {name} with IPs, none of {other}"), TIMEOUT, || async {
+        let running = pods_with_ips(client, NS, &format!("app={name}")).await?.len();
+        let others = pods_with_ips(client, NS, &format!("app={other}")).await?.len();
+        Ok(if running == REPLICAS as usize && others == 0 {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("{name}: {running}, {other}: {others}"))
+        })
+    })
+    .await
+    .expect("the storm round completes");
+}
+
+/// How many pods of `name` exist (terminating or not).
+async fn existing(client: &Client, name: &str) -> usize {
+    let pods = Api::<Pod>::namespaced(client.clone(), NS);
+    pods.list(&ListParams::default().labels(&format!("app={name}"))).await.expect("list pods").items.len()
+}
+
+/// Every record of the storm pool: IP -> pod UID.
+async fn storm_records(client: &Client) -> Result<BTreeMap<String, String>, kube::Error> {
+    let blocks = Api::<IPBlock>::all(client.clone()).list(&ListParams::default()).await?;
+    Ok(blocks
+        .items
+        .into_iter()
+        .filter(|b| b.spec.pool == "storm")
+        .flat_map(|b| b.spec.allocations.into_iter().map(|(ip, a)| (ip, a.pod.uid)))
+        .collect())
+}
+
+/// One check of the invariants that must hold at every instant: no IP held by two live pods,
+/// and every running pod's IP recorded under its UID. Returns the violations found.
+async fn check_invariants(client: &Client) -> Result<Vec<String>, kube::Error> {
+    let pods = Api::<Pod>::namespaced(client.clone(), NS);
+    let live: Vec<Pod> = pods
+        .list(&ListParams::default().labels("storm=true"))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && !ip_of(p).is_empty())
+        .collect();
+    let mut violations = Vec::new();
+    let mut holders: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for pod in &live {
+        holders.entry(ip_of(pod)).or_default().push(pod.name_any());
+    }
+    for (ip, names) in holders.iter().filter(|(_, names)| names.len() > 1) {
+        violations.push(format!("{ip} is held by live pods {names:?}"));
+    }
+    let records = storm_records(client).await?;
+    for pod in &live {
+        let (ip, uid) = (ip_of(pod), pod.uid().unwrap_or_default());
+        if records.get(&ip) == Some(&uid) {
+            continue;
+        }
+        // The record is written before the pod's status shows the IP, so only a pod that was
+        // live before and after the read of the records counts.
+        let again = pods.get_opt(&pod.name_any()).await?;
+        if again.is_some_and(|p| p.uid() == Some(uid.clone()) && p.metadata.deletion_timestamp.is_none()) {
+            violations.push(format!("{} runs with {ip} but the record names {:?}", pod.name_any(), records.get(&ip)));
+        }
+    }
+    Ok(violations)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_and_controllers_with_the_charts_rbac_survive_a_statefulset_scale_storm_on_five_ips() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pools = [
+        (
+            "storm",
+            json!({"cidr": "10.60.0.0/29", "ranges": [{"start": "10.60.0.1", "end": "10.60.0.5"}], "default": true}),
+        ),
+        ("spare", json!({"cidr": "10.61.0.0/24"})),
+    ];
+    let mut ipwarden = Ipwarden::without_agents(3, &pools, network()).await;
+    let client = ipwarden.client();
+    apply_chart_rbac(&ipwarden).await;
+    let agent_kubeconfig =
+        e2e::accounts::kubeconfig_for(&ipwarden.cluster, SYSTEM, "ipwarden-agent").await.expect("token");
+    let controller_kubeconfig =
+        e2e::accounts::kubeconfig_for(&ipwarden.cluster, SYSTEM, "ipwarden-controller").await.expect("token");
+
+    // The identities are really limited: nothing outside the chart's rules is allowed.
+    let agent_client = e2e::controlplane::client_for(&agent_kubeconfig).await.expect("agent client");
+    let denied = Api::<Secret>::all(agent_client).list(&ListParams::default()).await;
+    assert!(
+        matches!(denied, Err(kube::Error::Api(ref s)) if s.code == 403),
+        "the agent cannot list Secrets: {denied:?}"
+    );
+    let controller_client = e2e::controlplane::client_for(&controller_kubeconfig).await.expect("controller client");
+    let block = IPBlock::new("forbidden", ipwarden::crd::IPBlockSpec { pool: "storm".into(), ..Default::default() });
+    let denied = Api::<IPBlock>::all(controller_client).create(&PostParams::default(), &block).await;
+    assert!(
+        matches!(denied, Err(kube::Error::Api(ref s)) if s.code == 403),
+        "the controller cannot create blocks: {denied:?}"
+    );
+
+    ipwarden.agent_run_as = Some(RunAs { kubeconfig: agent_kubeconfig, namespace: SYSTEM.into() });
+    ipwarden.start_agents(&["--reuse-cooldown-seconds=1"]).await;
+    ipwarden.controller_run_as = Some(RunAs { kubeconfig: controller_kubeconfig, namespace: SYSTEM.into() });
+    for identity in ["storm-a", "storm-b"] {
+        ipwarden.start_controller(identity, &["--full-scan-interval-seconds=5"]);
+    }
+    let leases: Api<Lease> = Api::namespaced(client.clone(), SYSTEM);
+    let holder = wait::until("a controller holds the Lease", TIMEOUT, || async {
+        let lease = leases.get_opt("ipwarden-controller").await.map_err(e2e::Error::kube("reading the Lease"))?;
+        Ok(match lease.and_then(|l| l.spec).and_then(|s| s.holder_identity) {
+            Some(holder) => Probe::Done(holder),
+            None => Probe::Pending("no holder".into()),
+        })
+    })
+    .await
+    .expect("a leader is elected");
+    assert!(holder.starts_with("storm-"), "one of the two replicas leads: {holder}");
+
+    // A leak in another pool, found by a sweep: the controller's release, Event and status
+    // writes all go through its RBAC.
+    let ghost = record_json(NS, "ghost", "ghost-uid", "node-0", None, false);
+    inject_record(&client, "spare", "spare-10-61-0-0-24", "10.61.0.0/24", "10.61.0.9", ghost).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let checks = Arc::new(AtomicUsize::new(0));
+    let checker = tokio::spawn({
+        let (client, stop, checks) = (client.clone(), stop.clone(), checks.clone());
+        async move {
+            let mut violations = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(found) = check_invariants(&client).await {
+                    violations.extend(found);
+                    checks.fetch_add(1, Ordering::Relaxed);
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            violations
+        }
+    });
+
+    let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), NS);
+    statefulsets.create(&PostParams::default(), &statefulset("alpha", REPLICAS)).await.expect("create alpha");
+    wait_running(&client, "alpha", "beta").await;
+    for round in 0..ROUNDS {
+        scale(&client, "alpha", 0).await;
+        if round == 0 {
+            statefulsets.create(&PostParams::default(), &statefulset("beta", REPLICAS)).await.expect("create beta");
+        } else {
+            scale(&client, "beta", REPLICAS).await;
+        }
+        assert!(existing(&client, "alpha").await > 0, "round {round}: beta starts while alpha's pods still exist");
+        wait_running(&client, "beta", "alpha").await;
+        scale(&client, "beta", 0).await;
+        scale(&client, "alpha", REPLICAS).await;
+        assert!(existing(&client, "beta").await > 0, "round {round}: alpha comes back while beta's pods still exist");
+        wait_running(&client, "alpha", "beta").await;
+    }
+
+    // Settled: the records are exactly the running pods, and only their claims are left.
+    let settled = wait::until("records == running pods, no leftover claims, the leak reclaimed", TIMEOUT, || async {
+        let running = pods_with_ips(&client, NS, "storm=true").await?;
+        let expected: BTreeMap<String, String> =
+            running.values().map(|p| (ip_of(p), p.uid().unwrap_or_default())).collect();
+        let records = storm_records(&client).await.map_err(e2e::Error::kube("listing blocks"))?;
+        let claimed: BTreeSet<String> = claims(&client, NS).await.into_keys().collect();
+        let running_names: BTreeSet<String> = running.keys().cloned().collect();
+        let spare = support::records(&client).await.contains_key("10.61.0.9");
+        Ok(if records == expected && claimed == running_names && running.len() == REPLICAS as usize && !spare {
+            Probe::Done(running_names)
+        } else {
+            Probe::Pending(format!("records {records:?}, running {expected:?}, claims {claimed:?}, leak held {spare}"))
+        })
+    })
+    .await
+    .expect("the storm settles");
+    assert_eq!(settled, (0..REPLICAS).map(|i| format!("alpha-{i}")).collect(), "alpha runs, beta is gone");
+
+    stop.store(true, Ordering::Relaxed);
+    let violations = checker.await.expect("the invariant checker ends");
+    assert!(violations.is_empty(), "invariants held throughout: {violations:#?}");
+    let checks = checks.load(Ordering::Relaxed);
+    assert!(checks >= 20, "the invariants were checked throughout the storm ({checks} checks)");
+
+    // Writes only the controller's identity makes: the release Event and the pool's counts.
+    let events = Api::<Event>::namespaced(client.clone(), NS).list(&ListParams::default()).await.expect("events");
+    assert!(
+        events.items.iter().any(|e| e.reason.as_deref() == Some("IPReleased")
+            && e.reporting_controller.as_deref() == Some("ipwarden-controller")),
+        "the controller published the release Event"
+    );
+    wait::until("the storm pool's status counts", TIMEOUT, || async {
+        let pool = Api::<IPPool>::all(client.clone()).get("storm").await.map_err(e2e::Error::kube("reading pool"))?;
+        let counts = pool.status.map(|s| (s.total, s.allocated));
+        Ok(if counts == Some((5, 5)) { Probe::Done(()) } else { Probe::Pending(format!("{counts:?}")) })
+    })
+    .await
+    .expect("the controller writes pool status");
+
+    for component in ipwarden.agents.iter_mut().chain(ipwarden.controllers.iter_mut()) {
+        component.ensure_running().expect("every agent and controller still runs");
+        let log = std::fs::read_to_string(component.log()).expect("read log");
+        let denied: Vec<&str> = log.lines().filter(|l| l.to_lowercase().contains("forbidden")).take(3).collect();
+        assert!(denied.is_empty(), "{} was never denied by RBAC: {denied:#?}", component.name());
+    }
+}
