@@ -4,10 +4,11 @@
 //! During a run, at every poll: no IP is held by two live pods, every live pod's IP is
 //! recorded under its UID, no record names another UID than the live pod reporting its IP,
 //! and a recreated StatefulSet pod comes back with the IP its ordinal had, as long as the
-//! ordinal stayed wanted. After the run, [`wait_settled`]: no problem of any kind (leaks,
+//! ordinal stayed wanted. A report is not one atomic read (pods, then blocks), so a problem
+//! counts only when a second report, read right after, shows it too. After the run, [`wait_settled`]: no problem of any kind (leaks,
 //! claims without records, count drift included) within a bound.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -78,13 +79,27 @@ impl InvariantChecker {
     }
 }
 
-async fn poll(client: &Client, sticky: &mut StickyMemory) -> anyhow::Result<Vec<String>> {
+/// The problems of [`ALWAYS`]'s kinds in one report.
+async fn always_problems(client: &Client) -> anyhow::Result<BTreeSet<String>> {
     let problems = ipwarden::cli::check::problems(client).await?;
-    let mut found: Vec<String> = problems
+    Ok(problems
         .iter()
         .filter(|p| ALWAYS.contains(&p.kind))
         .map(|p| format!("{:?} {}: {}", p.kind, p.subject, p.detail))
-        .collect();
+        .collect())
+}
+
+async fn poll(client: &Client, sticky: &mut StickyMemory) -> anyhow::Result<Vec<String>> {
+    // A report reads pods, then blocks: a pod deleted in between (its DEL releasing the record)
+    // or created in between looks inconsistent without being so. A violation must show in a
+    // second report too, read right after the first.
+    let first = always_problems(client).await?;
+    let mut found: Vec<String> = if first.is_empty() {
+        Vec::new()
+    } else {
+        let second = always_problems(client).await?;
+        first.intersection(&second).cloned().collect()
+    };
     let pods = Api::<Pod>::all(client.clone()).list(&ListParams::default()).await?;
     let statefulsets = Api::<StatefulSet>::all(client.clone()).list(&ListParams::default()).await?;
     found.extend(sticky_changes(&pods.items, &statefulsets.items, sticky));
