@@ -4,6 +4,8 @@
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
@@ -138,12 +140,36 @@ impl Drop for Component {
     }
 }
 
-/// Reserves a free TCP port on 127.0.0.1 by binding port 0 and releasing it. Another
-/// process could take it before the component binds; the component then exits with
-/// "address already in use" in its log, which [`Component::ensure_running`] reports.
+/// Where [`free_port`] picks ports: below Linux's default ephemeral range (32768-60999), so
+/// the source port of an outgoing connection (of which a test cluster makes many) never takes
+/// a port between its reservation and its component binding it.
+const PORT_RANGE: std::ops::Range<u16> = 20000..32768;
+
+/// How many ports this process has handed out: each is handed out once.
+static PORTS_HANDED_OUT: AtomicU32 = AtomicU32::new(0);
+
+/// Reserves a free TCP port on 127.0.0.1 for a component to bind: the next port of
+/// [`PORT_RANGE`] (from a per-process starting point) that binds now. A port is never handed
+/// out twice by one process. Should another process still take it first, the component exits
+/// with "address already in use" in its log, which [`Component::ensure_running`] reports.
 pub fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(Error::Port)?;
-    Ok(listener.local_addr().map_err(Error::Port)?.port())
+    static START: OnceLock<u32> = OnceLock::new();
+    let span = u32::from(PORT_RANGE.end - PORT_RANGE.start);
+    let start = *START.get_or_init(|| {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        std::process::id().wrapping_mul(7919).wrapping_add(nanos) % span
+    });
+    for _ in 0..span {
+        let offset = (start + PORTS_HANDED_OUT.fetch_add(1, Ordering::Relaxed)) % span;
+        let port = PORT_RANGE.start + u16::try_from(offset).unwrap_or(0);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(Error::Port(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        format!("no free port left in 127.0.0.1:{}-{}", PORT_RANGE.start, PORT_RANGE.end - 1),
+    )))
 }
 
 /// Runs a short-lived tool (helm, kubectl, promtool) to completion with `stdin` as its input
@@ -172,5 +198,21 @@ pub async fn run_tool(program: &Path, args: &[String], stdin: Option<&[u8]>) -> 
     } else {
         let stderr = String::from_utf8_lossy(&output.stderr);
         Err(Error::Tool { command, reason: format!("{}: {}{}", output.status, stderr.trim(), stdout.trim()) })
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() {
+        let ports: Vec<u16> = (0..50).map(|_| free_port().expect("a free port")).collect();
+        let distinct: std::collections::BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), ports.len(), "no port handed out twice: {ports:?}");
+        for port in ports {
+            assert!(PORT_RANGE.contains(&port), "{port} is below the ephemeral range");
+            std::net::TcpListener::bind(("127.0.0.1", port)).expect("the reserved port binds");
+        }
     }
 }
