@@ -74,10 +74,11 @@ impl Caches {
     }
 }
 
-/// What to do with IPs of terminating pods on NotReady nodes.
+/// What to do with records the rules would release while their node is NotReady.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum NotReadyMode {
-    /// Keep them until the node returns or is deleted (a partitioned node may still run the pod).
+    /// Keep them until the node returns or is deleted (a partitioned node may still run the
+    /// sandbox, and its agent cannot answer the release handshake).
     Keep,
     /// Release them after `--not-ready-release-after-seconds`.
     Release,
@@ -95,7 +96,7 @@ pub struct ControllerArgs {
     /// Seconds added to a terminating pod's deletionTimestamp before its IP is released.
     #[arg(long, env = "IPWARDEN_GC_ADDITIONAL_GRACE_SECONDS", default_value_t = 5)]
     pub additional_grace_seconds: u64,
-    /// What to do with IPs of terminating pods on NotReady nodes.
+    /// What to do with records the rules would release while their node is NotReady.
     #[arg(long, env = "IPWARDEN_GC_NOT_READY_POLICY", value_enum, default_value_t = NotReadyMode::Keep)]
     pub not_ready_policy: NotReadyMode,
     /// With `--not-ready-policy release`: seconds a node must be NotReady first.
