@@ -259,6 +259,14 @@ impl Handler<ApplyChanges> for PoolSupervisor {
     }
 }
 
+/// Sends `request` to the supervisor for a caller that does not wait for the outcome (the
+/// pool actors count and log it); only a supervisor that is gone is logged here.
+pub async fn apply_in_background(supervisor: Addr<PoolSupervisor>, request: ApplyChanges) {
+    if let Err(e) = supervisor.send(request).await {
+        tracing::warn!(error = %e, "the pool supervisor did not answer");
+    }
+}
+
 /// Changes for one pool.
 #[derive(Message)]
 #[rtype(result = "Vec<ChangeOutcome>")]

@@ -16,8 +16,8 @@ use kube::runtime::watcher;
 use super::Caches;
 use super::leader::LeadershipChanged;
 use super::metrics::ControllerMetrics;
-use super::pool::{ApplyChanges, ApplyOutcome, PoolSupervisor, Trigger};
-use crate::crd::{HandshakeState, IPBlock};
+use super::pool::{ApplyChanges, ApplyOutcome, PoolSupervisor, Trigger, apply_in_background};
+use crate::crd::{Allocation, HandshakeState, IPBlock};
 use crate::gc::rules::RuleSettings;
 use crate::gc::sweep;
 
@@ -146,13 +146,12 @@ impl Handler<LeadershipChanged> for Sweeper {
     }
 }
 
-/// Whether a node agent has answered a release handshake in `block`.
-fn has_answers(block: &IPBlock) -> bool {
-    block.spec.allocations.values().any(|r| {
-        r.release_handshake
-            .as_ref()
-            .is_some_and(|h| matches!(h.state, HandshakeState::ReadyForRelease | HandshakeState::DoNotRelease))
-    })
+/// Whether the record's node agent has answered its release handshake.
+fn answered(record: &Allocation) -> bool {
+    record
+        .release_handshake
+        .as_ref()
+        .is_some_and(|h| matches!(h.state, HandshakeState::ReadyForRelease | HandshakeState::DoNotRelease))
 }
 
 /// Block changes: an agent's answer to a release handshake is acted on at once, not at the
@@ -160,7 +159,7 @@ fn has_answers(block: &IPBlock) -> bool {
 impl StreamHandler<Result<IPBlock, watcher::Error>> for Sweeper {
     fn handle(&mut self, event: Result<IPBlock, watcher::Error>, ctx: &mut Context<Self>) {
         let block = match event {
-            Ok(block) if has_answers(&block) => block,
+            Ok(block) if block.spec.allocations.values().any(answered) => block,
             Ok(_) => return,
             Err(e) => {
                 tracing::warn!(error = %e, "IPBlock watch error; retrying with backoff");
@@ -173,27 +172,13 @@ impl StreamHandler<Result<IPBlock, watcher::Error>> for Sweeper {
         let index = self.caches.index();
         let block = Arc::new(block);
         let plan = sweep::plan(&index, std::slice::from_ref(&block), Timestamp::now(), &self.settings);
-        let answered = |change: &sweep::RecordChange| {
-            block
-                .spec
-                .allocations
-                .get(&change.ip)
-                .and_then(|r| r.release_handshake.as_ref())
-                .is_some_and(|h| matches!(h.state, HandshakeState::ReadyForRelease | HandshakeState::DoNotRelease))
-        };
-        let changes: Vec<_> = plan.changes.into_iter().filter(answered).collect();
+        let was_answered = |change: &sweep::RecordChange| block.spec.allocations.get(&change.ip).is_some_and(answered);
+        let changes: Vec<_> = plan.changes.into_iter().filter(was_answered).collect();
         if changes.is_empty() {
             return;
         }
-        let send = self.supervisor.send(ApplyChanges { changes, trigger: Trigger::Handshake, since: None });
-        ctx.spawn(
-            async move {
-                if let Err(e) = send.await {
-                    tracing::warn!(error = %e, "the pool supervisor did not answer");
-                }
-            }
-            .into_actor(self),
-        );
+        let request = ApplyChanges { changes, trigger: Trigger::Handshake, since: None };
+        ctx.spawn(apply_in_background(self.supervisor.clone(), request).into_actor(self));
     }
 
     fn finished(&mut self, _ctx: &mut Context<Self>) {

@@ -16,7 +16,7 @@ use kube::runtime::watcher;
 
 use super::Caches;
 use super::metrics::ControllerMetrics;
-use super::pool::{ApplyChanges, PoolSupervisor, Trigger};
+use super::pool::{ApplyChanges, PoolSupervisor, Trigger, apply_in_background};
 use crate::crd::PodRef;
 use crate::gc::index::PodFacts;
 use crate::gc::rules::RuleSettings;
@@ -101,15 +101,7 @@ impl PodTracer {
             return;
         }
         let request = ApplyChanges { changes, trigger: Trigger::Trace, since: Some(traced.since) };
-        let send = self.supervisor.send(request);
-        ctx.spawn(
-            async move {
-                if let Err(e) = send.await {
-                    tracing::warn!(error = %e, "the pool supervisor did not answer");
-                }
-            }
-            .into_actor(self),
-        );
+        ctx.spawn(apply_in_background(self.supervisor.clone(), request).into_actor(self));
     }
 
     fn traced(&self, pod: &Pod) -> Traced {
