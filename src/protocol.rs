@@ -169,6 +169,10 @@ pub struct Dns {
     pub options: Vec<String>,
 }
 
+/// The longest request line the agent reads from the plugin. The plugin refuses to send a
+/// longer one (a permanent error), so the agent never drops a connection mid-request.
+pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;
+
 /// A CNI error: the spec's error object without `cniVersion`, which is added when printed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[serde(rename_all = "camelCase")]

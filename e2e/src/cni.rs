@@ -149,7 +149,15 @@ impl CniNetwork {
         let mut child = command.spawn().map_err(|e| fail(format!("spawn: {e}")))?;
         let stdin_bytes = serde_json::to_vec(call.netconf).map_err(|e| fail(format!("encoding netconf: {e}")))?;
         if let Some(mut stdin) = child.stdin.take() {
-            stdin.write_all(&stdin_bytes).await.map_err(|e| fail(format!("writing netconf to stdin: {e}")))?;
+            // A plugin may answer without reading all of its input (it refuses oversized input):
+            // like Go's os/exec, which runtimes use, a closed pipe is not an error; the plugin's
+            // answer is.
+            match stdin.write_all(&stdin_bytes).await {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                    return Err(fail(format!("writing netconf to stdin: {e}")));
+                }
+                _ => {}
+            }
         }
         let output = tokio::time::timeout(PLUGIN_TIMEOUT, child.wait_with_output())
             .await

@@ -9,10 +9,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
 use super::allocator::{Call, NodeAllocator};
-use crate::protocol::{AgentRequest, AgentResponse, CniError};
-
-/// The longest request line accepted.
-const MAX_REQUEST_BYTES: u64 = 1024 * 1024;
+use crate::protocol::{AgentRequest, AgentResponse, CniError, MAX_REQUEST_BYTES};
 
 /// Binds the socket at `path` (replacing a stale one) with mode 0600.
 pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
@@ -44,8 +41,12 @@ pub async fn serve(listener: UnixListener, allocator: Addr<NodeAllocator>) {
 async fn serve_one(stream: UnixStream, allocator: Addr<NodeAllocator>) {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
-    let response = match BufReader::new(read.take(MAX_REQUEST_BYTES)).read_line(&mut line).await {
+    let limit = u64::try_from(MAX_REQUEST_BYTES).unwrap_or(u64::MAX);
+    let response = match BufReader::new(read.take(limit.saturating_add(1))).read_line(&mut line).await {
         Err(e) => AgentResponse::Error(CniError::io_failure(format!("reading the request: {e}"))),
+        Ok(_) if line.len() > MAX_REQUEST_BYTES => AgentResponse::Error(CniError::invalid_network_config(format!(
+            "the request is larger than the agent's limit of {MAX_REQUEST_BYTES} bytes"
+        ))),
         Ok(_) => match serde_json::from_str::<AgentRequest>(&line) {
             Err(e) => AgentResponse::Error(CniError::decoding_failure(format!("decoding the request: {e}"))),
             Ok(request) => allocator.send(Call(request)).await.unwrap_or_else(|e| {

@@ -73,6 +73,15 @@ pub enum TransportError {
         #[source]
         source: std::io::Error,
     },
+    /// The request would be longer than the agent reads ([`crate::protocol::MAX_REQUEST_BYTES`]):
+    /// no retry can fix it, so it is not sent.
+    #[error("the request to the ipwarden agent is {bytes} bytes, over the agent's limit of {limit} bytes")]
+    Oversized {
+        /// The encoded request's length, newline included.
+        bytes: usize,
+        /// The agent's limit.
+        limit: usize,
+    },
     /// The agent answered something that is not a valid [`AgentResponse`] line.
     #[error("the ipwarden agent at {} sent an invalid response: {reason}", .socket.display())]
     Protocol {
@@ -150,8 +159,10 @@ fn transport_failure(command: Command, error: &TransportError) -> CniError {
             "the ipwarden node agent is not reachable; is it running on this node?"
         }
         TransportError::Protocol { .. } => "the plugin and the ipwarden node agent disagree on the protocol",
+        TransportError::Oversized { .. } => "the network configuration or CNI_ARGS are too large",
     };
     let error = match (command, error) {
+        (_, TransportError::Oversized { .. }) => CniError::invalid_network_config(msg),
         (Command::Status, _) => CniError::plugin_not_available(msg),
         (_, TransportError::Protocol { .. }) => CniError::io_failure(msg),
         _ => CniError::try_again_later(msg),
@@ -263,7 +274,9 @@ pub fn main_from_process() -> i32 {
         .map(|(key, value)| (key.to_string_lossy().into_owned(), value.to_string_lossy().into_owned()))
         .collect();
     let mut stdin = Vec::new();
-    let outcome = match std::io::stdin().lock().read_to_end(&mut stdin) {
+    // One byte past the limit is enough to refuse; the rest is never read (nor buffered).
+    let limit = u64::try_from(netconf::MAX_NETCONF_BYTES).unwrap_or(u64::MAX).saturating_add(1);
+    let outcome = match std::io::stdin().lock().take(limit).read_to_end(&mut stdin) {
         Ok(_) => run(&vars, &stdin, &UnixTransport),
         Err(error) => failure(
             LATEST_VERSION,
@@ -557,6 +570,9 @@ mod test {
         fn garbled() -> Result<AgentResponse, TransportError> {
             Err(TransportError::Protocol { socket: "/run/x.sock".into(), reason: "not json".into() })
         }
+        fn oversized() -> Result<AgentResponse, TransportError> {
+            Err(TransportError::Oversized { bytes: 2_000_000, limit: 1_048_576 })
+        }
         fn no_result() -> Result<AgentResponse, TransportError> {
             Ok(AgentResponse::Ok { result: None })
         }
@@ -634,6 +650,15 @@ mod test {
             ("del, agent refused", vars("DEL", &[], &[]), conf("1.1.0", json!({})), refused, 11, "1.1.0"),
             ("check, agent timed out", vars("CHECK", &[], &[]), conf("1.1.0", prev.clone()), timed_out, 11, "1.1.0"),
             ("gc, connection broke", vars("GC", &[], &[]), conf("1.1.0", gc_list.clone()), broken, 11, "1.1.0"),
+            (
+                "add, request over the agent's limit",
+                vars("ADD", &[], &[]),
+                conf("1.1.0", json!({})),
+                oversized,
+                7,
+                "1.1.0",
+            ),
+            ("status, request over the agent's limit", status(), conf("1.1.0", json!({})), oversized, 7, "1.1.0"),
             ("status, agent refused", status(), conf("1.1.0", json!({})), refused, 50, "1.1.0"),
             ("status, agent timed out", status(), conf("1.1.0", json!({})), timed_out, 50, "1.1.0"),
             ("status, agent garbles", status(), conf("1.1.0", json!({})), garbled, 50, "1.1.0"),

@@ -84,10 +84,20 @@ struct RawNetConf {
     timeout_seconds: Option<Value>,
 }
 
-/// Whether `name` follows the spec's network name rule: alphanumeric, then alphanumerics, `_`, `.`, `-`.
+/// The most the plugin reads from stdin: a network configuration is a few KiB, and a runtime
+/// that sends more sends something that can never succeed.
+pub const MAX_NETCONF_BYTES: usize = 1024 * 1024;
+
+/// The longest network name accepted (a DNS subdomain's length): the name is stored in every
+/// allocation record and checkpoint entry, which must stay small.
+pub const MAX_NAME_BYTES: usize = 253;
+
+/// Whether `name` follows the spec's network name rule (alphanumeric, then alphanumerics,
+/// `_`, `.`, `-`) and is at most [`MAX_NAME_BYTES`] long.
 fn is_valid_name(name: &str) -> bool {
     let mut chars = name.chars();
-    chars.next().is_some_and(|first| first.is_ascii_alphanumeric())
+    name.len() <= MAX_NAME_BYTES
+        && chars.next().is_some_and(|first| first.is_ascii_alphanumeric())
         && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
 }
 
@@ -154,6 +164,9 @@ fn check_attachments(key: &str, attachments: &[Attachment]) -> Result<(), CniErr
 
 /// Parses and validates a network configuration; see the module docs for the error codes.
 pub fn parse_netconf(bytes: &[u8]) -> Result<NetConf, CniError> {
+    if bytes.len() > MAX_NETCONF_BYTES {
+        return Err(oversized_netconf());
+    }
     let raw: RawNetConf = serde_json::from_slice(bytes).map_err(|e| {
         CniError::decoding_failure(format!("failed to decode network configuration: {e}"))
             .with_details(format!("stdin is {} bytes", bytes.len()))
@@ -166,9 +179,11 @@ pub fn parse_netconf(bytes: &[u8]) -> Result<NetConf, CniError> {
     let name = match raw.name {
         Some(name) if is_valid_name(&name) => name,
         Some(name) => {
+            let shown: String = name.chars().take(64).collect();
             return Err(CniError::invalid_network_config(format!(
-                "invalid network name {name:?}: it must start with a letter or digit and contain only \
-                 letters, digits, '_', '.' and '-'"
+                "invalid network name {shown:?} ({} bytes): it must be at most {MAX_NAME_BYTES} bytes, start \
+                 with a letter or digit and contain only letters, digits, '_', '.' and '-'",
+                name.len()
             )));
         }
         None => return Err(CniError::invalid_network_config("network configuration has no name")),
@@ -202,6 +217,13 @@ pub fn parse_netconf(bytes: &[u8]) -> Result<NetConf, CniError> {
         runtime_config: raw.runtime_config,
         agent,
     })
+}
+
+/// The error for stdin longer than [`MAX_NETCONF_BYTES`] (code 7: no retry can fix it).
+pub fn oversized_netconf() -> CniError {
+    CniError::invalid_network_config(format!(
+        "the network configuration on stdin is larger than the limit of {MAX_NETCONF_BYTES} bytes"
+    ))
 }
 
 #[cfg(test)]
@@ -299,6 +321,21 @@ mod test {
             value.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
             assert_eq!(parse(value.clone()).unwrap().valid_attachments, expected, "{value}");
         }
+    }
+
+    #[test]
+    fn oversized_input_and_overlong_names_are_code_7_naming_the_limit() {
+        let long_name = json!({"cniVersion": "1.1.0", "name": "n".repeat(MAX_NAME_BYTES + 1)});
+        let error = parse(long_name).unwrap_err();
+        assert_eq!(error.code, 7);
+        assert!(error.msg.contains("254 bytes") && error.msg.contains("253"), "{}", error.msg);
+        assert!(error.msg.len() < 300, "the message shows a prefix of the name, not all of it");
+        assert!(parse(json!({"cniVersion": "1.1.0", "name": "n".repeat(MAX_NAME_BYTES)})).is_ok());
+
+        let padded = format!(r#"{{"cniVersion": "1.1.0", "name": "pods"{}}}"#, " ".repeat(MAX_NETCONF_BYTES));
+        let error = parse_netconf(padded.as_bytes()).unwrap_err();
+        assert_eq!(error.code, 7);
+        assert!(error.msg.contains(&MAX_NETCONF_BYTES.to_string()), "{}", error.msg);
     }
 
     #[test]

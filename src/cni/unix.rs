@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::netconf::{AgentSettings, TIMEOUT_SECONDS_RANGE};
 use super::{Transport, TransportError};
-use crate::protocol::{AgentRequest, AgentResponse};
+use crate::protocol::{AgentRequest, AgentResponse, MAX_REQUEST_BYTES};
 
 /// Largest response line accepted from the agent; a longer one is a protocol error.
 pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
@@ -119,6 +119,9 @@ impl Transport for UnixTransport {
             reason: format!("cannot encode the request: {e}"),
         })?;
         payload.push(b'\n');
+        if payload.len() > MAX_REQUEST_BYTES {
+            return Err(TransportError::Oversized { bytes: payload.len(), limit: MAX_REQUEST_BYTES });
+        }
         let mut stream = connect(socket, timeout)?;
         stream
             .set_write_timeout(Some(remaining(deadline, socket, timeout)?))
@@ -222,6 +225,15 @@ mod test {
         let error = UnixTransport.call(&settings(dir.0.join("none.sock"), 1_000), &status_request()).unwrap_err();
         assert!(matches!(error, TransportError::Unreachable { .. }), "{error:?}");
         assert!(error.to_string().contains("none.sock"), "{error}");
+    }
+
+    #[test]
+    fn a_request_over_the_agents_limit_is_refused_before_connecting() {
+        let dir = TempDir::new("oversized");
+        let request =
+            AgentRequest::Status(StatusRequest { network: "n".repeat(MAX_REQUEST_BYTES), cni_version: "1.1.0".into() });
+        let error = UnixTransport.call(&settings(dir.0.join("none.sock"), 1_000), &request).unwrap_err();
+        assert!(matches!(error, TransportError::Oversized { limit: MAX_REQUEST_BYTES, .. }), "{error:?}");
     }
 
     #[test]
