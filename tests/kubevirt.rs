@@ -139,6 +139,8 @@ async fn a_live_migration_target_inherits_the_vm_ip_and_the_source_late_del_free
     assert_eq!(problems(&client).await, Vec::<String>::new(), "ipwarden check is clean during the migration");
     let during = record_of(&client, &ip).await;
     assert_eq!(during.pod.uid, source_uid, "the source stays the record's pod while it runs");
+    let attached = during.migration_target.as_ref().map(|t| (t.pod.uid.as_str(), t.node.as_str()));
+    assert_eq!(attached, Some((target_uid.as_str(), "node-1")), "the target is attached as the migration's target");
 
     // The migration completes: the source's virt-launcher exits and its DEL comes late.
     set_migration_phase(&client, NS, "vm-m-migration", "Succeeded").await;
@@ -154,6 +156,7 @@ async fn a_live_migration_target_inherits_the_vm_ip_and_the_source_late_del_free
     let after = record_of(&client, &ip).await;
     assert_eq!((after.pod.uid.as_str(), after.node.as_str()), (target_uid.as_str(), "node-1"), "the target holds it");
     assert!(!after.container_id.is_empty(), "the target's sandbox is the record's");
+    assert!(after.migration_target.is_none(), "no second attachment once the source left");
     assert!(!released(&client, &ip).await, "the source's DEL did not free the IP");
     let vm_claims = claims_of_vmi(&client, NS, "vm-m").await;
     assert_eq!(vm_claims.len(), 1, "the source's DEL did not delete the VM's claim");
@@ -182,6 +185,7 @@ async fn an_aborted_migration_leaves_the_ip_with_the_source_and_the_target_del_f
         assert_eq!(after.pod.uid, source_uid, "the source keeps the IP");
         assert_eq!(after.container_id, source_container, "the source's sandbox still holds it");
         assert_eq!(after.node, "node-0", "on the source's node");
+        assert!(after.migration_target.is_none(), "the aborted target is detached");
         assert!(!released(&client, &ip).await, "the target's DEL did not free the IP");
         let vm_claims = claims_of_vmi(&client, NS, "vm-a").await;
         assert_eq!(vm_claims.len(), 1, "the VM's claim stays");
