@@ -11,9 +11,11 @@ deps:
 controlplane: deps
 	bash e2e/cluster/build-controlplane.sh >/dev/null
 
-# Helm, built from its pinned Go module like the control plane (the chart tests run it).
+# Helm and KubeVirt's CRDs, built from their pinned Go modules like the control plane (the
+# chart tests run helm; the KubeVirt tests install the CRDs).
 tools: deps
 	bash e2e/cluster/build-helm.sh >/dev/null
+	bash e2e/cluster/build-kubevirt-crds.sh >/dev/null
 
 test: controlplane tools
 	cargo fmt --all -- --check

@@ -50,6 +50,7 @@ fn cluster() -> Cluster {
                     sticky: false,
                     allocated_at: Time(Timestamp::UNIX_EPOCH),
                     release_handshake: None,
+                    migration_target: None,
                 },
             );
             let (phase, pod_uid) = match r % 10 {

@@ -7,7 +7,7 @@ use std::net::IpAddr;
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use crate::crd::{Allocation, IPBlockSpec};
+use crate::crd::{Allocation, IPBlockSpec, MigrationTarget};
 
 /// The allocated IPs and the release times of a block, as the chooser wants them. Keys that
 /// do not parse as IPs (hand-edited objects) are left out and so never handed out again.
@@ -26,11 +26,28 @@ pub fn allocate(spec: &mut IPBlockSpec, ip: IpAddr, allocation: Allocation) {
 
 /// The IPs of `spec` recorded for the sandbox `container_id` / `ifname`.
 pub fn find_attachment(spec: &IPBlockSpec, container_id: &str, ifname: &str) -> Vec<String> {
-    spec.allocations
-        .iter()
-        .filter(|(_, a)| !container_id.is_empty() && a.container_id == container_id && a.interface == ifname)
-        .map(|(ip, _)| ip.clone())
-        .collect()
+    spec.allocations.iter().filter(|(_, a)| holds_sandbox(a, container_id, ifname)).map(|(ip, _)| ip.clone()).collect()
+}
+
+/// Whether `record` is attached to the sandbox `container_id` / `ifname`: its own, or that of
+/// a live migration's target.
+pub fn holds_sandbox(record: &Allocation, container_id: &str, ifname: &str) -> bool {
+    let target = record.migration_target.as_ref();
+    !container_id.is_empty()
+        && ((record.container_id == container_id && record.interface == ifname)
+            || target.is_some_and(|t| t.container_id == container_id && t.interface == ifname))
+}
+
+/// Whether `record` names pod `uid`: as its pod, or as a live migration's target.
+pub fn names_pod(record: &Allocation, uid: &str) -> bool {
+    record.pod.uid == uid || record.migration_target.as_ref().is_some_and(|t| t.pod.uid == uid)
+}
+
+/// Attaches a live migration's target sandbox to the record of `ip`, whose own sandbox (the
+/// migration's source) keeps it too. `None` when `ip` has no record.
+pub fn attach_migration_target(spec: &mut IPBlockSpec, ip: &str, target: MigrationTarget) -> Option<()> {
+    spec.allocations.get_mut(ip)?.migration_target = Some(target);
+    Some(())
 }
 
 /// What [`release_attachment`] did to one IP.
@@ -42,10 +59,17 @@ pub enum ReleaseOutcome {
     Reserved,
     /// The record no longer names this sandbox (or pod UID): left alone.
     NotOurs,
+    /// The sandbox was the record's own and a live migration's target was attached: the
+    /// target now holds the record (the migration's source left).
+    HandedOver,
+    /// The sandbox was a live migration's target: it is detached and the record's own
+    /// sandbox (the source, after an aborted migration) keeps the IP.
+    Detached,
 }
 
 /// Releases `ip` if its record still names the sandbox (and, when given, the pod UID) the
-/// caller decided on: removed, or kept as a reservation when `keep_reservation`.
+/// caller decided on: removed, or kept as a reservation when `keep_reservation`. During a
+/// live migration the IP is never freed: the sandbox leaving hands it to the other one.
 pub fn release_attachment(
     spec: &mut IPBlockSpec,
     ip: &str,
@@ -56,10 +80,26 @@ pub fn release_attachment(
     now: Timestamp,
 ) -> ReleaseOutcome {
     let Some(record) = spec.allocations.get_mut(ip) else { return ReleaseOutcome::NotOurs };
+    let target_leaves = record.migration_target.as_ref().is_some_and(|t| {
+        t.container_id == container_id && t.interface == ifname && pod_uid.is_none_or(|uid| t.pod.uid == uid)
+    });
+    if target_leaves && !container_id.is_empty() {
+        record.migration_target = None;
+        return ReleaseOutcome::Detached;
+    }
     let same_sandbox = record.container_id == container_id && record.interface == ifname;
     let same_pod = pod_uid.is_none_or(|uid| record.pod.uid == uid);
     if !same_sandbox || !same_pod || container_id.is_empty() {
         return ReleaseOutcome::NotOurs;
+    }
+    if let Some(target) = record.migration_target.take() {
+        record.pod = target.pod;
+        record.node = target.node;
+        record.container_id = target.container_id;
+        record.interface = target.interface;
+        record.allocated_at = Time(now);
+        record.release_handshake = None;
+        return ReleaseOutcome::HandedOver;
     }
     if keep_reservation {
         record.container_id.clear();
@@ -86,7 +126,21 @@ mod test {
             sticky: false,
             allocated_at: Time(Timestamp::UNIX_EPOCH),
             release_handshake: None,
+            migration_target: None,
         }
+    }
+
+    fn migrating(uid: &str, container: &str) -> IPBlockSpec {
+        let mut spec = block_with("10.0.0.5", record("u1", "c1"));
+        let target = MigrationTarget {
+            migration_uid: "m1".into(),
+            pod: PodRef { namespace: "default".into(), name: "virt-launcher-b".into(), uid: uid.into() },
+            node: "node-1".into(),
+            container_id: container.into(),
+            interface: "eth0".into(),
+        };
+        attach_migration_target(&mut spec, "10.0.0.5", target).expect("record exists");
+        spec
     }
 
     fn block_with(ip: &str, allocation: Allocation) -> IPBlockSpec {
@@ -133,6 +187,51 @@ mod test {
         assert_eq!(spec.allocations["10.0.0.5"].container_id, "");
         assert_eq!(spec.allocations["10.0.0.5"].pod.uid, "u1");
         assert!(spec.released.is_empty());
+    }
+
+    #[test]
+    fn the_source_leaving_a_live_migration_hands_the_ip_to_the_target() {
+        let mut spec = migrating("u2", "c2");
+        let now = Timestamp::from_second(1_000).expect("ts");
+        for keep in [false, true] {
+            let mut spec = spec.clone();
+            let outcome = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), keep, now);
+            assert_eq!(outcome, ReleaseOutcome::HandedOver);
+            let record = &spec.allocations["10.0.0.5"];
+            assert_eq!(
+                (record.pod.uid.as_str(), record.container_id.as_str(), record.node.as_str()),
+                ("u2", "c2", "node-1")
+            );
+            assert!(record.migration_target.is_none());
+            assert!(spec.released.is_empty(), "never freed");
+        }
+        let late = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), false, now);
+        assert_eq!(late, ReleaseOutcome::HandedOver);
+        let again = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), false, now);
+        assert_eq!(again, ReleaseOutcome::NotOurs, "a repeated source DEL touches the target's record not");
+    }
+
+    #[test]
+    fn the_target_leaving_an_aborted_migration_leaves_the_ip_with_the_source() {
+        let mut spec = migrating("u2", "c2");
+        let outcome = release_attachment(&mut spec, "10.0.0.5", "c2", "eth0", Some("u2"), false, Timestamp::UNIX_EPOCH);
+        assert_eq!(outcome, ReleaseOutcome::Detached);
+        let record = &spec.allocations["10.0.0.5"];
+        assert_eq!((record.pod.uid.as_str(), record.container_id.as_str()), ("u1", "c1"));
+        assert!(record.migration_target.is_none());
+        assert!(spec.released.is_empty());
+    }
+
+    #[test]
+    fn a_migration_target_is_found_as_an_attachment_and_names_its_pod() {
+        let spec = migrating("u2", "c2");
+        assert_eq!(find_attachment(&spec, "c2", "eth0"), ["10.0.0.5"]);
+        assert_eq!(find_attachment(&spec, "c1", "eth0"), ["10.0.0.5"]);
+        let record = &spec.allocations["10.0.0.5"];
+        assert!(names_pod(record, "u1") && names_pod(record, "u2") && !names_pod(record, "u3"));
+        let other =
+            release_attachment(&mut spec.clone(), "10.0.0.5", "c2", "eth0", Some("u3"), false, Timestamp::UNIX_EPOCH);
+        assert_eq!(other, ReleaseOutcome::NotOurs, "the target's sandbox under another pod UID is not ours");
     }
 
     #[test]

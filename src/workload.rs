@@ -5,8 +5,17 @@ use k8s_openapi::api::core::v1::Pod;
 
 use crate::crd::OwnerRef;
 
-/// The owner kind of KubeVirt's running VM instances, whose claim is named after the VM.
+/// The owner kind of KubeVirt's running VM instances, whose claim is named `vm.<VM>`.
 pub const KUBEVIRT_VMI_KIND: &str = "VirtualMachineInstance";
+
+/// The prefix of a KubeVirt VM's IPClaim name. The dot keeps it apart from the claims named
+/// after StatefulSet pods: the apiserver allows no dot in a StatefulSet's name (a DNS label),
+/// so none in its pods' names either.
+pub const VM_CLAIM_PREFIX: &str = "vm.";
+
+/// The label virt-controller puts on a migration target's virt-launcher pod: the UID of the
+/// VirtualMachineInstanceMigration it was created for.
+pub const MIGRATION_JOB_LABEL: &str = "kubevirt.io/migrationJobUID";
 
 /// The owner kinds whose pods keep their IPs across restarts unless configured otherwise.
 pub const DEFAULT_STICKY_KINDS: [&str; 2] = ["StatefulSet", KUBEVIRT_VMI_KIND];
@@ -26,12 +35,59 @@ pub fn is_sticky(owner: Option<&OwnerRef>, sticky_kinds: &[String]) -> bool {
     owner.is_some_and(|o| sticky_kinds.contains(&o.kind))
 }
 
-/// The IPClaim name of a pod: the VM's for a KubeVirt VM instance (its launcher pods change
-/// names), the pod's own otherwise (a StatefulSet pod's name is its identity).
+/// The IPClaim name of a pod: `vm.<VM>` for a KubeVirt VM instance (its launcher pods change
+/// names; the prefix keeps VM `web-0` apart from StatefulSet pod `web-0`), the pod's own
+/// otherwise (a StatefulSet pod's name is its identity).
 pub fn claim_name(pod_name: &str, owner: Option<&OwnerRef>) -> String {
     match owner {
-        Some(o) if o.kind == KUBEVIRT_VMI_KIND => o.name.clone(),
+        Some(o) if o.kind == KUBEVIRT_VMI_KIND => format!("{VM_CLAIM_PREFIX}{}", o.name),
         _ => pod_name.to_string(),
+    }
+}
+
+/// The migration a virt-launcher pod was created as the target of, from its
+/// [`MIGRATION_JOB_LABEL`].
+pub fn migration_job_of(pod: &Pod) -> Option<&str> {
+    pod.metadata.labels.as_ref()?.get(MIGRATION_JOB_LABEL).map(String::as_str)
+}
+
+/// What deciding on a live migration needs of a VirtualMachineInstanceMigration.
+#[derive(Clone, Copy, Debug)]
+pub struct MigrationFacts<'a> {
+    /// Its UID.
+    pub uid: &'a str,
+    /// `spec.vmiName`: the VM instance it migrates.
+    pub vmi_name: &'a str,
+    /// `status.phase` (empty before virt-controller sets one).
+    pub phase: &'a str,
+    /// Whether it is being deleted.
+    pub deleting: bool,
+}
+
+/// Whether a pod controlled by `owner` and labelled as the target of migration
+/// `pod_migration_uid` is the target of `migration`, which still runs: only such a pod may
+/// attach to the IP its VM instance's source pod still holds. Keyed on the migration object so
+/// that no other pod of the VM, and no target of a finished migration, shares an IP.
+pub fn is_active_migration_target(
+    owner: Option<&OwnerRef>,
+    pod_migration_uid: &str,
+    migration: &MigrationFacts<'_>,
+) -> bool {
+    let finished = matches!(migration.phase, "Succeeded" | "Failed");
+    owner.is_some_and(|o| o.kind == KUBEVIRT_VMI_KIND && o.name == migration.vmi_name)
+        && !pod_migration_uid.is_empty()
+        && migration.uid == pod_migration_uid
+        && !migration.deleting
+        && !finished
+}
+
+/// Who an IP reported by a live pod belongs to, for conflict detection: the VM instance for
+/// its virt-launcher pods (a live migration's source and target report the VM's IP together,
+/// by design), the pod itself otherwise.
+pub fn ip_holder_identity(namespace: &str, pod_name: &str, owner: Option<&OwnerRef>) -> String {
+    match owner {
+        Some(o) if o.kind == KUBEVIRT_VMI_KIND => format!("{namespace}/{}", claim_name(pod_name, owner)),
+        _ => format!("{namespace}/{pod_name}"),
     }
 }
 
@@ -78,8 +134,53 @@ mod test {
     #[test]
     fn a_kubevirt_claim_is_named_after_the_vm_and_others_after_the_pod() {
         let vmi = OwnerRef { kind: KUBEVIRT_VMI_KIND.into(), name: "vm1".into() };
-        assert_eq!(claim_name("virt-launcher-vm1-abcde", Some(&vmi)), "vm1");
+        assert_eq!(claim_name("virt-launcher-vm1-abcde", Some(&vmi)), "vm.vm1");
         assert_eq!(claim_name("web-0", None), "web-0");
+    }
+
+    #[test]
+    fn a_vm_and_a_statefulset_pod_of_the_same_name_have_different_claims() {
+        let vmi = OwnerRef { kind: KUBEVIRT_VMI_KIND.into(), name: "web-0".into() };
+        let sts = OwnerRef { kind: "StatefulSet".into(), name: "web".into() };
+        assert_ne!(claim_name("virt-launcher-web-0-x", Some(&vmi)), claim_name("web-0", Some(&sts)));
+    }
+
+    #[test]
+    fn only_the_target_of_a_running_migration_of_its_own_vm_instance_may_share() {
+        let vmi = OwnerRef { kind: KUBEVIRT_VMI_KIND.into(), name: "vm1".into() };
+        let sts = OwnerRef { kind: "StatefulSet".into(), name: "vm1".into() };
+        let running = MigrationFacts { uid: "m1", vmi_name: "vm1", phase: "Running", deleting: false };
+        let cases = [
+            (Some(&vmi), "m1", running, true),
+            (Some(&vmi), "m1", MigrationFacts { phase: "", ..running }, true),
+            (Some(&vmi), "m1", MigrationFacts { phase: "Scheduling", ..running }, true),
+            (Some(&vmi), "m2", running, false),
+            (Some(&vmi), "", MigrationFacts { uid: "", ..running }, false),
+            (Some(&vmi), "m1", MigrationFacts { vmi_name: "vm2", ..running }, false),
+            (Some(&vmi), "m1", MigrationFacts { phase: "Succeeded", ..running }, false),
+            (Some(&vmi), "m1", MigrationFacts { phase: "Failed", ..running }, false),
+            (Some(&vmi), "m1", MigrationFacts { deleting: true, ..running }, false),
+            (Some(&sts), "m1", running, false),
+            (None, "m1", running, false),
+        ];
+        for (owner, label, migration, may) in cases {
+            assert_eq!(is_active_migration_target(owner, label, &migration), may, "{owner:?} {label} {migration:?}");
+        }
+    }
+
+    #[test]
+    fn the_launchers_of_one_vm_instance_are_one_ip_holder_and_other_pods_each_their_own() {
+        let vmi = OwnerRef { kind: KUBEVIRT_VMI_KIND.into(), name: "vm1".into() };
+        let rs = OwnerRef { kind: "ReplicaSet".into(), name: "api".into() };
+        assert_eq!(
+            ip_holder_identity("ns", "virt-launcher-vm1-a", Some(&vmi)),
+            ip_holder_identity("ns", "virt-launcher-vm1-b", Some(&vmi))
+        );
+        assert_ne!(ip_holder_identity("ns", "api-a", Some(&rs)), ip_holder_identity("ns", "api-b", Some(&rs)));
+        assert_ne!(
+            ip_holder_identity("a", "virt-launcher-vm1-a", Some(&vmi)),
+            ip_holder_identity("b", "x", Some(&vmi))
+        );
     }
 
     #[test]

@@ -107,7 +107,7 @@ pub fn prometheus_tool(name: &str) -> Result<PathBuf> {
 
 /// Runs a build script and returns the last line it printed (what it built), failing with
 /// the script's name when it fails or prints nothing.
-fn run_build_script(script: &Path, what: &str) -> Result<PathBuf> {
+pub(crate) fn run_build_script(script: &Path, what: &str) -> Result<PathBuf> {
     let output = Command::new("bash")
         .arg(script)
         .stderr(std::process::Stdio::inherit())

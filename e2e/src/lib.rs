@@ -19,6 +19,7 @@ pub mod exposition;
 pub mod helm;
 pub mod ipwarden;
 pub mod kubelet;
+pub mod kubevirt;
 pub mod pki;
 pub mod process;
 pub mod procstat;

@@ -15,7 +15,7 @@ use jiff::Timestamp;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
 use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 use tokio::sync::Mutex;
@@ -25,7 +25,7 @@ use super::metrics::{AgentMetrics, PoolLabels};
 use crate::blocks::{self, ReleaseOutcome};
 use crate::crd::{
     Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPBlock, IPBlockSpec, IPClaim, IPClaimSpec, IPPool,
-    OwnerRef, POOL_ANNOTATION, PodRef,
+    MigrationTarget, OwnerRef, POOL_ANNOTATION, PodRef,
 };
 use crate::gc::handshake::{AgentAnswer, PodOnNode, agent_answer};
 use crate::ipam::{BlockUsage, ChooseError, PoolLayout, choose_ip};
@@ -145,17 +145,29 @@ impl Core {
         let owner = workload::controller_of(&pod);
         let sticky = workload::is_sticky(owner.as_ref(), &self.settings.sticky_kinds);
         let found = self.records_of_sandbox(&request.container_id, &request.ifname);
-        let ips = if !found.is_empty() {
+        let migration = if sticky { self.active_migration(&pod, owner.as_ref()).await? } else { None };
+        let (ips, shares) = if !found.is_empty() {
             // Written before a crash that lost the answer: the same sandbox adopts them.
-            self.checkpoint_ips(found.into_iter().map(|(block, ip, pool)| (pool, block, ip)).collect())
+            (
+                self.checkpoint_ips(found.into_iter().map(|(block, ip, pool)| (pool, block, ip)).collect()),
+                migration.is_some(),
+            )
         } else {
-            let reclaimed = if sticky { self.reclaim_sticky(&pod, owner.as_ref(), request).await? } else { None };
+            let reclaimed = if sticky {
+                self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request).await?
+            } else {
+                None
+            };
             match reclaimed {
-                Some(ips) => ips,
-                None => self.allocate(&pod, owner.as_ref(), sticky, request).await?,
+                Some(reclaimed) => reclaimed,
+                None => (self.allocate(&pod, owner.as_ref(), sticky, request).await?, false),
             }
         };
-        self.write_claim(&pod, owner.as_ref(), sticky, &request.ifname, &ips).await?;
+        // A live migration's target shares the source's IPs; the claim stays bound to the
+        // source until the source's sandbox leaves them to the target.
+        if !shares {
+            self.write_claim(&pod, owner.as_ref(), sticky, &request.ifname, &ips).await?;
+        }
         let entry = CheckpointEntry {
             key,
             pod: PodRef { namespace: pod_ref.namespace.clone(), name: pod_ref.name.clone(), uid },
@@ -191,13 +203,18 @@ impl Core {
 
     /// (block name, ip, pool) of every record of this node's sandbox, from the cache.
     fn records_of_sandbox(&self, container_id: &str, ifname: &str) -> Vec<(String, String, String)> {
+        let node = &self.settings.node;
         self.blocks
             .state()
             .iter()
             .flat_map(|block| {
                 blocks::find_attachment(&block.spec, container_id, ifname)
                     .into_iter()
-                    .filter(|ip| block.spec.allocations.get(ip).is_some_and(|a| a.node == self.settings.node))
+                    .filter(|ip| {
+                        block.spec.allocations.get(ip).is_some_and(|a| {
+                            a.node == *node || a.migration_target.as_ref().is_some_and(|t| t.node == *node)
+                        })
+                    })
                     .map(|ip| (block.name_any(), ip, block.spec.pool.clone()))
                     .collect::<Vec<_>>()
             })
@@ -219,16 +236,46 @@ impl Core {
             sticky,
             allocated_at: Time(Timestamp::now()),
             release_handshake: None,
+            migration_target: None,
         }
     }
 
+    /// The UID of the live migration `pod` is the target of, if that migration of its VM
+    /// instance exists and still runs ([`workload::is_active_migration_target`]).
+    async fn active_migration(&self, pod: &Pod, owner: Option<&OwnerRef>) -> Result<Option<String>, CniError> {
+        let Some(job) = workload::migration_job_of(pod) else { return Ok(None) };
+        let namespace = pod.namespace().unwrap_or_default();
+        let resource =
+            ApiResource::from_gvk(&GroupVersionKind::gvk("kubevirt.io", "v1", "VirtualMachineInstanceMigration"));
+        let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), &namespace, &resource);
+        let migrations = match api.list(&ListParams::default()).await {
+            Ok(list) => list.items,
+            Err(kube::Error::Api(status)) if status.code == 404 => Vec::new(),
+            Err(e) => return Err(api_error(format!("listing VirtualMachineInstanceMigrations in {namespace}"))(e)),
+        };
+        let active = migrations.iter().any(|m| {
+            let text = |path: &str| m.data.pointer(path).and_then(|v| v.as_str()).unwrap_or_default();
+            let facts = workload::MigrationFacts {
+                uid: m.metadata.uid.as_deref().unwrap_or_default(),
+                vmi_name: text("/spec/vmiName"),
+                phase: text("/status/phase"),
+                deleting: m.metadata.deletion_timestamp.is_some(),
+            };
+            workload::is_active_migration_target(owner, job, &facts)
+        });
+        Ok(active.then(|| job.to_string()))
+    }
+
     /// Gives a recreated sticky pod its claim's IPs back; `None` when it has none to reclaim.
+    /// The target of the running live migration `migration` attaches to the IPs its source
+    /// still holds instead of taking them over; the flag says it did.
     async fn reclaim_sticky(
         &self,
         pod: &Pod,
         owner: Option<&OwnerRef>,
+        migration: Option<&str>,
         request: &AttachmentRequest,
-    ) -> Result<Option<Vec<CheckpointIp>>, CniError> {
+    ) -> Result<Option<(Vec<CheckpointIp>, bool)>, CniError> {
         let namespace = pod.namespace().unwrap_or_default();
         let claim_name = workload::claim_name(&pod.name_any(), owner);
         let claims: Api<IPClaim> = Api::namespaced(self.client.clone(), &namespace);
@@ -243,7 +290,15 @@ impl Core {
             return Ok(None);
         };
         let record = self.record_for(pod, owner, true, request);
+        let target = migration.map(|uid| MigrationTarget {
+            migration_uid: uid.to_string(),
+            pod: record.pod.clone(),
+            node: record.node.clone(),
+            container_id: record.container_id.clone(),
+            interface: record.interface.clone(),
+        });
         let mut taken = Vec::new();
+        let mut shared = false;
         for claimed in &interface.ips {
             let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
                 break;
@@ -252,17 +307,24 @@ impl Core {
             let key = ip.to_string();
             let took = self
                 .write_block(&claimed.block, &pool.name, block, |spec| {
-                    let ours = match spec.allocations.get(&key) {
+                    let existing = spec.allocations.get(&key);
+                    if let (Some(r), Some(target)) = (existing, target.as_ref())
+                        && shares_with_source(r, &record)
+                    {
+                        return blocks::attach_migration_target(spec, &key, target.clone()).map(|()| true);
+                    }
+                    let ours = match existing {
                         Some(r) => r.pod.uid == record.pod.uid || same_workload(r, &record),
                         None => pool.layout.is_allocatable(ip),
                     };
-                    ours.then(|| blocks::allocate(spec, ip, record.clone()))
+                    ours.then(|| blocks::allocate(spec, ip, record.clone())).map(|()| false)
                 })
                 .await?;
-            if took.is_none() {
+            let Some(attached) = took else {
                 tracing::warn!(claim = %claim_name, ip = %claimed.ip, "claimed IP is held by another pod; allocating afresh");
                 break;
-            }
+            };
+            shared |= attached;
             taken.push(CheckpointIp {
                 ip: claimed.ip.clone(),
                 prefix_len: pool.layout.cidr().prefix_len(),
@@ -272,8 +334,8 @@ impl Core {
             });
         }
         if taken.len() == interface.ips.len() {
-            tracing::info!(claim = %claim_name, "sticky IPs reclaimed for the recreated pod");
-            return Ok(Some(taken));
+            tracing::info!(claim = %claim_name, migration_target = shared, "sticky IPs reclaimed for the pod");
+            return Ok(Some((taken, shared)));
         }
         self.release_ips(&taken, &request.container_id, &request.ifname, None).await;
         Ok(None)
@@ -564,26 +626,40 @@ impl Core {
                 }
             };
             let Some(record) = record else { continue };
-            summary.claim = Some(PodRef {
+            let claim = PodRef {
                 namespace: record.pod.namespace.clone(),
                 name: workload::claim_name(&record.pod.name, record.owner.as_ref()),
                 uid: record.pod.uid.clone(),
-            });
+            };
             let keep = record.sticky && self.owner_wants(&record).await;
             let now = Timestamp::now();
             let outcome = self
                 .write_block(&target.block, &pool.name, net, |spec| {
                     match blocks::release_attachment(spec, &target.ip, container_id, ifname, uid, keep, now) {
                         ReleaseOutcome::NotOurs => None,
-                        outcome => Some(outcome),
+                        outcome => Some((outcome, spec.allocations.get(&target.ip).cloned())),
                     }
                 })
                 .await;
             match outcome {
-                Ok(Some(ReleaseOutcome::Released)) => self.metrics.release("released"),
-                Ok(Some(ReleaseOutcome::Reserved)) => {
+                Ok(Some((ReleaseOutcome::Released, _))) => {
+                    summary.claim = Some(claim);
+                    self.metrics.release("released");
+                }
+                Ok(Some((ReleaseOutcome::Reserved, _))) => {
                     summary.kept = true;
                     self.metrics.release("reserved");
+                }
+                Ok(Some((ReleaseOutcome::HandedOver, holder))) => {
+                    summary.kept = true;
+                    if let Some(holder) = holder {
+                        self.rebind_claim(&claim, &holder).await;
+                    }
+                    self.metrics.release("handed_over");
+                }
+                Ok(Some((ReleaseOutcome::Detached, _))) => {
+                    summary.kept = true;
+                    self.metrics.release("handed_over");
                 }
                 Ok(_) => {}
                 Err(e) => {
@@ -635,6 +711,23 @@ impl Core {
         }
     }
 
+    /// Binds claim `claim.name`, while still bound to `claim.uid`, to the pod and node of
+    /// `holder`: the live migration's target that inherited the VM's IPs.
+    async fn rebind_claim(&self, claim: &PodRef, holder: &Allocation) {
+        let rebound = crate::claim_writes::rebind_if_bound_to(
+            &self.client,
+            &claim.namespace,
+            &claim.name,
+            &claim.uid,
+            &holder.pod.uid,
+            &holder.node,
+        )
+        .await;
+        if let Err(e) = rebound {
+            tracing::warn!(claim = %claim.name, error = %e, "claim not rebound to the migration's target");
+        }
+    }
+
     /// Deletes claim `claim.name` in `claim.namespace` if it is still bound to `claim.uid`.
     async fn delete_claim_of(&self, claim: &PodRef) {
         let deleted =
@@ -658,7 +751,7 @@ impl Core {
         for (block, ip) in targets {
             let fresh = api.get_opt(&block).await.map_err(api_error(format!("reading IPBlock {block}")))?;
             let held = fresh.and_then(|b| b.spec.allocations.get(&ip).cloned());
-            if held.is_some_and(|r| r.container_id == request.container_id && r.interface == request.ifname) {
+            if held.is_some_and(|r| blocks::holds_sandbox(&r, &request.container_id, &request.ifname)) {
                 found.insert(ip);
             }
         }
@@ -911,6 +1004,14 @@ fn same_workload(a: &Allocation, b: &Allocation) -> bool {
     }
 }
 
+/// Whether the new record `b` of a live migration's target attaches to record `a` as its
+/// migration target rather than taking it over: `a` is the same VM instance's and another
+/// pod's sandbox (the migration's source) still holds it. A reservation with no sandbox is
+/// simply taken over.
+fn shares_with_source(a: &Allocation, b: &Allocation) -> bool {
+    a.pod.uid != b.pod.uid && !a.container_id.is_empty() && same_workload(a, b)
+}
+
 fn attachment_key(request: &AttachmentRequest) -> AttachmentKey {
     AttachmentKey {
         network: request.network.clone(),
@@ -984,6 +1085,7 @@ mod test {
             sticky: true,
             allocated_at: Time(Timestamp::UNIX_EPOCH),
             release_handshake: None,
+            migration_target: None,
         };
         let sts = Some(("StatefulSet", "web"));
         assert!(same_workload(&record("web-0", sts), &record("web-0", sts)));

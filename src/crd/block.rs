@@ -69,6 +69,28 @@ pub struct Allocation {
     /// and the record's node has a live agent to ask.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub release_handshake: Option<ReleaseHandshake>,
+    /// The target pod of a KubeVirt live migration of the record's VM instance, attached to
+    /// the same IP on its own node while the migration runs: two sandboxes hold one IP by
+    /// design, and whichever DEL comes first leaves the IP to the other.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration_target: Option<MigrationTarget>,
+}
+
+/// The second attachment of a record during a KubeVirt live migration: the target
+/// virt-launcher pod's sandbox, which inherits the IP when the source's sandbox goes.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrationTarget {
+    /// The UID of the VirtualMachineInstanceMigration the target pod was created for.
+    pub migration_uid: String,
+    /// The target pod.
+    pub pod: PodRef,
+    /// The target pod's node.
+    pub node: String,
+    /// The target sandbox's container ID.
+    pub container_id: String,
+    /// The interface inside the target sandbox.
+    pub interface: String,
 }
 
 /// Where a release handshake stands. The controller writes `marked-for-release`; the node's

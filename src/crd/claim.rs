@@ -1,5 +1,5 @@
-//! `IPClaim`: the IPs a workload holds, named after the pod (or the KubeVirt VM). It is what
-//! gives a recreated StatefulSet pod its IP back.
+//! `IPClaim`: the IPs a workload holds, named after the pod (or `vm.<VM>` for a KubeVirt VM).
+//! It is what gives a recreated StatefulSet pod its IP back.
 
 // Several printcolumn(...) entries share `type_ = "string"`; that is not a mistake.
 #![allow(clippy::duplicated_attributes)]

@@ -12,7 +12,7 @@ use serde::Serialize;
 use super::index::{ClusterIndex, PodFacts};
 use super::rules::{RuleSettings, Verdict};
 use crate::crd::{IPBlock, IPClaim, IPPool};
-use crate::pools;
+use crate::{pools, workload};
 
 /// One kind of inconsistency.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -58,26 +58,29 @@ pub struct Snapshot<'a> {
     pub index: &'a ClusterIndex,
 }
 
-/// The IPs that more than one live pod reports (invariant 1 broken), with those pods'
-/// `namespace/name`; host-network pods report the node's IP and do not count.
+/// The IPs that live pods of more than one workload report (invariant 1 broken), with those
+/// pods' `namespace/name`; host-network pods report the node's IP and do not count, and the
+/// virt-launcher pods of one VM instance count once (a live migration's source and target
+/// report the VM's IP together, by design).
 pub fn conflicts(pods: &[Arc<Pod>]) -> BTreeMap<String, Vec<String>> {
-    let mut holders: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut holders: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
     for pod in pods {
         let facts = PodFacts::of(pod);
         let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
         if facts.terminal() || host_network {
             continue;
         }
+        let (namespace, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
+        let identity = workload::ip_holder_identity(&namespace, &name, workload::controller_of(pod).as_ref());
         for ip in &facts.ips {
-            holders.entry(ip.clone()).or_default().push(format!(
-                "{}/{}",
-                pod.namespace().unwrap_or_default(),
-                pod.name_any()
-            ));
+            holders.entry(ip.clone()).or_default().push((format!("{namespace}/{name}"), identity.clone()));
         }
     }
-    holders.retain(|_, pods| pods.len() > 1);
     holders
+        .into_iter()
+        .filter(|(_, pods)| pods.iter().any(|(_, identity)| *identity != pods[0].1))
+        .map(|(ip, pods)| (ip, pods.into_iter().map(|(pod, _)| pod).collect()))
+        .collect()
 }
 
 /// Every problem of the snapshot at `now`, sorted by kind and subject.
@@ -123,7 +126,7 @@ pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -
         for ip in &facts.ips {
             let Ok(addr) = ip.parse() else { continue };
             let Some((pool, _)) = layouts.iter().find(|(_, l)| l.contains(addr)) else { continue };
-            if records.get(ip.as_str()).is_none_or(|(_, r)| r.pod.uid != facts.uid) {
+            if records.get(ip.as_str()).is_none_or(|(_, r)| !crate::blocks::names_pod(r, &facts.uid)) {
                 problems.push(Problem {
                     kind: ProblemKind::UnrecordedPodIp,
                     subject: ip.clone(),
@@ -205,6 +208,38 @@ mod test {
 
     fn kinds(problems: &[Problem]) -> Vec<(ProblemKind, &str)> {
         problems.iter().map(|p| (p.kind, p.subject.as_str())).collect()
+    }
+
+    fn launcher(name: &str, uid: &str, vmi: &str) -> Arc<Pod> {
+        Arc::new(
+            serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": name, "uid": uid,
+                "ownerReferences": [{"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "name": vmi,
+                                     "uid": "vmi", "controller": true}]},
+                "status": {"phase": "Running", "podIPs": [{"ip": "10.0.0.1"}]}}))
+            .expect("launcher pod"),
+        )
+    }
+
+    #[test]
+    fn a_live_migrations_source_and_target_sharing_the_vm_ip_is_no_problem() {
+        let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let pods = [launcher("virt-launcher-vm1-a", "src", "vm1"), launcher("virt-launcher-vm1-b", "dst", "vm1")];
+        let mut migrating = record("virt-launcher-vm1-a", "src");
+        migrating["owner"] = json!({"kind": "VirtualMachineInstance", "name": "vm1"});
+        migrating["sticky"] = json!(true);
+        migrating["migrationTarget"] = json!({"migrationUid": "m1", "node": "", "containerId": "c2", "interface": "eth0",
+            "pod": {"namespace": "ns", "name": "virt-launcher-vm1-b", "uid": "dst"}});
+        let blocks = [block(json!({"10.0.0.1": migrating}))];
+        let pools = [pool(1)];
+        let sticky = vec!["VirtualMachineInstance".to_string()];
+        for order in [[0, 1], [1, 0]] {
+            let pods = [pods[order[0]].clone(), pods[order[1]].clone()];
+            let index = ClusterIndex::build(&pods, &[], &[], &[], &sticky);
+            let snapshot = Snapshot { pods: &pods, pools: &pools, blocks: &blocks, claims: &[], index: &index };
+            assert_eq!(kinds(&check(&snapshot, Timestamp::now(), &settings)), vec![], "pods in order {order:?}");
+        }
+        let strangers = [launcher("virt-launcher-vm1-a", "src", "vm1"), launcher("virt-launcher-vm2-a", "x", "vm2")];
+        assert_eq!(conflicts(&strangers).len(), 1, "launchers of two VMs on one IP conflict");
     }
 
     #[test]

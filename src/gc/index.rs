@@ -198,7 +198,11 @@ impl ClusterIndex {
             claim_uid: self.claims.get(&(record.pod.namespace.clone(), claim_name)).map(String::as_str),
             owner_wants: sticky && self.owner_wants(record),
             node,
-            holder: self.live_ips.get(ip).map(|h| IpHolder { uid: &h.pod.uid, terminal: h.terminal }),
+            // A live migration's target reporting the IP holds it for the record, as its source does.
+            holder: self.live_ips.get(ip).map(|h| IpHolder {
+                uid: if crate::blocks::names_pod(record, &h.pod.uid) { &record.pod.uid } else { &h.pod.uid },
+                terminal: h.terminal,
+            }),
             now,
         };
         decide(&facts, settings)

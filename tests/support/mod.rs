@@ -4,6 +4,7 @@
 #![allow(dead_code)] // Each test binary uses a different part of this support module.
 
 pub mod invariants;
+pub mod kubevirt;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

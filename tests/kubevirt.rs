@@ -1,0 +1,226 @@
+//! KubeVirt VMs on the real control plane with KubeVirt's real CRDs: a VM keeps its IP across
+//! a restart and a live migration (the target inherits it; the source's late DEL neither frees
+//! it nor deletes the claim), an aborted migration leaves it with the source, and a VM and a
+//! StatefulSet pod of the same name never share a claim. The test plays virt-controller:
+//! it creates the VMIs, migrations and virt-launcher pods as KubeVirt shapes them.
+
+mod support;
+
+use e2e::wait::{self, Probe};
+use ipwarden::crd::{Allocation, IPBlock};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use support::kubevirt::{
+    claims_of_vmi, create_launcher, create_migration, create_vm, create_vmi, set_migration_phase, wait_running_with_ip,
+};
+use support::{Ipwarden, TIMEOUT, claims, ip_of, records, wait_pods_with_ips};
+
+const NS: &str = "default";
+
+/// Two nodes with agents, a controller, one pool, and KubeVirt's CRDs.
+async fn start(cidr: &str) -> Ipwarden {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(2, &[("pool", json!({"cidr": cidr, "default": true}))], &[]).await;
+    e2e::kubevirt::install_crds(&ipwarden.cluster, TIMEOUT).await.expect("KubeVirt CRDs install");
+    let controller = ipwarden.start_controller("controller-0", &["--full-scan-interval-seconds=2"]);
+    ipwarden.wait_leader(controller).await;
+    ipwarden
+}
+
+/// The record of `ip`.
+async fn record_of(client: &Client, ip: &str) -> Allocation {
+    records(client).await.remove(ip).unwrap_or_else(|| panic!("{ip} has a record"))
+}
+
+/// Whether `ip` is on some block's released list (freed).
+async fn released(client: &Client, ip: &str) -> bool {
+    Api::<IPBlock>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .expect("list blocks")
+        .items
+        .iter()
+        .any(|b| b.spec.released.contains_key(ip))
+}
+
+/// Deletes pod `name` and waits until it is gone (its sandbox torn down, DEL done).
+async fn delete_pod_and_wait(client: &Client, name: &str) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.delete(name, &DeleteParams::default()).await.expect("delete pod");
+    wait::until(&format!("pod {name} gone"), TIMEOUT, || async {
+        let pod = pods.get_opt(name).await.map_err(e2e::Error::kube(format!("reading pod {name}")))?;
+        Ok(if pod.is_none() { Probe::Done(()) } else { Probe::Pending("still there".into()) })
+    })
+    .await
+    .expect("pod goes");
+}
+
+/// Waits until node `node`'s runtime has torn down pod `uid`'s sandbox (its CNI DEL ran).
+async fn wait_sandbox_gone(ipwarden: &Ipwarden, node: usize, uid: &str) {
+    let handle = &ipwarden.cluster.nodes()[node];
+    wait::until(&format!("sandbox of {uid} torn down"), TIMEOUT, || async {
+        Ok(if handle.sandboxes().contains_key(uid) { Probe::Pending("up".into()) } else { Probe::Done(()) })
+    })
+    .await
+    .expect("sandbox torn down");
+}
+
+/// What `ipwarden check` reports now.
+async fn problems(client: &Client) -> Vec<String> {
+    let found = ipwarden::cli::check::problems(client).await.expect("check runs");
+    found.into_iter().map(|p| format!("{:?} {}: {}", p.kind, p.subject, p.detail)).collect()
+}
+
+/// VM `name` started as virt-controller starts it: its VMI and a virt-launcher pod on `node`,
+/// running with an IP. Returns the VM and the launcher pod.
+async fn run_vm(client: &Client, name: &str, node: &str) -> (DynamicObject, Pod) {
+    let vm = create_vm(client, NS, name).await;
+    let vmi = create_vmi(client, NS, &vm).await;
+    let launcher = create_launcher(client, NS, &vmi, node, None).await;
+    (vm, wait_running_with_ip(client, NS, &launcher.name_any()).await)
+}
+
+/// A VM started on node-0 and then live-migrating to node-1: returns (source, target, IP).
+async fn vm_migrating(ipwarden: &Ipwarden, vm_name: &str) -> (Pod, Pod, String) {
+    let client = ipwarden.client();
+    let (_, source) = run_vm(&client, vm_name, "node-0").await;
+    let ip = ip_of(&source);
+    let migration = create_migration(&client, NS, &format!("{vm_name}-migration"), vm_name, "Scheduling").await;
+    let vmi = support::kubevirt::api(&client, NS, "VirtualMachineInstance").get(vm_name).await.expect("read VMI");
+    let target = create_launcher(&client, NS, &vmi, "node-1", migration.uid().as_deref()).await;
+    let target = wait_running_with_ip(&client, NS, &target.name_any()).await;
+    (source, target, ip)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_vm_gets_its_ip_back_on_a_new_launcher_pod() {
+    let ipwarden = start("10.60.0.0/24").await;
+    let client = ipwarden.client();
+    let (vm, first) = run_vm(&client, "vm-r", "node-0").await;
+    let ip = ip_of(&first);
+
+    // A restart: the launcher stops, virt-controller replaces the VMI (new UID, same name).
+    delete_pod_and_wait(&client, &first.name_any()).await;
+    let vmis = support::kubevirt::api(&client, NS, "VirtualMachineInstance");
+    vmis.delete("vm-r", &DeleteParams::default()).await.expect("delete VMI");
+    wait::until("old VMI gone", TIMEOUT, || async {
+        let vmi = vmis.get_opt("vm-r").await.map_err(e2e::Error::kube("reading VMI vm-r"))?;
+        Ok(if vmi.is_none() { Probe::Done(()) } else { Probe::Pending("still there".into()) })
+    })
+    .await
+    .expect("VMI goes");
+    assert!(!released(&client, &ip).await, "the VM's IP stays reserved while the VM exists");
+    let vmi = create_vmi(&client, NS, &vm).await;
+    let second = create_launcher(&client, NS, &vmi, "node-1", None).await;
+    let second = wait_running_with_ip(&client, NS, &second.name_any()).await;
+
+    assert_eq!(ip_of(&second), ip, "the restarted VM has its IP back");
+    let uid = second.uid().unwrap_or_default();
+    assert_eq!(record_of(&client, &ip).await.pod.uid, uid, "the record names the new launcher");
+    let vm_claims = claims_of_vmi(&client, NS, "vm-r").await;
+    assert_eq!(vm_claims.len(), 1, "one claim for the VM");
+    assert_eq!(vm_claims[0].spec.pod_uid, uid, "the VM's claim is bound to the new launcher");
+    assert_eq!(problems(&client).await, Vec::<String>::new(), "ipwarden check is clean");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_migration_target_inherits_the_vm_ip_and_the_source_late_del_frees_nothing() {
+    let ipwarden = start("10.61.0.0/24").await;
+    let client = ipwarden.client();
+    let (source, target, ip) = vm_migrating(&ipwarden, "vm-m").await;
+    let (source_uid, target_uid) = (source.uid().unwrap_or_default(), target.uid().unwrap_or_default());
+    assert_eq!(ip_of(&target), ip, "the migration target gets the VM's IP");
+
+    // During the migration both launchers hold the IP by design: nothing flags or frees it.
+    ipwarden.wait_sweeps(0, 2).await;
+    assert_eq!(problems(&client).await, Vec::<String>::new(), "ipwarden check is clean during the migration");
+    let during = record_of(&client, &ip).await;
+    assert_eq!(during.pod.uid, source_uid, "the source stays the record's pod while it runs");
+    let attached = during.migration_target.as_ref().map(|t| (t.pod.uid.as_str(), t.node.as_str()));
+    assert_eq!(attached, Some((target_uid.as_str(), "node-1")), "the target is attached as the migration's target");
+
+    // The migration completes: the source's virt-launcher exits and its DEL comes late.
+    set_migration_phase(&client, NS, "vm-m-migration", "Succeeded").await;
+    Api::<Pod>::namespaced(client.clone(), NS)
+        .patch_status(
+            &source.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"phase": "Succeeded"}})),
+        )
+        .await
+        .expect("source launcher exits");
+    wait_sandbox_gone(&ipwarden, 0, &source_uid).await;
+    let after = record_of(&client, &ip).await;
+    assert_eq!((after.pod.uid.as_str(), after.node.as_str()), (target_uid.as_str(), "node-1"), "the target holds it");
+    assert!(!after.container_id.is_empty(), "the target's sandbox is the record's");
+    assert!(after.migration_target.is_none(), "no second attachment once the source left");
+    assert!(!released(&client, &ip).await, "the source's DEL did not free the IP");
+    let vm_claims = claims_of_vmi(&client, NS, "vm-m").await;
+    assert_eq!(vm_claims.len(), 1, "the source's DEL did not delete the VM's claim");
+    assert_eq!(vm_claims[0].spec.pod_uid, target_uid, "the claim follows the target");
+
+    delete_pod_and_wait(&client, &source.name_any()).await;
+    ipwarden.wait_sweeps(0, 2).await;
+    assert_eq!(record_of(&client, &ip).await.pod.uid, target_uid, "the IP stays with the target");
+    assert_eq!(problems(&client).await, Vec::<String>::new(), "ipwarden check is clean after the migration");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_migration_leaves_the_ip_with_the_source_and_the_target_del_frees_nothing() {
+    let ipwarden = start("10.62.0.0/24").await;
+    let client = ipwarden.client();
+    let before_ip = {
+        let (source, target, ip) = vm_migrating(&ipwarden, "vm-a").await;
+        let source_uid = source.uid().unwrap_or_default();
+        let source_container = ipwarden.cluster.nodes()[0].sandboxes()[&source_uid].container_id.clone();
+        assert_eq!(ip_of(&target), ip, "the migration target gets the VM's IP");
+
+        // The migration fails: virt-controller deletes the target pod, whose DEL follows.
+        set_migration_phase(&client, NS, "vm-a-migration", "Failed").await;
+        delete_pod_and_wait(&client, &target.name_any()).await;
+        let after = record_of(&client, &ip).await;
+        assert_eq!(after.pod.uid, source_uid, "the source keeps the IP");
+        assert_eq!(after.container_id, source_container, "the source's sandbox still holds it");
+        assert_eq!(after.node, "node-0", "on the source's node");
+        assert!(after.migration_target.is_none(), "the aborted target is detached");
+        assert!(!released(&client, &ip).await, "the target's DEL did not free the IP");
+        let vm_claims = claims_of_vmi(&client, NS, "vm-a").await;
+        assert_eq!(vm_claims.len(), 1, "the VM's claim stays");
+        assert_eq!(vm_claims[0].spec.pod_uid, source_uid, "bound to the source");
+        ip
+    };
+    ipwarden.wait_sweeps(0, 2).await;
+    assert!(!released(&client, &before_ip).await, "the controller does not free it either");
+    assert_eq!(problems(&client).await, Vec::<String>::new(), "ipwarden check is clean after the abort");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_and_a_statefulset_pod_both_named_web_0_get_separate_claims_and_distinct_ips() {
+    let ipwarden = start("10.63.0.0/24").await;
+    let client = ipwarden.client();
+    let (_, launcher) = run_vm(&client, "web-0", "node-1").await;
+    let sts: StatefulSet = serde_json::from_value(json!({
+        "metadata": {"name": "web"},
+        "spec": {"replicas": 1, "serviceName": "web", "selector": {"matchLabels": {"app": "web"}},
+                 "template": support::pod_template("web", json!({}))},
+    }))
+    .expect("statefulset");
+    Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &sts).await.expect("create sts");
+    let pods = wait_pods_with_ips(&client, NS, "app=web", 1).await;
+    let web = &pods["web-0"];
+
+    assert_ne!(ip_of(web), ip_of(&launcher), "distinct IPs");
+    let vm_claims = claims_of_vmi(&client, NS, "web-0").await;
+    assert_eq!(vm_claims.len(), 1, "the VM has its own claim");
+    assert_eq!(vm_claims[0].spec.pod_uid, launcher.uid().unwrap_or_default(), "bound to the launcher");
+    assert_eq!(vm_claims[0].spec.interfaces[0].ips[0].ip, ip_of(&launcher), "with the VM's IP");
+    let all = claims(&client, NS).await;
+    let web_claim = all.get("web-0").expect("the StatefulSet pod's claim is named after it");
+    assert_eq!(web_claim.spec.pod_uid, web.uid().unwrap_or_default(), "bound to the StatefulSet pod");
+    assert_eq!(web_claim.spec.interfaces[0].ips[0].ip, ip_of(web), "with the pod's IP");
+    assert_ne!(vm_claims[0].name_any(), "web-0", "the VM's claim is not the pod's");
+    assert_eq!(problems(&client).await, Vec::<String>::new(), "ipwarden check is clean");
+}
