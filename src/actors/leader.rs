@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, Message, Recipient, WrapFuture};
-use jiff::Timestamp;
+use jiff::{SignedDuration, Timestamp};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{Api, PostParams};
@@ -25,6 +25,7 @@ pub struct Leader {
     name: String,
     identity: String,
     duration: Duration,
+    clock_offset: SignedDuration,
     leading: Arc<AtomicBool>,
     subscribers: Vec<Recipient<LeadershipChanged>>,
     last_renewal: Option<Instant>,
@@ -39,11 +40,23 @@ impl Leader {
         name: String,
         identity: String,
         duration: Duration,
+        clock_offset: SignedDuration,
         leading: Arc<AtomicBool>,
         subscribers: Vec<Recipient<LeadershipChanged>>,
         metrics: ControllerMetrics,
     ) -> Self {
-        Self { api, name, identity, duration, leading, subscribers, last_renewal: None, busy: false, metrics }
+        Self {
+            api,
+            name,
+            identity,
+            duration,
+            clock_offset,
+            leading,
+            subscribers,
+            last_renewal: None,
+            busy: false,
+            metrics,
+        }
     }
 
     fn set_leading(&mut self, leading: bool) {
@@ -61,7 +74,8 @@ impl Leader {
             return;
         }
         self.busy = true;
-        let attempt = try_lease(self.api.clone(), self.name.clone(), self.identity.clone(), self.duration);
+        let attempt =
+            try_lease(self.api.clone(), self.name.clone(), self.identity.clone(), self.duration, self.clock_offset);
         ctx.spawn(attempt.into_actor(self).map(|result, act, _| {
             act.busy = false;
             match result {
@@ -93,9 +107,15 @@ impl Actor for Leader {
 }
 
 /// One election round: true when this replica holds the lease afterwards.
-async fn try_lease(api: Api<Lease>, name: String, identity: String, duration: Duration) -> Result<bool, kube::Error> {
+async fn try_lease(
+    api: Api<Lease>,
+    name: String,
+    identity: String,
+    duration: Duration,
+    clock_offset: SignedDuration,
+) -> Result<bool, kube::Error> {
     let current = api.get_opt(&name).await?;
-    let now = Timestamp::now();
+    let now = Timestamp::now().saturating_add(clock_offset).unwrap_or_else(|_| Timestamp::now());
     let spec = current.as_ref().map(|l| l.spec.clone().unwrap_or_default());
     let state = LeaseState {
         holder: spec.as_ref().and_then(|s| s.holder_identity.as_deref()),

@@ -129,6 +129,10 @@ pub struct ControllerArgs {
     /// Apply ipwarden's CRDs at start.
     #[arg(long, env = "IPWARDEN_INSTALL_CRDS")]
     pub install_crds: bool,
+    /// Tests only (hidden): seconds added to this replica's wall clock wherever it reads it
+    /// for the Lease, to play a node whose clock is off.
+    #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
+    pub test_clock_offset_seconds: i64,
 }
 
 fn cache<K>(api: Api<K>) -> (Store<K>, impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>>)
@@ -258,6 +262,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         args.lease_name.clone(),
         identity,
         Duration::from_secs(args.lease_duration_seconds),
+        jiff::SignedDuration::from_secs(args.test_clock_offset_seconds),
         leading,
         subscribers,
         metrics,
