@@ -20,11 +20,13 @@ fn pool() -> [(&'static str, serde_json::Value); 1] {
     [("pool", json!({"cidr": "10.63.0.0/24", "default": true}))]
 }
 
-/// The Lease's holder and renew time.
-async fn lease(client: &kube::Client) -> (String, String) {
+/// The Lease's holder, renew time and field managers (one per replica that wrote it).
+async fn lease(client: &kube::Client) -> (String, String, Vec<String>) {
     let lease = Api::<Lease>::namespaced(client.clone(), "default").get("ipwarden-controller").await.expect("lease");
+    let managers = lease.metadata.managed_fields.iter().flatten().filter_map(|f| f.manager.clone()).collect();
     let spec = lease.spec.unwrap_or_default();
-    (spec.holder_identity.unwrap_or_default(), spec.renew_time.map(|t| t.0.to_string()).unwrap_or_default())
+    let renewed = spec.renew_time.map(|t| t.0.to_string()).unwrap_or_default();
+    (spec.holder_identity.unwrap_or_default(), renewed, managers)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -38,8 +40,9 @@ async fn a_standby_whose_clock_runs_ahead_never_takes_a_live_lease() {
     // Over ten renewals of the live leader, the standby a minute ahead never leads.
     let seen = std::sync::Mutex::new((0u32, lease(&client).await.1));
     wait::until("ten renewals by the leader", TIMEOUT, || async {
-        let (holder, renewed) = lease(&client).await;
+        let (holder, renewed, managers) = lease(&client).await;
         assert_eq!(holder, "steady", "the live leader keeps the lease");
+        assert!(!managers.iter().any(|m| m.ends_with("-ahead")), "the standby never wrote the lease: {managers:?}");
         let ahead = ipwarden.scrape_controller(1).await.unwrap_or_default();
         assert_eq!(metric(&ahead, "ipwarden_controller_leader"), 0.0, "the skewed standby does not lead");
         let mut seen = seen.lock().expect("lock");

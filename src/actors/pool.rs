@@ -4,9 +4,8 @@
 //! record must still name the UID decided on, no live pod may report the IP, and a pod
 //! believed gone is confirmed gone by a live read.
 
+use super::leader::Leadership;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseFuture, WrapFuture};
@@ -121,7 +120,7 @@ pub struct PoolContext {
     /// The controller's caches.
     pub caches: Caches,
     /// Whether this replica leads (checked right before every write).
-    pub leading: Arc<AtomicBool>,
+    pub leading: Leadership,
     /// Metrics.
     pub metrics: ControllerMetrics,
     /// This replica's identity, used as the writes' field manager.
@@ -168,7 +167,7 @@ impl Actor for PoolSupervisor {
         ctx.run_interval(POOL_STATUS_INTERVAL, |act, ctx| {
             act.prune();
             let counts = act.update_pool_gauges();
-            if act.context.leading.load(Ordering::SeqCst) {
+            if act.context.leading.is_leading() {
                 ctx.spawn(write_pool_counts(act.context.clone(), counts).into_actor(act));
             }
         });
@@ -191,6 +190,9 @@ async fn write_pool_counts(context: PoolContext, counts: Vec<PoolCounts>) {
             continue;
         }
         let patch = serde_json::json!({"status": {"total": total, "allocated": allocated, "stickyReserved": sticky}});
+        if !context.leading.is_leading() {
+            return;
+        }
         if let Err(e) =
             api.patch_status(&name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch)).await
         {
@@ -494,7 +496,7 @@ async fn write_block(
         if !outcomes.iter().any(writes) {
             return outcomes;
         }
-        if !context.leading.load(Ordering::SeqCst) {
+        if !context.leading.is_leading() {
             return changes.iter().map(|_| ChangeOutcome::Skipped("not_leader")).collect();
         }
         match api.replace(name, &params, &block).await {
