@@ -7,7 +7,7 @@ use std::net::IpAddr;
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use crate::crd::{Allocation, IPBlockSpec, MigrationTarget};
+use crate::crd::{Allocation, IPBlock, IPBlockSpec, MigrationTarget};
 
 /// The allocated IPs and the release times of a block, as the chooser wants them. Keys that
 /// do not parse as IPs (hand-edited objects) are left out and so never handed out again.
@@ -108,6 +108,31 @@ pub fn release_attachment(
     spec.allocations.remove(ip);
     spec.released.insert(ip.to_string(), Time(now));
     ReleaseOutcome::Released
+}
+
+/// A fingerprint of a pool's blocks as they are now: their names and resourceVersions.
+/// The controller stores the fingerprint its status counts were taken from, so a reader
+/// compares those counts only with the very blocks they counted (a status is always written
+/// after the records it counts, never at the same instant).
+pub fn fingerprint<'a>(blocks: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    use std::hash::Hasher;
+    let mut sorted: Vec<(&str, &str)> = blocks.into_iter().collect();
+    sorted.sort_unstable();
+    let mut hasher = fnv::FnvHasher::default();
+    for (name, version) in sorted {
+        hasher.write(name.as_bytes());
+        hasher.write_u8(0);
+        hasher.write(version.as_bytes());
+        hasher.write_u8(0);
+    }
+    format!("{:016x}", hasher.finish())
+}
+
+/// [`fingerprint`] of the blocks of `pool` among `blocks`.
+pub fn pool_fingerprint(blocks: &[std::sync::Arc<IPBlock>], pool: &str) -> String {
+    fingerprint(blocks.iter().filter(|b| b.spec.pool == pool).map(|b| {
+        (b.metadata.name.as_deref().unwrap_or_default(), b.metadata.resource_version.as_deref().unwrap_or_default())
+    }))
 }
 
 #[cfg(test)]
@@ -248,5 +273,19 @@ mod test {
         assert_eq!(find_attachment(&spec, "c1", "eth0"), ["10.0.0.5"]);
         assert!(find_attachment(&spec, "c1", "net1").is_empty());
         assert!(find_attachment(&spec, "", "eth0").is_empty());
+    }
+
+    #[test]
+    fn a_fingerprint_names_the_block_versions_in_any_order() {
+        let a = fingerprint([("p-0", "10"), ("p-1", "11")]);
+        assert_eq!(a, fingerprint([("p-1", "11"), ("p-0", "10")]), "order does not matter");
+        assert_ne!(a, fingerprint([("p-0", "10"), ("p-1", "12")]), "a new version is another fingerprint");
+        assert_ne!(a, fingerprint([("p-0", "10")]), "a missing block too");
+        assert_ne!(
+            fingerprint([("p-0", "1"), ("p-1", "0")]),
+            fingerprint([("p-0", "10"), ("p-1", "")]),
+            "fields are delimited"
+        );
+        assert_eq!(a.len(), 16);
     }
 }

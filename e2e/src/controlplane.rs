@@ -214,6 +214,18 @@ impl ControlPlane {
         Ok(())
     }
 
+    /// Freezes a component with SIGSTOP (it hangs: its clients' calls get no answer).
+    pub fn pause(&mut self, name: ComponentName) -> Result<()> {
+        self.component(name)?.pause();
+        Ok(())
+    }
+
+    /// Lets a component frozen by [`ControlPlane::pause`] run again.
+    pub fn resume(&mut self, name: ComponentName) -> Result<()> {
+        self.component(name)?.resume();
+        Ok(())
+    }
+
     /// Starts a killed or stopped component again and waits until it is ready.
     pub async fn restart(&mut self, name: ComponentName) -> Result<()> {
         self.component(name)?.restart()?;

@@ -104,6 +104,21 @@ impl Component {
         }
     }
 
+    /// Freezes the process with SIGSTOP (a hung process: connections stay open, nothing is
+    /// answered) until [`Component::resume`].
+    pub fn pause(&self) {
+        if let Some(child) = self.child.as_ref() {
+            signal(child, Signal::SIGSTOP);
+        }
+    }
+
+    /// Lets a process frozen by [`Component::pause`] run again (SIGCONT).
+    pub fn resume(&self) {
+        if let Some(child) = self.child.as_ref() {
+            signal(child, Signal::SIGCONT);
+        }
+    }
+
     /// Starts the same command again after [`Component::kill`] or [`Component::stop`].
     pub fn restart(&mut self) -> Result<()> {
         self.stop();

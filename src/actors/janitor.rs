@@ -1,8 +1,7 @@
 //! `ClaimJanitor`: deletes IPClaims whose workload is gone for good (completed Job pods
 //! included), on the leader only, on a timer.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use super::leader::Leadership;
 use std::time::Duration;
 
 use actix::{Actor, AsyncContext, Context, WrapFuture};
@@ -15,18 +14,18 @@ use crate::gc::claims::gone_for_good;
 pub struct ClaimJanitor {
     client: Client,
     caches: Caches,
-    leading: Arc<AtomicBool>,
+    leading: Leadership,
     interval: Duration,
 }
 
 impl ClaimJanitor {
     /// A janitor running every `interval`.
-    pub fn new(client: Client, caches: Caches, leading: Arc<AtomicBool>, interval: Duration) -> Self {
+    pub fn new(client: Client, caches: Caches, leading: Leadership, interval: Duration) -> Self {
         Self { client, caches, leading, interval }
     }
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
-        if !self.leading.load(Ordering::SeqCst) {
+        if !self.leading.is_leading() {
             return;
         }
         let index = self.caches.index();
@@ -43,10 +42,14 @@ impl ClaimJanitor {
         if doomed.is_empty() {
             return;
         }
-        let client = self.client.clone();
+        let (client, leading) = (self.client.clone(), self.leading.clone());
         ctx.spawn(
             async move {
                 for (namespace, name, uid) in doomed {
+                    // Checked right before each write: leadership may lapse mid-pass.
+                    if !leading.is_leading() {
+                        return;
+                    }
                     match crate::claim_writes::delete_if_bound_to(&client, &namespace, &name, &uid).await {
                         Ok(true) => tracing::info!(claim = %format!("{namespace}/{name}"), "deleted a claim whose workload is gone"),
                         Ok(false) => {}

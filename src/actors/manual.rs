@@ -3,9 +3,8 @@
 //! leader sees it, sweeps, and writes the report back under the same ID. Only kubeconfig
 //! access is needed, no route to the controller's pods.
 
+use super::leader::Leadership;
 use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, WrapFuture};
@@ -37,22 +36,22 @@ const POLL_INTERVAL: Duration = Duration::from_secs(1);
 pub struct ManualTrigger {
     api: Api<ConfigMap>,
     sweeper: Addr<Sweeper>,
-    leading: Arc<AtomicBool>,
+    leading: Leadership,
     busy: bool,
 }
 
 impl ManualTrigger {
     /// A trigger watching the ConfigMap through `api` (namespaced to the controller's).
-    pub fn new(api: Api<ConfigMap>, sweeper: Addr<Sweeper>, leading: Arc<AtomicBool>) -> Self {
+    pub fn new(api: Api<ConfigMap>, sweeper: Addr<Sweeper>, leading: Leadership) -> Self {
         Self { api, sweeper, leading, busy: false }
     }
 
     fn poll(&mut self, ctx: &mut Context<Self>) {
-        if self.busy || !self.leading.load(Ordering::SeqCst) {
+        if self.busy || !self.leading.is_leading() {
             return;
         }
         self.busy = true;
-        let (api, sweeper) = (self.api.clone(), self.sweeper.clone());
+        let (api, sweeper, leading) = (self.api.clone(), self.sweeper.clone(), self.leading.clone());
         let work = async move {
             let Some(map) = api.get_opt(TRIGGER_CONFIGMAP).await? else { return Ok(()) };
             let data = map.data.unwrap_or_default();
@@ -68,6 +67,10 @@ impl ManualTrigger {
             let answer: BTreeMap<&str, String> =
                 [(HANDLED_KEY, request), (RESULT_KEY, result), (ERROR_KEY, error)].into_iter().collect();
             let patch = serde_json::json!({"data": answer});
+            if !leading.is_leading() {
+                tracing::info!("leadership lapsed during a manual GC; the next leader answers the request");
+                return Ok(());
+            }
             api.patch(TRIGGER_CONFIGMAP, &PatchParams::default(), &Patch::Merge(&patch)).await.map(drop)
         };
         ctx.spawn(work.into_actor(self).map(|result: Result<(), kube::Error>, act, _| {

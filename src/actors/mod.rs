@@ -129,6 +129,10 @@ pub struct ControllerArgs {
     /// Apply ipwarden's CRDs at start.
     #[arg(long, env = "IPWARDEN_INSTALL_CRDS")]
     pub install_crds: bool,
+    /// Tests only (hidden): seconds added to this replica's wall clock wherever it reads it
+    /// for the Lease, to play a node whose clock is off.
+    #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
+    pub test_clock_offset_seconds: i64,
 }
 
 fn cache<K>(api: Api<K>) -> (Store<K>, impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>>)
@@ -181,7 +185,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         Arc::new(args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect());
     let caches = Caches { pods, nodes, claims, statefulsets, blocks, pools, sticky_kinds };
 
-    let leading = Arc::new(AtomicBool::new(false));
+    let leading = leader::Leadership::default();
     let settings = RuleSettings {
         additional_delay: Duration::from_secs(args.additional_grace_seconds),
         not_ready: match args.not_ready_policy {
@@ -253,16 +257,14 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     tracing::info!("caches synced; electing a leader");
 
     let lease_api = Api::namespaced(client.clone(), &args.namespace);
-    let _leader = leader::Leader::new(
-        lease_api,
-        args.lease_name.clone(),
+    let election = leader::Election {
+        api: lease_api,
+        name: args.lease_name.clone(),
         identity,
-        Duration::from_secs(args.lease_duration_seconds),
-        leading,
-        subscribers,
-        metrics,
-    )
-    .start();
+        duration: Duration::from_secs(args.lease_duration_seconds),
+        clock_offset: jiff::SignedDuration::from_secs(args.test_clock_offset_seconds),
+    };
+    let _leader = leader::Leader::new(election, leading, subscribers, metrics).start();
 
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
@@ -282,7 +284,7 @@ fn sweeper_recipient(
     block_events: impl futures::Stream<Item = Result<watcher::Event<IPBlock>, watcher::Error>> + 'static,
     client: &Client,
     args: &ControllerArgs,
-    leading: &Arc<AtomicBool>,
+    leading: &leader::Leadership,
 ) -> actix::Recipient<leader::LeadershipChanged> {
     let sweeper = sweeper::Sweeper::create(move |ctx| {
         ctx.add_stream(block_events.touched_objects());

@@ -4,9 +4,8 @@
 //! record must still name the UID decided on, no live pod may report the IP, and a pod
 //! believed gone is confirmed gone by a live read.
 
+use super::leader::Leadership;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseFuture, WrapFuture};
@@ -121,7 +120,7 @@ pub struct PoolContext {
     /// The controller's caches.
     pub caches: Caches,
     /// Whether this replica leads (checked right before every write).
-    pub leading: Arc<AtomicBool>,
+    pub leading: Leadership,
     /// Metrics.
     pub metrics: ControllerMetrics,
     /// This replica's identity, used as the writes' field manager.
@@ -168,7 +167,7 @@ impl Actor for PoolSupervisor {
         ctx.run_interval(POOL_STATUS_INTERVAL, |act, ctx| {
             act.prune();
             let counts = act.update_pool_gauges();
-            if act.context.leading.load(Ordering::SeqCst) {
+            if act.context.leading.is_leading() {
                 ctx.spawn(write_pool_counts(act.context.clone(), counts).into_actor(act));
             }
         });
@@ -178,19 +177,33 @@ impl Actor for PoolSupervisor {
 /// How often pool gauges and IPPool status counts are refreshed.
 const POOL_STATUS_INTERVAL: Duration = Duration::from_secs(10);
 
-/// Total, allocated and sticky IPs of one pool.
-type PoolCounts = (String, i64, i64, i64);
+/// One pool's status counts and the blocks they were taken from.
+struct PoolCounts {
+    pool: String,
+    total: i64,
+    allocated: i64,
+    sticky: i64,
+    /// [`crate::blocks::fingerprint`] of the pool's blocks in the cache the counts came from.
+    counted_blocks: String,
+}
 
-/// Writes each pool's status counts where they differ from what the pool shows.
+/// Writes each pool's status counts where they (or the blocks they count) differ from what
+/// the pool shows.
 async fn write_pool_counts(context: PoolContext, counts: Vec<PoolCounts>) {
     let api: Api<IPPool> = Api::all(context.client.clone());
-    for (name, total, allocated, sticky) in counts {
+    for PoolCounts { pool: name, total, allocated, sticky, counted_blocks } in counts {
         let current = context.caches.pools.state().into_iter().find(|p| p.name_any() == name);
         let shown = current.and_then(|p| p.status.clone()).unwrap_or_default();
-        if (shown.total, shown.allocated, shown.sticky_reserved) == (total, allocated, sticky) {
+        if (shown.total, shown.allocated, shown.sticky_reserved, shown.counted_blocks.as_deref())
+            == (total, allocated, sticky, Some(counted_blocks.as_str()))
+        {
             continue;
         }
-        let patch = serde_json::json!({"status": {"total": total, "allocated": allocated, "stickyReserved": sticky}});
+        let patch = serde_json::json!({"status": {"total": total, "allocated": allocated, "stickyReserved": sticky,
+            "countedBlocks": counted_blocks}});
+        if !context.leading.is_leading() {
+            return;
+        }
         if let Err(e) =
             api.patch_status(&name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch)).await
         {
@@ -206,7 +219,8 @@ impl PoolSupervisor {
         let mut counts = Vec::new();
         let mut allocated: BTreeMap<String, (i64, i64, i64)> = BTreeMap::new();
         let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        for block in self.context.caches.blocks.state() {
+        let blocks = self.context.caches.blocks.state();
+        for block in &blocks {
             let entry = allocated.entry(block.spec.pool.clone()).or_default();
             let records = block.spec.allocations.values();
             entry.0 += count(records.len());
@@ -222,7 +236,14 @@ impl PoolSupervisor {
             self.context.metrics.pool_allocated.get_or_create(&labels).set(used);
             self.context.metrics.pool_sticky.get_or_create(&labels).set(sticky);
             self.context.metrics.pool_handshaking.get_or_create(&labels).set(handshaking);
-            counts.push((name, i64::try_from(total).unwrap_or(i64::MAX), used, sticky));
+            let counted_blocks = crate::blocks::pool_fingerprint(&blocks, &name);
+            counts.push(PoolCounts {
+                pool: name,
+                total: i64::try_from(total).unwrap_or(i64::MAX),
+                allocated: used,
+                sticky,
+                counted_blocks,
+            });
         }
         let conflicts = crate::gc::check::conflicts(&self.context.caches.pods.state()).len();
         self.context.metrics.ip_conflicts.set(count(conflicts));
@@ -494,7 +515,7 @@ async fn write_block(
         if !outcomes.iter().any(writes) {
             return outcomes;
         }
-        if !context.leading.load(Ordering::SeqCst) {
+        if !context.leading.is_leading() {
             return changes.iter().map(|_| ChangeOutcome::Skipped("not_leader")).collect();
         }
         match api.replace(name, &params, &block).await {

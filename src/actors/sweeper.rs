@@ -2,9 +2,9 @@
 //! every record of every pool against the caches (no API read per record) and sends the
 //! verdicts to the pool actors. Only the leader sweeps.
 
+use super::leader::Leadership;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::{
@@ -60,7 +60,7 @@ pub struct SweepNow(pub Trigger);
 pub struct Sweeper {
     caches: Caches,
     supervisor: Addr<PoolSupervisor>,
-    leading: Arc<AtomicBool>,
+    leading: Leadership,
     settings: RuleSettings,
     metrics: ControllerMetrics,
     interval: Duration,
@@ -71,7 +71,7 @@ impl Sweeper {
     pub fn new(
         caches: Caches,
         supervisor: Addr<PoolSupervisor>,
-        leading: Arc<AtomicBool>,
+        leading: Leadership,
         settings: RuleSettings,
         metrics: ControllerMetrics,
         interval: Duration,
@@ -121,7 +121,7 @@ impl Sweeper {
     }
 
     fn sweep_if_leading(&mut self, trigger: Trigger, ctx: &mut Context<Self>) {
-        if self.leading.load(Ordering::SeqCst) {
+        if self.leading.is_leading() {
             ctx.spawn(self.sweep(trigger).into_actor(self).map(|_, _, _| ()));
         }
     }
@@ -166,7 +166,7 @@ impl StreamHandler<Result<IPBlock, watcher::Error>> for Sweeper {
                 return;
             }
         };
-        if !self.leading.load(Ordering::SeqCst) {
+        if !self.leading.is_leading() {
             return;
         }
         let index = self.caches.index();
@@ -190,7 +190,7 @@ impl Handler<SweepNow> for Sweeper {
     type Result = ResponseActFuture<Self, Result<SweepReport, String>>;
 
     fn handle(&mut self, SweepNow(trigger): SweepNow, _ctx: &mut Context<Self>) -> Self::Result {
-        if !self.leading.load(Ordering::SeqCst) {
+        if !self.leading.is_leading() {
             return Box::pin(actix::fut::ready(Err("this controller replica is not the leader".to_string())));
         }
         Box::pin(self.sweep(trigger).into_actor(self).map(|report, _, _| Ok(report)))

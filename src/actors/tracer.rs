@@ -3,9 +3,8 @@
 //! `deletionTimestamp` plus the additional delay (the timestamp already includes the grace
 //! period), and the verdicts go to the pool actors.
 
+use super::leader::Leadership;
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix::{Actor, Addr, AsyncContext, Context, SpawnHandle, StreamHandler, WrapFuture};
@@ -33,7 +32,7 @@ struct Traced {
 pub struct PodTracer {
     caches: Caches,
     supervisor: Addr<PoolSupervisor>,
-    leading: Arc<AtomicBool>,
+    leading: Leadership,
     settings: RuleSettings,
     metrics: ControllerMetrics,
     timers: HashMap<String, SpawnHandle>,
@@ -44,7 +43,7 @@ impl PodTracer {
     pub fn new(
         caches: Caches,
         supervisor: Addr<PoolSupervisor>,
-        leading: Arc<AtomicBool>,
+        leading: Leadership,
         settings: RuleSettings,
         metrics: ControllerMetrics,
     ) -> Self {
@@ -65,7 +64,7 @@ impl PodTracer {
     fn evaluate(&mut self, traced: Traced, ctx: &mut Context<Self>) {
         self.timers.remove(&traced.pod.uid);
         self.metrics.candidates.set(i64::try_from(self.timers.len()).unwrap_or(i64::MAX));
-        if !self.leading.load(Ordering::SeqCst) {
+        if !self.leading.is_leading() {
             return;
         }
         let index = self.caches.index();

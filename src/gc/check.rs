@@ -58,16 +58,17 @@ pub struct Snapshot<'a> {
     pub index: &'a ClusterIndex,
 }
 
-/// The IPs that live pods of more than one workload report (invariant 1 broken), with those
-/// pods' `namespace/name`; host-network pods report the node's IP and do not count, and the
-/// virt-launcher pods of one VM instance count once (a live migration's source and target
-/// report the VM's IP together, by design).
+/// The IPs that pods of more than one workload report (invariant 1 broken), with those pods'
+/// `namespace/name`. A terminating pod still holds what it reports until it is gone (it
+/// serves through its grace period); finished pods and host-network pods (which report the
+/// node's IP) do not count, and the virt-launcher pods of one VM instance count once (a live
+/// migration's source and target report the VM's IP together, by design).
 pub fn conflicts(pods: &[Arc<Pod>]) -> BTreeMap<String, Vec<String>> {
     let mut holders: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
     for pod in pods {
         let facts = PodFacts::of(pod);
         let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
-        if facts.terminal() || host_network {
+        if facts.finished() || host_network {
             continue;
         }
         let (namespace, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
@@ -155,6 +156,12 @@ pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -
     }
     for pool in snapshot.pools {
         let Some(status) = pool.status.as_ref().filter(|s| s.total > 0) else { continue };
+        // Counts of other blocks than these (written before the latest change, or by a leader
+        // that has not yet recounted) say nothing about drift.
+        let blocks_now = crate::blocks::pool_fingerprint(snapshot.blocks, &pool.name_any());
+        if status.counted_blocks.as_deref() != Some(blocks_now.as_str()) {
+            continue;
+        }
         let counted = per_pool.get(pool.name_any().as_str()).copied().unwrap_or(0);
         if status.allocated != counted {
             problems.push(Problem {
@@ -196,11 +203,12 @@ mod test {
                "containerId": "c", "interface": "eth0", "allocatedAt": "2026-01-01T00:00:00Z"})
     }
 
-    fn pool(allocated: i64) -> Arc<IPPool> {
+    fn pool(allocated: i64, counted_blocks: &str) -> Arc<IPPool> {
         Arc::new(
             serde_json::from_value(
                 json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPPool", "metadata": {"name": "p"},
-                "spec": {"cidr": "10.0.0.0/24"}, "status": {"total": 254, "allocated": allocated}}),
+                "spec": {"cidr": "10.0.0.0/24"},
+                "status": {"total": 254, "allocated": allocated, "countedBlocks": counted_blocks}}),
             )
             .expect("pool"),
         )
@@ -230,7 +238,7 @@ mod test {
         migrating["migrationTarget"] = json!({"migrationUid": "m1", "node": "", "containerId": "c2", "interface": "eth0",
             "pod": {"namespace": "ns", "name": "virt-launcher-vm1-b", "uid": "dst"}});
         let blocks = [block(json!({"10.0.0.1": migrating}))];
-        let pools = [pool(1)];
+        let pools = [pool(1, &crate::blocks::pool_fingerprint(&blocks, "p"))];
         let sticky = vec!["VirtualMachineInstance".to_string()];
         for order in [[0, 1], [1, 0]] {
             let pods = [pods[order[0]].clone(), pods[order[1]].clone()];
@@ -247,13 +255,14 @@ mod test {
         let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
         let good_pods = [pod("a", "ua", "10.0.0.1")];
         let good_blocks = [block(json!({"10.0.0.1": record("a", "ua")}))];
-        let pools = [pool(1)];
+        let pools = [pool(1, &crate::blocks::pool_fingerprint(&good_blocks, "p"))];
         let index = ClusterIndex::build(&good_pods, &[], &[], &[], &[]);
         let snapshot = Snapshot { pods: &good_pods, pools: &pools, blocks: &good_blocks, claims: &[], index: &index };
         assert!(check(&snapshot, Timestamp::now(), &settings).is_empty());
 
         let pods = [pod("a", "ua", "10.0.0.1"), pod("b", "ub", "10.0.0.1"), pod("c", "uc", "10.0.0.3")];
         let blocks = [block(json!({"10.0.0.1": record("a", "ua"), "10.0.0.2": record("gone", "ug")}))];
+        let pools = [pool(1, &crate::blocks::pool_fingerprint(&blocks, "p"))];
         let index = ClusterIndex::build(&pods, &[], &[], &[], &[]);
         let snapshot = Snapshot { pods: &pods, pools: &pools, blocks: &blocks, claims: &[], index: &index };
         let problems = check(&snapshot, Timestamp::now(), &settings);
@@ -267,5 +276,37 @@ mod test {
                 (ProblemKind::CountDrift, "p"),
             ]
         );
+    }
+
+    #[test]
+    fn counts_are_judged_only_against_the_blocks_they_were_taken_from() {
+        let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let pods = [pod("a", "ua", "10.0.0.1")];
+        let before = [block(json!({}))];
+        let mut after = (*block(json!({"10.0.0.1": record("a", "ua")}))).clone();
+        after.metadata.resource_version = Some("2".into());
+        let after = [Arc::new(after)];
+        let index = ClusterIndex::build(&pods, &[], &[], &[], &[]);
+        let stale = [pool(0, &crate::blocks::pool_fingerprint(&before, "p"))];
+        let snapshot = Snapshot { pods: &pods, pools: &stale, blocks: &after, claims: &[], index: &index };
+        assert!(check(&snapshot, Timestamp::now(), &settings).is_empty(), "a status of older blocks is not drift");
+        let wrong = [pool(0, &crate::blocks::pool_fingerprint(&after, "p"))];
+        let snapshot = Snapshot { pods: &pods, pools: &wrong, blocks: &after, claims: &[], index: &index };
+        assert_eq!(kinds(&check(&snapshot, Timestamp::now(), &settings)), vec![(ProblemKind::CountDrift, "p")]);
+    }
+
+    #[test]
+    fn a_terminating_pod_still_holds_its_ip_and_a_finished_one_does_not() {
+        let with = |name: &str, phase: &str, deletion: Option<&str>| -> Arc<Pod> {
+            let value = json!({"metadata": {"namespace": "ns", "name": name, "uid": name, "deletionTimestamp": deletion},
+                "status": {"phase": phase, "podIPs": [{"ip": "10.0.0.9"}]}});
+            Arc::new(serde_json::from_value(value).expect("pod"))
+        };
+        let draining = with("draining", "Running", Some("2026-01-01T00:00:00Z"));
+        let done = with("done", "Succeeded", None);
+        let newcomer = with("newcomer", "Running", None);
+        let found = conflicts(&[draining, newcomer.clone()]);
+        assert_eq!(found.get("10.0.0.9"), Some(&vec!["ns/draining".to_string(), "ns/newcomer".to_string()]));
+        assert!(conflicts(&[done, newcomer]).is_empty(), "a finished pod holds nothing");
     }
 }

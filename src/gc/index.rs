@@ -47,6 +47,12 @@ impl PodFacts {
         }
     }
 
+    /// Whether the pod's containers have finished (Succeeded or Failed): until then it uses
+    /// its IPs, terminating or not.
+    pub fn finished(&self) -> bool {
+        self.phase == Phase::Completed
+    }
+
     /// Whether the pod no longer protects its IPs (terminating or completed).
     pub fn terminal(&self) -> bool {
         self.deletion.is_some() || self.phase == Phase::Completed
