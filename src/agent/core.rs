@@ -858,8 +858,8 @@ impl Core {
         })
     }
 
-    /// Rebuilds the checkpoint from this node's records in the blocks (after a corrupt file
-    /// was moved aside).
+    /// Rebuilds the checkpoint from this node's records in the blocks (when the file was
+    /// missing, or corrupt and moved aside).
     pub async fn rebuild_checkpoint(&self) -> Result<usize, CniError> {
         let mut entries: BTreeMap<AttachmentKey, CheckpointEntry> = BTreeMap::new();
         for block in self.blocks.state() {

@@ -132,13 +132,22 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         sandbox_grace: Duration::from_secs(args.release_sandbox_grace_seconds),
     };
     let core = Arc::new(core::Core::new(client.clone(), settings, pools, blocks, checkpoint, metrics));
-    match restored {
-        Restored::Fresh => tracing::info!(path = %args.checkpoint.display(), "no checkpoint: first start"),
-        Restored::Loaded => tracing::info!(path = %args.checkpoint.display(), "checkpoint restored"),
-        Restored::MovedAside(aside) => {
-            let count =
-                core.rebuild_checkpoint().await.map_err(|e| anyhow::anyhow!("rebuilding the checkpoint: {}", e.msg))?;
-            tracing::warn!(corrupt = %aside.display(), entries = count, "checkpoint was corrupt: moved aside and rebuilt from the IPBlocks");
+    let path = args.checkpoint.display();
+    if restored == Restored::Loaded {
+        tracing::info!(%path, "checkpoint restored");
+    } else {
+        // A lost file (new disk, changed path) is rebuilt like a corrupt one: the handshake
+        // needs to know which sandboxes are still attached.
+        let count =
+            core.rebuild_checkpoint().await.map_err(|e| anyhow::anyhow!("rebuilding the checkpoint: {}", e.msg))?;
+        match restored {
+            Restored::MovedAside(aside) => {
+                tracing::warn!(corrupt = %aside.display(), entries = count, "checkpoint was corrupt: moved aside and rebuilt from the IPBlocks");
+            }
+            _ if count == 0 => tracing::info!(%path, "no checkpoint and no record of this node: first start"),
+            _ => {
+                tracing::warn!(%path, entries = count, "no checkpoint: rebuilt from this node's records in the IPBlocks")
+            }
         }
     }
 
