@@ -5,6 +5,7 @@
 pub mod allocator;
 pub mod checkpoint;
 pub mod core;
+pub mod lock;
 pub mod metrics;
 pub mod pool_status;
 pub mod server;
@@ -78,6 +79,8 @@ pub struct AgentArgs {
 
 /// Runs the agent until the process is stopped. Must run inside an actix System.
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
+    // Before anything touches the socket or the checkpoint; held until the process exits.
+    let _lock = lock::AgentLock::acquire(&args.checkpoint, &args.node_name)?;
     let client = Client::try_default().await.context("building the Kubernetes client (kubeconfig or in-cluster)")?;
     if args.install_crds {
         crate::crd::install(&client, STARTUP_TIMEOUT).await.context("installing the CRDs")?;
