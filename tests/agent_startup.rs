@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use e2e::cni::{Invocation, NodeInfo, PodArgs};
+use e2e::cni::PodArgs;
 use e2e::wait::{self, Probe};
 use ipwarden::crd::HandshakeState;
 use k8s_openapi::api::core::v1::Pod;
@@ -133,18 +133,8 @@ async fn a_missing_checkpoint_is_rebuilt_so_a_sandbox_still_attached_keeps_its_i
     assert_eq!(rebuilt["entries"].as_array().map(Vec::len), Some(1), "the checkpoint was rebuilt from the IPBlocks");
 
     // The late DEL frees it, and the waiting pod gets it.
-    let info = NodeInfo { name: node.name().to_string(), index: 0, dir: node.dir().to_path_buf() };
-    let network = support::network();
-    let netconf = e2e::cni::with_prev_result(&(network.netconf)(&info), &sandbox.result);
     let args = PodArgs { namespace: NS.into(), name: "victim".into(), uid };
-    let del = Invocation {
-        command: "DEL",
-        container_id: &sandbox.container_id,
-        ifname: &sandbox.ifname,
-        pod: Some(&args),
-        netconf: &netconf,
-    };
-    network.invoke(&del).await.expect("the late DEL succeeds");
+    support::late_del(&ipwarden.cluster, 0, &sandbox, args).await;
     let next = wait_pods_with_ips(&client, NS, "app=next", 1).await;
     assert_eq!(ip_of(&next["next"]), ip, "the IP is handed out again only after the sandbox let go of it");
 }
