@@ -46,6 +46,10 @@ async fn reported_ip(client: &kube::Client, name: &str) -> String {
 async fn an_agent_restarted_while_a_pod_drains_keeps_its_ip_until_the_del() {
     let mut ipwarden = Ipwarden::start(1, &one_ip_pool(), &["--reuse-cooldown-seconds=0"]).await;
     let client = ipwarden.client();
+    // The controller sweeps too: it must not mark the draining pod's record before its
+    // deadline, so the agent's handshake answer never decides about a pod that still serves.
+    let controller = ipwarden.start_controller("gc", &["--full-scan-interval-seconds=2"]);
+    ipwarden.wait_leader(controller).await;
     // A 60 s grace; the containers take 40 s to stop after SIGTERM (a DaemonSet rollout
     // restarts the agent meanwhile).
     let draining: Pod = serde_json::from_value(json!({
@@ -64,8 +68,8 @@ async fn an_agent_restarted_while_a_pod_drains_keeps_its_ip_until_the_del() {
     ipwarden.agents[0].restart().expect("restart");
     ipwarden.wait_agent_serving(0).await;
     assert_eq!(
-        record_state(&client, &ip).await.map(|(u, _)| u),
-        Some(uid.clone()),
+        record_state(&client, &ip).await,
+        Some((uid.clone(), None)),
         "start-up GC kept the record of a pod that still drains on the node"
     );
 
@@ -74,7 +78,7 @@ async fn an_agent_restarted_while_a_pod_drains_keeps_its_ip_until_the_del() {
         let exists = pods.get_opt("draining").await.map_err(e2e::Error::kube("read pod"))?.is_some();
         let (record, next_ip) = (record_state(&client, &ip).await, reported_ip(&client, "next").await);
         if exists {
-            assert_eq!(record.map(|(u, _)| u), Some(uid.clone()), "the record stays until the DEL");
+            assert_eq!(record, Some((uid.clone(), None)), "the record stays, unmarked, until the DEL");
             assert_eq!(next_ip, "", "no other pod gets the IP while the draining pod holds it");
             return Ok(Probe::Pending("draining".into()));
         }
