@@ -120,7 +120,8 @@ pub fn collect(
     Ok(doomed)
 }
 
-/// The IPs the live (not finished, not terminating) pods of `node` report.
+/// The IPs the pods of `node` report that have not finished, terminating or not (a
+/// draining pod still serves from its IP).
 pub async fn live_ips_on_node(client: &kube::Client, node: &str) -> Result<HashSet<IpAddr>, kube::Error> {
     let params = kube::api::ListParams::default().fields(&format!("spec.nodeName={node}"));
     let pods = kube::Api::<k8s_openapi::api::core::v1::Pod>::all(client.clone()).list(&params).await?;
@@ -128,7 +129,7 @@ pub async fn live_ips_on_node(client: &kube::Client, node: &str) -> Result<HashS
         .items
         .iter()
         .map(crate::gc::index::PodFacts::of)
-        .filter(|facts| !facts.terminal())
+        .filter(|facts| !facts.finished())
         .flat_map(|facts| facts.ips)
         .filter_map(|ip| ip.parse().ok())
         .collect())

@@ -25,6 +25,27 @@ fn age(path: &std::path::Path, ago: Duration) {
     file.set_modified(SystemTime::now() - ago).expect("set mtime");
 }
 
+/// Runs `ipwarden gc host-local` for node-0 (minimum age 60 s) and returns the released IPs.
+fn gc_host_local(cluster: &Cluster, dry: bool) -> Vec<String> {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ipwarden"));
+    command.args(["gc", "-o", "json", "host-local", "--network", "e2e-host-local", "--node", "node-0"]);
+    command.arg("--data-dir").arg(cluster.nodes()[0].dir().join("host-local")).args(["--min-age-seconds", "60"]);
+    if dry {
+        command.arg("--dry-run");
+    }
+    let output = command.env("KUBECONFIG", cluster.kubeconfig()).output().expect("ipwarden runs");
+    assert!(output.status.success(), "gc host-local: {}", String::from_utf8_lossy(&output.stderr));
+    let report: Value = serde_json::from_slice(&output.stdout).expect("JSON report");
+    let mut ips: Vec<String> = report["released"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| r["ip"].as_str().map(String::from))
+        .collect();
+    ips.sort();
+    ips
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_host_local_reservations_are_released_and_live_young_and_plugin_files_kept() {
     let cluster = Cluster::start(ClusterOptions { nodes: 1, ..ClusterOptions::default() }).await.expect("cluster");
@@ -69,30 +90,11 @@ async fn stale_host_local_reservations_are_released_and_live_young_and_plugin_fi
     }
     let before = files(&store);
 
-    let run = |dry: bool| {
-        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ipwarden"));
-        command.args(["gc", "-o", "json", "host-local", "--network", "e2e-host-local", "--node", "node-0"]);
-        command.arg("--data-dir").arg(node.dir().join("host-local")).args(["--min-age-seconds", "60"]);
-        if dry {
-            command.arg("--dry-run");
-        }
-        let output = command.env("KUBECONFIG", cluster.kubeconfig()).output().expect("ipwarden runs");
-        assert!(output.status.success(), "gc host-local: {}", String::from_utf8_lossy(&output.stderr));
-        let report: Value = serde_json::from_slice(&output.stdout).expect("JSON report");
-        let mut ips: Vec<String> = report["released"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|r| r["ip"].as_str().map(String::from))
-            .collect();
-        ips.sort();
-        ips
-    };
     let mut expected = stale_ips.clone();
     expected.sort();
-    assert_eq!(run(true), expected, "the dry run lists exactly the stale reservations");
+    assert_eq!(gc_host_local(&cluster, true), expected, "the dry run lists exactly the stale reservations");
     assert_eq!(files(&store), before, "a dry run removes nothing");
-    assert_eq!(run(false), expected, "the stale reservations are released");
+    assert_eq!(gc_host_local(&cluster, false), expected, "the stale reservations are released");
     let after = files(&store);
     for ip in &stale_ips {
         assert!(!after.contains(ip), "{ip} released");
@@ -109,4 +111,33 @@ async fn stale_host_local_reservations_are_released_and_live_young_and_plugin_fi
         live_ips.len() + 1 + 2,
         "live reservations, the young one, lock and last_reserved_ip remain"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_pods_old_host_local_reservation_is_kept() {
+    let cluster = Cluster::start(ClusterOptions { nodes: 1, ..ClusterOptions::default() }).await.expect("cluster");
+    let client = cluster.client();
+    // Deleted, but its containers take 120 s to stop: it still serves from its IP.
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "draining", "annotations": {e2e::kubelet::STOP_SECONDS_ANNOTATION: "120"}},
+        "spec": {"nodeName": "node-0", "terminationGracePeriodSeconds": 120,
+                 "containers": [{"name": "c", "image": "registry.invalid/c:1"}]}}))
+    .expect("pod");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    pods.create(&PostParams::default(), &pod).await.expect("pod");
+    let ip = e2e::wait::until("the pod with a host-local IP", Duration::from_secs(120), || async {
+        let pod = pods.get("draining").await.map_err(e2e::Error::kube("get"))?;
+        Ok(match pod.status.and_then(|s| s.pod_ip) {
+            Some(ip) => e2e::wait::Probe::Done(ip),
+            None => e2e::wait::Probe::Pending("no IP yet".into()),
+        })
+    })
+    .await
+    .expect("pod runs");
+    pods.delete("draining", &kube::api::DeleteParams::default()).await.expect("delete");
+    let store = cluster.nodes()[0].dir().join("host-local/e2e-host-local");
+    age(&store.join(&ip), Duration::from_secs(3600));
+
+    assert_eq!(gc_host_local(&cluster, false), Vec::<String>::new(), "nothing is released while the pod drains");
+    assert!(files(&store).contains(&ip), "the draining pod's reservation stays");
 }

@@ -225,3 +225,56 @@ async fn harness_runs_statefulsets_jobs_and_deployments_through_a_real_cni_plugi
     cluster.stop();
     assert!(!dir.exists(), "a clean stop removes the run directory");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_pod_keeps_its_sandbox_and_ip_while_its_containers_stop() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info").try_init();
+    let cluster =
+        Cluster::start(ClusterOptions { nodes: 1, ..ClusterOptions::default() }).await.expect("cluster starts");
+    let client = cluster.client();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    // A 60 s grace, containers that exit 5 s after SIGTERM.
+    let stop_seconds = 5;
+    let mut template =
+        pod_template("drain", json!({e2e::kubelet::STOP_SECONDS_ANNOTATION: stop_seconds.to_string()}), "Always");
+    template["metadata"]["name"] = json!("drain");
+    template["spec"]["nodeName"] = json!("node-0");
+    template["spec"]["terminationGracePeriodSeconds"] = json!(60);
+    pods.create(&PostParams::default(), &object(template)).await.expect("create pod");
+    let ip = wait_running(&client, "drain", 1).await.remove("drain").expect("drain runs");
+    let uid = pods.get("drain").await.expect("pod").uid().unwrap_or_default();
+
+    pods.delete("drain", &Default::default()).await.expect("delete");
+    let deleted = std::time::Instant::now();
+    let node = &cluster.nodes()[0];
+    let drained = wait::until("the draining pod's sandbox torn down", STEP_TIMEOUT, || async {
+        if !node.sandboxes().contains_key(&uid) {
+            return Ok(Probe::Done(deleted.elapsed()));
+        }
+        // While the sandbox is up the pod still runs with its IP, and host-local holds it.
+        let pod = pods.get_opt("drain").await.map_err(Error::kube("reading pod drain"))?;
+        let phase = pod.as_ref().and_then(|p| p.status.as_ref()).and_then(|s| s.phase.clone());
+        assert_eq!(phase.as_deref(), Some("Running"), "a draining pod keeps Running");
+        assert_eq!(pod.as_ref().map(pod_ip), Some(ip.clone()), "a draining pod keeps its IP");
+        assert!(host_local_reservations(&cluster).contains(&ip), "the draining pod's IP stays reserved");
+        Ok(Probe::Pending("draining".into()))
+    })
+    .await
+    .expect("the sandbox goes once the containers stopped");
+    // deletionTimestamp has whole seconds, so deletion may seem to have begun up to 1 s early.
+    assert!(
+        drained >= Duration::from_secs(stop_seconds - 1),
+        "the sandbox stayed while the containers stopped: {drained:?}"
+    );
+    assert!(
+        drained < Duration::from_secs(30),
+        "the sandbox went when the containers stopped, not at the grace's end: {drained:?}"
+    );
+    wait::until("the pod removed and its reservation released", STEP_TIMEOUT, || async {
+        let gone = pods.get_opt("drain").await.map_err(Error::kube("reading pod drain"))?.is_none();
+        let released = !host_local_reservations(&cluster).contains(&ip);
+        Ok(if gone && released { Probe::Done(()) } else { Probe::Pending(format!("gone {gone}, released {released}")) })
+    })
+    .await
+    .expect("DEL, then the pod is deleted");
+}

@@ -1,7 +1,8 @@
 //! The agent's node-local record of what it handed out, keyed by (network, container ID,
 //! interface): written atomically (temp file, fsync, rename, fsync of the directory) after
-//! every change and restored at start. An unknown version refuses to start; a corrupt file
-//! is moved aside (kept for inspection) and the state is rebuilt from the apiserver.
+//! every change and restored at start. An unknown version refuses to start; a missing file
+//! is rebuilt from the apiserver, and so is a corrupt one after it is moved aside (kept for
+//! inspection).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -98,7 +99,7 @@ pub struct Checkpoint {
 /// How the checkpoint was found at start.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Restored {
-    /// No file: a first start.
+    /// No file (a first start, a new disk, a changed path): the state must be rebuilt.
     Fresh,
     /// The file was read.
     Loaded,

@@ -818,8 +818,9 @@ impl Core {
 
     /// Start-up GC, before the agent serves CNI: releases this node's records that no local
     /// pod holds. A record is in use when its pod exists on this node with the record's UID
-    /// and has not finished, whatever its `status.podIPs` say yet (pod status lags the CNI
-    /// result; the record and the checkpoint are the node's own word). Releases are
+    /// and has not finished (Succeeded or Failed), terminating or not (a draining pod still
+    /// serves; its DEL frees the IP), whatever its `status.podIPs` say yet (pod status lags
+    /// the CNI result; the record and the checkpoint are the node's own word). Releases are
     /// conditional on the sandbox and UID, and a sticky record its owner wants stays reserved.
     pub async fn startup_gc(&self) -> Result<usize, CniError> {
         let node = &self.settings.node;
@@ -831,7 +832,7 @@ impl Core {
         let live: BTreeMap<(String, String), String> = pods
             .items
             .iter()
-            .filter(|p| !crate::gc::index::PodFacts::of(p).terminal())
+            .filter(|p| !crate::gc::index::PodFacts::of(p).finished())
             .map(|p| ((p.namespace().unwrap_or_default(), p.name_any()), p.uid().unwrap_or_default()))
             .collect();
         let blocks = Api::<IPBlock>::all(self.client.clone())
@@ -932,7 +933,11 @@ impl Core {
         Ok(answered)
     }
 
-    /// The record's pod as the handshake needs it, from a live read (not the cache).
+    /// The record's pod as the handshake needs it, from a live read (not the cache). A
+    /// terminating pod counts as ending here, unlike in start-up GC: the controller marks
+    /// its record only once `deletionTimestamp` (the end of the grace period, when the
+    /// kubelet kills what still runs) has passed, and its attached sandbox still waits
+    /// `sandbox_grace` for the DEL.
     async fn pod_on_node(&self, record: &Allocation) -> Result<PodOnNode, CniError> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &record.pod.namespace);
         let pod = pods
@@ -946,8 +951,8 @@ impl Core {
         })
     }
 
-    /// Rebuilds the checkpoint from this node's records in the blocks (after a corrupt file
-    /// was moved aside).
+    /// Rebuilds the checkpoint from this node's records in the blocks (when the file was
+    /// missing, or corrupt and moved aside).
     pub async fn rebuild_checkpoint(&self) -> Result<usize, CniError> {
         let mut entries: BTreeMap<AttachmentKey, CheckpointEntry> = BTreeMap::new();
         for block in self.blocks.state() {

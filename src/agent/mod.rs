@@ -5,6 +5,7 @@
 pub mod allocator;
 pub mod checkpoint;
 pub mod core;
+pub mod lock;
 pub mod metrics;
 pub mod pool_status;
 pub mod server;
@@ -78,6 +79,8 @@ pub struct AgentArgs {
 
 /// Runs the agent until the process is stopped. Must run inside an actix System.
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
+    // Before anything touches the socket or the checkpoint; held until the process exits.
+    let _lock = lock::AgentLock::acquire(&args.checkpoint, &args.node_name)?;
     let client = Client::try_default().await.context("building the Kubernetes client (kubeconfig or in-cluster)")?;
     if args.install_crds {
         crate::crd::install(&client, STARTUP_TIMEOUT).await.context("installing the CRDs")?;
@@ -132,13 +135,22 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         sandbox_grace: Duration::from_secs(args.release_sandbox_grace_seconds),
     };
     let core = Arc::new(core::Core::new(client.clone(), settings, pools, blocks, checkpoint, metrics));
-    match restored {
-        Restored::Fresh => tracing::info!(path = %args.checkpoint.display(), "no checkpoint: first start"),
-        Restored::Loaded => tracing::info!(path = %args.checkpoint.display(), "checkpoint restored"),
-        Restored::MovedAside(aside) => {
-            let count =
-                core.rebuild_checkpoint().await.map_err(|e| anyhow::anyhow!("rebuilding the checkpoint: {}", e.msg))?;
-            tracing::warn!(corrupt = %aside.display(), entries = count, "checkpoint was corrupt: moved aside and rebuilt from the IPBlocks");
+    let path = args.checkpoint.display();
+    if restored == Restored::Loaded {
+        tracing::info!(%path, "checkpoint restored");
+    } else {
+        // A lost file (new disk, changed path) is rebuilt like a corrupt one: the handshake
+        // needs to know which sandboxes are still attached.
+        let count =
+            core.rebuild_checkpoint().await.map_err(|e| anyhow::anyhow!("rebuilding the checkpoint: {}", e.msg))?;
+        match restored {
+            Restored::MovedAside(aside) => {
+                tracing::warn!(corrupt = %aside.display(), entries = count, "checkpoint was corrupt: moved aside and rebuilt from the IPBlocks");
+            }
+            _ if count == 0 => tracing::info!(%path, "no checkpoint and no record of this node: first start"),
+            _ => {
+                tracing::warn!(%path, entries = count, "no checkpoint: rebuilt from this node's records in the IPBlocks")
+            }
         }
     }
 

@@ -57,6 +57,13 @@ impl PodFacts {
     pub fn terminal(&self) -> bool {
         self.deletion.is_some() || self.phase == Phase::Completed
     }
+
+    /// Whether the pod's containers are done (Succeeded or Failed). The node agent counts a
+    /// pod as using its IP until then, terminating or not: a draining pod still serves, and
+    /// its sandbox's DEL frees the IP.
+    pub fn finished(&self) -> bool {
+        self.phase == Phase::Completed
+    }
 }
 
 /// What "owner still wants" needs of a StatefulSet.
@@ -212,5 +219,39 @@ impl ClusterIndex {
             now,
         };
         decide(&facts, settings)
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn a_terminating_pod_is_terminal_but_only_a_succeeded_or_failed_one_is_finished() {
+        // (phase, terminating, terminal, finished)
+        let table = [
+            ("Running", false, false, false),
+            ("Running", true, true, false),
+            ("Pending", true, true, false),
+            ("Succeeded", false, true, true),
+            ("Failed", true, true, true),
+        ];
+        for (phase, terminating, terminal, finished) in table {
+            let mut pod: Pod = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "p", "uid": "u"},
+                "status": {"phase": phase},
+            }))
+            .expect("pod");
+            if terminating {
+                pod.metadata.deletion_timestamp =
+                    Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now()));
+            }
+            let facts = PodFacts::of(&pod);
+            assert_eq!(
+                (facts.terminal(), facts.finished()),
+                (terminal, finished),
+                "{phase}, terminating {terminating}"
+            );
+        }
     }
 }

@@ -341,3 +341,20 @@ pub async fn claims(client: &Client, namespace: &str) -> BTreeMap<String, IPClai
         .map(|c| (c.name_any(), c))
         .collect()
 }
+
+/// Sends the CNI DEL that node `node`'s runtime held back for `sandbox` of pod `pod` (a late
+/// DEL) through the real plugin, with the sandbox's ADD result as `prevResult`.
+pub async fn late_del(cluster: &Cluster, node: usize, sandbox: &e2e::kubelet::Sandbox, pod: e2e::cni::PodArgs) {
+    let handle = &cluster.nodes()[node];
+    let info = e2e::cni::NodeInfo { name: handle.name().to_string(), index: node, dir: handle.dir().to_path_buf() };
+    let network = network();
+    let netconf = e2e::cni::with_prev_result(&(network.netconf)(&info), &sandbox.result);
+    let del = e2e::cni::Invocation {
+        command: "DEL",
+        container_id: &sandbox.container_id,
+        ifname: &sandbox.ifname,
+        pod: Some(&pod),
+        netconf: &netconf,
+    };
+    network.invoke(&del).await.expect("the late DEL succeeds");
+}

@@ -3,8 +3,9 @@
 //!
 //! Pods are "run" without containers: the kubelet asks the CNI plugin for the sandbox's
 //! network (ADD), reports the pod Running with the IPs of the CNI result, completes pods
-//! annotated with [`RUN_SECONDS_ANNOTATION`], and on deletion calls DEL before removing the
-//! pod, as a real kubelet and container runtime do.
+//! annotated with [`RUN_SECONDS_ANNOTATION`], and on deletion lets the containers stop
+//! ([`STOP_SECONDS_ANNOTATION`], capped by the grace period), then calls DEL before removing
+//! the pod, as a real kubelet and container runtime do.
 
 mod pods;
 
@@ -26,7 +27,7 @@ use tokio::task::JoinSet;
 use crate::cni::{CniNetwork, NodeInfo};
 use crate::error::{Error, Result};
 
-pub use pods::{EXIT_CODE_ANNOTATION, RUN_SECONDS_ANNOTATION, SKIP_DEL_ANNOTATION};
+pub use pods::{EXIT_CODE_ANNOTATION, RUN_SECONDS_ANNOTATION, SKIP_DEL_ANNOTATION, STOP_SECONDS_ANNOTATION};
 
 /// The field manager of every write the simulated kubelet makes.
 const FIELD_MANAGER: &str = "ipwarden-e2e-kubelet";

@@ -32,6 +32,15 @@ pub const EXIT_CODE_ANNOTATION: &str = "e2e.ipwarden.io/exit-code";
 /// [`Faults::set_skip_del`] does for every pod: the IP leaks for the GC to find.
 pub const SKIP_DEL_ANNOTATION: &str = "e2e.ipwarden.io/skip-del";
 
+/// Pod annotation: the pod's containers exit this many seconds after SIGTERM (default 0:
+/// at once, as most do). Until then a deleted pod keeps its sandbox, its Running status and
+/// its IPs, as it drains; the grace period still caps it (SIGKILL).
+pub const STOP_SECONDS_ANNOTATION: &str = "e2e.ipwarden.io/stop-seconds";
+
+/// The grace period a pod gets when neither its deletion nor its spec names one (the
+/// apiserver's default for `terminationGracePeriodSeconds`).
+const DEFAULT_GRACE_SECONDS: i64 = 30;
+
 /// How long a worker waits before retrying a failed CNI call or API write.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
 
@@ -211,7 +220,15 @@ impl NodeRuntime {
             return Next::Retry;
         }
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
-        if pod.metadata.deletion_timestamp.is_some() {
+        if let Some(deletion) = pod.metadata.deletion_timestamp.as_ref() {
+            if state.sandbox.is_some() {
+                let stop_seconds = annotation_u64(pod, STOP_SECONDS_ANNOTATION).unwrap_or(0);
+                let stopped = containers_stopped_at(deletion.0, grace_seconds(pod), stop_seconds);
+                if let Ok(left) = Duration::try_from(stopped.duration_since(Timestamp::now())) {
+                    // Draining: the containers still run, so the sandbox and its IPs stay.
+                    return Next::At(Instant::now() + left);
+                }
+            }
             if !self.teardown(uid, state).await {
                 return Next::Retry;
             }
@@ -418,6 +435,25 @@ fn annotation_u64(pod: &Pod, key: &str) -> Option<u64> {
     pod.annotations().get(key).and_then(|v| v.trim().parse().ok())
 }
 
+/// The grace period the apiserver applied to a deleted pod: the deletion's own, else the
+/// pod spec's, else the default.
+fn grace_seconds(pod: &Pod) -> i64 {
+    pod.metadata
+        .deletion_grace_period_seconds
+        .or_else(|| pod.spec.as_ref().and_then(|s| s.termination_grace_period_seconds))
+        .unwrap_or(DEFAULT_GRACE_SECONDS)
+}
+
+/// When a deleted pod's containers have stopped, so its sandbox goes: `stop_seconds` after
+/// SIGTERM, but no later than SIGKILL at the end of the grace period. Deletion (SIGTERM)
+/// began at `deletionTimestamp` minus the grace period, as the apiserver sets it to the
+/// moment the grace runs out.
+fn containers_stopped_at(deletion: Timestamp, grace_seconds: i64, stop_seconds: u64) -> Timestamp {
+    let grace = grace_seconds.max(0);
+    let stop = i64::try_from(stop_seconds).unwrap_or(i64::MAX).min(grace);
+    deletion.checked_sub(jiff::SignedDuration::from_secs(grace - stop)).unwrap_or(Timestamp::MIN)
+}
+
 fn containers(pod: &Pod) -> Vec<(String, String)> {
     pod.spec
         .iter()
@@ -512,6 +548,35 @@ mod test {
     #[test]
     fn terminated_status_is_succeeded_for_exit_code_zero() {
         assert_eq!(terminated_status(&pod(json!({})), "u1", 0, Timestamp::now())["phase"], "Succeeded");
+    }
+
+    #[test]
+    fn a_deleted_pods_containers_stop_after_stop_seconds_but_no_later_than_its_grace() {
+        let deletion: Timestamp = "2026-01-01T00:01:00Z".parse().expect("timestamp");
+        let at = |s: &str| s.parse::<Timestamp>().expect("timestamp");
+        // (grace, stop seconds, stopped at): deletion began at 00:00:00 for a 60 s grace.
+        let table = [
+            (60, 0, at("2026-01-01T00:00:00Z")),
+            (60, 40, at("2026-01-01T00:00:40Z")),
+            (60, 60, at("2026-01-01T00:01:00Z")),
+            (60, 90, at("2026-01-01T00:01:00Z")),
+            (0, 40, at("2026-01-01T00:01:00Z")),
+            (-5, 40, at("2026-01-01T00:01:00Z")),
+            (60, u64::MAX, at("2026-01-01T00:01:00Z")),
+        ];
+        for (grace, stop, stopped) in table {
+            assert_eq!(containers_stopped_at(deletion, grace, stop), stopped, "grace {grace}, stop {stop}");
+        }
+    }
+
+    #[test]
+    fn the_grace_period_is_the_deletions_then_the_specs_then_the_default() {
+        let mut deleted = pod(json!({}));
+        assert_eq!(grace_seconds(&deleted), DEFAULT_GRACE_SECONDS);
+        deleted.spec.as_mut().expect("spec").termination_grace_period_seconds = Some(60);
+        assert_eq!(grace_seconds(&deleted), 60);
+        deleted.metadata.deletion_grace_period_seconds = Some(5);
+        assert_eq!(grace_seconds(&deleted), 5, "a delete with its own grace overrides the spec");
     }
 
     #[test]
