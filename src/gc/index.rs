@@ -47,20 +47,14 @@ impl PodFacts {
         }
     }
 
-    /// Whether the pod's containers have finished (Succeeded or Failed): until then it uses
-    /// its IPs, terminating or not.
-    pub fn finished(&self) -> bool {
-        self.phase == Phase::Completed
-    }
-
     /// Whether the pod no longer protects its IPs (terminating or completed).
     pub fn terminal(&self) -> bool {
         self.deletion.is_some() || self.phase == Phase::Completed
     }
 
-    /// Whether the pod's containers are done (Succeeded or Failed). The node agent counts a
-    /// pod as using its IP until then, terminating or not: a draining pod still serves, and
-    /// its sandbox's DEL frees the IP.
+    /// Whether the pod's containers are done (Succeeded or Failed). Until then the pod uses
+    /// its IPs, terminating or not: a draining pod still serves, and its sandbox's DEL frees
+    /// the IP (the node agent's start-up GC, `ipwarden check`'s conflicts).
     pub fn finished(&self) -> bool {
         self.phase == Phase::Completed
     }
