@@ -312,6 +312,19 @@ mod test {
     }
 
     #[test]
+    fn default_pools_of_both_families_come_ipv4_first_whatever_the_cache_order() {
+        let v6 = ("v6", json!({"cidr": "fd00::/64", "default": true}));
+        let v4 = ("v4", json!({"cidr": "10.1.0.0/24", "default": true}));
+        let empty = BTreeMap::new();
+        let placement =
+            PodPlacement { pod_annotation: None, namespace_annotation: None, namespace_labels: &empty, node_labels: &empty };
+        for order in [[v6.clone(), v4.clone()], [v4.clone(), v6.clone()]] {
+            let pools = Pools::new(&order);
+            assert_eq!(names(&select(&pools.views(), &placement).expect("dual stack")), ["v4", "v6"]);
+        }
+    }
+
+    #[test]
     fn overlapping_pools_are_never_chosen_and_say_what_they_overlap() {
         let pools = Pools::new(&[
             ("wide", json!({"cidr": "10.0.0.0/16", "default": true})),
