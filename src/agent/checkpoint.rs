@@ -247,6 +247,20 @@ mod test {
     }
 
     #[test]
+    fn an_insert_that_cannot_be_saved_is_not_kept_in_memory() {
+        let path = scratch("unsaved");
+        let (mut checkpoint, _) = Checkpoint::load(&path).expect("load");
+        checkpoint.insert(entry("c1")).expect("insert");
+        // A directory where the temp file goes: creating it fails, even for root.
+        std::fs::create_dir(path.with_extension("tmp")).expect("block the temp file");
+        let mut replacement = entry("c1");
+        replacement.ips.clear();
+        checkpoint.insert(entry("c2")).expect_err("the save fails");
+        checkpoint.insert(replacement).expect_err("the save fails");
+        assert_eq!(checkpoint.entries().cloned().collect::<Vec<_>>(), vec![entry("c1")], "memory matches the file");
+    }
+
+    #[test]
     fn an_unknown_version_refuses_to_start_and_leaves_the_file() {
         let path = scratch("version");
         std::fs::write(&path, r#"{"version": 7, "entries": []}"#).expect("write");
