@@ -150,10 +150,19 @@ impl Checkpoint {
         self.entries.values()
     }
 
-    /// Records an attachment and saves.
+    /// Records an attachment and saves; when saving fails the attachment is not recorded
+    /// in memory either, so a failed ADD is never answered from the checkpoint later.
     pub fn insert(&mut self, entry: CheckpointEntry) -> Result<(), CheckpointError> {
-        self.entries.insert(entry.key.clone(), entry);
-        self.save()
+        let key = entry.key.clone();
+        let replaced = self.entries.insert(key.clone(), entry);
+        self.save().inspect_err(|_| match replaced {
+            Some(previous) => {
+                self.entries.insert(key, previous);
+            }
+            None => {
+                self.entries.remove(&key);
+            }
+        })
     }
 
     /// Forgets an attachment and saves (saving nothing when it was unknown).
