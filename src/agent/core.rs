@@ -3,7 +3,8 @@
 //!
 //! Every block write is a compare-and-swap on a freshly read IPBlock, retried on conflict
 //! with backon (bounded). Order on ADD: block record, then IPClaim, then checkpoint, so a
-//! crash leaves at worst a record that the next ADD or DEL of the same sandbox finds.
+//! crash leaves at worst a record that the next ADD or DEL of the same sandbox finds; a step
+//! that fails rolls back the block records this ADD wrote (`blocks::roll_back`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
