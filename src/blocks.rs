@@ -17,11 +17,64 @@ pub fn usage(spec: &IPBlockSpec) -> (BTreeSet<IpAddr>, BTreeMap<IpAddr, Timestam
     (allocated, released)
 }
 
-/// Records `allocation` for `ip` and forgets its release time.
-pub fn allocate(spec: &mut IPBlockSpec, ip: IpAddr, allocation: Allocation) {
+/// What an IP held before an ADD wrote its record there: what undoing that write puts back.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prior {
+    /// The IP was free, released at this time if ever.
+    Free(Option<Time>),
+    /// The IP held this record, which the ADD took over: a sticky reservation, or the record
+    /// of the previous pod of the same StatefulSet ordinal or VM.
+    Held(Box<Allocation>),
+}
+
+/// Records `allocation` for `ip`, forgets its release time, and returns what the IP held
+/// before (for [`roll_back`]).
+pub fn allocate(spec: &mut IPBlockSpec, ip: IpAddr, allocation: Allocation) -> Prior {
     let key = ip.to_string();
-    spec.released.remove(&key);
-    spec.allocations.insert(key, allocation);
+    let released = spec.released.remove(&key);
+    match spec.allocations.insert(key, allocation) {
+        Some(held) => Prior::Held(Box::new(held)),
+        None => Prior::Free(released),
+    }
+}
+
+/// Whether `record` still names the sandbox `container_id` / `ifname` (and, when given, the
+/// pod UID) a decision was made for. An empty container ID (a reservation) names no sandbox.
+fn names_sandbox(record: &Allocation, container_id: &str, ifname: &str, pod_uid: Option<&str>) -> bool {
+    !container_id.is_empty()
+        && record.container_id == container_id
+        && record.interface == ifname
+        && pod_uid.is_none_or(|uid| record.pod.uid == uid)
+}
+
+/// Undoes a failed ADD's record at `ip` if it still names that ADD's sandbox and pod UID: the
+/// IP gets back exactly what `prior` says it held. Unlike a release, an IP the ADD took
+/// fresh is free again with no new cooldown and no sticky reservation (the runtime never got
+/// it, and its retry is a new sandbox), while one it reclaimed goes back to the record it
+/// took over. Returns whether the block changed.
+pub fn roll_back(
+    spec: &mut IPBlockSpec,
+    ip: &str,
+    container_id: &str,
+    ifname: &str,
+    pod_uid: &str,
+    prior: &Prior,
+) -> bool {
+    if !spec.allocations.get(ip).is_some_and(|r| names_sandbox(r, container_id, ifname, Some(pod_uid))) {
+        return false;
+    }
+    match prior {
+        Prior::Free(released) => {
+            spec.allocations.remove(ip);
+            if let Some(at) = released {
+                spec.released.insert(ip.to_string(), at.clone());
+            }
+        }
+        Prior::Held(record) => {
+            spec.allocations.insert(ip.to_string(), Allocation::clone(record));
+        }
+    }
+    true
 }
 
 /// The IPs of `spec` recorded for the sandbox `container_id` / `ifname`.
@@ -87,9 +140,7 @@ pub fn release_attachment(
         record.migration_target = None;
         return ReleaseOutcome::Detached;
     }
-    let same_sandbox = record.container_id == container_id && record.interface == ifname;
-    let same_pod = pod_uid.is_none_or(|uid| record.pod.uid == uid);
-    if !same_sandbox || !same_pod || container_id.is_empty() {
+    if !names_sandbox(record, container_id, ifname, pod_uid) {
         return ReleaseOutcome::NotOurs;
     }
     if let Some(target) = record.migration_target.take() {
@@ -139,6 +190,7 @@ pub fn pool_fingerprint(blocks: &[std::sync::Arc<IPBlock>], pool: &str) -> Strin
 mod test {
     use super::*;
     use crate::crd::PodRef;
+    use proptest::prelude::*;
 
     fn record(uid: &str, container: &str) -> Allocation {
         Allocation {
@@ -178,9 +230,64 @@ mod test {
     fn allocating_an_ip_clears_its_release_time() {
         let mut spec = IPBlockSpec::default();
         spec.released.insert("10.0.0.5".into(), Time(Timestamp::UNIX_EPOCH));
-        allocate(&mut spec, "10.0.0.5".parse().expect("ip"), record("u1", "c1"));
+        let prior = allocate(&mut spec, "10.0.0.5".parse().expect("ip"), record("u1", "c1"));
         assert!(spec.released.is_empty());
         assert_eq!(spec.allocations["10.0.0.5"].pod.uid, "u1");
+        assert_eq!(prior, Prior::Free(Some(Time(Timestamp::UNIX_EPOCH))));
+    }
+
+    #[test]
+    fn rolling_back_puts_back_exactly_what_the_ip_held_before_the_add() {
+        let ip = "10.0.0.5";
+        let never = IPBlockSpec::default();
+        let mut cooled = IPBlockSpec::default();
+        cooled.released.insert(ip.into(), Time(Timestamp::from_second(1_000).expect("ts")));
+        // A sticky reservation of the previous pod of the ordinal, which the ADD reclaimed.
+        let reserved = block_with(ip, record("old-uid", ""));
+        for (case, before) in [("never used", never), ("released", cooled), ("reserved", reserved)] {
+            let mut spec = before.clone();
+            let prior = allocate(&mut spec, ip.parse().expect("ip"), record("u1", "c1"));
+            assert!(roll_back(&mut spec, ip, "c1", "eth0", "u1", &prior), "{case}");
+            assert_eq!(spec, before, "{case}: the block is as it was before the ADD");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn allocating_then_rolling_back_leaves_any_block_as_it_was(
+            held in prop::collection::btree_map(0u8..8, any::<bool>(), 0..8),
+            released in prop::collection::btree_map(0u8..8, 0i64..10_000, 0..8),
+            target in 0u8..8,
+        ) {
+            let mut before = IPBlockSpec::default();
+            for (host, reserved) in held {
+                let container = if reserved { "" } else { "c0" };
+                before.allocations.insert(format!("10.0.0.{host}"), record("u0", container));
+            }
+            for (host, at) in released {
+                let ip = format!("10.0.0.{host}");
+                if !before.allocations.contains_key(&ip) {
+                    before.released.insert(ip, Time(Timestamp::from_second(at).expect("ts")));
+                }
+            }
+            let ip = format!("10.0.0.{target}");
+            let mut spec = before.clone();
+            let prior = allocate(&mut spec, ip.parse().expect("ip"), record("u1", "c1"));
+            prop_assert!(roll_back(&mut spec, &ip, "c1", "eth0", "u1", &prior));
+            prop_assert_eq!(spec, before);
+        }
+    }
+
+    #[test]
+    fn rolling_back_never_touches_a_record_another_sandbox_or_pod_wrote_since() {
+        let prior = Prior::Free(None);
+        for (container, uid) in [("c2", "u1"), ("c1", "u2"), ("", "u1")] {
+            let mut spec = block_with("10.0.0.5", record("u1", "c1"));
+            assert!(!roll_back(&mut spec, "10.0.0.5", container, "eth0", uid, &prior), "{container:?} {uid:?}");
+            assert_eq!(spec.allocations["10.0.0.5"], record("u1", "c1"));
+        }
+        let mut empty = IPBlockSpec::default();
+        assert!(!roll_back(&mut empty, "10.0.0.5", "c1", "eth0", "u1", &prior), "a record already gone stays gone");
     }
 
     #[test]

@@ -171,7 +171,7 @@ fn unusable(
 }
 
 /// The pools a pod allocates from: those its annotation names (comma-separated), else its
-/// namespace's, else every default pool that fits it (one per IP family). Overlapping or
+/// namespace's, else every default pool that fits it (one per IP family, IPv4 first). Overlapping or
 /// invalid pools and pools whose selectors do not match are never chosen.
 pub fn select<'a>(pools: &[PoolView<'a>], placement: &PodPlacement<'_>) -> Result<Vec<PoolView<'a>>, SelectError> {
     let overlapping = overlaps(pools);
@@ -194,7 +194,15 @@ pub fn select<'a>(pools: &[PoolView<'a>], placement: &PodPlacement<'_>) -> Resul
             chosen
         }
         None => {
-            pools.iter().filter(|p| p.spec.default && unusable(p, placement, &overlapping).is_none()).cloned().collect()
+            let mut defaults: Vec<PoolView<'a>> = pools
+                .iter()
+                .filter(|p| p.spec.default && unusable(p, placement, &overlapping).is_none())
+                .cloned()
+                .collect();
+            // IPv4 first whatever order the pools were read in, so a dual-stack pod's primary
+            // IP (`status.podIP`) is always of the same family.
+            defaults.sort_by_key(|p| !p.layout.is_ok_and(PoolLayout::family_is_v4));
+            defaults
         }
     };
     if chosen.is_empty() {
@@ -309,6 +317,23 @@ mod test {
         assert_eq!(names(&select(&pools.views(), &placement).expect("dual stack")), ["v4", "v6"]);
         let same = PodPlacement { pod_annotation: Some("v4,v4"), ..placement };
         assert!(matches!(select(&pools.views(), &same), Err(SelectError::SameFamily { .. })));
+    }
+
+    #[test]
+    fn default_pools_of_both_families_come_ipv4_first_whatever_the_cache_order() {
+        let v6 = ("v6", json!({"cidr": "fd00::/64", "default": true}));
+        let v4 = ("v4", json!({"cidr": "10.1.0.0/24", "default": true}));
+        let empty = BTreeMap::new();
+        let placement = PodPlacement {
+            pod_annotation: None,
+            namespace_annotation: None,
+            namespace_labels: &empty,
+            node_labels: &empty,
+        };
+        for order in [[v6.clone(), v4.clone()], [v4.clone(), v6.clone()]] {
+            let pools = Pools::new(&order);
+            assert_eq!(names(&select(&pools.views(), &placement).expect("dual stack")), ["v4", "v6"]);
+        }
     }
 
     #[test]

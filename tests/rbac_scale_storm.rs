@@ -16,7 +16,7 @@ use e2e::wait::{self, Probe};
 use ipwarden::crd::{IPBlock, IPPool};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -31,28 +31,6 @@ const NS: &str = "default";
 /// Storm rounds (each: alpha 5 -> 0 with beta 0 -> 5, then beta 5 -> 0 with alpha 0 -> 5).
 const ROUNDS: usize = 2;
 const REPLICAS: i32 = 5;
-
-/// Renders the chart's ServiceAccounts and RBAC and applies them with the built kubectl.
-async fn apply_chart_rbac(ipwarden: &Ipwarden) {
-    let namespace: Namespace = serde_json::from_value(json!({"metadata": {"name": SYSTEM}})).expect("namespace");
-    Api::<Namespace>::all(ipwarden.client()).create(&PostParams::default(), &namespace).await.expect("namespace");
-    let helm = e2e::helm::Helm::locate().expect("helm builds");
-    let chart = e2e::helm::chart().display().to_string();
-    let mut args = vec!["template", "ipwarden", chart.as_str(), "--namespace", SYSTEM];
-    for template in ["templates/serviceaccounts.yaml", "templates/controller-rbac.yaml", "templates/agent-rbac.yaml"] {
-        args.extend(["--show-only", template]);
-    }
-    let rendered = helm.run(&args).await.expect("helm template renders the RBAC");
-    let kubectl = ipwarden.cluster.kubectl();
-    let apply = vec![
-        format!("--kubeconfig={}", ipwarden.cluster.kubeconfig().display()),
-        "apply".into(),
-        "-f".into(),
-        "-".into(),
-    ];
-    let applied = e2e::process::run_tool(&kubectl, &apply, Some(rendered.as_bytes())).await.expect("kubectl apply");
-    assert!(applied.contains("clusterrole.rbac.authorization.k8s.io/ipwarden-agent created"), "{applied}");
-}
 
 fn statefulset(name: &str, replicas: i32) -> StatefulSet {
     serde_json::from_value(json!({
@@ -118,7 +96,7 @@ async fn agents_and_controllers_with_the_charts_rbac_survive_a_statefulset_scale
     ];
     let mut ipwarden = Ipwarden::without_agents(3, &pools, network()).await;
     let client = ipwarden.client();
-    apply_chart_rbac(&ipwarden).await;
+    support::apply_chart_rbac(&ipwarden, SYSTEM).await;
     let agent_kubeconfig =
         e2e::accounts::kubeconfig_for(&ipwarden.cluster, SYSTEM, "ipwarden-agent").await.expect("token");
     let controller_kubeconfig =

@@ -151,10 +151,19 @@ impl Checkpoint {
         self.entries.values()
     }
 
-    /// Records an attachment and saves.
+    /// Records an attachment and saves; when saving fails the attachment is not recorded
+    /// in memory either, so a failed ADD is never answered from the checkpoint later.
     pub fn insert(&mut self, entry: CheckpointEntry) -> Result<(), CheckpointError> {
-        self.entries.insert(entry.key.clone(), entry);
-        self.save()
+        let key = entry.key.clone();
+        let replaced = self.entries.insert(key.clone(), entry);
+        self.save().inspect_err(|_| match replaced {
+            Some(previous) => {
+                self.entries.insert(key, previous);
+            }
+            None => {
+                self.entries.remove(&key);
+            }
+        })
     }
 
     /// Forgets an attachment and saves (saving nothing when it was unknown).
@@ -245,6 +254,20 @@ mod test {
         assert_eq!(restored, Restored::Loaded);
         assert_eq!(reloaded.entries().cloned().collect::<Vec<_>>(), vec![entry("c2")]);
         assert!(!path.with_extension("tmp").exists(), "no temp file is left behind");
+    }
+
+    #[test]
+    fn an_insert_that_cannot_be_saved_is_not_kept_in_memory() {
+        let path = scratch("unsaved");
+        let (mut checkpoint, _) = Checkpoint::load(&path).expect("load");
+        checkpoint.insert(entry("c1")).expect("insert");
+        // A directory where the temp file goes: creating it fails, even for root.
+        std::fs::create_dir(path.with_extension("tmp")).expect("block the temp file");
+        let mut replacement = entry("c1");
+        replacement.ips.clear();
+        checkpoint.insert(entry("c2")).expect_err("the save fails");
+        checkpoint.insert(replacement).expect_err("the save fails");
+        assert_eq!(checkpoint.entries().cloned().collect::<Vec<_>>(), vec![entry("c1")], "memory matches the file");
     }
 
     #[test]

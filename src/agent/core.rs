@@ -3,7 +3,8 @@
 //!
 //! Every block write is a compare-and-swap on a freshly read IPBlock, retried on conflict
 //! with backon (bounded). Order on ADD: block record, then IPClaim, then checkpoint, so a
-//! crash leaves at worst a record that the next ADD or DEL of the same sandbox finds.
+//! crash leaves at worst a record that the next ADD or DEL of the same sandbox finds; a step
+//! that fails rolls back the block records this ADD wrote (`blocks::roll_back`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -77,6 +78,31 @@ fn checkpoint_error(e: super::checkpoint::CheckpointError) -> CniError {
     CniError::io_failure(e.to_string())
 }
 
+/// A record this ADD wrote, and what its IP held before, so that a failed ADD can undo it.
+struct Written {
+    /// The IP as the CNI result and the checkpoint carry it.
+    ip: CheckpointIp,
+    /// What the IP held before the write.
+    prior: blocks::Prior,
+}
+
+/// What [`Core::reclaim_sticky`] got back for a recreated sticky pod.
+struct Reclaimed {
+    /// Every IP of the claimed interface, in the claim's order.
+    ips: Vec<CheckpointIp>,
+    /// The records taken over (undone if the ADD fails later).
+    written: Vec<Written>,
+    /// Attached as a live migration's target instead of taken over (the claim stays as is).
+    shared: bool,
+}
+
+/// An IPClaim as an ADD wrote it, and the spec it replaced (`None`: the ADD created it).
+struct ClaimWrite {
+    namespace: String,
+    name: String,
+    before: Option<IPClaimSpec>,
+}
+
 /// A pool resolved for allocation.
 struct ResolvedPool {
     name: String,
@@ -146,12 +172,11 @@ impl Core {
         let sticky = workload::is_sticky(owner.as_ref(), &self.settings.sticky_kinds);
         let found = self.records_of_sandbox(&request.container_id, &request.ifname);
         let migration = if sticky { self.active_migration(&pod, owner.as_ref()).await? } else { None };
-        let (ips, shares) = if !found.is_empty() {
-            // Written before a crash that lost the answer: the same sandbox adopts them.
-            (
-                self.checkpoint_ips(found.into_iter().map(|(block, ip, pool)| (pool, block, ip)).collect()),
-                migration.is_some(),
-            )
+        let (ips, written, shares) = if !found.is_empty() {
+            // Written before a crash that lost the answer: the same sandbox adopts them. They
+            // are not this call's writes, so a failure below leaves them to the sandbox's DEL.
+            let ips = self.checkpoint_ips(found.into_iter().map(|(block, ip, pool)| (pool, block, ip)).collect());
+            (ips, Vec::new(), migration.is_some())
         } else {
             let reclaimed = if sticky {
                 self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request).await?
@@ -159,21 +184,38 @@ impl Core {
                 None
             };
             match reclaimed {
-                Some(reclaimed) => reclaimed,
-                None => (self.allocate(&pod, owner.as_ref(), sticky, request).await?, false),
+                Some(reclaimed) => (reclaimed.ips, reclaimed.written, reclaimed.shared),
+                None => {
+                    let written = self.allocate(&pod, owner.as_ref(), sticky, request).await?;
+                    (written.iter().map(|w| w.ip.clone()).collect(), written, false)
+                }
             }
         };
         // A live migration's target shares the source's IPs; the claim stays bound to the
         // source until the source's sandbox leaves them to the target.
-        if !shares {
-            self.write_claim(&pod, owner.as_ref(), sticky, &request.ifname, &ips).await?;
-        }
+        let claim = if shares {
+            None
+        } else {
+            match self.write_claim(&pod, owner.as_ref(), sticky, &request.ifname, &ips).await {
+                Ok(claim) => Some(claim),
+                Err(e) => {
+                    self.roll_back(&written, request, &uid).await;
+                    return Err(e);
+                }
+            }
+        };
         let entry = CheckpointEntry {
             key,
-            pod: PodRef { namespace: pod_ref.namespace.clone(), name: pod_ref.name.clone(), uid },
+            pod: PodRef { namespace: pod_ref.namespace.clone(), name: pod_ref.name.clone(), uid: uid.clone() },
             ips: ips.clone(),
         };
-        checkpoint.insert(entry).map_err(checkpoint_error)?;
+        if let Err(e) = checkpoint.insert(entry) {
+            if let Some(claim) = claim.as_ref().filter(|_| !written.is_empty()) {
+                self.restore_claim(claim, &uid).await;
+            }
+            self.roll_back(&written, request, &uid).await;
+            return Err(checkpoint_error(e));
+        }
         tracing::info!(pod = %format!("{}/{}", pod_ref.namespace, pod_ref.name), container_id = %request.container_id,
             ips = ?ips.iter().map(|i| i.ip.as_str()).collect::<Vec<_>>(), "allocated");
         Ok(result_of(&ips))
@@ -275,7 +317,7 @@ impl Core {
         owner: Option<&OwnerRef>,
         migration: Option<&str>,
         request: &AttachmentRequest,
-    ) -> Result<Option<(Vec<CheckpointIp>, bool)>, CniError> {
+    ) -> Result<Option<Reclaimed>, CniError> {
         let namespace = pod.namespace().unwrap_or_default();
         let claim_name = workload::claim_name(&pod.name_any(), owner);
         let claims: Api<IPClaim> = Api::namespaced(self.client.clone(), &namespace);
@@ -297,58 +339,71 @@ impl Core {
             container_id: record.container_id.clone(),
             interface: record.interface.clone(),
         });
-        let mut taken = Vec::new();
-        let mut shared = false;
+        let (mut ips, mut taken, mut shared) = (Vec::new(), Vec::new(), false);
         for claimed in &interface.ips {
             let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
                 break;
             };
             let Some(block) = pool.layout.block_of(ip) else { break };
             let key = ip.to_string();
+            // Some(None): attached as the migration's target; Some(Some(prior)): taken over.
             let took = self
                 .write_block(&claimed.block, &pool.name, block, |spec| {
                     let existing = spec.allocations.get(&key);
                     if let (Some(r), Some(target)) = (existing, target.as_ref())
                         && shares_with_source(r, &record)
                     {
-                        return blocks::attach_migration_target(spec, &key, target.clone()).map(|()| true);
+                        return blocks::attach_migration_target(spec, &key, target.clone()).map(|()| None);
                     }
                     let ours = match existing {
                         Some(r) => r.pod.uid == record.pod.uid || same_workload(r, &record),
                         None => pool.layout.is_allocatable(ip),
                     };
-                    ours.then(|| blocks::allocate(spec, ip, record.clone())).map(|()| false)
+                    ours.then(|| Some(blocks::allocate(spec, ip, record.clone())))
                 })
-                .await?;
-            let Some(attached) = took else {
+                .await;
+            let took = match took {
+                Ok(took) => took,
+                Err(e) => {
+                    self.roll_back(&taken, request, &record.pod.uid).await;
+                    return Err(e);
+                }
+            };
+            let Some(prior) = took else {
                 tracing::warn!(claim = %claim_name, ip = %claimed.ip, "claimed IP is held by another pod; allocating afresh");
                 break;
             };
-            shared |= attached;
-            taken.push(CheckpointIp {
+            let ip = CheckpointIp {
                 ip: claimed.ip.clone(),
                 prefix_len: pool.layout.cidr().prefix_len(),
                 gateway: pool.gateway.clone(),
                 pool: pool.name.clone(),
                 block: claimed.block.clone(),
-            });
+            };
+            ips.push(ip.clone());
+            match prior {
+                Some(prior) => taken.push(Written { ip, prior }),
+                None => shared = true,
+            }
         }
-        if taken.len() == interface.ips.len() {
+        if ips.len() == interface.ips.len() {
             tracing::info!(claim = %claim_name, migration_target = shared, "sticky IPs reclaimed for the pod");
-            return Ok(Some((taken, shared)));
+            return Ok(Some(Reclaimed { ips, written: taken, shared }));
         }
-        self.release_ips(&taken, &request.container_id, &request.ifname, None).await;
+        // The IPs already taken go back to the records they were taken from.
+        self.roll_back(&taken, request, &record.pod.uid).await;
         Ok(None)
     }
 
-    /// Allocates one IP from each pool the pod should use.
+    /// Allocates one IP from each pool the pod should use, all or none: when one pool has
+    /// no IP, the IPs already taken from the others are rolled back.
     async fn allocate(
         &self,
         pod: &Pod,
         owner: Option<&OwnerRef>,
         sticky: bool,
         request: &AttachmentRequest,
-    ) -> Result<Vec<CheckpointIp>, CniError> {
+    ) -> Result<Vec<Written>, CniError> {
         let namespace_name = pod.namespace().unwrap_or_default();
         let pools_snapshot = self.pools.state();
         let pool_set = PoolSet::new(pools_snapshot.iter().map(|p| (p.name_any(), p.spec.clone())));
@@ -381,7 +436,7 @@ impl Core {
             CniError::new(NO_POOL_FITS, format!("no pool for pod {namespace_name}/{}: {e}", pod.name_any()))
         })?;
         let record = self.record_for(pod, owner, sticky, request);
-        let mut ips = Vec::new();
+        let mut written = Vec::new();
         for view in chosen {
             let Ok(layout) = view.layout else { continue };
             let pool = ResolvedPool {
@@ -390,17 +445,17 @@ impl Core {
                 gateway: view.spec.gateway.clone(),
             };
             match self.allocate_in_pool(&pool, &record).await {
-                Ok(ip) => ips.push(ip),
+                Ok(ip) => written.push(ip),
                 Err(e) => {
-                    self.release_ips(&ips, &request.container_id, &request.ifname, None).await;
+                    self.roll_back(&written, request, &record.pod.uid).await;
                     return Err(e);
                 }
             }
         }
-        Ok(ips)
+        Ok(written)
     }
 
-    async fn allocate_in_pool(&self, pool: &ResolvedPool, record: &Allocation) -> Result<CheckpointIp, CniError> {
+    async fn allocate_in_pool(&self, pool: &ResolvedPool, record: &Allocation) -> Result<Written, CniError> {
         let mut known: Vec<(String, IpNet)> = self
             .blocks
             .state()
@@ -431,10 +486,7 @@ impl Core {
                     let (allocated, released) = blocks::usage(spec);
                     let usage = BlockUsage { allocated: &allocated, released: &released };
                     match choose_ip(&pool.layout, net, usage, now, self.settings.cooldown) {
-                        Ok(ip) => {
-                            blocks::allocate(spec, ip, record.clone());
-                            Some(ip)
-                        }
+                        Ok(ip) => Some((ip, blocks::allocate(spec, ip, record.clone()))),
                         Err(ChooseError::Cooling { cooling: count, next_free_at, .. }) => {
                             cooling += count;
                             next_free = Some(next_free.map_or(next_free_at, |t| t.min(next_free_at)));
@@ -444,14 +496,15 @@ impl Core {
                     }
                 })
                 .await?;
-            if let Some(ip) = chosen {
-                return Ok(CheckpointIp {
+            if let Some((ip, prior)) = chosen {
+                let ip = CheckpointIp {
                     ip: ip.to_string(),
                     prefix_len: pool.layout.cidr().prefix_len(),
                     gateway: pool.gateway.clone(),
                     pool: pool.name.clone(),
                     block: name,
-                });
+                };
+                return Ok(Written { ip, prior });
             }
         }
         self.metrics.pool_exhausted.get_or_create(&PoolLabels { pool: pool.name.clone() }).inc();
@@ -509,7 +562,7 @@ impl Core {
     }
 
     /// Records the pod's IPs of `ifname` in its IPClaim (created, or taken over from a
-    /// previous pod of the same name).
+    /// previous pod of the same name); returns what it replaced, for [`Core::restore_claim`].
     async fn write_claim(
         &self,
         pod: &Pod,
@@ -517,7 +570,7 @@ impl Core {
         sticky: bool,
         ifname: &str,
         ips: &[CheckpointIp],
-    ) -> Result<(), CniError> {
+    ) -> Result<ClaimWrite, CniError> {
         let namespace = pod.namespace().unwrap_or_default();
         let uid = pod.uid().unwrap_or_default();
         let name = workload::claim_name(&pod.name_any(), owner);
@@ -547,22 +600,71 @@ impl Core {
             };
             let written = match existing {
                 Some(mut claim) => {
-                    claim.spec = spec;
-                    api.replace(&name, &PostParams::default(), &claim).await.map(drop)
+                    let before = std::mem::replace(&mut claim.spec, spec);
+                    api.replace(&name, &PostParams::default(), &claim).await.map(|_| Some(before))
                 }
                 None => {
                     let mut claim = IPClaim::new(&name, spec);
                     claim.metadata.namespace = Some(namespace.clone());
-                    api.create(&PostParams::default(), &claim).await.map(drop)
+                    api.create(&PostParams::default(), &claim).await.map(|_| None)
                 }
             };
             match written {
-                Ok(()) => return Ok(()),
+                Ok(before) => return Ok(ClaimWrite { namespace, name, before }),
                 Err(kube::Error::Api(status)) if status.code == 409 => continue,
                 Err(e) => return Err(api_error(what)(e)),
             }
         }
         Err(CniError::try_again_later(format!("{what}: it kept changing")))
+    }
+
+    /// Undoes this ADD's block writes after a later step failed ([`blocks::roll_back`]):
+    /// the runtime got no IP, and its retry is a new sandbox, so nothing may stay behind. A
+    /// rollback that cannot be written is left to the sandbox's DEL and the GC.
+    async fn roll_back(&self, written: &[Written], request: &AttachmentRequest, uid: &str) {
+        for Written { ip, prior } in written {
+            let Some(pool) = self.resolve_pool(&ip.pool) else { continue };
+            let Some(net) = ip.ip.parse().ok().and_then(|addr| pool.layout.block_of(addr)) else { continue };
+            let undone = self
+                .write_block(&ip.block, &pool.name, net, |spec| {
+                    blocks::roll_back(spec, &ip.ip, &request.container_id, &request.ifname, uid, prior).then_some(())
+                })
+                .await;
+            match undone {
+                Ok(Some(())) => {
+                    self.metrics.release("rolled_back");
+                    tracing::info!(ip = %ip.ip, container_id = %request.container_id, "rolled back the record of a failed ADD");
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    self.metrics.release("error");
+                    tracing::warn!(ip = %ip.ip, error = %e.msg, "rolling back a failed ADD failed; the sandbox's DEL or the GC will release it");
+                }
+            }
+        }
+    }
+
+    /// Puts the IPClaim an ADD wrote back as it was (deleted when the ADD created it), if it
+    /// still names `uid`. A restore that fails is logged: the claim janitor, and the next
+    /// ADD of the pod, mend the claim.
+    async fn restore_claim(&self, claim: &ClaimWrite, uid: &str) {
+        let api: Api<IPClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
+        let restored = match &claim.before {
+            None => crate::claim_writes::delete_if_bound_to(&self.client, &claim.namespace, &claim.name, uid)
+                .await
+                .map(drop),
+            Some(before) => match api.get_opt(&claim.name).await {
+                Ok(Some(mut current)) if current.spec.pod_uid == uid => {
+                    current.spec = before.clone();
+                    api.replace(&claim.name, &PostParams::default(), &current).await.map(drop)
+                }
+                Ok(_) => Ok(()),
+                Err(e) => Err(e),
+            },
+        };
+        if let Err(e) = restored {
+            tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), error = %e, "restoring the claim of a failed ADD failed");
+        }
     }
 
     /// CNI DEL: releases the sandbox's IPs (keeping a wanted sticky reservation). Unknown

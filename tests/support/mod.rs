@@ -14,7 +14,7 @@ use e2e::process::Component;
 use e2e::wait::{self, Probe};
 use e2e::{Cluster, ClusterOptions, CniNetwork, Error};
 use ipwarden::crd::{IPBlock, IPClaim};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -357,4 +357,27 @@ pub async fn late_del(cluster: &Cluster, node: usize, sandbox: &e2e::kubelet::Sa
         netconf: &netconf,
     };
     network.invoke(&del).await.expect("the late DEL succeeds");
+}
+
+/// Renders the chart's ServiceAccounts and RBAC for release namespace `namespace` (created
+/// here) and applies them with the built kubectl, so processes can run as those accounts.
+pub async fn apply_chart_rbac(ipwarden: &Ipwarden, namespace: &str) {
+    let object: Namespace = serde_json::from_value(json!({"metadata": {"name": namespace}})).expect("namespace");
+    Api::<Namespace>::all(ipwarden.client()).create(&PostParams::default(), &object).await.expect("namespace");
+    let helm = e2e::helm::Helm::locate().expect("helm builds");
+    let chart = e2e::helm::chart().display().to_string();
+    let mut args = vec!["template", "ipwarden", chart.as_str(), "--namespace", namespace];
+    for template in ["templates/serviceaccounts.yaml", "templates/controller-rbac.yaml", "templates/agent-rbac.yaml"] {
+        args.extend(["--show-only", template]);
+    }
+    let rendered = helm.run(&args).await.expect("helm template renders the RBAC");
+    let kubectl = ipwarden.cluster.kubectl();
+    let apply = vec![
+        format!("--kubeconfig={}", ipwarden.cluster.kubeconfig().display()),
+        "apply".into(),
+        "-f".into(),
+        "-".into(),
+    ];
+    let applied = e2e::process::run_tool(&kubectl, &apply, Some(rendered.as_bytes())).await.expect("kubectl apply");
+    assert!(applied.contains("clusterrole.rbac.authorization.k8s.io/ipwarden-agent created"), "{applied}");
 }

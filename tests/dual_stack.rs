@@ -1,0 +1,282 @@
+//! Dual stack on the real control plane: an IPv4 and an IPv6 default pool, so every pod gets
+//! one IP of each family through the real CNI plugin. DEL frees both, a StatefulSet pod keeps
+//! both across a restart, and an ADD that cannot get its second family, or whose IPClaim
+//! write is refused, undoes its block writes: kubelet retries leak nothing.
+
+mod support;
+
+use std::collections::BTreeMap;
+
+use e2e::cni::{Invocation, PodArgs};
+use e2e::ipwarden::RunAs;
+use e2e::wait::{self, Probe};
+use ipwarden::crd::{Allocation, IPBlock};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::rbac::v1::ClusterRole;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use support::{Ipwarden, TIMEOUT, claims, create_pod, metric, network};
+
+const NS: &str = "default";
+const V4: &str = "v4";
+const V6: &str = "v6";
+
+/// The dual-stack pool pair: a /24 of IPv4 and `v6` as the IPv6 pool's spec.
+fn pools(v6: Value) -> [(&'static str, Value); 2] {
+    [(V4, json!({"cidr": "10.70.0.0/24", "default": true})), (V6, v6)]
+}
+
+/// Every record of pool `pool`, by IP.
+async fn pool_records(client: &Client, pool: &str) -> Result<BTreeMap<String, Allocation>, e2e::Error> {
+    let blocks = Api::<IPBlock>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(e2e::Error::kube("list blocks"))?;
+    Ok(blocks.items.into_iter().filter(|b| b.spec.pool == pool).flat_map(|b| b.spec.allocations).collect())
+}
+
+/// The pod's `status.podIPs`, in order.
+fn pod_ips(pod: &Pod) -> Vec<String> {
+    pod.status.as_ref().and_then(|s| s.pod_ips.as_ref()).into_iter().flatten().map(|ip| ip.ip.clone()).collect()
+}
+
+/// Waits until pod `name` runs with two pod IPs under a UID other than `not_uid`.
+async fn wait_dual_stack(client: &Client, name: &str, not_uid: Option<&str>) -> Pod {
+    wait::until(&format!("{name} running with two pod IPs"), TIMEOUT, || async {
+        let pod =
+            Api::<Pod>::namespaced(client.clone(), NS).get_opt(name).await.map_err(e2e::Error::kube("get pod"))?;
+        Ok(match pod {
+            Some(pod) if pod_ips(&pod).len() == 2 && pod.uid().as_deref() != not_uid => Probe::Done(pod),
+            Some(pod) => Probe::Pending(format!("podIPs {:?}", pod_ips(&pod))),
+            None => Probe::Pending("no pod".into()),
+        })
+    })
+    .await
+    .expect("the pod runs dual-stack")
+}
+
+/// Asserts that `pod` holds one IPv4 address of pool v4 first and one IPv6 address of pool
+/// v6, each recorded for its UID, and that its claim names both; returns the two IPs.
+async fn assert_dual_stack(client: &Client, pod: &Pod) -> Vec<String> {
+    let ips = pod_ips(pod);
+    let name = pod.name_any();
+    assert!(
+        ips[0].starts_with("10.70.0.") && ips[1].starts_with("fd00:70::"),
+        "{name}: IPv4 first, then IPv6: {ips:?}"
+    );
+    let uid = pod.uid().unwrap_or_default();
+    for (pool, ip) in [(V4, &ips[0]), (V6, &ips[1])] {
+        let records = pool_records(client, pool).await.expect("records");
+        assert_eq!(records.get(ip).map(|r| r.pod.uid.as_str()), Some(uid.as_str()), "{ip} is recorded for {name}");
+    }
+    let claim = claims(client, NS).await.remove(&name).unwrap_or_else(|| panic!("{name} has a claim"));
+    let claimed: Vec<String> = claim.spec.interfaces[0].ips.iter().map(|i| i.ip.clone()).collect();
+    assert_eq!(claimed, ips, "{name}'s claim names both IPs");
+    ips
+}
+
+fn statefulset(name: &str) -> StatefulSet {
+    serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"replicas": 1, "serviceName": name, "selector": {"matchLabels": {"app": name}},
+                 "template": support::pod_template(name, json!({}))},
+    }))
+    .expect("statefulset")
+}
+
+/// Waits until agent 0 has counted at least `count` ADDs with `result`.
+async fn wait_adds(ipwarden: &Ipwarden, result: &str, count: f64) {
+    let series = format!(r#"ipwarden_agent_allocations_total{{result="{result}"}}"#);
+    wait::until(&format!("{count} ADDs with result {result}"), TIMEOUT, || async {
+        let seen = metric(&ipwarden.scrape_agent(0).await, &series);
+        Ok(if seen >= count { Probe::Done(()) } else { Probe::Pending(format!("{seen}")) })
+    })
+    .await
+    .expect("the kubelet retries the ADD");
+}
+
+/// Creates pod `name` bound to a node no kubelet runs, so only the test wires it; returns its
+/// CNI arguments and the netconf that reaches node-0's agent.
+async fn unwired_pod(ipwarden: &Ipwarden, name: &str) -> (PodArgs, Value) {
+    let client = ipwarden.client();
+    create_pod(&client, NS, name, "elsewhere", json!({"app": name})).await;
+    let pod = Api::<Pod>::namespaced(client, NS).get(name).await.expect("pod");
+    let args = PodArgs { namespace: NS.into(), name: name.into(), uid: pod.uid().unwrap_or_default() };
+    let netconf = json!({"cniVersion": "1.1.0", "name": "ipwarden", "type": "ipwarden-cni",
+                         "socket": ipwarden.cluster.nodes()[0].dir().join("agent.sock")});
+    (args, netconf)
+}
+
+/// Waits until exactly `count` records are left in both pools (the running pods' own).
+async fn wait_records(client: &Client, count: usize) {
+    wait::until(&format!("{count} records left"), TIMEOUT, || async {
+        let held = support::records(client).await.len();
+        Ok(if held == count { Probe::Done(()) } else { Probe::Pending(format!("{held} records")) })
+    })
+    .await
+    .expect("nothing leaked");
+}
+
+/// Waits until no record is left and pod `name`'s claim is gone.
+async fn wait_freed(client: &Client, name: &str) {
+    wait::until(&format!("both of {name}'s IPs and its claim freed"), TIMEOUT, || async {
+        let held = support::records(client).await.len();
+        let claimed = claims(client, NS).await.contains_key(name);
+        Ok(if held == 0 && !claimed {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("{held} records, claim {claimed}"))
+        })
+    })
+    .await
+    .expect("both families freed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dual_stack_pod_gets_one_ip_per_family_and_its_del_frees_both() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &[]).await;
+    let client = ipwarden.client();
+
+    // The CNI result itself, from the plugin binary: one address per family with its prefix.
+    let (args, netconf) = unwired_pod(&ipwarden, "manual").await;
+    let add = Invocation { command: "ADD", container_id: "dual", ifname: "eth0", pod: Some(&args), netconf: &netconf };
+    let result = network().invoke(&add).await.expect("ADD").expect("a result");
+    let addresses: Vec<&str> =
+        result["ips"].as_array().expect("ips").iter().filter_map(|i| i["address"].as_str()).collect();
+    assert_eq!(addresses.len(), 2, "one address per family: {addresses:?}");
+    assert!(addresses[0].starts_with("10.70.0.") && addresses[0].ends_with("/24"), "{addresses:?}");
+    assert!(addresses[1].starts_with("fd00:70::") && addresses[1].ends_with("/120"), "{addresses:?}");
+    let del = Invocation { command: "DEL", ..add };
+    network().invoke(&del).await.expect("DEL");
+    assert!(support::records(&client).await.is_empty(), "DEL freed both families");
+
+    // Through the kubelet: pod status reports both, records and claim agree, DEL frees both.
+    create_pod(&client, NS, "web", "node-0", json!({"app": "web"})).await;
+    let web = wait_dual_stack(&client, "web", None).await;
+    assert_dual_stack(&client, &web).await;
+    Api::<Pod>::namespaced(client.clone(), NS).delete("web", &DeleteParams::default()).await.expect("delete web");
+    wait_freed(&client, "web").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dual_stack_statefulset_pod_recreated_keeps_both_ips() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &[]).await;
+    let client = ipwarden.client();
+    let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), NS);
+    statefulsets.create(&PostParams::default(), &statefulset("db")).await.expect("create db");
+    let before = wait_dual_stack(&client, "db-0", None).await;
+    let ips = assert_dual_stack(&client, &before).await;
+
+    Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
+    let after = wait_dual_stack(&client, "db-0", before.uid().as_deref()).await;
+    assert_eq!(assert_dual_stack(&client, &after).await, ips, "the recreated pod keeps both IPs");
+    assert_eq!(support::records(&client).await.len(), 2, "nothing else is held");
+
+    let scale = json!({"spec": {"replicas": 0}});
+    statefulsets.patch("db", &PatchParams::default(), &Patch::Merge(scale)).await.expect("scale down");
+    wait_freed(&client, "db-0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_ipv6_pool_fails_the_add_naming_it_and_kubelet_retries_leak_no_ipv4() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let one_ip =
+        json!({"cidr": "fd00:70::/120", "ranges": [{"start": "fd00:70::10", "end": "fd00:70::10"}], "default": true});
+    let ipwarden = Ipwarden::start(1, &pools(one_ip), &["--reuse-cooldown-seconds=0"]).await;
+    let client = ipwarden.client();
+    create_pod(&client, NS, "holder", "node-0", json!({"app": "holder"})).await;
+    let holder = wait_dual_stack(&client, "holder", None).await;
+    let held = assert_dual_stack(&client, &holder).await;
+
+    // The CNI error the runtime sees: code 101, naming the pool.
+    let (args, netconf) = unwired_pod(&ipwarden, "manual").await;
+    let add = Invocation { command: "ADD", container_id: "dual", ifname: "eth0", pod: Some(&args), netconf: &netconf };
+    let error = network().invoke(&add).await.expect_err("no IPv6 address is left").to_string();
+    assert!(error.contains("code 101") && error.contains("pool v6 is exhausted"), "{error}");
+
+    // A StatefulSet pod keeps failing the same way; every retry is a new sandbox.
+    let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), NS);
+    statefulsets.create(&PostParams::default(), &statefulset("db")).await.expect("create db");
+    wait_adds(&ipwarden, "exhausted", 5.0).await;
+    let v4 = pool_records(&client, V4).await.expect("records");
+    assert_eq!(v4.keys().collect::<Vec<_>>(), [&held[0]], "retries left no IPv4 record or reservation: {v4:#?}");
+    assert_eq!(pool_records(&client, V6).await.expect("records").len(), 1, "only the holder's IPv6 record");
+
+    Api::<Pod>::namespaced(client.clone(), NS).delete("holder", &DeleteParams::default()).await.expect("delete");
+    let db = wait_dual_stack(&client, "db-0", None).await;
+    let ips = assert_dual_stack(&client, &db).await;
+    assert_eq!(ips[1], held[1], "db-0 got the freed IPv6 address");
+    wait_records(&client, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_add_whose_claim_write_is_forbidden_undoes_its_block_records() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    const SYSTEM: &str = "ipwarden-system";
+    let mut ipwarden =
+        Ipwarden::without_agents(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), network()).await;
+    let client = ipwarden.client();
+    support::apply_chart_rbac(&ipwarden, SYSTEM).await;
+    // A misconfigured agent role: everything but creating IPClaims.
+    let roles: Api<ClusterRole> = Api::all(client.clone());
+    let set_claim_verbs = |verbs: &'static [&'static str]| {
+        let roles = roles.clone();
+        async move {
+            let mut role = roles.get("ipwarden-agent").await.expect("agent role");
+            let rule = role
+                .rules
+                .iter_mut()
+                .flatten()
+                .find(|r| r.resources.iter().flatten().any(|x| x == "ipclaims"))
+                .expect("a rule on ipclaims");
+            rule.verbs = verbs.iter().map(|v| v.to_string()).collect();
+            roles.replace("ipwarden-agent", &PostParams::default(), &role).await.expect("replace role");
+        }
+    };
+    set_claim_verbs(&["get", "update", "delete"]).await;
+    let kubeconfig = e2e::accounts::kubeconfig_for(&ipwarden.cluster, SYSTEM, "ipwarden-agent").await.expect("token");
+    ipwarden.agent_run_as = Some(RunAs { kubeconfig, namespace: SYSTEM.into() });
+    ipwarden.start_agents(&["--reuse-cooldown-seconds=0"]).await;
+
+    let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), NS);
+    statefulsets.create(&PostParams::default(), &statefulset("db")).await.expect("create db");
+    wait_adds(&ipwarden, "error", 5.0).await;
+    let log = std::fs::read_to_string(ipwarden.agents[0].log()).expect("agent log");
+    assert!(log.contains("writing IPClaim default/db-0") && log.contains("forbidden"), "the ADD failed on the claim");
+    let left = support::records(&client).await;
+    assert!(left.is_empty(), "every failed ADD undid its block records, reservations included: {left:#?}");
+
+    set_claim_verbs(&["get", "create", "update", "delete"]).await;
+    let db = wait_dual_stack(&client, "db-0", None).await;
+    assert_dual_stack(&client, &db).await;
+    wait_records(&client, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_add_whose_checkpoint_cannot_be_saved_undoes_its_block_records_and_claim() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden =
+        Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &["--reuse-cooldown-seconds=0"])
+            .await;
+    let client = ipwarden.client();
+    // The node cannot save the checkpoint: a directory squats the name of its temp file, so
+    // creating that file fails (EISDIR), which the agent running as root cannot override
+    // (a read-only mode would not stop it).
+    let squatter = ipwarden.cluster.nodes()[0].dir().join("checkpoint.tmp");
+    std::fs::create_dir(&squatter).expect("squat the checkpoint's temp file");
+    let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), NS);
+    statefulsets.create(&PostParams::default(), &statefulset("db")).await.expect("create db");
+    wait_adds(&ipwarden, "error", 5.0).await;
+    let left = support::records(&client).await;
+    assert!(left.is_empty(), "every failed ADD undid its block records, reservations included: {left:#?}");
+    assert!(!claims(&client, NS).await.contains_key("db-0"), "the claim a failed ADD created is gone again");
+
+    std::fs::remove_dir(&squatter).expect("free the checkpoint's temp file");
+    let db = wait_dual_stack(&client, "db-0", None).await;
+    assert_dual_stack(&client, &db).await;
+    wait_records(&client, 2).await;
+}
