@@ -7,7 +7,6 @@
 
 mod support;
 
-use e2e::cni::{Invocation, NodeInfo, PodArgs};
 use e2e::wait::{self, Probe};
 use ipwarden::crd::HandshakeState;
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -87,7 +86,6 @@ async fn an_ip_still_used_on_its_node_is_never_freed_even_across_a_controller_re
     // using the IP after the pod object is force-deleted.
     let node = &ipwarden.cluster.nodes()[1];
     node.faults().set_skip_del(true);
-    let info = NodeInfo { name: node.name().to_string(), index: 1, dir: node.dir().to_path_buf() };
     create_pod(&client, NS, "victim", "node-1", json!({"app": "victim"})).await;
     let victim = wait_pods_with_ips(&client, NS, "app=victim", 1).await.remove("victim").expect("victim");
     let (victim_ip, victim_uid) = (ip_of(&victim), victim.uid().unwrap_or_default());
@@ -119,17 +117,7 @@ async fn an_ip_still_used_on_its_node_is_never_freed_even_across_a_controller_re
     assert_no_duplicate_ip(&client).await;
 
     // The runtime's late DEL arrives: the agent frees the IP and the waiting pod gets it.
-    let network = support::network();
-    let netconf = e2e::cni::with_prev_result(&(network.netconf)(&info), &sandbox.result);
-    let args = PodArgs { namespace: NS.into(), name: "victim".into(), uid: victim_uid.clone() };
-    let del = Invocation {
-        command: "DEL",
-        container_id: &sandbox.container_id,
-        ifname: &sandbox.ifname,
-        pod: Some(&args),
-        netconf: &netconf,
-    };
-    network.invoke(&del).await.expect("the late DEL succeeds");
+    support::late_del(&ipwarden, 1, NS, "victim", &victim_uid, &sandbox).await;
     let next = wait_pods_with_ips(&client, NS, "app=next", 1).await;
     assert_eq!(ip_of(&next["next"]), victim_ip, "the IP is handed out again only after the sandbox let go of it");
     assert_no_duplicate_ip(&client).await;

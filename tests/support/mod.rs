@@ -9,6 +9,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use e2e::cni::{Invocation, NodeInfo, PodArgs};
+use e2e::kubelet::Sandbox;
 use e2e::process::Component;
 use e2e::wait::{self, Probe};
 use e2e::{Cluster, ClusterOptions, CniNetwork, Error};
@@ -244,6 +246,24 @@ pub async fn inject_record(client: &Client, pool: &str, block: &str, cidr: &str,
         }
     }
     panic!("injecting a record into {block}: too many conflicts");
+}
+
+/// Sends the DEL that node `index`'s runtime held back for `sandbox` of pod
+/// `namespace`/`name` (UID `uid`), through the real plugin, as a runtime does late.
+pub async fn late_del(ipwarden: &Ipwarden, index: usize, namespace: &str, name: &str, uid: &str, sandbox: &Sandbox) {
+    let node = &ipwarden.cluster.nodes()[index];
+    let info = NodeInfo { name: node.name().to_string(), index, dir: node.dir().to_path_buf() };
+    let network = network();
+    let netconf = e2e::cni::with_prev_result(&(network.netconf)(&info), &sandbox.result);
+    let args = PodArgs { namespace: namespace.into(), name: name.into(), uid: uid.into() };
+    let del = Invocation {
+        command: "DEL",
+        container_id: &sandbox.container_id,
+        ifname: &sandbox.ifname,
+        pod: Some(&args),
+        netconf: &netconf,
+    };
+    network.invoke(&del).await.expect("the late DEL succeeds");
 }
 
 /// A record as the agent writes it.
