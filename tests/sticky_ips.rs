@@ -1,12 +1,14 @@
 //! Sticky IPs of StatefulSet pods on the real control plane, with real agents and the real
-//! plugin: a late DEL of a superseded sandbox, pods with several interfaces, and a
-//! hand-edited IPClaim.
+//! plugin: a recreated pod taking its IP over from a sandbox still attached (late DEL, lost
+//! node) and from a detached one (ordinary restart), a late DEL of a superseded sandbox, pods
+//! with several interfaces, and a hand-edited IPClaim.
 
 mod support;
 
+use e2e::cni::{Invocation, NodeInfo, PodArgs};
 use e2e::kubelet::{EXTRA_INTERFACES_ANNOTATION, Sandbox};
 use e2e::wait::{self, Probe};
-use ipwarden::crd::{Allocation, IPBlock, IPClaim};
+use ipwarden::crd::{Allocation, HandshakeState, IPBlock, IPClaim};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::ResourceExt;
@@ -210,4 +212,170 @@ async fn a_claim_naming_another_block_is_refused_and_never_makes_the_agent_write
     claims_api.replace("web-0", &PostParams::default(), &claim).await.expect("repair the claim");
     let second = wait_web0(&client, &first_uid, "web-0 running again").await;
     assert_eq!(ip_of(&second), ip);
+}
+
+/// The record of `ip`: its pod UID, and its handshake's state and waiting pod, if any.
+async fn record_of(client: &kube::Client, ip: &str) -> Option<(String, Option<HandshakeState>, Option<String>)> {
+    records(client).await.get(ip).map(|r| {
+        let handshake = r.release_handshake.as_ref();
+        (
+            r.pod.uid.clone(),
+            handshake.map(|h| h.state),
+            handshake.and_then(|h| h.takeover.as_ref()).map(|t| t.pod.uid.clone()),
+        )
+    })
+}
+
+/// The pod named web-0 right now (running or not).
+async fn web0(client: &kube::Client) -> Option<Pod> {
+    Api::<Pod>::namespaced(client.clone(), NS).get_opt("web-0").await.expect("read web-0")
+}
+
+/// Waits for a web-0 whose UID is not `not_uid` (it need not run yet).
+async fn wait_new_web0(client: &kube::Client, not_uid: &str) -> Pod {
+    wait::until("web-0 recreated", TIMEOUT, || async {
+        Ok(match web0(client).await {
+            Some(pod) if pod.uid().unwrap_or_default() != not_uid => Probe::Done(pod),
+            other => Probe::Pending(format!("{:?}", other.map(|p| p.uid()))),
+        })
+    })
+    .await
+    .expect("web-0 recreated")
+}
+
+/// Agent `index`'s count of ADDs that waited for a sticky takeover.
+async fn takeover_waits(ipwarden: &Ipwarden, index: usize) -> f64 {
+    metric(&ipwarden.scrape_agent(index).await, r#"ipwarden_agent_allocations_total{result="awaiting_takeover"}"#)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recreated_sticky_pod_waits_while_its_old_sandbox_is_attached_and_takes_the_ip_after_the_late_del() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    // The old node's agent never gives up on the sandbox by itself here: only its DEL frees it.
+    let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
+    let mut ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let client = ipwarden.client();
+    let controller = ipwarden.start_controller("controller", &["--full-scan-interval-seconds=2"]);
+    ipwarden.wait_leader(controller).await;
+    cordon(&client, "node-1", true).await;
+    create_web(&client, json!({}), json!({})).await;
+    let first = wait_web0(&client, "", "web-0 on node-0").await;
+    let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
+
+    // web-0 is force-deleted while node-0's runtime holds its DEL back (a partitioned or
+    // slow node): the sandbox still has the IP when web-0 comes back on node-1.
+    cordon(&client, "node-0", true).await;
+    cordon(&client, "node-1", false).await;
+    let sandbox = force_delete_holding_del(&ipwarden, 0, &first).await;
+    let second = wait_new_web0(&client, &first_uid).await;
+    let second_uid = second.uid().unwrap_or_default();
+    wait::until("node-1's ADDs of web-0 waiting for the takeover (or web-0 running)", TIMEOUT, || async {
+        let waits = takeover_waits(&ipwarden, 1).await;
+        let running = web0(&client).await.is_some_and(|p| !ip_of(&p).is_empty());
+        Ok(if waits >= 3.0 || running { Probe::Done(()) } else { Probe::Pending(format!("{waits} waits")) })
+    })
+    .await
+    .expect("ADD answered");
+    let waiting = web0(&client).await.expect("web-0");
+    assert_eq!(ip_of(&waiting), "", "the new web-0 has no IP while the old sandbox holds it");
+    // The controller's sweeps leave the agent's takeover mark alone.
+    ipwarden.wait_sweeps(controller, 2).await;
+    let held = record_of(&client, &ip).await;
+    let marked = Some((first_uid.clone(), Some(HandshakeState::MarkedForRelease), Some(second_uid.clone())));
+    assert_eq!(held, marked, "the old sandbox's record is marked for web-0's takeover, not taken");
+    assert_eq!(ip_of(&web0(&client).await.expect("web-0")), "", "still waiting");
+
+    // What the runtime hears: a retryable error naming the pod, the node and the IP.
+    let node = &ipwarden.cluster.nodes()[1];
+    let info = NodeInfo { name: node.name().to_string(), index: 1, dir: node.dir().to_path_buf() };
+    let network = support::network();
+    let netconf = (network.netconf)(&info);
+    let args = PodArgs { namespace: NS.into(), name: "web-0".into(), uid: second_uid.clone() };
+    let add = Invocation { command: "ADD", container_id: "probe", ifname: "eth0", pod: Some(&args), netconf: &netconf };
+    let refused = network.invoke(&add).await.expect_err("ADD must wait").to_string();
+    for part in ["code 11", "web-0", "node-0", ip.as_str()] {
+        assert!(refused.contains(part), "{part:?} missing from {refused}");
+    }
+
+    // The late DEL detaches the old sandbox: web-0 takes its IP over at once.
+    support::late_del(&ipwarden, 0, NS, "web-0", &first_uid, &sandbox).await;
+    let running = wait_web0(&client, &first_uid, "web-0 running on node-1").await;
+    assert_eq!(ip_of(&running), ip, "the sticky IP, once no other sandbox holds it");
+    assert_eq!(record_of(&client, &ip).await, Some((second_uid.clone(), None, None)));
+    assert_eq!(claims(&client, NS).await.get("web-0").map(|c| c.spec.pod_uid.clone()), Some(second_uid));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_pod_takes_its_ip_over_from_a_lost_node_only_under_the_not_ready_policy() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
+    let mut ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let client = ipwarden.client();
+    let after = 20;
+    let policy = format!("--not-ready-release-after-seconds={after}");
+    let args = ["--full-scan-interval-seconds=300", "--not-ready-policy=release", policy.as_str()];
+    let controller = ipwarden.start_controller("controller", &args);
+    ipwarden.wait_leader(controller).await;
+    cordon(&client, "node-1", true).await;
+    create_web(&client, json!({}), json!({})).await;
+    let first = wait_web0(&client, "", "web-0 on node-0").await;
+    let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
+
+    // node-0 is lost with web-0's sandbox on it; web-0 is force-deleted and comes back on node-1.
+    ipwarden.cluster.nodes()[0].lose();
+    let since = wait::until("node-0 NotReady", TIMEOUT, || async {
+        let node = Api::<Node>::all(client.clone()).get("node-0").await.map_err(e2e::Error::kube("get node"))?;
+        let ready = node.status.and_then(|s| s.conditions).and_then(|c| c.into_iter().find(|c| c.type_ == "Ready"));
+        Ok(match ready {
+            Some(c) if c.status != "True" => Probe::Done(c.last_transition_time.map(|t| t.0).expect("transition")),
+            _ => Probe::Pending("still Ready".into()),
+        })
+    })
+    .await
+    .expect("node-0 NotReady");
+    cordon(&client, "node-0", true).await;
+    cordon(&client, "node-1", false).await;
+    let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+    Api::<Pod>::namespaced(client.clone(), NS).delete("web-0", &force).await.expect("force delete");
+    let running = wait_web0(&client, &first_uid, "web-0 running on node-1").await;
+    let second_uid = running.uid().unwrap_or_default();
+    assert_eq!(ip_of(&running), ip, "web-0 keeps its IP");
+    let claim = claims(&client, NS).await.remove("web-0").expect("claim");
+    let due = since.checked_add(jiff::SignedDuration::from_secs(after)).expect("due");
+    assert!(claim.spec.bound_at.0 >= due, "taken over at {} before the policy's bound {due}", claim.spec.bound_at.0);
+    assert!(takeover_waits(&ipwarden, 1).await >= 1.0, "the ADD waited for the takeover");
+    let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+    let answered = support::metric_sum(&text, "ipwarden_gc_release_handshakes_total", &["step=\"answered_for_agent\""]);
+    assert_eq!(answered, 1.0, "the controller answered for node-0's agent");
+
+    // node-0 comes back and its runtime finally DELs the old sandbox: that DEL touches
+    // neither the new owner's record nor its claim.
+    ipwarden.cluster.nodes()[0].recover();
+    let node = &ipwarden.cluster.nodes()[0];
+    wait::until("node-0's runtime tearing the old sandbox down", TIMEOUT, || async {
+        Ok(if node.sandboxes().is_empty() { Probe::Done(()) } else { Probe::Pending("still up".into()) })
+    })
+    .await
+    .expect("old sandbox torn down");
+    assert_eq!(record_of(&client, &ip).await, Some((second_uid.clone(), None, None)));
+    assert_eq!(claims(&client, NS).await.get("web-0").map(|c| c.spec.pod_uid.clone()), Some(second_uid));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordinary_sticky_restart_takes_its_ip_back_without_waiting() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    create_web(&client, json!({}), json!({"nodeName": "node-0"})).await;
+    let mut pod = wait_web0(&client, "", "web-0 running").await;
+    let ip = ip_of(&pod);
+    let mut took = Vec::new();
+    for _ in 0..3 {
+        let started = std::time::Instant::now();
+        pod = restart_web0(&client, &pod).await;
+        took.push(started.elapsed().as_millis());
+        assert_eq!(ip_of(&pod), ip, "an ordinary restart keeps the IP");
+    }
+    println!("ordinary sticky restart, delete to new web-0 running with its IP (ms): {took:?}");
+    assert_eq!(takeover_waits(&ipwarden, 0).await, 0.0, "a detached sandbox is taken over without a handshake");
 }
