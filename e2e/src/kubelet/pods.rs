@@ -301,7 +301,7 @@ impl NodeRuntime {
         args: &PodArgs,
         ifnames: &[String],
         netconf: &Value,
-    ) -> crate::error::Result<Vec<(String, Value)>> {
+    ) -> crate::error::Result<ExtraResults> {
         let mut results = Vec::new();
         for ifname in ifnames {
             let call = Invocation { command: "ADD", container_id, ifname, pod: Some(args), netconf };
@@ -317,7 +317,7 @@ impl NodeRuntime {
         pod: &Pod,
         state: &mut PodState,
         container_id: String,
-        outcome: crate::error::Result<(Option<Value>, Vec<(String, Value)>)>,
+        outcome: crate::error::Result<(Option<Value>, ExtraResults)>,
     ) -> Next {
         let (result, extra) = match outcome {
             Ok((Some(result), extra)) => (result, extra),
@@ -413,6 +413,9 @@ impl NodeRuntime {
         }
     }
 }
+
+/// The ADD results of a sandbox's secondary interfaces, by interface.
+type ExtraResults = Vec<(String, Value)>;
 
 /// What a worker does after one convergence step.
 enum Next {
