@@ -535,15 +535,17 @@ impl Core {
             .map(|((block, ip), pool)| CheckpointIp { ip, prefix_len: 0, gateway: None, pool, block })
             .collect();
         let summary = self.release_ips(&ips, container_id, ifname, uid).await;
-        let fallback = entry.map(|e| e.pod.clone());
-        if let (false, Some(claim)) = (summary.kept, summary.claim.or(fallback)) {
+        // Only the claim of a record this sandbox really released: a superseded sandbox's
+        // records and claim belong to the new pod now (leftover claims are the janitor's).
+        if let (false, Some(claim)) = (summary.kept, summary.claim) {
             self.delete_claim_of(&claim).await;
         }
         Ok(())
     }
 
     /// Releases `ips` of a sandbox; says whether any was kept as a sticky reservation and
-    /// which claim (namespace, claim name, pod UID) the released records belong to.
+    /// which claim (namespace, claim name, pod UID) the released records belong to, taken
+    /// from the record the compare-and-swap actually released, never from an earlier read.
     async fn release_ips(
         &self,
         ips: &[CheckpointIp],
@@ -564,24 +566,27 @@ impl Core {
                 }
             };
             let Some(record) = record else { continue };
-            summary.claim = Some(PodRef {
-                namespace: record.pod.namespace.clone(),
-                name: workload::claim_name(&record.pod.name, record.owner.as_ref()),
-                uid: record.pod.uid.clone(),
-            });
             let keep = record.sticky && self.owner_wants(&record).await;
             let now = Timestamp::now();
             let outcome = self
                 .write_block(&target.block, &pool.name, net, |spec| {
+                    let claim = spec.allocations.get(&target.ip).map(|r| PodRef {
+                        namespace: r.pod.namespace.clone(),
+                        name: workload::claim_name(&r.pod.name, r.owner.as_ref()),
+                        uid: r.pod.uid.clone(),
+                    });
                     match blocks::release_attachment(spec, &target.ip, container_id, ifname, uid, keep, now) {
                         ReleaseOutcome::NotOurs => None,
-                        outcome => Some(outcome),
+                        outcome => Some((outcome, claim)),
                     }
                 })
                 .await;
             match outcome {
-                Ok(Some(ReleaseOutcome::Released)) => self.metrics.release("released"),
-                Ok(Some(ReleaseOutcome::Reserved)) => {
+                Ok(Some((ReleaseOutcome::Released, claim))) => {
+                    summary.claim = claim;
+                    self.metrics.release("released");
+                }
+                Ok(Some((ReleaseOutcome::Reserved, _))) => {
                     summary.kept = true;
                     self.metrics.release("reserved");
                 }
