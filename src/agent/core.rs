@@ -447,7 +447,7 @@ impl Core {
     }
 
     /// Records the pod's IPs of `ifname` in its IPClaim (created, or taken over from a
-    /// previous pod of the same name).
+    /// previous pod of the same name, keeping a sticky predecessor's other interfaces).
     async fn write_claim(
         &self,
         pod: &Pod,
@@ -463,18 +463,14 @@ impl Core {
         let what = format!("writing IPClaim {namespace}/{name}");
         for _ in 0..MAX_CONFLICT_RETRIES {
             let existing = api.get_opt(&name).await.map_err(api_error(what.clone()))?;
-            let mut interfaces: Vec<ClaimedInterface> = existing
-                .as_ref()
-                .filter(|c| c.spec.pod_uid == uid)
-                .map(|c| c.spec.interfaces.iter().filter(|i| i.interface != ifname).cloned().collect())
-                .unwrap_or_default();
-            interfaces.push(ClaimedInterface {
+            let interface = ClaimedInterface {
                 interface: ifname.to_string(),
                 ips: ips
                     .iter()
                     .map(|i| ClaimedIp { ip: i.ip.clone(), pool: i.pool.clone(), block: i.block.clone() })
                     .collect(),
-            });
+            };
+            let interfaces = workload::claim_interfaces(existing.as_ref().map(|c| &c.spec), &uid, sticky, interface);
             let spec = IPClaimSpec {
                 pod_uid: uid.clone(),
                 node: self.settings.node.clone(),
