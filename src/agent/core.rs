@@ -39,6 +39,10 @@ pub const NO_POOL_FITS: u32 = 100;
 /// ipwarden's own CNI error code: every IP of the chosen pool is taken.
 pub const POOL_EXHAUSTED: u32 = 101;
 
+/// ipwarden's own CNI error code: the pod's IPClaim names an object that does not hold the
+/// claimed IP's record (a hand-edited claim); the claim must be fixed or deleted.
+pub const INVALID_CLAIM: u32 = 102;
+
 /// How many times a block write is retried after resourceVersion conflicts.
 const MAX_CONFLICT_RETRIES: usize = 40;
 
@@ -106,6 +110,7 @@ impl Core {
             Ok(_) => "success",
             Err(e) if e.code == POOL_EXHAUSTED => "exhausted",
             Err(e) if e.code == NO_POOL_FITS => "no_pool",
+            Err(e) if e.code == INVALID_CLAIM => "invalid_claim",
             Err(e) if e.code == CniError::TRY_AGAIN_LATER && e.msg.contains("cooling") => "cooling",
             Err(_) => "error",
         };
@@ -242,6 +247,22 @@ impl Core {
         let Some(interface) = claim.spec.interfaces.iter().find(|i| i.interface == request.ifname) else {
             return Ok(None);
         };
+        // Checked before anything is written: the claim is user-writable, the blocks are not.
+        for claimed in &interface.ips {
+            let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
+                continue;
+            };
+            let Some(block) = pool.layout.block_of(ip) else { continue };
+            pools::check_claimed_block(&pool.name, block, ip, &claimed.block).map_err(|e| {
+                CniError::new(
+                    INVALID_CLAIM,
+                    format!(
+                        "IPClaim {namespace}/{claim_name} of pod {} is refused: {e}; fix or delete the claim",
+                        pod.name_any()
+                    ),
+                )
+            })?;
+        }
         let record = self.record_for(pod, owner, true, request);
         let mut taken = Vec::new();
         for claimed in &interface.ips {
