@@ -201,7 +201,7 @@ async fn a_claim_naming_another_block_is_refused_and_never_makes_the_agent_write
         .iter()
         .map(|b| b.name_any())
         .collect();
-    assert_eq!(blocks, [canonical.clone()], "no object named by the claim was written");
+    assert_eq!(blocks, std::slice::from_ref(&canonical), "no object named by the claim was written");
     assert!(refused >= 1.0, "the ADD was refused as an invalid claim");
     let held = records(&client).await.get(&ip).map(|r| r.pod.uid.clone());
     assert_eq!(held, Some(first_uid.clone()), "the reservation stays with the old pod meanwhile");

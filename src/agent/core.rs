@@ -25,9 +25,9 @@ use super::metrics::{AgentMetrics, PoolLabels};
 use crate::blocks::{self, ReleaseOutcome};
 use crate::crd::{
     Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPBlock, IPBlockSpec, IPClaim, IPClaimSpec, IPPool,
-    OwnerRef, POOL_ANNOTATION, PodRef,
+    OwnerRef, POOL_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
 };
-use crate::gc::handshake::{AgentAnswer, PodOnNode, agent_answer};
+use crate::gc::handshake::{AgentAnswer, ClaimedRecord, PodOnNode, ReclaimStep, agent_answer, reclaim_step};
 use crate::ipam::{BlockUsage, ChooseError, PoolLayout, choose_ip};
 use crate::pools::{self, PodPlacement, PoolSet};
 use crate::protocol::{AttachmentRequest, CniError, GcRequest, IpConfig, IpamResult, Route, StatusRequest};
@@ -42,6 +42,10 @@ pub const POOL_EXHAUSTED: u32 = 101;
 /// ipwarden's own CNI error code: the pod's IPClaim names an object that does not hold the
 /// claimed IP's record (a hand-edited claim); the claim must be fixed or deleted.
 pub const INVALID_CLAIM: u32 = 102;
+
+/// What the message of an ADD waiting for a sticky takeover starts with (and its metric
+/// label is found by).
+const AWAITING_TAKEOVER: &str = "awaiting a sticky takeover";
 
 /// How many times a block write is retried after resourceVersion conflicts.
 const MAX_CONFLICT_RETRIES: usize = 40;
@@ -112,6 +116,9 @@ impl Core {
             Err(e) if e.code == NO_POOL_FITS => "no_pool",
             Err(e) if e.code == INVALID_CLAIM => "invalid_claim",
             Err(e) if e.code == CniError::TRY_AGAIN_LATER && e.msg.contains("cooling") => "cooling",
+            Err(e) if e.code == CniError::TRY_AGAIN_LATER && e.msg.starts_with(AWAITING_TAKEOVER) => {
+                "awaiting_takeover"
+            }
             Err(_) => "error",
         };
         self.metrics.allocation(label);
@@ -154,7 +161,13 @@ impl Core {
             // Written before a crash that lost the answer: the same sandbox adopts them.
             self.checkpoint_ips(found.into_iter().map(|(block, ip, pool)| (pool, block, ip)).collect())
         } else {
-            let reclaimed = if sticky { self.reclaim_sticky(&pod, owner.as_ref(), request).await? } else { None };
+            let reclaimed = if sticky {
+                let held_here: BTreeSet<String> =
+                    checkpoint.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect();
+                self.reclaim_sticky(&pod, owner.as_ref(), request, &held_here).await?
+            } else {
+                None
+            };
             match reclaimed {
                 Some(ips) => ips,
                 None => self.allocate(&pod, owner.as_ref(), sticky, request).await?,
@@ -228,11 +241,16 @@ impl Core {
     }
 
     /// Gives a recreated sticky pod its claim's IPs back; `None` when it has none to reclaim.
+    /// A claimed IP whose record still names a sandbox that may be attached (on another
+    /// node, or in `held_here`, the IPs of this node's checkpoint) is not shared: the record
+    /// is marked for a sticky takeover and the ADD fails with "try again later" until the
+    /// record's node has let go of it ([`reclaim_step`]).
     async fn reclaim_sticky(
         &self,
         pod: &Pod,
         owner: Option<&OwnerRef>,
         request: &AttachmentRequest,
+        held_here: &BTreeSet<String>,
     ) -> Result<Option<Vec<CheckpointIp>>, CniError> {
         let namespace = pod.namespace().unwrap_or_default();
         let claim_name = workload::claim_name(&pod.name_any(), owner);
@@ -271,15 +289,51 @@ impl Core {
             };
             let Some(block) = pool.layout.block_of(ip) else { break };
             let key = ip.to_string();
+            let mut waiting_for = None;
             let took = self
                 .write_block(&claimed.block, &pool.name, block, |spec| {
-                    let ours = match spec.allocations.get(&key) {
-                        Some(r) => r.pod.uid == record.pod.uid || same_workload(r, &record),
-                        None => pool.layout.is_allocatable(ip),
+                    waiting_for = None;
+                    let Some(current) = spec.allocations.get_mut(&key) else {
+                        let free = pool.layout.is_allocatable(ip);
+                        return free.then(|| blocks::allocate(spec, ip, record.clone()));
                     };
-                    ours.then(|| blocks::allocate(spec, ip, record.clone()))
+                    let step = reclaim_step(ClaimedRecord {
+                        same_pod: current.pod.uid == record.pod.uid,
+                        same_workload: same_workload(current, &record),
+                        attached: !current.container_id.is_empty(),
+                        detached_here: current.node == self.settings.node && !held_here.contains(&key),
+                        handshake: current.release_handshake.as_ref().map(|h| h.state),
+                    });
+                    match step {
+                        ReclaimStep::NotOurs => None,
+                        ReclaimStep::Take => {
+                            blocks::allocate(spec, ip, record.clone());
+                            Some(())
+                        }
+                        ReclaimStep::Wait => {
+                            waiting_for = Some(current.clone());
+                            None
+                        }
+                        ReclaimStep::Mark => {
+                            current.release_handshake = Some(takeover_mark(&record));
+                            waiting_for = Some(current.clone());
+                            Some(())
+                        }
+                    }
                 })
                 .await?;
+            if let Some(holder) = waiting_for {
+                self.release_ips(&taken, &request.container_id, &request.ifname, None).await;
+                return Err(CniError::try_again_later(format!(
+                    "{AWAITING_TAKEOVER}: sticky IP {ip} of pod {namespace}/{} is still attached to sandbox {} of pod {}/{} (uid {}) on node {}; it is taken over once that node's agent lets go of it",
+                    pod.name_any(),
+                    holder.container_id,
+                    holder.pod.namespace,
+                    holder.pod.name,
+                    holder.pod.uid,
+                    holder.node
+                )));
+            }
             if took.is_none() {
                 tracing::warn!(claim = %claim_name, ip = %claimed.ip, "claimed IP is held by another pod; allocating afresh");
                 break;
@@ -906,6 +960,22 @@ impl Core {
         let count = entries.len();
         self.checkpoint.lock().await.replace_all(entries.into_values().collect()).map_err(checkpoint_error)?;
         Ok(count)
+    }
+}
+
+/// The mark a recreated sticky pod's ADD writes on its predecessor's record: the record's
+/// node answers it like a release mark (docs/gc-rules.md, "Sticky takeover").
+fn takeover_mark(claimant: &Allocation) -> ReleaseHandshake {
+    ReleaseHandshake {
+        state: HandshakeState::MarkedForRelease,
+        marked_at: Time(Timestamp::now()),
+        reason: format!(
+            "sticky takeover by pod {}/{} on node {}",
+            claimant.pod.namespace, claimant.pod.name, claimant.node
+        ),
+        detail: None,
+        pod_ended_at: None,
+        takeover: Some(Takeover { pod: claimant.pod.clone(), node: claimant.node.clone() }),
     }
 }
 
