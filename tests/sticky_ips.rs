@@ -379,3 +379,31 @@ async fn an_ordinary_sticky_restart_takes_its_ip_back_without_waiting() {
     println!("ordinary sticky restart, delete to new web-0 running with its IP (ms): {took:?}");
     assert_eq!(takeover_waits(&ipwarden, 0).await, 0.0, "a detached sandbox is taken over without a handshake");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_pod_recreated_on_the_same_node_waits_for_its_old_sandbox_too() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
+    let ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let client = ipwarden.client();
+    create_web(&client, json!({}), json!({"nodeName": "node-0"})).await;
+    let first = wait_web0(&client, "", "web-0 on node-0").await;
+    let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
+
+    // The old sandbox is still in node-0's own checkpoint when web-0 comes back there.
+    let sandbox = force_delete_holding_del(&ipwarden, 0, &first).await;
+    let second_uid = wait_new_web0(&client, &first_uid).await.uid().unwrap_or_default();
+    wait::until("node-0's ADDs of web-0 waiting for the takeover", TIMEOUT, || async {
+        let waits = takeover_waits(&ipwarden, 0).await;
+        Ok(if waits >= 2.0 { Probe::Done(()) } else { Probe::Pending(format!("{waits} waits")) })
+    })
+    .await
+    .expect("ADD waits");
+    assert_eq!(ip_of(&web0(&client).await.expect("web-0")), "", "no IP while the old sandbox holds it");
+    assert_eq!(record_of(&client, &ip).await.map(|r| r.0), Some(first_uid.clone()), "not taken yet");
+
+    support::late_del(&ipwarden, 0, NS, "web-0", &first_uid, &sandbox).await;
+    let running = wait_web0(&client, &first_uid, "web-0 running again").await;
+    assert_eq!(ip_of(&running), ip);
+    assert_eq!(record_of(&client, &ip).await, Some((second_uid, None, None)));
+}
