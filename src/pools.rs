@@ -2,6 +2,7 @@
 //! overlap, which pools a pod may use, and the names of a pool's IPBlocks.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -24,6 +25,31 @@ pub fn layout(spec: &IPPoolSpec) -> Result<PoolLayout, LayoutError> {
 pub fn block_name(pool: &str, block: IpNet) -> String {
     let text = block.to_string().replace(['.', ':', '/'], "-");
     format!("{pool}-{text}")
+}
+
+/// An IPClaim entry whose `block` is not the IPBlock that holds its IP's record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("it names IPBlock {named:?} for {ip} of pool {pool}, but that IP's block is {canonical}")]
+pub struct ForeignBlock {
+    /// The block the claim names.
+    pub named: String,
+    /// The claimed IP.
+    pub ip: IpAddr,
+    /// The pool the claim names.
+    pub pool: String,
+    /// The block that holds the IP's record.
+    pub canonical: String,
+}
+
+/// Checks the block an IPClaim names for `ip` of `pool` (`block` is the pool's block that
+/// contains it). Claims are namespaced objects a user may edit; the agent writes the named
+/// block, so anything but the canonical name must be refused, never written.
+pub fn check_claimed_block(pool: &str, block: IpNet, ip: IpAddr, named: &str) -> Result<(), ForeignBlock> {
+    let canonical = block_name(pool, block);
+    if named == canonical {
+        return Ok(());
+    }
+    Err(ForeignBlock { named: named.to_string(), ip, pool: pool.to_string(), canonical })
 }
 
 /// A snapshot of pools with their layouts computed once, to hand out [`PoolView`]s.
@@ -248,6 +274,18 @@ pub fn selector_matches(selector: Option<&LabelSelector>, labels: &BTreeMap<Stri
 mod test {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn only_the_canonical_block_of_a_claimed_ip_is_accepted() {
+        let block: IpNet = "10.0.1.0/24".parse().expect("net");
+        let ip: IpAddr = "10.0.1.7".parse().expect("ip");
+        assert_eq!(check_claimed_block("p", block, ip, "p-10-0-1-0-24"), Ok(()));
+        for named in ["p-10-0-0-0-24", "other-10-0-1-0-24", "kube-system-evil", ""] {
+            let refused = check_claimed_block("p", block, ip, named).expect_err(named);
+            assert_eq!(refused.canonical, "p-10-0-1-0-24");
+            assert!(refused.to_string().contains(named), "{refused}");
+        }
+    }
 
     fn spec(value: serde_json::Value) -> IPPoolSpec {
         serde_json::from_value(value).expect("valid spec")

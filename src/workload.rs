@@ -1,9 +1,10 @@
 //! Pure rules about the workload behind a pod: its controller, whether its IPs are sticky,
-//! the name of its IPClaim, and whether a StatefulSet still wants an ordinal.
+//! the name of its IPClaim and the interfaces it lists, and whether a StatefulSet still wants
+//! an ordinal.
 
 use k8s_openapi::api::core::v1::Pod;
 
-use crate::crd::OwnerRef;
+use crate::crd::{ClaimedInterface, IPClaimSpec, OwnerRef};
 
 /// The owner kind of KubeVirt's running VM instances, whose claim is named `vm.<VM>`.
 pub const KUBEVIRT_VMI_KIND: &str = "VirtualMachineInstance";
@@ -91,6 +92,26 @@ pub fn ip_holder_identity(namespace: &str, pod_name: &str, owner: Option<&OwnerR
     }
 }
 
+/// The interfaces an IPClaim lists once interface `interface` of pod `uid` holds its IPs.
+/// The other interfaces stay when the claim is that pod's, and also when a sticky pod takes
+/// over a sticky claim of its predecessor: they are the workload's reservations, which the
+/// new pod's ADDs of those interfaces (one per interface, as Multus calls) take back.
+pub fn claim_interfaces(
+    existing: Option<&IPClaimSpec>,
+    uid: &str,
+    sticky: bool,
+    interface: ClaimedInterface,
+) -> Vec<ClaimedInterface> {
+    let keeps_others = |claim: &&IPClaimSpec| claim.pod_uid == uid || (sticky && claim.sticky);
+    let mut interfaces: Vec<ClaimedInterface> =
+        existing.filter(keeps_others).map(|c| c.interfaces.clone()).unwrap_or_default();
+    match interfaces.iter_mut().find(|i| i.interface == interface.interface) {
+        Some(slot) => *slot = interface,
+        None => interfaces.push(interface),
+    }
+    interfaces
+}
+
 /// The ordinal of StatefulSet pod `pod_name` of StatefulSet `statefulset`, if it is one.
 pub fn ordinal(statefulset: &str, pod_name: &str) -> Option<i32> {
     pod_name.strip_prefix(statefulset)?.strip_prefix('-')?.parse().ok().filter(|n: &i32| *n >= 0)
@@ -109,6 +130,45 @@ pub fn statefulset_wants(statefulset: &str, replicas: i32, start: i32, deleting:
 mod test {
     use super::*;
     use serde_json::json;
+
+    fn interface(name: &str, ip: &str) -> ClaimedInterface {
+        ClaimedInterface {
+            interface: name.into(),
+            ips: vec![crate::crd::ClaimedIp { ip: ip.into(), pool: "p".into(), block: "b".into() }],
+        }
+    }
+
+    fn claim(uid: &str, sticky: bool) -> IPClaimSpec {
+        IPClaimSpec {
+            pod_uid: uid.into(),
+            node: "n".into(),
+            owner: None,
+            sticky,
+            interfaces: vec![interface("eth0", "10.0.0.1"), interface("net1", "10.1.0.1")],
+            bound_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
+        }
+    }
+
+    #[test]
+    fn a_claim_keeps_every_interface_of_its_pod_and_of_a_sticky_predecessor() {
+        let names = |interfaces: Vec<ClaimedInterface>| -> Vec<(String, String)> {
+            interfaces.into_iter().map(|i| (i.interface, i.ips[0].ip.clone())).collect()
+        };
+        let pair = |i: &str, ip: &str| (i.to_string(), ip.to_string());
+        let table = [
+            // (existing claim, new pod's uid, new pod sticky, expected interfaces)
+            (Some(claim("u1", true)), "u2", true, vec![pair("eth0", "10.0.0.9"), pair("net1", "10.1.0.1")]),
+            (Some(claim("u1", false)), "u1", false, vec![pair("eth0", "10.0.0.9"), pair("net1", "10.1.0.1")]),
+            (Some(claim("u1", false)), "u2", false, vec![pair("eth0", "10.0.0.9")]),
+            (Some(claim("u1", false)), "u2", true, vec![pair("eth0", "10.0.0.9")]),
+            (Some(claim("u1", true)), "u2", false, vec![pair("eth0", "10.0.0.9")]),
+            (None, "u2", true, vec![pair("eth0", "10.0.0.9")]),
+        ];
+        for (existing, uid, sticky, expected) in table {
+            let got = names(claim_interfaces(existing.as_ref(), uid, sticky, interface("eth0", "10.0.0.9")));
+            assert_eq!(got, expected, "claim of {:?}, pod {uid} sticky={sticky}", existing.map(|c| c.pod_uid));
+        }
+    }
 
     #[test]
     fn the_controller_owner_reference_is_the_owner() {

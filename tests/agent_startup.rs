@@ -7,7 +7,6 @@ mod support;
 
 use std::time::Duration;
 
-use e2e::cni::PodArgs;
 use e2e::wait::{self, Probe};
 use ipwarden::crd::HandshakeState;
 use k8s_openapi::api::core::v1::Pod;
@@ -137,8 +136,7 @@ async fn a_missing_checkpoint_is_rebuilt_so_a_sandbox_still_attached_keeps_its_i
     assert_eq!(rebuilt["entries"].as_array().map(Vec::len), Some(1), "the checkpoint was rebuilt from the IPBlocks");
 
     // The late DEL frees it, and the waiting pod gets it.
-    let args = PodArgs { namespace: NS.into(), name: "victim".into(), uid };
-    support::late_del(&ipwarden.cluster, 0, &sandbox, args).await;
+    support::late_del(&ipwarden, 0, NS, "victim", &uid, &sandbox).await;
     let next = wait_pods_with_ips(&client, NS, "app=next", 1).await;
     assert_eq!(ip_of(&next["next"]), ip, "the IP is handed out again only after the sandbox let go of it");
 }

@@ -7,7 +7,6 @@
 
 mod support;
 
-use e2e::cni::PodArgs;
 use e2e::wait::{self, Probe};
 use ipwarden::crd::HandshakeState;
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -118,8 +117,7 @@ async fn an_ip_still_used_on_its_node_is_never_freed_even_across_a_controller_re
     assert_no_duplicate_ip(&client).await;
 
     // The runtime's late DEL arrives: the agent frees the IP and the waiting pod gets it.
-    let args = PodArgs { namespace: NS.into(), name: "victim".into(), uid: victim_uid.clone() };
-    support::late_del(&ipwarden.cluster, 1, &sandbox, args).await;
+    support::late_del(&ipwarden, 1, NS, "victim", &victim_uid, &sandbox).await;
     let next = wait_pods_with_ips(&client, NS, "app=next", 1).await;
     assert_eq!(ip_of(&next["next"]), victim_ip, "the IP is handed out again only after the sandbox let go of it");
     assert_no_duplicate_ip(&client).await;

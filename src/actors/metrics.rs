@@ -37,7 +37,7 @@ pub struct SkipLabels {
 pub struct HandshakeLabels {
     /// The pool.
     pub pool: String,
-    /// `marked` or `aborted`.
+    /// `marked`, `aborted` or `answered_for_agent`.
     pub step: String,
 }
 
@@ -124,7 +124,7 @@ impl ControllerMetrics {
         );
         r.register(
             "gc_release_handshakes",
-            "Release-handshake steps written by the controller, by pool and step (marked, aborted)",
+            "Release-handshake steps written by the controller, by pool and step (marked, aborted, answered_for_agent)",
             m.handshakes.clone(),
         );
         r.register("controller_leader", "1 while this controller replica leads", m.leader.clone());

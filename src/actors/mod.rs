@@ -96,7 +96,8 @@ pub struct ControllerArgs {
     /// Seconds added to a terminating pod's deletionTimestamp before its IP is released.
     #[arg(long, env = "IPWARDEN_GC_ADDITIONAL_GRACE_SECONDS", default_value_t = 5)]
     pub additional_grace_seconds: u64,
-    /// What to do with records the rules would release while their node is NotReady.
+    /// What to do with records the rules would release while their node is NotReady (and
+    /// with a sticky takeover waiting on such a node).
     #[arg(long, env = "IPWARDEN_GC_NOT_READY_POLICY", value_enum, default_value_t = NotReadyMode::Keep)]
     pub not_ready_policy: NotReadyMode,
     /// With `--not-ready-policy release`: seconds a node must be NotReady first.

@@ -23,7 +23,7 @@ use crate::crd::{HandshakeState, IPBlock, IPPool, ReleaseHandshake};
 use crate::gc::handshake::{ControllerStep, controller_step};
 use crate::gc::index::PodFacts;
 use crate::gc::rules::recheck_release;
-use crate::gc::sweep::{AWAITING_AGENT, ChangeAction, RecordChange};
+use crate::gc::sweep::{AWAITING_AGENT, ChangeAction, RecordChange, STICKY_TAKEOVER};
 
 /// How many times a block write is retried after conflicts.
 const MAX_CONFLICT_RETRIES: usize = 20;
@@ -64,6 +64,8 @@ pub enum ChangeOutcome {
     Marked,
     /// The record's release handshake was cleared.
     Aborted,
+    /// A sticky takeover mark was answered for a node whose agent cannot answer.
+    Answered,
     /// The re-check dropped the change; the reason says why.
     Skipped(&'static str),
     /// The write failed.
@@ -81,6 +83,8 @@ pub struct ApplyOutcome {
     pub marked: usize,
     /// Release handshakes cleared.
     pub aborted: usize,
+    /// Sticky takeover marks answered for a node whose agent cannot answer.
+    pub answered: usize,
     /// Changes dropped by the re-check.
     pub skipped: usize,
     /// Changes that failed.
@@ -94,6 +98,7 @@ impl ApplyOutcome {
             ChangeOutcome::Repaired => self.repaired += 1,
             ChangeOutcome::Marked => self.marked += 1,
             ChangeOutcome::Aborted => self.aborted += 1,
+            ChangeOutcome::Answered => self.answered += 1,
             ChangeOutcome::Skipped(_) => self.skipped += 1,
             ChangeOutcome::Failed(_) => self.failed += 1,
         }
@@ -421,6 +426,10 @@ async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outco
             metrics.handshake(pool, "marked");
             tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), reason = reason.label(), "marked for release; asking the node's agent");
         }
+        (ChangeOutcome::Answered, _) => {
+            metrics.handshake(pool, "answered_for_agent");
+            tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), "sticky takeover answered for a node whose agent cannot answer");
+        }
         (ChangeOutcome::Aborted, _) => {
             metrics.handshake(pool, "aborted");
             tracing::info!(pool, ip = %change.ip, "release handshake aborted: no longer a candidate, or the agent refused");
@@ -509,7 +518,11 @@ async fn write_block(
         let writes = |o: &ChangeOutcome| {
             matches!(
                 o,
-                ChangeOutcome::Released(_) | ChangeOutcome::Repaired | ChangeOutcome::Marked | ChangeOutcome::Aborted
+                ChangeOutcome::Released(_)
+                    | ChangeOutcome::Repaired
+                    | ChangeOutcome::Marked
+                    | ChangeOutcome::Aborted
+                    | ChangeOutcome::Answered
             )
         };
         if !outcomes.iter().any(writes) {
@@ -552,6 +565,10 @@ async fn apply_one(
     }
     match &change.action {
         ChangeAction::Release { reason, .. } => {
+            // An agent's takeover mark appeared since the decision: the agents settle it.
+            if record.release_handshake.as_ref().is_some_and(|h| h.takeover.is_some()) {
+                return ChangeOutcome::Skipped(STICKY_TAKEOVER);
+            }
             let handshake = record.release_handshake.as_ref().map(|h| h.state);
             let step = controller_step(handshake, change.via_agent);
             match step {
@@ -582,6 +599,7 @@ async fn apply_one(
                     reason: reason.label().to_string(),
                     detail: None,
                     pod_ended_at: ended.map(Time),
+                    takeover: None,
                 });
                 return ChangeOutcome::Marked;
             }
@@ -597,6 +615,19 @@ async fn apply_one(
             record.pod = pod.clone();
             record.release_handshake = None;
             ChangeOutcome::Repaired
+        }
+        ChangeAction::AnswerTakeover => {
+            let marked = record
+                .release_handshake
+                .as_mut()
+                .filter(|h| h.takeover.is_some() && h.state == HandshakeState::MarkedForRelease);
+            let Some(handshake) = marked else { return ChangeOutcome::Skipped("no_takeover_mark") };
+            handshake.state = HandshakeState::ReadyForRelease;
+            handshake.detail = Some(format!(
+                "answered by the controller: node {} is deleted or NotReady past the NotReady policy, so its agent cannot",
+                record.node
+            ));
+            ChangeOutcome::Answered
         }
         ChangeAction::AbortHandshake => {
             if record.release_handshake.take().is_none() {

@@ -3,7 +3,7 @@
 //! verdicts to the pool actors. Only the leader sweeps.
 
 use super::leader::Leadership;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,6 +11,7 @@ use actix::{
     Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseActFuture, StreamHandler, WrapFuture,
 };
 use jiff::Timestamp;
+use kube::ResourceExt;
 use kube::runtime::watcher;
 
 use super::Caches;
@@ -39,6 +40,9 @@ pub struct SweepReport {
     /// Release handshakes cleared.
     #[serde(default)]
     pub aborted: usize,
+    /// Sticky takeover marks answered for a node whose agent cannot answer.
+    #[serde(default)]
+    pub answered: usize,
     /// Decided changes the re-check dropped.
     pub skipped: usize,
     /// Changes that failed.
@@ -64,6 +68,9 @@ pub struct Sweeper {
     settings: RuleSettings,
     metrics: ControllerMetrics,
     interval: Duration,
+    /// Blocks to plan again when the NotReady policy lets the controller answer a sticky
+    /// takeover mark for a node's agent.
+    answer_timers: BTreeSet<String>,
 }
 
 impl Sweeper {
@@ -76,7 +83,7 @@ impl Sweeper {
         metrics: ControllerMetrics,
         interval: Duration,
     ) -> Self {
-        Self { caches, supervisor, leading, settings, metrics, interval }
+        Self { caches, supervisor, leading, settings, metrics, interval, answer_timers: BTreeSet::new() }
     }
 
     fn sweep(&self, trigger: Trigger) -> impl Future<Output = SweepReport> + 'static {
@@ -110,6 +117,7 @@ impl Sweeper {
             report.repaired = outcome.repaired;
             report.marked = outcome.marked;
             report.aborted = outcome.aborted;
+            report.answered = outcome.answered;
             report.skipped = outcome.skipped;
             report.failed = outcome.failed;
             let elapsed = started.elapsed();
@@ -154,31 +162,62 @@ fn answered(record: &Allocation) -> bool {
         .is_some_and(|h| matches!(h.state, HandshakeState::ReadyForRelease | HandshakeState::DoNotRelease))
 }
 
-/// Block changes: an agent's answer to a release handshake is acted on at once, not at the
-/// next sweep.
+/// Whether an agent marked the record for a sticky takeover.
+fn takeover_marked(record: &Allocation) -> bool {
+    record.release_handshake.as_ref().is_some_and(|h| h.takeover.is_some())
+}
+
+/// Whether the record's handshake is one the controller acts on as soon as it appears: an
+/// agent's answer, or a sticky takeover mark (answered for a node whose agent cannot).
+fn actionable(record: &Allocation) -> bool {
+    answered(record) || takeover_marked(record)
+}
+
+impl Sweeper {
+    /// Plans one block whose handshakes changed and carries out what concerns them; a
+    /// takeover mark the NotReady policy lets the controller answer later is planned again
+    /// then.
+    fn plan_block(&mut self, block: Arc<IPBlock>, ctx: &mut Context<Self>) {
+        let index = self.caches.index();
+        let now = Timestamp::now();
+        let plan = sweep::plan(&index, std::slice::from_ref(&block), now, &self.settings);
+        let concerns = |ip: &str| block.spec.allocations.get(ip).is_some_and(actionable);
+        let name = block.name_any();
+        let answer_at = plan.traced.iter().filter(|(change, _)| concerns(&change.ip)).map(|(_, at)| *at).min();
+        if let Some(at) = answer_at.filter(|_| self.answer_timers.insert(name.clone())) {
+            let delay = Duration::try_from(at.duration_since(now)).unwrap_or(Duration::ZERO);
+            ctx.run_later(delay, move |act, ctx| {
+                act.answer_timers.remove(&name);
+                let fresh = act.caches.blocks.state().into_iter().find(|b| b.name_any() == name);
+                if let Some(fresh) = fresh.filter(|_| act.leading.is_leading()) {
+                    act.plan_block(fresh, ctx);
+                }
+            });
+        }
+        let changes: Vec<_> = plan.changes.into_iter().filter(|change| concerns(&change.ip)).collect();
+        if changes.is_empty() {
+            return;
+        }
+        let request = ApplyChanges { changes, trigger: Trigger::Handshake, since: None };
+        ctx.spawn(apply_in_background(self.supervisor.clone(), request).into_actor(self));
+    }
+}
+
+/// Block changes: an agent's answer to a release handshake, and an agent's sticky takeover
+/// mark, are acted on at once, not at the next sweep.
 impl StreamHandler<Result<IPBlock, watcher::Error>> for Sweeper {
     fn handle(&mut self, event: Result<IPBlock, watcher::Error>, ctx: &mut Context<Self>) {
         let block = match event {
-            Ok(block) if block.spec.allocations.values().any(answered) => block,
+            Ok(block) if block.spec.allocations.values().any(actionable) => block,
             Ok(_) => return,
             Err(e) => {
                 tracing::warn!(error = %e, "IPBlock watch error; retrying with backoff");
                 return;
             }
         };
-        if !self.leading.is_leading() {
-            return;
+        if self.leading.is_leading() {
+            self.plan_block(Arc::new(block), ctx);
         }
-        let index = self.caches.index();
-        let block = Arc::new(block);
-        let plan = sweep::plan(&index, std::slice::from_ref(&block), Timestamp::now(), &self.settings);
-        let was_answered = |change: &sweep::RecordChange| block.spec.allocations.get(&change.ip).is_some_and(answered);
-        let changes: Vec<_> = plan.changes.into_iter().filter(was_answered).collect();
-        if changes.is_empty() {
-            return;
-        }
-        let request = ApplyChanges { changes, trigger: Trigger::Handshake, since: None };
-        ctx.spawn(apply_in_background(self.supervisor.clone(), request).into_actor(self));
     }
 
     fn finished(&mut self, _ctx: &mut Context<Self>) {

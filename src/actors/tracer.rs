@@ -84,10 +84,13 @@ impl PodTracer {
         });
         for (block, ip, record) in records {
             let verdict = index.evaluate(ip, record, now, &self.settings);
-            match next_step(verdict, record, index.agent_can_answer(record)) {
-                Planned::Change(action @ (ChangeAction::Release { .. } | ChangeAction::AbortHandshake)) => {
-                    changes.push(RecordChange::of(&index, block, ip, record, action))
-                }
+            let takeover = index.takeover_step(record, now, &self.settings);
+            match next_step(verdict, record, index.agent_can_answer(record), takeover) {
+                Planned::Change(
+                    action @ (ChangeAction::Release { .. }
+                    | ChangeAction::AbortHandshake
+                    | ChangeAction::AnswerTakeover),
+                ) => changes.push(RecordChange::of(&index, block, ip, record, action)),
                 Planned::Trace(at) => again = Some(again.map_or(at, |a| a.min(at))),
                 // Repairs are the sweep's: it resolves the adopting pod from the IP index.
                 Planned::Change(ChangeAction::Repair { .. }) | Planned::Keep(_) => {}

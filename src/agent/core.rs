@@ -26,9 +26,9 @@ use super::metrics::{AgentMetrics, PoolLabels};
 use crate::blocks::{self, ReleaseOutcome};
 use crate::crd::{
     Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPBlock, IPBlockSpec, IPClaim, IPClaimSpec, IPPool,
-    MigrationTarget, OwnerRef, POOL_ANNOTATION, PodRef,
+    MigrationTarget, OwnerRef, POOL_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
 };
-use crate::gc::handshake::{AgentAnswer, PodOnNode, agent_answer};
+use crate::gc::handshake::{AgentAnswer, ClaimedRecord, PodOnNode, ReclaimStep, agent_answer, reclaim_step};
 use crate::ipam::{BlockUsage, ChooseError, PoolLayout, choose_ip};
 use crate::pools::{self, PodPlacement, PoolSet};
 use crate::protocol::{AttachmentRequest, CniError, GcRequest, IpConfig, IpamResult, Route, StatusRequest};
@@ -39,6 +39,14 @@ pub const NO_POOL_FITS: u32 = 100;
 
 /// ipwarden's own CNI error code: every IP of the chosen pool is taken.
 pub const POOL_EXHAUSTED: u32 = 101;
+
+/// ipwarden's own CNI error code: the pod's IPClaim names an object that does not hold the
+/// claimed IP's record (a hand-edited claim); the claim must be fixed or deleted.
+pub const INVALID_CLAIM: u32 = 102;
+
+/// What the message of an ADD waiting for a sticky takeover starts with (and its metric
+/// label is found by).
+const AWAITING_TAKEOVER: &str = "awaiting a sticky takeover";
 
 /// How many times a block write is retried after resourceVersion conflicts.
 const MAX_CONFLICT_RETRIES: usize = 40;
@@ -84,6 +92,16 @@ struct Written {
     ip: CheckpointIp,
     /// What the IP held before the write.
     prior: blocks::Prior,
+}
+
+/// What one claimed IP's compare-and-swap did in [`Core::reclaim_sticky`].
+enum Reclaim {
+    /// Taken over (or free and taken), with what the IP held before, for a rollback.
+    Taken(blocks::Prior),
+    /// Attached as a running live migration's target; the source keeps the record.
+    Attached,
+    /// Marked for a sticky takeover: the ADD waits for the holder's node.
+    Marked,
 }
 
 /// What [`Core::reclaim_sticky`] got back for a recreated sticky pod.
@@ -132,7 +150,11 @@ impl Core {
             Ok(_) => "success",
             Err(e) if e.code == POOL_EXHAUSTED => "exhausted",
             Err(e) if e.code == NO_POOL_FITS => "no_pool",
+            Err(e) if e.code == INVALID_CLAIM => "invalid_claim",
             Err(e) if e.code == CniError::TRY_AGAIN_LATER && e.msg.contains("cooling") => "cooling",
+            Err(e) if e.code == CniError::TRY_AGAIN_LATER && e.msg.starts_with(AWAITING_TAKEOVER) => {
+                "awaiting_takeover"
+            }
             Err(_) => "error",
         };
         self.metrics.allocation(label);
@@ -179,7 +201,9 @@ impl Core {
             (ips, Vec::new(), migration.is_some())
         } else {
             let reclaimed = if sticky {
-                self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request).await?
+                let held_here: BTreeSet<String> =
+                    checkpoint.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect();
+                self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request, &held_here).await?
             } else {
                 None
             };
@@ -310,13 +334,18 @@ impl Core {
 
     /// Gives a recreated sticky pod its claim's IPs back; `None` when it has none to reclaim.
     /// The target of the running live migration `migration` attaches to the IPs its source
-    /// still holds instead of taking them over; the flag says it did.
+    /// still holds instead of taking them over (`shared`). Any other claimed IP whose record
+    /// still names a sandbox that may be attached (on another node, or in `held_here`, the IPs
+    /// of this node's checkpoint) is not shared: the record is marked for a sticky takeover and
+    /// the ADD fails with "try again later" until the record's node has let go of it
+    /// ([`reclaim_step`]).
     async fn reclaim_sticky(
         &self,
         pod: &Pod,
         owner: Option<&OwnerRef>,
         migration: Option<&str>,
         request: &AttachmentRequest,
+        held_here: &BTreeSet<String>,
     ) -> Result<Option<Reclaimed>, CniError> {
         let namespace = pod.namespace().unwrap_or_default();
         let claim_name = workload::claim_name(&pod.name_any(), owner);
@@ -331,6 +360,22 @@ impl Core {
         let Some(interface) = claim.spec.interfaces.iter().find(|i| i.interface == request.ifname) else {
             return Ok(None);
         };
+        // Checked before anything is written: the claim is user-writable, the blocks are not.
+        for claimed in &interface.ips {
+            let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
+                continue;
+            };
+            let Some(block) = pool.layout.block_of(ip) else { continue };
+            pools::check_claimed_block(&pool.name, block, ip, &claimed.block).map_err(|e| {
+                CniError::new(
+                    INVALID_CLAIM,
+                    format!(
+                        "IPClaim {namespace}/{claim_name} of pod {} is refused: {e}; fix or delete the claim",
+                        pod.name_any()
+                    ),
+                )
+            })?;
+        }
         let record = self.record_for(pod, owner, true, request);
         let target = migration.map(|uid| MigrationTarget {
             migration_uid: uid.to_string(),
@@ -346,20 +391,39 @@ impl Core {
             };
             let Some(block) = pool.layout.block_of(ip) else { break };
             let key = ip.to_string();
-            // Some(None): attached as the migration's target; Some(Some(prior)): taken over.
+            let mut waiting_for = None;
             let took = self
                 .write_block(&claimed.block, &pool.name, block, |spec| {
-                    let existing = spec.allocations.get(&key);
-                    if let (Some(r), Some(target)) = (existing, target.as_ref())
+                    waiting_for = None;
+                    if let (Some(r), Some(target)) = (spec.allocations.get(&key), target.as_ref())
                         && shares_with_source(r, &record)
                     {
-                        return blocks::attach_migration_target(spec, &key, target.clone()).map(|()| None);
+                        return blocks::attach_migration_target(spec, &key, target.clone()).map(|()| Reclaim::Attached);
                     }
-                    let ours = match existing {
-                        Some(r) => r.pod.uid == record.pod.uid || same_workload(r, &record),
-                        None => pool.layout.is_allocatable(ip),
+                    let Some(current) = spec.allocations.get_mut(&key) else {
+                        let free = pool.layout.is_allocatable(ip);
+                        return free.then(|| Reclaim::Taken(blocks::allocate(spec, ip, record.clone())));
                     };
-                    ours.then(|| Some(blocks::allocate(spec, ip, record.clone())))
+                    let step = reclaim_step(ClaimedRecord {
+                        same_pod: current.pod.uid == record.pod.uid,
+                        same_workload: same_workload(current, &record),
+                        attached: !current.container_id.is_empty(),
+                        detached_here: current.node == self.settings.node && !held_here.contains(&key),
+                        handshake: current.release_handshake.as_ref().map(|h| h.state),
+                    });
+                    match step {
+                        ReclaimStep::NotOurs => None,
+                        ReclaimStep::Take => Some(Reclaim::Taken(blocks::allocate(spec, ip, record.clone()))),
+                        ReclaimStep::Wait => {
+                            waiting_for = Some(current.clone());
+                            None
+                        }
+                        ReclaimStep::Mark => {
+                            current.release_handshake = Some(takeover_mark(&record));
+                            waiting_for = Some(current.clone());
+                            Some(Reclaim::Marked)
+                        }
+                    }
                 })
                 .await;
             let took = match took {
@@ -369,7 +433,19 @@ impl Core {
                     return Err(e);
                 }
             };
-            let Some(prior) = took else {
+            if let Some(holder) = waiting_for {
+                self.roll_back(&taken, request, &record.pod.uid).await;
+                return Err(CniError::try_again_later(format!(
+                    "{AWAITING_TAKEOVER}: sticky IP {ip} of pod {namespace}/{} is still attached to sandbox {} of pod {}/{} (uid {}) on node {}; it is taken over once that node's agent lets go of it",
+                    pod.name_any(),
+                    holder.container_id,
+                    holder.pod.namespace,
+                    holder.pod.name,
+                    holder.pod.uid,
+                    holder.node
+                )));
+            }
+            let Some(took) = took else {
                 tracing::warn!(claim = %claim_name, ip = %claimed.ip, "claimed IP is held by another pod; allocating afresh");
                 break;
             };
@@ -380,11 +456,13 @@ impl Core {
                 pool: pool.name.clone(),
                 block: claimed.block.clone(),
             };
-            ips.push(ip.clone());
-            match prior {
-                Some(prior) => taken.push(Written { ip, prior }),
-                None => shared = true,
+            match took {
+                Reclaim::Taken(prior) => taken.push(Written { ip: ip.clone(), prior }),
+                Reclaim::Attached => shared = true,
+                // A mark always sets `waiting_for`, which returned above.
+                Reclaim::Marked => break,
             }
+            ips.push(ip);
         }
         if ips.len() == interface.ips.len() {
             tracing::info!(claim = %claim_name, migration_target = shared, "sticky IPs reclaimed for the pod");
@@ -562,7 +640,8 @@ impl Core {
     }
 
     /// Records the pod's IPs of `ifname` in its IPClaim (created, or taken over from a
-    /// previous pod of the same name); returns what it replaced, for [`Core::restore_claim`].
+    /// previous pod of the same name, keeping a sticky predecessor's other interfaces);
+    /// returns what it replaced, for [`Core::restore_claim`].
     async fn write_claim(
         &self,
         pod: &Pod,
@@ -578,18 +657,14 @@ impl Core {
         let what = format!("writing IPClaim {namespace}/{name}");
         for _ in 0..MAX_CONFLICT_RETRIES {
             let existing = api.get_opt(&name).await.map_err(api_error(what.clone()))?;
-            let mut interfaces: Vec<ClaimedInterface> = existing
-                .as_ref()
-                .filter(|c| c.spec.pod_uid == uid)
-                .map(|c| c.spec.interfaces.iter().filter(|i| i.interface != ifname).cloned().collect())
-                .unwrap_or_default();
-            interfaces.push(ClaimedInterface {
+            let interface = ClaimedInterface {
                 interface: ifname.to_string(),
                 ips: ips
                     .iter()
                     .map(|i| ClaimedIp { ip: i.ip.clone(), pool: i.pool.clone(), block: i.block.clone() })
                     .collect(),
-            });
+            };
+            let interfaces = workload::claim_interfaces(existing.as_ref().map(|c| &c.spec), &uid, sticky, interface);
             let spec = IPClaimSpec {
                 pod_uid: uid.clone(),
                 node: self.settings.node.clone(),
@@ -699,15 +774,17 @@ impl Core {
             .map(|((block, ip), pool)| CheckpointIp { ip, prefix_len: 0, gateway: None, pool, block })
             .collect();
         let summary = self.release_ips(&ips, container_id, ifname, uid).await;
-        let fallback = entry.map(|e| e.pod.clone());
-        if let (false, Some(claim)) = (summary.kept, summary.claim.or(fallback)) {
+        // Only the claim of a record this sandbox really released: a superseded sandbox's
+        // records and claim belong to the new pod now (leftover claims are the janitor's).
+        if let (false, Some(claim)) = (summary.kept, summary.claim) {
             self.delete_claim_of(&claim).await;
         }
         Ok(())
     }
 
     /// Releases `ips` of a sandbox; says whether any was kept as a sticky reservation and
-    /// which claim (namespace, claim name, pod UID) the released records belong to.
+    /// which claim (namespace, claim name, pod UID) the released records belong to, taken
+    /// from the record the compare-and-swap actually released, never from an earlier read.
     async fn release_ips(
         &self,
         ips: &[CheckpointIp],
@@ -728,38 +805,38 @@ impl Core {
                 }
             };
             let Some(record) = record else { continue };
-            let claim = PodRef {
-                namespace: record.pod.namespace.clone(),
-                name: workload::claim_name(&record.pod.name, record.owner.as_ref()),
-                uid: record.pod.uid.clone(),
-            };
             let keep = record.sticky && self.owner_wants(&record).await;
             let now = Timestamp::now();
             let outcome = self
                 .write_block(&target.block, &pool.name, net, |spec| {
+                    let claim = spec.allocations.get(&target.ip).map(|r| PodRef {
+                        namespace: r.pod.namespace.clone(),
+                        name: workload::claim_name(&r.pod.name, r.owner.as_ref()),
+                        uid: r.pod.uid.clone(),
+                    });
                     match blocks::release_attachment(spec, &target.ip, container_id, ifname, uid, keep, now) {
                         ReleaseOutcome::NotOurs => None,
-                        outcome => Some((outcome, spec.allocations.get(&target.ip).cloned())),
+                        outcome => Some((outcome, claim, spec.allocations.get(&target.ip).cloned())),
                     }
                 })
                 .await;
             match outcome {
-                Ok(Some((ReleaseOutcome::Released, _))) => {
-                    summary.claim = Some(claim);
+                Ok(Some((ReleaseOutcome::Released, claim, _))) => {
+                    summary.claim = claim;
                     self.metrics.release("released");
                 }
-                Ok(Some((ReleaseOutcome::Reserved, _))) => {
+                Ok(Some((ReleaseOutcome::Reserved, _, _))) => {
                     summary.kept = true;
                     self.metrics.release("reserved");
                 }
-                Ok(Some((ReleaseOutcome::HandedOver, holder))) => {
+                Ok(Some((ReleaseOutcome::HandedOver, claim, holder))) => {
                     summary.kept = true;
-                    if let Some(holder) = holder {
+                    if let (Some(claim), Some(holder)) = (claim, holder) {
                         self.rebind_claim(&claim, &holder).await;
                     }
                     self.metrics.release("handed_over");
                 }
-                Ok(Some((ReleaseOutcome::Detached, _))) => {
+                Ok(Some((ReleaseOutcome::Detached, _, _))) => {
                     summary.kept = true;
                     self.metrics.release("handed_over");
                 }
@@ -1084,6 +1161,22 @@ impl Core {
         let count = entries.len();
         self.checkpoint.lock().await.replace_all(entries.into_values().collect()).map_err(checkpoint_error)?;
         Ok(count)
+    }
+}
+
+/// The mark a recreated sticky pod's ADD writes on its predecessor's record: the record's
+/// node answers it like a release mark (docs/gc-rules.md, "Sticky takeover").
+fn takeover_mark(claimant: &Allocation) -> ReleaseHandshake {
+    ReleaseHandshake {
+        state: HandshakeState::MarkedForRelease,
+        marked_at: Time(Timestamp::now()),
+        reason: format!(
+            "sticky takeover by pod {}/{} on node {}",
+            claimant.pod.namespace, claimant.pod.name, claimant.node
+        ),
+        detail: None,
+        pod_ended_at: None,
+        takeover: Some(Takeover { pod: claimant.pod.clone(), node: claimant.node.clone() }),
     }
 }
 

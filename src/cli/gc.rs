@@ -153,6 +153,7 @@ fn describe(change: &RecordChange) -> (&'static str, String) {
         ChangeAction::Release { reason, .. } => ("release", reason.label().to_string()),
         ChangeAction::Repair { pod } => ("repair", format!("adopt by {}/{}", pod.namespace, pod.name)),
         ChangeAction::AbortHandshake => ("abort handshake", "no longer a candidate".to_string()),
+        ChangeAction::AnswerTakeover => ("answer takeover", "the node's agent cannot answer".to_string()),
     }
 }
 
@@ -204,6 +205,7 @@ fn print_report(report: &SweepReport, output: Output) -> anyhow::Result<()> {
         vec!["repaired".into(), report.repaired.to_string()],
         vec!["marked for release".into(), report.marked.to_string()],
         vec!["handshakes aborted".into(), report.aborted.to_string()],
+        vec!["takeovers answered".into(), report.answered.to_string()],
         vec!["skipped at write".into(), report.skipped.to_string()],
         vec!["failed".into(), report.failed.to_string()],
         vec!["traced".into(), report.traced.to_string()],

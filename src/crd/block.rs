@@ -116,7 +116,8 @@ pub struct ReleaseHandshake {
     pub state: HandshakeState,
     /// When the controller marked the record.
     pub marked_at: Time,
-    /// The GC rule row the controller decided by.
+    /// The GC rule row the controller decided by; for a sticky takeover, which pod on which
+    /// node waits for the record.
     pub reason: String,
     /// The agent's explanation of its answer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -124,4 +125,18 @@ pub struct ReleaseHandshake {
     /// When the record's pod ended, as the controller saw it, for the reclaim latency.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_ended_at: Option<Time>,
+    /// Set when an agent marked the record, not the controller: a recreated sticky pod
+    /// waits to take the record over once the record's node has let go of its sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub takeover: Option<Takeover>,
+}
+
+/// The recreated sticky pod waiting to take a record over, and the node it runs on.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Takeover {
+    /// The waiting pod.
+    pub pod: PodRef,
+    /// Its node.
+    pub node: String,
 }

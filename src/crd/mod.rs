@@ -12,7 +12,7 @@ use kube::CustomResourceExt;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-pub use block::{Allocation, HandshakeState, IPBlock, IPBlockSpec, MigrationTarget, ReleaseHandshake};
+pub use block::{Allocation, HandshakeState, IPBlock, IPBlockSpec, MigrationTarget, ReleaseHandshake, Takeover};
 pub use claim::{ClaimedInterface, ClaimedIp, IPClaim, IPClaimSpec};
 pub use pool::{IPPool, IPPoolSpec, IPPoolStatus, IpRange};
 

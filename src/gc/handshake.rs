@@ -2,9 +2,18 @@
 //! releases a record of a node whose agent can answer, it marks the record
 //! `marked-for-release`; the agent answers under its allocation lock; only
 //! `ready-for-release` lets the controller release. Both sides' decisions are here, pure.
+//!
+//! A recreated sticky pod taking its predecessor's record over uses the same handshake
+//! (docs/gc-rules.md, "Sticky takeover"): its agent marks the record, the record's node
+//! answers, and only then is the record taken over ([`reclaim_step`]); the controller
+//! leaves such marks to the agents and answers only for a node that cannot
+//! ([`controller_takeover_step`]).
 
 use std::time::Duration;
 
+use jiff::Timestamp;
+
+use super::rules::{NodeState, NotReadyGate, NotReadyPolicy, not_ready_gate};
 use crate::crd::HandshakeState;
 
 /// What the controller does with a record the rule table wants released.
@@ -94,6 +103,96 @@ pub fn agent_answer(
     }
 }
 
+/// The record of a claimed IP as a recreated sticky pod's ADD sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClaimedRecord {
+    /// The record names the new pod's UID (the same pod setting up a new sandbox).
+    pub same_pod: bool,
+    /// The record belongs to the same sticky workload (StatefulSet ordinal, KubeVirt VM).
+    pub same_workload: bool,
+    /// The record still names a sandbox (its DEL has not come).
+    pub attached: bool,
+    /// The record's node is this node and no sandbox in this agent's checkpoint holds the
+    /// IP: this agent knows the sandbox is gone.
+    pub detached_here: bool,
+    /// The record's release handshake.
+    pub handshake: Option<HandshakeState>,
+}
+
+/// What a recreated sticky pod's ADD does with the record of a claimed IP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReclaimStep {
+    /// Write the new pod's record now.
+    Take,
+    /// Mark the record for a sticky takeover and fail the ADD with "try again later".
+    Mark,
+    /// Marked already: fail the ADD with "try again later" until the record's node answers.
+    Wait,
+    /// Another workload's record: not this pod's to take.
+    NotOurs,
+}
+
+/// The step for a claimed IP's record. A sandbox still attached elsewhere is never shared:
+/// the record is taken over only once it is detached (its DEL came), its node's agent (or
+/// the controller for a node that cannot answer) said `ready-for-release`, or this agent
+/// knows the sandbox is gone. The same pod re-creating its sandbox on its own node takes it
+/// at once, as a runtime runs one sandbox per pod.
+pub fn reclaim_step(record: ClaimedRecord) -> ReclaimStep {
+    if !record.same_pod && !record.same_workload {
+        return ReclaimStep::NotOurs;
+    }
+    if record.same_pod || !record.attached || record.detached_here {
+        return ReclaimStep::Take;
+    }
+    match record.handshake {
+        Some(HandshakeState::ReadyForRelease) => ReclaimStep::Take,
+        Some(HandshakeState::MarkedForRelease) => ReclaimStep::Wait,
+        None | Some(HandshakeState::DoNotRelease) => ReclaimStep::Mark,
+    }
+}
+
+/// What the controller does with a record an agent marked for a sticky takeover.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TakeoverStep {
+    /// The agents settle it: the record's node answers, the waiting pod takes over.
+    LeaveToAgents,
+    /// The waiting pod is gone or got its IPs elsewhere: clear the mark, so the record is
+    /// judged by the rule table again.
+    Abort,
+    /// The record's node cannot answer and the NotReady policy (or the node's deletion)
+    /// lets go: answer `ready-for-release` for its agent.
+    AnswerForAgent,
+    /// Answer for the agent at this instant, when the NotReady policy's bound has passed.
+    AnswerAt(Timestamp),
+}
+
+/// The controller's step for a takeover mark in `state`. `claimant_waiting`: the waiting
+/// pod still exists with its UID, is not terminal and reports no IPs yet. `node`: the
+/// record's node, whose agent answers while it is Ready.
+pub fn controller_takeover_step(
+    state: HandshakeState,
+    claimant_waiting: bool,
+    node: NodeState,
+    policy: NotReadyPolicy,
+    now: Timestamp,
+) -> TakeoverStep {
+    if !claimant_waiting {
+        return TakeoverStep::Abort;
+    }
+    if state != HandshakeState::MarkedForRelease {
+        return TakeoverStep::LeaveToAgents;
+    }
+    match node {
+        NodeState::Ready => TakeoverStep::LeaveToAgents,
+        NodeState::Deleted => TakeoverStep::AnswerForAgent,
+        NodeState::NotReady(since) => match not_ready_gate(since, policy, now) {
+            NotReadyGate::Closed => TakeoverStep::LeaveToAgents,
+            NotReadyGate::OpensAt(due) => TakeoverStep::AnswerAt(due),
+            NotReadyGate::Open => TakeoverStep::AnswerForAgent,
+        },
+    }
+}
+
 #[cfg(test)]
 mod test {
     use super::*;
@@ -145,6 +244,60 @@ mod test {
                 agent_answer(pod, attached, marked_for, grace),
                 answer,
                 "{pod:?} attached={attached} {marked_for:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_sticky_record_is_taken_over_only_once_its_sandbox_let_go() {
+        let record = |same_pod, same_workload, attached, detached_here, handshake| ClaimedRecord {
+            same_pod,
+            same_workload,
+            attached,
+            detached_here,
+            handshake,
+        };
+        let ready = Some(HandshakeState::ReadyForRelease);
+        let marked = Some(HandshakeState::MarkedForRelease);
+        let refused = Some(HandshakeState::DoNotRelease);
+        let table = [
+            (record(false, false, false, false, None), ReclaimStep::NotOurs),
+            (record(false, false, true, false, ready), ReclaimStep::NotOurs),
+            (record(true, false, true, false, None), ReclaimStep::Take),
+            (record(false, true, false, false, None), ReclaimStep::Take),
+            (record(false, true, true, true, None), ReclaimStep::Take),
+            (record(false, true, true, false, None), ReclaimStep::Mark),
+            (record(false, true, true, false, refused), ReclaimStep::Mark),
+            (record(false, true, true, false, marked), ReclaimStep::Wait),
+            (record(false, true, true, false, ready), ReclaimStep::Take),
+        ];
+        for (record, step) in table {
+            assert_eq!(reclaim_step(record), step, "{record:?}");
+        }
+    }
+
+    #[test]
+    fn the_controller_answers_a_takeover_only_for_a_node_that_cannot() {
+        let now = Timestamp::from_second(1_000).expect("ts");
+        let since = Timestamp::from_second(990).expect("ts");
+        let after = |s| NotReadyPolicy::ReleaseAfter(Duration::from_secs(s));
+        let marked = HandshakeState::MarkedForRelease;
+        let due = Timestamp::from_second(1_020).expect("ts");
+        let table = [
+            (marked, false, NodeState::Ready, NotReadyPolicy::Keep, TakeoverStep::Abort),
+            (HandshakeState::ReadyForRelease, false, NodeState::Deleted, after(0), TakeoverStep::Abort),
+            (marked, true, NodeState::Ready, after(0), TakeoverStep::LeaveToAgents),
+            (HandshakeState::ReadyForRelease, true, NodeState::Deleted, after(0), TakeoverStep::LeaveToAgents),
+            (marked, true, NodeState::Deleted, NotReadyPolicy::Keep, TakeoverStep::AnswerForAgent),
+            (marked, true, NodeState::NotReady(since), NotReadyPolicy::Keep, TakeoverStep::LeaveToAgents),
+            (marked, true, NodeState::NotReady(since), after(30), TakeoverStep::AnswerAt(due)),
+            (marked, true, NodeState::NotReady(since), after(10), TakeoverStep::AnswerForAgent),
+        ];
+        for (state, waiting, node, policy, step) in table {
+            assert_eq!(
+                controller_takeover_step(state, waiting, node, policy, now),
+                step,
+                "{state:?} waiting={waiting} {node:?} {policy:?}"
             );
         }
     }

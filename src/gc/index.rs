@@ -10,6 +10,7 @@ use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::ResourceExt;
 
+use super::handshake::{TakeoverStep, controller_takeover_step};
 use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleSettings, Verdict, decide};
 use crate::crd::{Allocation, IPClaim, PodRef};
 use crate::workload::{self, KUBEVIRT_VMI_KIND};
@@ -178,6 +179,26 @@ impl ClusterIndex {
         !record.node.is_empty() && self.nodes.get(&record.node) == Some(&NodeState::Ready)
     }
 
+    /// The state of the record's node (Ready when the record names none).
+    fn node_of(&self, record: &Allocation) -> NodeState {
+        if record.node.is_empty() {
+            return NodeState::Ready;
+        }
+        self.nodes.get(&record.node).copied().unwrap_or(NodeState::Deleted)
+    }
+
+    /// The controller's step for a record an agent marked for a sticky takeover; `None`
+    /// when the record carries no such mark.
+    pub fn takeover_step(&self, record: &Allocation, now: Timestamp, settings: &RuleSettings) -> Option<TakeoverStep> {
+        let handshake = record.release_handshake.as_ref()?;
+        let claimant = &handshake.takeover.as_ref()?.pod;
+        let waiting = self
+            .pods
+            .get(&(claimant.namespace.clone(), claimant.name.clone()))
+            .is_some_and(|p| p.uid == claimant.uid && !p.terminal() && p.ips.is_empty());
+        Some(controller_takeover_step(handshake.state, waiting, self.node_of(record), settings.not_ready, now))
+    }
+
     /// The verdict for one record at `now`.
     pub fn evaluate<'a>(
         &'a self,
@@ -188,11 +209,7 @@ impl ClusterIndex {
     ) -> Verdict<'a> {
         let key = (record.pod.namespace.clone(), record.pod.name.clone());
         let claim_name = workload::claim_name(&record.pod.name, record.owner.as_ref());
-        let node = if record.node.is_empty() {
-            NodeState::Ready
-        } else {
-            self.nodes.get(&record.node).copied().unwrap_or(NodeState::Deleted)
-        };
+        let node = self.node_of(record);
         let sticky = record.sticky && workload::is_sticky(record.owner.as_ref(), &self.sticky_kinds);
         let facts = Facts {
             record: RecordView { ip, pod_uid: &record.pod.uid, node: &record.node, sticky },

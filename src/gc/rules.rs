@@ -202,11 +202,32 @@ fn release(reason: ReleaseReason, facts: &Facts<'_>) -> Verdict<'static> {
 pub fn decide<'a>(facts: &Facts<'a>, settings: &RuleSettings) -> Verdict<'a> {
     let verdict = decide_row(facts, settings);
     let (Verdict::Release { .. }, NodeState::NotReady(since)) = (verdict, facts.node) else { return verdict };
-    match settings.not_ready {
-        NotReadyPolicy::Keep => Verdict::Keep(KeepReason::NodeNotReady),
+    match not_ready_gate(since, settings.not_ready, facts.now) {
+        NotReadyGate::Closed => Verdict::Keep(KeepReason::NodeNotReady),
+        NotReadyGate::OpensAt(due) => Verdict::TraceUntil(due),
+        NotReadyGate::Open => release(ReleaseReason::NodeNotReady, facts),
+    }
+}
+
+/// Whether the NotReady policy lets go of what a NotReady node holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotReadyGate {
+    /// Never, while the node stays NotReady (policy `keep`).
+    Closed,
+    /// Not before this instant.
+    OpensAt(Timestamp),
+    /// Now.
+    Open,
+}
+
+/// The NotReady policy for a node NotReady since `since`, at `now`. Every release on a
+/// NotReady node, and every answer given for its agent, goes through this one gate.
+pub fn not_ready_gate(since: Timestamp, policy: NotReadyPolicy, now: Timestamp) -> NotReadyGate {
+    match policy {
+        NotReadyPolicy::Keep => NotReadyGate::Closed,
         NotReadyPolicy::ReleaseAfter(after) => {
             let due = since.saturating_add(after).unwrap_or(Timestamp::MAX);
-            if facts.now >= due { release(ReleaseReason::NodeNotReady, facts) } else { Verdict::TraceUntil(due) }
+            if now >= due { NotReadyGate::Open } else { NotReadyGate::OpensAt(due) }
         }
     }
 }

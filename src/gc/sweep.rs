@@ -8,7 +8,7 @@ use std::sync::Arc;
 use jiff::Timestamp;
 use kube::ResourceExt;
 
-use super::handshake::{ControllerStep, controller_step};
+use super::handshake::{ControllerStep, TakeoverStep, controller_step};
 use super::index::ClusterIndex;
 use super::rules::{ReleaseReason, RuleSettings, Verdict};
 use crate::crd::{Allocation, IPBlock, PodRef};
@@ -64,6 +64,9 @@ pub enum ChangeAction {
     },
     /// Clear the record's release handshake: it is no longer a candidate.
     AbortHandshake,
+    /// Answer `ready-for-release` to a sticky takeover mark for the record's node, whose
+    /// agent cannot answer (node deleted, or NotReady past the NotReady policy).
+    AnswerTakeover,
 }
 
 /// The next step for one record, from its verdict and its release handshake.
@@ -80,10 +83,28 @@ pub enum Planned {
 /// Why a record marked for release is left while its agent has not answered.
 pub const AWAITING_AGENT: &str = "awaiting_agent";
 
-/// The next step for a record given its verdict. A record that is no longer a candidate has
-/// its handshake aborted; one marked and waiting for its agent is left alone.
-pub fn next_step(verdict: Verdict<'_>, record: &Allocation, via_agent: bool) -> Planned {
+/// Why a record marked for a sticky takeover is left to the agents.
+pub const STICKY_TAKEOVER: &str = "sticky_takeover";
+
+/// The next step for a record given its verdict and, for a record an agent marked for a
+/// sticky takeover, the controller's `takeover` step. A record that is no longer a
+/// candidate has its handshake aborted; one marked and waiting for its agent is left
+/// alone; a takeover mark follows its own step (only a repair goes before it).
+pub fn next_step(
+    verdict: Verdict<'_>,
+    record: &Allocation,
+    via_agent: bool,
+    takeover: Option<TakeoverStep>,
+) -> Planned {
     let handshake = record.release_handshake.as_ref().map(|h| h.state);
+    if let Some(step) = takeover.filter(|_| !matches!(verdict, Verdict::Repair { .. })) {
+        return match step {
+            TakeoverStep::LeaveToAgents => Planned::Keep(STICKY_TAKEOVER),
+            TakeoverStep::Abort => Planned::Change(ChangeAction::AbortHandshake),
+            TakeoverStep::AnswerForAgent => Planned::Change(ChangeAction::AnswerTakeover),
+            TakeoverStep::AnswerAt(when) => Planned::Trace(when),
+        };
+    }
     match verdict {
         Verdict::Keep(_) if handshake.is_some() => Planned::Change(ChangeAction::AbortHandshake),
         Verdict::Keep(reason) => Planned::Keep(reason.label()),
@@ -126,7 +147,7 @@ pub fn plan(index: &ClusterIndex, blocks: &[Arc<IPBlock>], now: Timestamp, setti
             plan.scanned += 1;
             let verdict = index.evaluate(ip, record, now, settings);
             let via_agent = index.agent_can_answer(record);
-            match next_step(verdict, record, via_agent) {
+            match next_step(verdict, record, via_agent, index.takeover_step(record, now, settings)) {
                 Planned::Keep(reason) => *plan.kept.entry(reason).or_default() += 1,
                 Planned::Trace(when) => {
                     let placeholder =
@@ -240,6 +261,39 @@ mod test {
         let plan = planned(json!({"10.0.0.1": marked(record("live", "u-live"), "marked-for-release")}), &pods);
         assert_eq!(plan.changes.len(), 1);
         assert_eq!(plan.changes[0].action, ChangeAction::AbortHandshake);
+    }
+
+    #[test]
+    fn a_sticky_takeover_mark_is_left_to_the_agents_while_its_pod_waits() {
+        let takeover = |node: &str, state: &str| {
+            let mut r = marked(record("web-0", "u-old"), state);
+            r["node"] = json!(node);
+            r["sticky"] = json!(true);
+            r["owner"] = json!({"kind": "StatefulSet", "name": "web"});
+            r["releaseHandshake"]["takeover"] =
+                json!({"pod": {"namespace": "ns", "name": "web-0", "uid": "u-new"}, "node": "n2"});
+            r
+        };
+        let waiting: Arc<Pod> = Arc::new(
+            serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": "web-0", "uid": "u-new"},
+                "status": {"phase": "Pending"}}))
+            .expect("pod"),
+        );
+        let sticky = ["StatefulSet".to_string()];
+        let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let plan_of = |record: serde_json::Value, pods: &[Arc<Pod>]| {
+            let index = ClusterIndex::build(pods, &[ready_node()], &[], &[], &sticky);
+            plan(&index, &[block(json!({"10.0.0.7": record}))], Timestamp::now(), &settings)
+        };
+        for state in ["marked-for-release", "ready-for-release"] {
+            let left = plan_of(takeover("n1", state), std::slice::from_ref(&waiting));
+            assert!(left.changes.is_empty(), "{state}: {:?}", left.changes);
+            assert_eq!(left.kept.get(STICKY_TAKEOVER), Some(&1), "{state}");
+        }
+        let stale = plan_of(takeover("n1", "marked-for-release"), &[]);
+        assert_eq!(stale.changes[0].action, ChangeAction::AbortHandshake, "the waiting pod is gone");
+        let answered = plan_of(takeover("deleted-node", "marked-for-release"), std::slice::from_ref(&waiting));
+        assert_eq!(answered.changes[0].action, ChangeAction::AnswerTakeover, "a deleted node cannot answer");
     }
 
     #[test]

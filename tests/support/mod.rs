@@ -10,6 +10,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use e2e::cni::{Invocation, NodeInfo, PodArgs};
+use e2e::kubelet::Sandbox;
 use e2e::process::Component;
 use e2e::wait::{self, Probe};
 use e2e::{Cluster, ClusterOptions, CniNetwork, Error};
@@ -247,6 +249,24 @@ pub async fn inject_record(client: &Client, pool: &str, block: &str, cidr: &str,
     panic!("injecting a record into {block}: too many conflicts");
 }
 
+/// Sends the DEL that node `index`'s runtime held back for `sandbox` of pod
+/// `namespace`/`name` (UID `uid`), through the real plugin, as a runtime does late.
+pub async fn late_del(ipwarden: &Ipwarden, index: usize, namespace: &str, name: &str, uid: &str, sandbox: &Sandbox) {
+    let node = &ipwarden.cluster.nodes()[index];
+    let info = NodeInfo { name: node.name().to_string(), index, dir: node.dir().to_path_buf() };
+    let network = network();
+    let netconf = e2e::cni::with_prev_result(&(network.netconf)(&info), &sandbox.result);
+    let args = PodArgs { namespace: namespace.into(), name: name.into(), uid: uid.into() };
+    let del = Invocation {
+        command: "DEL",
+        container_id: &sandbox.container_id,
+        ifname: &sandbox.ifname,
+        pod: Some(&args),
+        netconf: &netconf,
+    };
+    network.invoke(&del).await.expect("the late DEL succeeds");
+}
+
 /// A record as the agent writes it.
 pub fn record_json(
     namespace: &str,
@@ -340,23 +360,6 @@ pub async fn claims(client: &Client, namespace: &str) -> BTreeMap<String, IPClai
         .into_iter()
         .map(|c| (c.name_any(), c))
         .collect()
-}
-
-/// Sends the CNI DEL that node `node`'s runtime held back for `sandbox` of pod `pod` (a late
-/// DEL) through the real plugin, with the sandbox's ADD result as `prevResult`.
-pub async fn late_del(cluster: &Cluster, node: usize, sandbox: &e2e::kubelet::Sandbox, pod: e2e::cni::PodArgs) {
-    let handle = &cluster.nodes()[node];
-    let info = e2e::cni::NodeInfo { name: handle.name().to_string(), index: node, dir: handle.dir().to_path_buf() };
-    let network = network();
-    let netconf = e2e::cni::with_prev_result(&(network.netconf)(&info), &sandbox.result);
-    let del = e2e::cni::Invocation {
-        command: "DEL",
-        container_id: &sandbox.container_id,
-        ifname: &sandbox.ifname,
-        pod: Some(&pod),
-        netconf: &netconf,
-    };
-    network.invoke(&del).await.expect("the late DEL succeeds");
 }
 
 /// Renders the chart's ServiceAccounts and RBAC for release namespace `namespace` (created

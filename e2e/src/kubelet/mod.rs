@@ -27,7 +27,10 @@ use tokio::task::JoinSet;
 use crate::cni::{CniNetwork, NodeInfo};
 use crate::error::{Error, Result};
 
-pub use pods::{EXIT_CODE_ANNOTATION, RUN_SECONDS_ANNOTATION, SKIP_DEL_ANNOTATION, STOP_SECONDS_ANNOTATION};
+pub use pods::{
+    EXIT_CODE_ANNOTATION, EXTRA_INTERFACES_ANNOTATION, RUN_SECONDS_ANNOTATION, SKIP_DEL_ANNOTATION,
+    STOP_SECONDS_ANNOTATION,
+};
 
 /// The field manager of every write the simulated kubelet makes.
 const FIELD_MANAGER: &str = "ipwarden-e2e-kubelet";
@@ -105,6 +108,8 @@ pub struct Sandbox {
     pub result: serde_json::Value,
     /// The IPs of the result.
     pub ips: Vec<String>,
+    /// The secondary interfaces (`e2e.ipwarden.io/extra-interfaces`) and their ADD results.
+    pub extra: Vec<(String, serde_json::Value)>,
 }
 
 /// A simulated node a test can inspect and break.

@@ -41,6 +41,11 @@ pub const STOP_SECONDS_ANNOTATION: &str = "e2e.ipwarden.io/stop-seconds";
 /// apiserver's default for `terminationGracePeriodSeconds`).
 const DEFAULT_GRACE_SECONDS: i64 = 30;
 
+/// Pod annotation: more interfaces of the sandbox, comma-separated (e.g. "net1"), each ADDed
+/// after the pod's own interface with its own `CNI_IFNAME` and DELed before it, as Multus
+/// does for secondary networks.
+pub const EXTRA_INTERFACES_ANNOTATION: &str = "e2e.ipwarden.io/extra-interfaces";
+
 /// How long a worker waits before retrying a failed CNI call or API write.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
 
@@ -53,8 +58,9 @@ pub(super) struct NodeRuntime {
     pub(super) faults: Arc<Faults>,
     pub(super) alive: watch::Receiver<bool>,
     pub(super) sandboxes: Arc<Mutex<HashMap<String, Sandbox>>>,
-    /// Container IDs whose ADD is in flight: they exist for the runtime, so GC lists them.
-    pub(super) pending: Arc<Mutex<HashSet<String>>>,
+    /// Sandboxes whose ADD is in flight, with their interfaces: they exist for the runtime,
+    /// so GC lists them.
+    pub(super) pending: Arc<Mutex<HashMap<String, Vec<String>>>>,
     /// GC takes it for writing while it lists and calls; an ADD takes it for reading only to
     /// register as pending, so no ADD starts between the list and the GC call.
     pub(super) gc_gate: Arc<tokio::sync::RwLock<()>>,
@@ -121,12 +127,17 @@ impl NodeRuntime {
             let mut valid: Vec<Attachment> = self
                 .live_sandboxes()
                 .into_values()
-                .map(|s| Attachment { container_id: s.container_id, ifname: s.ifname })
+                .flat_map(|s| {
+                    let ifnames = std::iter::once(s.ifname).chain(s.extra.into_iter().map(|(ifname, _)| ifname));
+                    let container_id = s.container_id;
+                    ifnames.map(move |ifname| Attachment { container_id: container_id.clone(), ifname })
+                })
                 .collect();
-            let pending: Vec<String> = self.pending.lock().map(|p| p.iter().cloned().collect()).unwrap_or_default();
-            valid.extend(
-                pending.into_iter().map(|container_id| Attachment { container_id, ifname: POD_IFNAME.to_string() }),
-            );
+            let pending: Vec<(String, Vec<String>)> =
+                self.pending.lock().map(|p| p.clone().into_iter().collect()).unwrap_or_default();
+            valid.extend(pending.into_iter().flat_map(|(container_id, ifnames)| {
+                ifnames.into_iter().map(move |ifname| Attachment { container_id: container_id.clone(), ifname })
+            }));
             let netconf = cni::with_valid_attachments(&(self.network.netconf)(&self.node), &valid);
             let call = Invocation { command: "GC", container_id: "", ifname: "", pod: None, netconf: &netconf };
             if let Err(e) = self.network.invoke(&call).await {
@@ -199,16 +210,13 @@ impl NodeRuntime {
         }
         while let Some(container_id) = state.orphans.last() {
             let netconf = (self.network.netconf)(&self.node);
-            let call = Invocation {
-                command: "DEL",
-                container_id,
-                ifname: POD_IFNAME,
-                pod: state.args.as_ref(),
-                netconf: &netconf,
-            };
-            if let Err(e) = self.network.invoke(&call).await {
-                tracing::warn!(node = %self.node.name, pod_uid = %uid, error = %e, "CNI DEL of a failed sandbox failed; retrying");
-                return false;
+            for ifname in state.ifnames.iter().rev() {
+                let call =
+                    Invocation { command: "DEL", container_id, ifname, pod: state.args.as_ref(), netconf: &netconf };
+                if let Err(e) = self.network.invoke(&call).await {
+                    tracing::warn!(node = %self.node.name, pod_uid = %uid, error = %e, "CNI DEL of a failed sandbox failed; retrying");
+                    return false;
+                }
             }
             state.orphans.pop();
         }
@@ -275,6 +283,7 @@ impl NodeRuntime {
         let args = pod_args(pod, uid);
         state.args = Some(args.clone());
         state.skip_del = pod.annotations().get(SKIP_DEL_ANNOTATION).is_some_and(|v| v == "true");
+        state.ifnames = interfaces(pod);
         let netconf = (self.network.netconf)(&self.node);
         let call = Invocation {
             command: "ADD",
@@ -286,15 +295,37 @@ impl NodeRuntime {
         {
             let _gate = self.gc_gate.read().await;
             if let Ok(mut pending) = self.pending.lock() {
-                pending.insert(container_id.clone());
+                pending.insert(container_id.clone(), state.ifnames.clone());
             }
         }
-        let next = self.finish_add(uid, pod, state, container_id.clone(), self.network.invoke(&call).await);
+        let primary = self.network.invoke(&call).await;
+        let extra = match &primary {
+            Ok(Some(_)) => self.add_extra_interfaces(&container_id, &args, &state.ifnames[1..], &netconf).await,
+            _ => Ok(Vec::new()),
+        };
+        let next = self.finish_add(uid, pod, state, container_id.clone(), primary.and_then(|r| Ok((r, extra?))));
         // Only now is the sandbox either recorded as live or given up: until then GC lists it.
         if let Ok(mut pending) = self.pending.lock() {
             pending.remove(&container_id);
         }
         next
+    }
+
+    /// ADDs the sandbox's secondary interfaces one by one; their results by interface.
+    async fn add_extra_interfaces(
+        &self,
+        container_id: &str,
+        args: &PodArgs,
+        ifnames: &[String],
+        netconf: &Value,
+    ) -> crate::error::Result<ExtraResults> {
+        let mut results = Vec::new();
+        for ifname in ifnames {
+            let call = Invocation { command: "ADD", container_id, ifname, pod: Some(args), netconf };
+            let result = self.network.invoke(&call).await?.unwrap_or(Value::Null);
+            results.push((ifname.clone(), result));
+        }
+        Ok(results)
     }
 
     fn finish_add(
@@ -303,11 +334,11 @@ impl NodeRuntime {
         pod: &Pod,
         state: &mut PodState,
         container_id: String,
-        outcome: crate::error::Result<Option<serde_json::Value>>,
+        outcome: crate::error::Result<(Option<Value>, ExtraResults)>,
     ) -> Next {
-        let result = match outcome {
-            Ok(Some(result)) => result,
-            Ok(None) => {
+        let (result, extra) = match outcome {
+            Ok((Some(result), extra)) => (result, extra),
+            Ok((None, _)) => {
                 tracing::warn!(node = %self.node.name, pod = %pod_key(pod), "CNI ADD printed no result; retrying");
                 state.orphans.push(container_id);
                 return Next::Retry;
@@ -328,6 +359,7 @@ impl NodeRuntime {
             ifname: POD_IFNAME.to_string(),
             ips: cni::result_ips(&result),
             result,
+            extra,
         };
         self.record_sandbox(uid, Some(sandbox.clone()));
         state.sandbox = Some(sandbox);
@@ -342,19 +374,23 @@ impl NodeRuntime {
         if self.faults.skip_del() || state.skip_del {
             tracing::info!(node = %self.node.name, pod = %sandbox.pod, container_id = %sandbox.container_id, "fault: CNI DEL skipped");
         } else {
-            let netconf = cni::with_prev_result(&(self.network.netconf)(&self.node), &sandbox.result);
             let (namespace, name) = sandbox.pod.split_once('/').unwrap_or(("", &sandbox.pod));
             let args = PodArgs { namespace: namespace.to_string(), name: name.to_string(), uid: uid.to_string() };
-            let call = Invocation {
-                command: "DEL",
-                container_id: &sandbox.container_id,
-                ifname: &sandbox.ifname,
-                pod: Some(&args),
-                netconf: &netconf,
-            };
-            if let Err(e) = self.network.invoke(&call).await {
-                tracing::warn!(node = %self.node.name, pod = %sandbox.pod, error = %e, "CNI DEL failed; retrying");
-                return false;
+            // Secondary interfaces first, the pod's own last, as Multus tears them down.
+            let own = (sandbox.ifname.clone(), sandbox.result.clone());
+            for (ifname, result) in sandbox.extra.iter().rev().chain(std::iter::once(&own)) {
+                let netconf = cni::with_prev_result(&(self.network.netconf)(&self.node), result);
+                let call = Invocation {
+                    command: "DEL",
+                    container_id: &sandbox.container_id,
+                    ifname,
+                    pod: Some(&args),
+                    netconf: &netconf,
+                };
+                if let Err(e) = self.network.invoke(&call).await {
+                    tracing::warn!(node = %self.node.name, pod = %sandbox.pod, %ifname, error = %e, "CNI DEL failed; retrying");
+                    return false;
+                }
             }
         }
         self.record_sandbox(uid, None);
@@ -395,6 +431,9 @@ impl NodeRuntime {
     }
 }
 
+/// The ADD results of a sandbox's secondary interfaces, by interface.
+type ExtraResults = Vec<(String, Value)>;
+
 /// What a worker does after one convergence step.
 enum Next {
     /// The pod is gone and its sandbox torn down.
@@ -421,6 +460,8 @@ struct PodState {
     args: Option<PodArgs>,
     /// The pod asks for its DEL to be lost ([`SKIP_DEL_ANNOTATION`]).
     skip_del: bool,
+    /// The sandbox's interfaces: the pod's own first, then [`EXTRA_INTERFACES_ANNOTATION`]'s.
+    ifnames: Vec<String>,
 }
 
 fn pod_key(pod: &Pod) -> String {
@@ -429,6 +470,15 @@ fn pod_key(pod: &Pod) -> String {
 
 fn pod_args(pod: &Pod, uid: &str) -> PodArgs {
     PodArgs { namespace: pod.namespace().unwrap_or_default(), name: pod.name_any(), uid: uid.to_string() }
+}
+
+/// The sandbox's interfaces: [`POD_IFNAME`], then those the pod's
+/// [`EXTRA_INTERFACES_ANNOTATION`] lists.
+fn interfaces(pod: &Pod) -> Vec<String> {
+    let extra = pod.annotations().get(EXTRA_INTERFACES_ANNOTATION).map(String::as_str).unwrap_or_default();
+    std::iter::once(POD_IFNAME.to_string())
+        .chain(extra.split(',').map(str::trim).filter(|i| !i.is_empty()).map(str::to_string))
+        .collect()
 }
 
 fn annotation_u64(pod: &Pod, key: &str) -> Option<u64> {
@@ -577,6 +627,12 @@ mod test {
         assert_eq!(grace_seconds(&deleted), 60);
         deleted.metadata.deletion_grace_period_seconds = Some(5);
         assert_eq!(grace_seconds(&deleted), 5, "a delete with its own grace overrides the spec");
+    }
+
+    #[test]
+    fn extra_interfaces_follow_the_pods_own_in_the_annotations_order() {
+        assert_eq!(interfaces(&pod(json!({}))), ["eth0"]);
+        assert_eq!(interfaces(&pod(json!({EXTRA_INTERFACES_ANNOTATION: "net1, net2,"}))), ["eth0", "net1", "net2"]);
     }
 
     #[test]

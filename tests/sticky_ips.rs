@@ -1,0 +1,409 @@
+//! Sticky IPs of StatefulSet pods on the real control plane, with real agents and the real
+//! plugin: a recreated pod taking its IP over from a sandbox still attached (late DEL, lost
+//! node) and from a detached one (ordinary restart), a late DEL of a superseded sandbox, pods
+//! with several interfaces, and a hand-edited IPClaim.
+
+mod support;
+
+use e2e::cni::{Invocation, NodeInfo, PodArgs};
+use e2e::kubelet::{EXTRA_INTERFACES_ANNOTATION, Sandbox};
+use e2e::wait::{self, Probe};
+use ipwarden::crd::{Allocation, HandshakeState, IPBlock, IPClaim};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use support::{Ipwarden, TIMEOUT, claims, ip_of, metric, pod_template, records};
+
+const NS: &str = "default";
+const POOL: &str = "pool";
+const CIDR: &str = "10.74.0.0/24";
+
+/// Creates StatefulSet `web` with one replica whose pods carry `annotations` and `spec`.
+async fn create_web(client: &kube::Client, annotations: serde_json::Value, spec: serde_json::Value) {
+    let mut template = pod_template("web", spec);
+    template["metadata"]["annotations"] = annotations;
+    let sts: StatefulSet = serde_json::from_value(json!({
+        "metadata": {"name": "web"},
+        "spec": {"replicas": 1, "serviceName": "web", "selector": {"matchLabels": {"app": "web"}},
+                 "template": template},
+    }))
+    .expect("sts");
+    Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &sts).await.expect("create web");
+}
+
+/// Waits for a web-0 that reports an IP and whose UID is not `not_uid`.
+async fn wait_web0(client: &kube::Client, not_uid: &str, what: &str) -> Pod {
+    wait::until(what, TIMEOUT, || async {
+        let pods = support::pods_with_ips(client, NS, "app=web").await?;
+        Ok(match pods.get("web-0") {
+            Some(pod) if pod.uid().unwrap_or_default() != not_uid => Probe::Done(pod.clone()),
+            _ => Probe::Pending(format!("web-0: {:?}", pods.get("web-0").map(|p| p.uid()))),
+        })
+    })
+    .await
+    .expect("web-0 runs")
+}
+
+/// Deletes web-0 the ordinary way and waits for its successor.
+async fn restart_web0(client: &kube::Client, pod: &Pod) -> Pod {
+    let uid = pod.uid().unwrap_or_default();
+    Api::<Pod>::namespaced(client.clone(), NS).delete("web-0", &DeleteParams::default()).await.expect("delete web-0");
+    wait_web0(client, &uid, "web-0 recreated after an ordinary restart").await
+}
+
+/// The IP of the record of `uid`'s interface `ifname`.
+fn record_ip(records: &std::collections::BTreeMap<String, Allocation>, uid: &str, ifname: &str) -> Option<String> {
+    records.iter().find(|(_, r)| r.pod.uid == uid && r.interface == ifname).map(|(ip, _)| ip.clone())
+}
+
+/// Marks node `name` (un)schedulable, as `kubectl cordon` / `uncordon` do.
+async fn cordon(client: &kube::Client, name: &str, unschedulable: bool) {
+    let patch = json!({"spec": {"unschedulable": unschedulable}});
+    Api::<Node>::all(client.clone()).patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await.expect("cordon");
+}
+
+/// Force-deletes web-0 on node `index` while that node's runtime holds its DEL back;
+/// returns the sandbox left behind.
+async fn force_delete_holding_del(ipwarden: &Ipwarden, index: usize, pod: &Pod) -> Sandbox {
+    let client = ipwarden.client();
+    let node = &ipwarden.cluster.nodes()[index];
+    let uid = pod.uid().unwrap_or_default();
+    let sandbox = node.sandboxes().remove(&uid).expect("web-0's sandbox");
+    node.faults().set_skip_del(true);
+    let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+    Api::<Pod>::namespaced(client.clone(), NS).delete("web-0", &force).await.expect("force delete");
+    wait::until("the runtime dropping web-0's sandbox without DEL", TIMEOUT, || async {
+        Ok(if node.sandboxes().contains_key(&uid) { Probe::Pending("still up".into()) } else { Probe::Done(()) })
+    })
+    .await
+    .expect("sandbox dropped");
+    node.faults().set_skip_del(false);
+    sandbox
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_del_of_a_superseded_sandbox_leaves_the_new_owners_claim_and_the_ip_stays_sticky() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let agent_args = ["--release-sandbox-grace-seconds=2", "--reuse-cooldown-seconds=0"];
+    let ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let client = ipwarden.client();
+    cordon(&client, "node-1", true).await;
+    create_web(&client, json!({}), json!({})).await;
+    let first = wait_web0(&client, "", "web-0 on node-0").await;
+    let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
+
+    // web-0 is force-deleted on node-0, whose runtime holds the DEL back, and comes back on
+    // node-1 with a new UID, taking the sticky IP and the claim over.
+    cordon(&client, "node-0", true).await;
+    cordon(&client, "node-1", false).await;
+    let sandbox = force_delete_holding_del(&ipwarden, 0, &first).await;
+    let second = wait_web0(&client, &first_uid, "web-0 recreated on node-1").await;
+    let second_uid = second.uid().unwrap_or_default();
+    assert_eq!(ip_of(&second), ip, "the recreated web-0 keeps its IP");
+    assert_eq!(claims(&client, NS).await.get("web-0").map(|c| c.spec.pod_uid.clone()), Some(second_uid.clone()));
+
+    // The old sandbox's DEL arrives late on node-0: it must not touch the new owner's claim.
+    support::late_del(&ipwarden, 0, NS, "web-0", &first_uid, &sandbox).await;
+    let claim = claims(&client, NS).await.remove("web-0");
+    assert_eq!(claim.map(|c| c.spec.pod_uid), Some(second_uid.clone()), "the late DEL left the new owner's claim");
+    let held = records(&client).await.get(&ip).map(|r| r.pod.uid.clone());
+    assert_eq!(held, Some(second_uid.clone()), "and its record");
+
+    // Another ordinary restart: web-0 still gets its IP back.
+    let third = restart_web0(&client, &second).await;
+    assert_eq!(ip_of(&third), ip, "the IP stays sticky after the late DEL");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_interface_of_a_sticky_pod_keeps_its_ip_across_a_restart() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    let mut ipwarden = ipwarden;
+    let controller = ipwarden.start_controller("controller", &["--full-scan-interval-seconds=2"]);
+    ipwarden.wait_leader(controller).await;
+    create_web(&client, json!({EXTRA_INTERFACES_ANNOTATION: "net1"}), json!({"nodeName": "node-0"})).await;
+    let first = wait_web0(&client, "", "web-0 with eth0 and net1").await;
+    let first_uid = first.uid().unwrap_or_default();
+    let before = records(&client).await;
+    let eth0 = record_ip(&before, &first_uid, "eth0").expect("eth0 record");
+    let net1 = record_ip(&before, &first_uid, "net1").expect("net1 record");
+    assert_ne!(eth0, net1);
+
+    let second = restart_web0(&client, &first).await;
+    let second_uid = second.uid().unwrap_or_default();
+    let net1_of_second = wait::until("the new web-0's net1 attached", TIMEOUT, || async {
+        Ok(match record_ip(&records(&client).await, &second_uid, "net1") {
+            Some(ip) => Probe::Done(ip),
+            None => Probe::Pending("no net1 record of the new web-0".into()),
+        })
+    })
+    .await
+    .expect("net1 attached");
+    assert_eq!(ip_of(&second), eth0, "eth0 keeps its IP");
+    assert_eq!(net1_of_second, net1, "net1 keeps its IP");
+    let claim = claims(&client, NS).await.remove("web-0").expect("claim");
+    let claimed: Vec<(String, String)> = claim
+        .spec
+        .interfaces
+        .iter()
+        .flat_map(|i| i.ips.iter().map(move |ip| (i.interface.clone(), ip.ip.clone())))
+        .collect();
+    assert_eq!(claimed.len(), 2, "the claim lists both interfaces: {claimed:?}");
+    assert!(claimed.contains(&("net1".to_string(), net1.clone())), "{claimed:?}");
+
+    // The controller's sweeps leave both records with the new pod.
+    ipwarden.wait_sweeps(controller, 2).await;
+    let after = records(&client).await;
+    assert_eq!(record_ip(&after, &second_uid, "eth0"), Some(eth0));
+    assert_eq!(record_ip(&after, &second_uid, "net1"), Some(net1));
+    assert_eq!(after.len(), 2, "no other record: {:?}", after.keys().collect::<Vec<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_naming_another_block_is_refused_and_never_makes_the_agent_write_that_object() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    create_web(&client, json!({}), json!({"nodeName": "node-0"})).await;
+    let first = wait_web0(&client, "", "web-0 running").await;
+    let ip = ip_of(&first);
+    let claims_api: Api<IPClaim> = Api::namespaced(client.clone(), NS);
+    let canonical = claims_api.get("web-0").await.expect("claim").spec.interfaces[0].ips[0].block.clone();
+
+    // Someone points the claim at another object; web-0 restarts.
+    let tampered = "kube-system-evil";
+    let mut claim = claims_api.get("web-0").await.expect("claim");
+    claim.spec.interfaces[0].ips[0].block = tampered.to_string();
+    claims_api.replace("web-0", &PostParams::default(), &claim).await.expect("tamper with the claim");
+    let first_uid = first.uid().unwrap_or_default();
+    Api::<Pod>::namespaced(client.clone(), NS).delete("web-0", &DeleteParams::default()).await.expect("delete web-0");
+    let refused = wait::until("the agent refusing the tampered claim (or using it)", TIMEOUT, || async {
+        let text = ipwarden.scrape_agent(0).await;
+        let refused = metric(&text, r#"ipwarden_agent_allocations_total{result="invalid_claim"}"#);
+        let running = support::pods_with_ips(&client, NS, "app=web").await?;
+        let recreated = running.get("web-0").is_some_and(|p| p.uid().unwrap_or_default() != first_uid);
+        Ok(if refused >= 1.0 || recreated {
+            Probe::Done(refused)
+        } else {
+            Probe::Pending("web-0 not added yet".into())
+        })
+    })
+    .await
+    .expect("the ADD is answered");
+    let blocks: Vec<String> = Api::<IPBlock>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .expect("blocks")
+        .items
+        .iter()
+        .map(|b| b.name_any())
+        .collect();
+    assert_eq!(blocks, std::slice::from_ref(&canonical), "no object named by the claim was written");
+    assert!(refused >= 1.0, "the ADD was refused as an invalid claim");
+    let held = records(&client).await.get(&ip).map(|r| r.pod.uid.clone());
+    assert_eq!(held, Some(first_uid.clone()), "the reservation stays with the old pod meanwhile");
+
+    // The claim is put right: web-0 gets its sticky IP back.
+    let mut claim = claims_api.get("web-0").await.expect("claim");
+    claim.spec.interfaces[0].ips[0].block = canonical;
+    claims_api.replace("web-0", &PostParams::default(), &claim).await.expect("repair the claim");
+    let second = wait_web0(&client, &first_uid, "web-0 running again").await;
+    assert_eq!(ip_of(&second), ip);
+}
+
+/// The record of `ip`: its pod UID, and its handshake's state and waiting pod, if any.
+async fn record_of(client: &kube::Client, ip: &str) -> Option<(String, Option<HandshakeState>, Option<String>)> {
+    records(client).await.get(ip).map(|r| {
+        let handshake = r.release_handshake.as_ref();
+        (
+            r.pod.uid.clone(),
+            handshake.map(|h| h.state),
+            handshake.and_then(|h| h.takeover.as_ref()).map(|t| t.pod.uid.clone()),
+        )
+    })
+}
+
+/// The pod named web-0 right now (running or not).
+async fn web0(client: &kube::Client) -> Option<Pod> {
+    Api::<Pod>::namespaced(client.clone(), NS).get_opt("web-0").await.expect("read web-0")
+}
+
+/// Waits for a web-0 whose UID is not `not_uid` (it need not run yet).
+async fn wait_new_web0(client: &kube::Client, not_uid: &str) -> Pod {
+    wait::until("web-0 recreated", TIMEOUT, || async {
+        Ok(match web0(client).await {
+            Some(pod) if pod.uid().unwrap_or_default() != not_uid => Probe::Done(pod),
+            other => Probe::Pending(format!("{:?}", other.map(|p| p.uid()))),
+        })
+    })
+    .await
+    .expect("web-0 recreated")
+}
+
+/// Agent `index`'s count of ADDs that waited for a sticky takeover.
+async fn takeover_waits(ipwarden: &Ipwarden, index: usize) -> f64 {
+    metric(&ipwarden.scrape_agent(index).await, r#"ipwarden_agent_allocations_total{result="awaiting_takeover"}"#)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recreated_sticky_pod_waits_while_its_old_sandbox_is_attached_and_takes_the_ip_after_the_late_del() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    // The old node's agent never gives up on the sandbox by itself here: only its DEL frees it.
+    let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
+    let mut ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let client = ipwarden.client();
+    let controller = ipwarden.start_controller("controller", &["--full-scan-interval-seconds=2"]);
+    ipwarden.wait_leader(controller).await;
+    cordon(&client, "node-1", true).await;
+    create_web(&client, json!({}), json!({})).await;
+    let first = wait_web0(&client, "", "web-0 on node-0").await;
+    let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
+
+    // web-0 is force-deleted while node-0's runtime holds its DEL back (a partitioned or
+    // slow node): the sandbox still has the IP when web-0 comes back on node-1.
+    cordon(&client, "node-0", true).await;
+    cordon(&client, "node-1", false).await;
+    let sandbox = force_delete_holding_del(&ipwarden, 0, &first).await;
+    let second = wait_new_web0(&client, &first_uid).await;
+    let second_uid = second.uid().unwrap_or_default();
+    wait::until("node-1's ADDs of web-0 waiting for the takeover (or web-0 running)", TIMEOUT, || async {
+        let waits = takeover_waits(&ipwarden, 1).await;
+        let running = web0(&client).await.is_some_and(|p| !ip_of(&p).is_empty());
+        Ok(if waits >= 3.0 || running { Probe::Done(()) } else { Probe::Pending(format!("{waits} waits")) })
+    })
+    .await
+    .expect("ADD answered");
+    let waiting = web0(&client).await.expect("web-0");
+    assert_eq!(ip_of(&waiting), "", "the new web-0 has no IP while the old sandbox holds it");
+    // The controller's sweeps leave the agent's takeover mark alone.
+    ipwarden.wait_sweeps(controller, 2).await;
+    let held = record_of(&client, &ip).await;
+    let marked = Some((first_uid.clone(), Some(HandshakeState::MarkedForRelease), Some(second_uid.clone())));
+    assert_eq!(held, marked, "the old sandbox's record is marked for web-0's takeover, not taken");
+    assert_eq!(ip_of(&web0(&client).await.expect("web-0")), "", "still waiting");
+
+    // What the runtime hears: a retryable error naming the pod, the node and the IP.
+    let node = &ipwarden.cluster.nodes()[1];
+    let info = NodeInfo { name: node.name().to_string(), index: 1, dir: node.dir().to_path_buf() };
+    let network = support::network();
+    let netconf = (network.netconf)(&info);
+    let args = PodArgs { namespace: NS.into(), name: "web-0".into(), uid: second_uid.clone() };
+    let add = Invocation { command: "ADD", container_id: "probe", ifname: "eth0", pod: Some(&args), netconf: &netconf };
+    let refused = network.invoke(&add).await.expect_err("ADD must wait").to_string();
+    for part in ["code 11", "web-0", "node-0", ip.as_str()] {
+        assert!(refused.contains(part), "{part:?} missing from {refused}");
+    }
+
+    // The late DEL detaches the old sandbox: web-0 takes its IP over at once.
+    support::late_del(&ipwarden, 0, NS, "web-0", &first_uid, &sandbox).await;
+    let running = wait_web0(&client, &first_uid, "web-0 running on node-1").await;
+    assert_eq!(ip_of(&running), ip, "the sticky IP, once no other sandbox holds it");
+    assert_eq!(record_of(&client, &ip).await, Some((second_uid.clone(), None, None)));
+    assert_eq!(claims(&client, NS).await.get("web-0").map(|c| c.spec.pod_uid.clone()), Some(second_uid));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_pod_takes_its_ip_over_from_a_lost_node_only_under_the_not_ready_policy() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
+    let mut ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let client = ipwarden.client();
+    let after = 20;
+    let policy = format!("--not-ready-release-after-seconds={after}");
+    let args = ["--full-scan-interval-seconds=300", "--not-ready-policy=release", policy.as_str()];
+    let controller = ipwarden.start_controller("controller", &args);
+    ipwarden.wait_leader(controller).await;
+    cordon(&client, "node-1", true).await;
+    create_web(&client, json!({}), json!({})).await;
+    let first = wait_web0(&client, "", "web-0 on node-0").await;
+    let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
+
+    // node-0 is lost with web-0's sandbox on it; web-0 is force-deleted and comes back on node-1.
+    ipwarden.cluster.nodes()[0].lose();
+    let since = wait::until("node-0 NotReady", TIMEOUT, || async {
+        let node = Api::<Node>::all(client.clone()).get("node-0").await.map_err(e2e::Error::kube("get node"))?;
+        let ready = node.status.and_then(|s| s.conditions).and_then(|c| c.into_iter().find(|c| c.type_ == "Ready"));
+        Ok(match ready {
+            Some(c) if c.status != "True" => Probe::Done(c.last_transition_time.map(|t| t.0).expect("transition")),
+            _ => Probe::Pending("still Ready".into()),
+        })
+    })
+    .await
+    .expect("node-0 NotReady");
+    cordon(&client, "node-0", true).await;
+    cordon(&client, "node-1", false).await;
+    let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+    Api::<Pod>::namespaced(client.clone(), NS).delete("web-0", &force).await.expect("force delete");
+    let running = wait_web0(&client, &first_uid, "web-0 running on node-1").await;
+    let second_uid = running.uid().unwrap_or_default();
+    assert_eq!(ip_of(&running), ip, "web-0 keeps its IP");
+    let claim = claims(&client, NS).await.remove("web-0").expect("claim");
+    let due = since.checked_add(jiff::SignedDuration::from_secs(after)).expect("due");
+    assert!(claim.spec.bound_at.0 >= due, "taken over at {} before the policy's bound {due}", claim.spec.bound_at.0);
+    assert!(takeover_waits(&ipwarden, 1).await >= 1.0, "the ADD waited for the takeover");
+    let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+    let answered = support::metric_sum(&text, "ipwarden_gc_release_handshakes_total", &["step=\"answered_for_agent\""]);
+    assert_eq!(answered, 1.0, "the controller answered for node-0's agent");
+
+    // node-0 comes back and its runtime finally DELs the old sandbox: that DEL touches
+    // neither the new owner's record nor its claim.
+    ipwarden.cluster.nodes()[0].recover();
+    let node = &ipwarden.cluster.nodes()[0];
+    wait::until("node-0's runtime tearing the old sandbox down", TIMEOUT, || async {
+        Ok(if node.sandboxes().is_empty() { Probe::Done(()) } else { Probe::Pending("still up".into()) })
+    })
+    .await
+    .expect("old sandbox torn down");
+    assert_eq!(record_of(&client, &ip).await, Some((second_uid.clone(), None, None)));
+    assert_eq!(claims(&client, NS).await.get("web-0").map(|c| c.spec.pod_uid.clone()), Some(second_uid));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordinary_sticky_restart_takes_its_ip_back_without_waiting() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    create_web(&client, json!({}), json!({"nodeName": "node-0"})).await;
+    let mut pod = wait_web0(&client, "", "web-0 running").await;
+    let ip = ip_of(&pod);
+    let mut took = Vec::new();
+    for _ in 0..3 {
+        let started = std::time::Instant::now();
+        pod = restart_web0(&client, &pod).await;
+        took.push(started.elapsed().as_millis());
+        assert_eq!(ip_of(&pod), ip, "an ordinary restart keeps the IP");
+    }
+    println!("ordinary sticky restart, delete to new web-0 running with its IP (ms): {took:?}");
+    assert_eq!(takeover_waits(&ipwarden, 0).await, 0.0, "a detached sandbox is taken over without a handshake");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_pod_recreated_on_the_same_node_waits_for_its_old_sandbox_too() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
+    let ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let client = ipwarden.client();
+    create_web(&client, json!({}), json!({"nodeName": "node-0"})).await;
+    let first = wait_web0(&client, "", "web-0 on node-0").await;
+    let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
+
+    // The old sandbox is still in node-0's own checkpoint when web-0 comes back there.
+    let sandbox = force_delete_holding_del(&ipwarden, 0, &first).await;
+    let second_uid = wait_new_web0(&client, &first_uid).await.uid().unwrap_or_default();
+    wait::until("node-0's ADDs of web-0 waiting for the takeover", TIMEOUT, || async {
+        let waits = takeover_waits(&ipwarden, 0).await;
+        Ok(if waits >= 2.0 { Probe::Done(()) } else { Probe::Pending(format!("{waits} waits")) })
+    })
+    .await
+    .expect("ADD waits");
+    assert_eq!(ip_of(&web0(&client).await.expect("web-0")), "", "no IP while the old sandbox holds it");
+    assert_eq!(record_of(&client, &ip).await.map(|r| r.0), Some(first_uid.clone()), "not taken yet");
+
+    support::late_del(&ipwarden, 0, NS, "web-0", &first_uid, &sandbox).await;
+    let running = wait_web0(&client, &first_uid, "web-0 running again").await;
+    assert_eq!(ip_of(&running), ip);
+    assert_eq!(record_of(&client, &ip).await, Some((second_uid, None, None)));
+}
