@@ -156,6 +156,18 @@ impl ClusterIndex {
         index
     }
 
+    /// Takes each Ready node in `stale_agents` (node -> when its agent Lease went stale) as
+    /// NotReady since then: its agent cannot answer the release handshake, so the NotReady
+    /// policy applies to its records as to those of a node that stopped reporting.
+    pub fn with_stale_agents(mut self, stale_agents: &HashMap<String, Timestamp>) -> Self {
+        for (node, since) in stale_agents {
+            if let Some(state) = self.nodes.get_mut(node).filter(|s| **s == NodeState::Ready) {
+                *state = NodeState::NotReady(*since);
+            }
+        }
+        self
+    }
+
     /// Whether a sticky record's owner still wants it. A StatefulSet answers by its
     /// replicas and ordinals; other sticky owners (KubeVirt) are kept: the controller does
     /// not watch their APIs, and keeping a reservation is the safe side.
@@ -173,7 +185,8 @@ impl ClusterIndex {
     }
 
     /// Whether the record's node has an agent that can answer the release handshake: the
-    /// record names a node, and that node exists and is Ready.
+    /// record names a node, and that node exists, is Ready and (see
+    /// [`ClusterIndex::with_stale_agents`]) has a live agent Lease.
     pub fn agent_can_answer(&self, record: &Allocation) -> bool {
         !record.node.is_empty() && self.nodes.get(&record.node) == Some(&NodeState::Ready)
     }
