@@ -35,9 +35,17 @@ pub fn decide(state: &LeaseState<'_>, me: &str, unchanged_for: Duration, default
     match state.holder.filter(|h| !h.is_empty()) {
         None => LeaseAction::Acquire,
         Some(holder) if holder == me => LeaseAction::Renew,
-        Some(_) if unchanged_for >= state.duration.unwrap_or(default_duration) => LeaseAction::Acquire,
+        Some(_) if expired_for(unchanged_for, state.duration.unwrap_or(default_duration)).is_some() => {
+            LeaseAction::Acquire
+        }
         Some(_) => LeaseAction::Standby,
     }
+}
+
+/// How long ago a lease of `duration`, seen unchanged for `unchanged_for`, expired; None
+/// while it is live. The one staleness rule for every Lease ipwarden judges.
+pub fn expired_for(unchanged_for: Duration, duration: Duration) -> Option<Duration> {
+    unchanged_for.checked_sub(duration)
 }
 
 /// When this replica last saw the lease record change, on its own monotonic clock.

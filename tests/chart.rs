@@ -21,13 +21,14 @@ use support::TIMEOUT;
 const NAMESPACE: &str = "ipwarden-system";
 
 /// The alerts the PrometheusRule must hold, each with a section in docs/alerts.md.
-const ALERTS: [&str; 8] = [
+const ALERTS: [&str; 9] = [
     "IpwardenPoolNearlyExhausted",
     "IpwardenPoolExhausted",
     "IpwardenLeakCandidatesGrowing",
     "IpwardenReleaseFailures",
     "IpwardenAgentReleaseErrors",
     "IpwardenNoLeader",
+    "IpwardenNodesWithoutLiveAgent",
     "IpwardenIpConflicts",
     "IpwardenRecordConflictsFound",
 ];
@@ -172,7 +173,7 @@ async fn the_chart_lints_and_renders_restricted_workloads_least_privilege_rbac_a
         e2e::process::run_tool(&promtool, &["check".into(), "rules".into(), rules_file.display().to_string()], None)
             .await
             .expect("promtool check rules accepts the alerts");
-    assert!(checked.contains("SUCCESS: 8 rules found"), "promtool found every rule: {checked}");
+    assert!(checked.contains("SUCCESS: 9 rules found"), "promtool found every rule: {checked}");
 
     let refused = helm.template("ipwarden", NAMESPACE, &["controller.replicas=0"], &[]).await;
     let message = refused.expect_err("the schema refuses zero controller replicas").to_string();

@@ -126,7 +126,10 @@ async fn an_ip_still_used_on_its_node_is_never_freed_even_across_a_controller_re
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mark_waits_for_a_dead_agent_is_aborted_when_wanted_again_and_a_not_ready_node_follows_the_policy() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let mut ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    // The agents' Leases last an hour: a dead agent counts as alive throughout, so its marks
+    // wait (tests/agent_heartbeat.rs covers the Lease going stale).
+    let agents = ["--lease-duration-seconds=3600"];
+    let mut ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agents).await;
     let client = ipwarden.client();
     let policy =
         ["--full-scan-interval-seconds=2", "--not-ready-policy=release", "--not-ready-release-after-seconds=1"];

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, ServiceAccount};
 use kube::Client;
-use kube::api::{Api, ListParams};
+use kube::api::{Api, DeleteParams, ListParams};
 
 use crate::binaries::{self, ControlPlaneBinaries};
 use crate::cni::CniNetwork;
@@ -52,6 +52,7 @@ pub struct Cluster {
     dir: PathBuf,
     control_plane: ControlPlane,
     nodes: Vec<NodeHandle>,
+    network: CniNetwork,
     keep: bool,
     stopped: bool,
 }
@@ -78,6 +79,7 @@ impl Cluster {
             dir,
             control_plane,
             nodes: Vec::new(),
+            network: network.clone(),
             keep: std::env::var(KEEP_ENV).is_ok_and(|v| v == "1"),
             stopped: false,
         };
@@ -125,6 +127,36 @@ impl Cluster {
     /// The simulated nodes.
     pub fn nodes(&self) -> &[NodeHandle] {
         &self.nodes
+    }
+
+    /// Removes node `index` as when its machine leaves: its kubelet stops and the Node
+    /// object is deleted (its pods stay, as they do until the pod GC deletes them).
+    pub async fn delete_node(&mut self, index: usize) -> Result<()> {
+        self.nodes[index].stop();
+        let name = self.nodes[index].name().to_string();
+        let nodes: Api<Node> = Api::all(self.client());
+        nodes.delete(&name, &DeleteParams::default()).await.map_err(Error::kube(format!("deleting Node {name}")))?;
+        wait::until(&format!("Node {name} gone"), NODES_READY_TIMEOUT, || {
+            let nodes = nodes.clone();
+            let name = name.clone();
+            async move {
+                Ok(match nodes.get_opt(&name).await.map_err(Error::kube(format!("reading Node {name}")))? {
+                    Some(_) => Probe::Pending("still there".to_string()),
+                    None => Probe::Done(()),
+                })
+            }
+        })
+        .await
+    }
+
+    /// Registers node `index` again under its name, as a machine that rejoins with its disk
+    /// (the same directory), with a new kubelet that has no sandbox from before; waits until
+    /// every node is Ready and schedulable.
+    pub async fn reregister_node(&mut self, index: usize) -> Result<()> {
+        let name = self.nodes[index].name().to_string();
+        let dir = self.nodes[index].dir().to_path_buf();
+        self.nodes[index] = kubelet::start_node(self.client(), name, index, dir, self.network.clone()).await?;
+        self.wait_nodes_ready().await
     }
 
     /// The kubectl binary built with the control plane.

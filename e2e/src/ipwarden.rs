@@ -52,7 +52,7 @@ pub fn agent_socket(cluster: &Cluster, node: usize) -> PathBuf {
 pub struct RunAs {
     /// The kubeconfig (the admin's, or a ServiceAccount's from [`crate::accounts`]).
     pub kubeconfig: PathBuf,
-    /// The controller's `--namespace`.
+    /// The controller's and the agents' `--namespace`.
     pub namespace: String,
 }
 
@@ -100,6 +100,7 @@ pub fn start_agent_as(
         format!("--socket={}", dir.join("agent.sock").display()),
         format!("--checkpoint={}", dir.join("checkpoint.json").display()),
         format!("--metrics-address=127.0.0.1:{metrics_port}"),
+        format!("--namespace={}", run_as.namespace),
     ];
     args.extend(extra.iter().map(|a| a.to_string()));
     spawn(binary, &format!("agent-{}", handle.name()), args, dir.join("agent.log"), &run_as.kubeconfig)

@@ -83,6 +83,8 @@ pub struct ControllerMetrics {
     pub conflict_retries: Counter,
     /// IPs that more than one live pod reports (invariant 1 broken; `ipwarden check` names them).
     pub ip_conflicts: Gauge,
+    /// Nodes whose agent Lease is stale or missing.
+    pub nodes_without_live_agent: Gauge,
 }
 
 impl ControllerMetrics {
@@ -105,6 +107,7 @@ impl ControllerMetrics {
             reclaim_latency: Histogram::new(exponential_buckets(0.1, 2.0, 14)),
             conflict_retries: Counter::default(),
             ip_conflicts: Gauge::default(),
+            nodes_without_live_agent: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("ipwarden");
         r.register("gc_releases", "Records released by the GC, by pool, rule and trigger", m.releases.clone());
@@ -135,6 +138,11 @@ impl ControllerMetrics {
         );
         r.register("gc_conflict_retries", "IPBlock writes retried after a conflict", m.conflict_retries.clone());
         r.register("ip_conflicts", "IPs that more than one live pod reports", m.ip_conflicts.clone());
+        r.register(
+            "nodes_without_live_agent",
+            "Nodes whose agent Lease is stale or missing (their records follow the NotReady policy)",
+            m.nodes_without_live_agent.clone(),
+        );
         m
     }
 

@@ -10,6 +10,7 @@
 //!
 //! Decisions come from `crate::gc` (pure); these actors gather caches and write.
 
+pub mod agents;
 pub mod janitor;
 pub mod leader;
 pub mod manual;
@@ -59,18 +60,23 @@ pub struct Caches {
     pub pools: Store<IPPool>,
     /// Owner kinds whose records are sticky.
     pub sticky_kinds: Arc<Vec<String>>,
+    /// The agents' heartbeats.
+    pub agents: agents::AgentLeases,
 }
 
 impl Caches {
     /// The index of the cluster as cached now.
     pub fn index(&self) -> ClusterIndex {
+        let nodes = self.nodes.state();
+        let stale = self.agents.stale(&nodes);
         ClusterIndex::build(
             &self.pods.state(),
-            &self.nodes.state(),
+            &nodes,
             &self.claims.state(),
             &self.statefulsets.state(),
             &self.sticky_kinds,
         )
+        .with_stale_agents(&stale)
     }
 }
 
@@ -184,7 +190,13 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     drain(pool_events);
     let sticky_kinds =
         Arc::new(args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect());
-    let caches = Caches { pods, nodes, claims, statefulsets, blocks, pools, sticky_kinds };
+    let lease_config = watcher::Config::default().labels(crate::agent::heartbeat::NODE_LABEL);
+    let (agent_leases, agent_lease_writer) = reflector::store();
+    let agent_lease_events =
+        reflector(agent_lease_writer, watcher(Api::namespaced(client.clone(), &args.namespace), lease_config));
+    drain(agent_lease_events.default_backoff());
+    let agents = agents::AgentLeases::new(agent_leases.clone(), metrics.nodes_without_live_agent.clone());
+    let caches = Caches { pods, nodes, claims, statefulsets, blocks, pools, sticky_kinds, agents };
 
     let leading = leader::Leadership::default();
     let settings = RuleSettings {
@@ -249,7 +261,8 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         caches_for_wait.claims.wait_until_ready().await?;
         caches_for_wait.statefulsets.wait_until_ready().await?;
         caches_for_wait.blocks.wait_until_ready().await?;
-        caches_for_wait.pools.wait_until_ready().await
+        caches_for_wait.pools.wait_until_ready().await?;
+        agent_leases.wait_until_ready().await
     })
     .await
     .context("caches did not sync in time (are the CRDs installed?)")?

@@ -175,6 +175,23 @@ impl Checkpoint {
         Ok(removed)
     }
 
+    /// Forgets every attachment not in `recorded` (the attachments that records in the
+    /// blocks name) and saves; returns what it forgot. At start, an entry no record names
+    /// holds nothing any more (its records were released while the agent was down, or the
+    /// node was deleted and registered again), so it must not live on as a sandbox.
+    pub fn retain_recorded(
+        &mut self,
+        recorded: &std::collections::BTreeSet<AttachmentKey>,
+    ) -> Result<Vec<CheckpointEntry>, CheckpointError> {
+        let (kept, dropped) = std::mem::take(&mut self.entries).into_iter().partition(|(k, _)| recorded.contains(k));
+        self.entries = kept;
+        let dropped: BTreeMap<AttachmentKey, CheckpointEntry> = dropped;
+        if !dropped.is_empty() {
+            self.save()?;
+        }
+        Ok(dropped.into_values().collect())
+    }
+
     /// Replaces every entry (after rebuilding from the apiserver) and saves.
     pub fn replace_all(&mut self, entries: Vec<CheckpointEntry>) -> Result<(), CheckpointError> {
         self.entries = entries.into_iter().map(|e| (e.key.clone(), e)).collect();
@@ -234,6 +251,19 @@ mod test {
                 block: "p-10-0-0-0-24".into(),
             }],
         }
+    }
+
+    #[test]
+    fn only_entries_that_a_record_names_are_retained() {
+        let path = scratch("retain");
+        let (mut checkpoint, _) = Checkpoint::load(&path).expect("load");
+        checkpoint.insert(entry("recorded")).expect("insert");
+        checkpoint.insert(entry("released")).expect("insert");
+        let recorded = std::collections::BTreeSet::from([entry("recorded").key]);
+        let dropped = checkpoint.retain_recorded(&recorded).expect("retain");
+        assert_eq!(dropped, vec![entry("released")]);
+        let (reloaded, _) = Checkpoint::load(&path).expect("reload");
+        assert_eq!(reloaded.entries().cloned().collect::<Vec<_>>(), vec![entry("recorded")], "saved");
     }
 
     #[test]

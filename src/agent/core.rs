@@ -1043,6 +1043,26 @@ impl Core {
             };
             checkpoint.remove(&key).map_err(checkpoint_error)?;
         }
+        // The attachments that records name on this node: a record's own sandbox, and a live
+        // migration's target sandbox.
+        let recorded: BTreeSet<AttachmentKey> = blocks
+            .items
+            .iter()
+            .flat_map(|b| b.spec.allocations.values())
+            .flat_map(|r| {
+                let own = (r.node == *node).then_some((&r.container_id, &r.interface));
+                let target =
+                    r.migration_target.as_ref().filter(|t| t.node == *node).map(|t| (&t.container_id, &t.interface));
+                own.into_iter().chain(target).map(|(container_id, ifname)| AttachmentKey {
+                    network: r.network.clone(),
+                    container_id: container_id.clone(),
+                    ifname: ifname.clone(),
+                })
+            })
+            .collect();
+        for entry in checkpoint.retain_recorded(&recorded).map_err(checkpoint_error)? {
+            tracing::info!(container_id = %entry.key.container_id, pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name), "start-up GC: no record names this checkpoint entry any more");
+        }
         Ok(stale.len())
     }
 

@@ -5,6 +5,7 @@
 pub mod allocator;
 pub mod checkpoint;
 pub mod core;
+pub mod heartbeat;
 pub mod lock;
 pub mod metrics;
 pub mod pool_status;
@@ -75,6 +76,16 @@ pub struct AgentArgs {
     /// Apply ipwarden's CRDs at start (off when the chart installs them).
     #[arg(long, env = "IPWARDEN_INSTALL_CRDS")]
     pub install_crds: bool,
+    /// The namespace of this node's agent Lease (the agent's own namespace).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    pub namespace: String,
+    /// Seconds the controller waits, seeing the agent Lease unchanged, before it takes this
+    /// agent as gone (and applies the NotReady policy to the node's records).
+    #[arg(long, env = "IPWARDEN_AGENT_LEASE_DURATION_SECONDS", default_value_t = heartbeat::DEFAULT_LEASE_DURATION.as_secs())]
+    pub lease_duration_seconds: u64,
+    /// Seconds between renewals of the agent Lease.
+    #[arg(long, env = "IPWARDEN_AGENT_LEASE_RENEW_SECONDS", default_value_t = 5)]
+    pub lease_renew_seconds: u64,
 }
 
 /// Runs the agent until the process is stopped. Must run inside an actix System.
@@ -163,6 +174,14 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         let freed = crate::hostlocal::collect(data_dir, network, &live, HOST_LOCAL_MIN_AGE, false)?;
         tracing::info!(released = freed.len(), %network, "host-local start-up GC done");
     }
+    let heartbeat = heartbeat::Heartbeat {
+        leases: Api::namespaced(client.clone(), &args.namespace),
+        nodes: Api::all(client.clone()),
+        node: args.node_name.clone(),
+        duration: Duration::from_secs(args.lease_duration_seconds),
+    };
+    heartbeat.renew().await.context("writing the agent Lease")?;
+    tokio::spawn(heartbeat.run(Duration::from_secs(args.lease_renew_seconds.max(1))));
     let allocator = allocator::NodeAllocator::new(core).start();
     tokio::spawn(answer_marks(allocator.clone(), marks));
     let listener =

@@ -157,6 +157,18 @@ impl ClusterIndex {
         index
     }
 
+    /// Takes each Ready node in `stale_agents` (node -> when its agent Lease went stale) as
+    /// NotReady since then: its agent cannot answer the release handshake, so the NotReady
+    /// policy applies to its records as to those of a node that stopped reporting.
+    pub fn with_stale_agents(mut self, stale_agents: &HashMap<String, Timestamp>) -> Self {
+        for (node, since) in stale_agents {
+            if let Some(state) = self.nodes.get_mut(node).filter(|s| **s == NodeState::Ready) {
+                *state = NodeState::NotReady(*since);
+            }
+        }
+        self
+    }
+
     /// Whether a sticky record's owner still wants it. A StatefulSet answers by its
     /// replicas and ordinals; other sticky owners (KubeVirt) are kept: the controller does
     /// not watch their APIs, and keeping a reservation is the safe side.
@@ -174,7 +186,8 @@ impl ClusterIndex {
     }
 
     /// Whether the record's node has an agent that can answer the release handshake: the
-    /// record names a node, and that node exists and is Ready.
+    /// record names a node, and that node exists, is Ready and (see
+    /// [`ClusterIndex::with_stale_agents`]) has a live agent Lease.
     pub fn agent_can_answer(&self, record: &Allocation) -> bool {
         !record.node.is_empty() && self.nodes.get(&record.node) == Some(&NodeState::Ready)
     }
@@ -236,6 +249,47 @@ impl ClusterIndex {
 #[cfg(test)]
 mod test {
     use super::*;
+    use crate::gc::rules::{KeepReason, NotReadyPolicy, ReleaseReason};
+
+    #[test]
+    fn a_ready_node_whose_agent_is_gone_follows_the_not_ready_policy_from_when_its_lease_went_stale() {
+        let record = |node: &str| -> Allocation {
+            serde_json::from_value(serde_json::json!({
+                "pod": {"namespace": "ns", "name": "gone", "uid": "u"}, "node": node, "network": "n",
+                "containerId": "c", "interface": "eth0", "allocatedAt": "2026-01-01T00:00:00Z",
+            }))
+            .expect("record")
+        };
+        let now = Timestamp::from_second(1_780_000_000).expect("now");
+        let stale_since = now - jiff::SignedDuration::from_secs(30);
+        let mut index = ClusterIndex::default();
+        for node in ["dead-agent", "live-agent", "not-ready"] {
+            index.nodes.insert(node.to_string(), NodeState::Ready);
+        }
+        index.nodes.insert("not-ready".to_string(), NodeState::NotReady(now));
+        let stale = HashMap::from([
+            ("dead-agent".to_string(), stale_since),
+            ("not-ready".to_string(), stale_since),
+            ("deleted".to_string(), stale_since),
+        ]);
+        let index = index.with_stale_agents(&stale);
+        assert!(index.agent_can_answer(&record("live-agent")));
+        assert!(!index.agent_can_answer(&record("dead-agent")), "no handshake with a gone agent");
+        assert_eq!(index.nodes.get("not-ready"), Some(&NodeState::NotReady(now)), "NotReady keeps its own since");
+        assert_eq!(index.nodes.get("deleted"), None, "a deleted node stays deleted");
+
+        let keep = RuleSettings { additional_delay: std::time::Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let dead = record("dead-agent");
+        assert_eq!(index.evaluate("10.0.0.1", &dead, now, &keep), Verdict::Keep(KeepReason::NodeNotReady));
+        let release = |secs| RuleSettings {
+            not_ready: NotReadyPolicy::ReleaseAfter(std::time::Duration::from_secs(secs)),
+            ..keep
+        };
+        let verdict = index.evaluate("10.0.0.1", &dead, now, &release(10));
+        assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::NodeNotReady, .. }), "{verdict:?}");
+        let verdict = index.evaluate("10.0.0.1", &dead, now, &release(60));
+        assert_eq!(verdict, Verdict::TraceUntil(stale_since + jiff::SignedDuration::from_secs(60)));
+    }
 
     #[test]
     fn a_terminating_pod_is_terminal_but_only_a_succeeded_or_failed_one_is_finished() {

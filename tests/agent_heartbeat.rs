@@ -1,0 +1,74 @@
+//! The agents' heartbeat on the real control plane: each agent renews a Lease for its node,
+//! and the controller takes a Ready node whose agent Lease went stale as one whose agent
+//! cannot answer the release handshake, so the NotReady policy applies there instead of a
+//! mark that nobody will ever answer.
+
+mod support;
+
+use std::time::Duration;
+
+use e2e::wait::{self, Probe};
+use serde_json::json;
+use support::{Ipwarden, TIMEOUT, inject_record, metric_sum, record_json, records};
+
+const NS: &str = "default";
+const POOL: &str = "pool";
+const BLOCK: &str = "pool-10-73-0-0-24";
+const CIDR: &str = "10.73.0.0/24";
+
+/// The agent Lease's default duration (the agent's `--lease-duration-seconds`), plus the
+/// policy's 1 s, two full-scan intervals and slack for a loaded machine.
+const STALE_AGENT_BOUND: Duration = Duration::from_secs(20 + 1 + 4 + 15);
+
+async fn wait_record_gone(client: &kube::Client, ip: &str, bound: Duration, what: &str) {
+    wait::until(what, bound, || async {
+        Ok(match records(client).await.get(ip) {
+            None => Probe::Done(()),
+            Some(r) => Probe::Pending(format!("record of {ip}: {:?}", r.release_handshake.as_ref().map(|h| h.state))),
+        })
+    })
+    .await
+    .expect("record released");
+}
+
+async fn controller_metric(ipwarden: &Ipwarden, controller: usize, name: &str, labels: &[&str]) -> f64 {
+    let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+    metric_sum(&text, name, labels)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leak_on_a_ready_node_whose_agent_is_gone_is_released_by_the_not_ready_policy() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    let policy =
+        ["--full-scan-interval-seconds=2", "--not-ready-policy=release", "--not-ready-release-after-seconds=1"];
+    let controller = ipwarden.start_controller("only", &policy);
+    ipwarden.wait_leader(controller).await;
+
+    // node-0's agent stops; the fake kubelet keeps node-0 Ready. A leak there is released
+    // by the NotReady policy once the agent's Lease is stale, without a handshake.
+    ipwarden.agents[0].kill();
+    let dead = "10.73.0.200";
+    inject_record(&client, POOL, BLOCK, CIDR, dead, record_json(NS, "ghost-0", "ghost-0-uid", "node-0", None, false))
+        .await;
+    wait_record_gone(&client, dead, STALE_AGENT_BOUND, "the leak on the Ready node without an agent released").await;
+    let released =
+        controller_metric(&ipwarden, controller, "ipwarden_gc_releases_total", &["reason=\"node_not_ready\""]).await;
+    assert_eq!(released, 1.0, "released by the NotReady policy");
+    let without = controller_metric(&ipwarden, controller, "ipwarden_nodes_without_live_agent", &[]).await;
+    assert_eq!(without, 1.0, "node-0 counts as a node without a live agent");
+
+    // node-1's agent is alive: a leak there goes through the handshake as before.
+    let marks = ["step=\"marked\""];
+    let marked_before = controller_metric(&ipwarden, controller, "ipwarden_gc_release_handshakes_total", &marks).await;
+    let live = "10.73.0.201";
+    inject_record(&client, POOL, BLOCK, CIDR, live, record_json(NS, "ghost-1", "ghost-1-uid", "node-1", None, false))
+        .await;
+    wait_record_gone(&client, live, TIMEOUT, "the leak on the node with a live agent released").await;
+    let marked_after = controller_metric(&ipwarden, controller, "ipwarden_gc_release_handshakes_total", &marks).await;
+    assert_eq!(marked_after, marked_before + 1.0, "the live agent's leak was marked and answered");
+    let released =
+        controller_metric(&ipwarden, controller, "ipwarden_gc_releases_total", &["reason=\"node_not_ready\""]).await;
+    assert_eq!(released, 1.0, "only the dead agent's leak skipped the handshake");
+}
