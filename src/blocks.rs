@@ -25,6 +25,9 @@ pub enum Prior {
     /// The IP held this record, which the ADD took over: a sticky reservation, or the record
     /// of the previous pod of the same StatefulSet ordinal or VM.
     Held(Box<Allocation>),
+    /// The ADD attached its sandbox to the record as a live migration's target; the record
+    /// itself stays the source's.
+    Attached,
 }
 
 /// Records `allocation` for `ip`, forgets its release time, and returns what the IP held
@@ -51,7 +54,8 @@ fn names_sandbox(record: &Allocation, container_id: &str, ifname: &str, pod_uid:
 /// IP gets back exactly what `prior` says it held. Unlike a release, an IP the ADD took
 /// fresh is free again with no new cooldown and no sticky reservation (the runtime never got
 /// it, and its retry is a new sandbox), while one it reclaimed goes back to the record it
-/// took over. Returns whether the block changed.
+/// took over, and a migration target the ADD attached is detached from the source's record.
+/// Returns whether the block changed.
 pub fn roll_back(
     spec: &mut IPBlockSpec,
     ip: &str,
@@ -60,10 +64,21 @@ pub fn roll_back(
     pod_uid: &str,
     prior: &Prior,
 ) -> bool {
+    if let Prior::Attached = prior {
+        let Some(record) = spec.allocations.get_mut(ip) else { return false };
+        let ours = record.migration_target.as_ref().is_some_and(|t| {
+            !container_id.is_empty() && t.container_id == container_id && t.interface == ifname && t.pod.uid == pod_uid
+        });
+        if ours {
+            record.migration_target = None;
+        }
+        return ours;
+    }
     if !spec.allocations.get(ip).is_some_and(|r| names_sandbox(r, container_id, ifname, Some(pod_uid))) {
         return false;
     }
     match prior {
+        Prior::Attached => {}
         Prior::Free(released) => {
             spec.allocations.remove(ip);
             if let Some(at) = released {
@@ -394,5 +409,17 @@ mod test {
             "fields are delimited"
         );
         assert_eq!(a.len(), 16);
+    }
+
+    #[test]
+    fn rolling_back_an_attached_migration_target_detaches_only_that_target() {
+        let mut spec = migrating("u2", "c2");
+        assert!(!roll_back(&mut spec, "10.0.0.5", "c9", "eth0", "u2", &Prior::Attached), "another sandbox");
+        assert!(!roll_back(&mut spec, "10.0.0.5", "c2", "eth0", "u9", &Prior::Attached), "another pod");
+        assert!(roll_back(&mut spec, "10.0.0.5", "c2", "eth0", "u2", &Prior::Attached));
+        let record = &spec.allocations["10.0.0.5"];
+        assert_eq!((record.pod.uid.as_str(), record.container_id.as_str()), ("u1", "c1"), "the source keeps it");
+        assert!(record.migration_target.is_none());
+        assert!(!roll_back(&mut spec, "10.0.0.5", "c1", "eth0", "u1", &Prior::Attached), "the source is no target");
     }
 }

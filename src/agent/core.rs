@@ -151,10 +151,11 @@ impl Core {
             Err(e) if e.code == POOL_EXHAUSTED => "exhausted",
             Err(e) if e.code == NO_POOL_FITS => "no_pool",
             Err(e) if e.code == INVALID_CLAIM => "invalid_claim",
-            Err(e) if e.code == CniError::TRY_AGAIN_LATER && e.msg.contains("cooling") => "cooling",
+            // Before "cooling": the takeover message names pods and nodes, which may contain it.
             Err(e) if e.code == CniError::TRY_AGAIN_LATER && e.msg.starts_with(AWAITING_TAKEOVER) => {
                 "awaiting_takeover"
             }
+            Err(e) if e.code == CniError::TRY_AGAIN_LATER && e.msg.contains("cooling") => "cooling",
             Err(_) => "error",
         };
         self.metrics.allocation(label);
@@ -458,7 +459,10 @@ impl Core {
             };
             match took {
                 Reclaim::Taken(prior) => taken.push(Written { ip: ip.clone(), prior }),
-                Reclaim::Attached => shared = true,
+                Reclaim::Attached => {
+                    shared = true;
+                    taken.push(Written { ip: ip.clone(), prior: blocks::Prior::Attached });
+                }
                 // A mark always sets `waiting_for`, which returned above.
                 Reclaim::Marked => break,
             }
