@@ -629,9 +629,14 @@ async fn apply_one(
             ));
             ChangeOutcome::Answered
         }
-        ChangeAction::AbortHandshake => {
-            if record.release_handshake.take().is_none() {
-                return ChangeOutcome::Skipped("no_handshake");
+        // Each abort clears only the kind of mark it was decided for: an agent's takeover mark
+        // written after a sweep decided to clear a controller mark stays, and the reverse.
+        ChangeAction::AbortHandshake | ChangeAction::AbortTakeover => {
+            let takeover = matches!(change.action, ChangeAction::AbortTakeover);
+            match record.release_handshake.as_ref() {
+                None => return ChangeOutcome::Skipped("no_handshake"),
+                Some(h) if h.takeover.is_some() != takeover => return ChangeOutcome::Skipped("record_changed"),
+                Some(_) => record.release_handshake = None,
             }
             ChangeOutcome::Aborted
         }

@@ -89,6 +89,7 @@ impl PodTracer {
                 Planned::Change(
                     action @ (ChangeAction::Release { .. }
                     | ChangeAction::AbortHandshake
+                    | ChangeAction::AbortTakeover
                     | ChangeAction::AnswerTakeover),
                 ) => changes.push(RecordChange::of(&index, block, ip, record, action)),
                 Planned::Trace(at) => again = Some(again.map_or(at, |a| a.min(at))),

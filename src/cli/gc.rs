@@ -153,6 +153,7 @@ fn describe(change: &RecordChange) -> (&'static str, String) {
         ChangeAction::Release { reason, .. } => ("release", reason.label().to_string()),
         ChangeAction::Repair { pod } => ("repair", format!("adopt by {}/{}", pod.namespace, pod.name)),
         ChangeAction::AbortHandshake => ("abort handshake", "no longer a candidate".to_string()),
+        ChangeAction::AbortTakeover => ("abort takeover", "its pod no longer waits".to_string()),
         ChangeAction::AnswerTakeover => ("answer takeover", "the node's agent cannot answer".to_string()),
     }
 }

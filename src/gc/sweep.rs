@@ -62,8 +62,10 @@ pub enum ChangeAction {
         /// The adopting pod.
         pod: PodRef,
     },
-    /// Clear the record's release handshake: it is no longer a candidate.
+    /// Clear the controller's release mark: the record is no longer a candidate.
     AbortHandshake,
+    /// Clear an agent's sticky takeover mark whose waiting pod no longer waits.
+    AbortTakeover,
     /// Answer `ready-for-release` to a sticky takeover mark for the record's node, whose
     /// agent cannot answer (node deleted, or NotReady past the NotReady policy).
     AnswerTakeover,
@@ -100,7 +102,7 @@ pub fn next_step(
     if let Some(step) = takeover.filter(|_| !matches!(verdict, Verdict::Repair { .. })) {
         return match step {
             TakeoverStep::LeaveToAgents => Planned::Keep(STICKY_TAKEOVER),
-            TakeoverStep::Abort => Planned::Change(ChangeAction::AbortHandshake),
+            TakeoverStep::Abort => Planned::Change(ChangeAction::AbortTakeover),
             TakeoverStep::AnswerForAgent => Planned::Change(ChangeAction::AnswerTakeover),
             TakeoverStep::AnswerAt(when) => Planned::Trace(when),
         };
@@ -291,7 +293,7 @@ mod test {
             assert_eq!(left.kept.get(STICKY_TAKEOVER), Some(&1), "{state}");
         }
         let stale = plan_of(takeover("n1", "marked-for-release"), &[]);
-        assert_eq!(stale.changes[0].action, ChangeAction::AbortHandshake, "the waiting pod is gone");
+        assert_eq!(stale.changes[0].action, ChangeAction::AbortTakeover, "the waiting pod is gone");
         let answered = plan_of(takeover("deleted-node", "marked-for-release"), std::slice::from_ref(&waiting));
         assert_eq!(answered.changes[0].action, ChangeAction::AnswerTakeover, "a deleted node cannot answer");
     }
