@@ -82,16 +82,6 @@ pub fn is_active_migration_target(
         && !finished
 }
 
-/// Who an IP reported by a live pod belongs to, for conflict detection: the VM instance for
-/// its virt-launcher pods (a live migration's source and target report the VM's IP together,
-/// by design), the pod itself otherwise.
-pub fn ip_holder_identity(namespace: &str, pod_name: &str, owner: Option<&OwnerRef>) -> String {
-    match owner {
-        Some(o) if o.kind == KUBEVIRT_VMI_KIND => format!("{namespace}/{}", claim_name(pod_name, owner)),
-        _ => format!("{namespace}/{pod_name}"),
-    }
-}
-
 /// The interfaces an IPClaim lists once interface `interface` of pod `uid` holds its IPs.
 /// The other interfaces stay when the claim is that pod's, and also when a sticky pod takes
 /// over a sticky claim of its predecessor: they are the workload's reservations, which the
@@ -226,21 +216,6 @@ mod test {
         for (owner, label, migration, may) in cases {
             assert_eq!(is_active_migration_target(owner, label, &migration), may, "{owner:?} {label} {migration:?}");
         }
-    }
-
-    #[test]
-    fn the_launchers_of_one_vm_instance_are_one_ip_holder_and_other_pods_each_their_own() {
-        let vmi = OwnerRef { kind: KUBEVIRT_VMI_KIND.into(), name: "vm1".into() };
-        let rs = OwnerRef { kind: "ReplicaSet".into(), name: "api".into() };
-        assert_eq!(
-            ip_holder_identity("ns", "virt-launcher-vm1-a", Some(&vmi)),
-            ip_holder_identity("ns", "virt-launcher-vm1-b", Some(&vmi))
-        );
-        assert_ne!(ip_holder_identity("ns", "api-a", Some(&rs)), ip_holder_identity("ns", "api-b", Some(&rs)));
-        assert_ne!(
-            ip_holder_identity("a", "virt-launcher-vm1-a", Some(&vmi)),
-            ip_holder_identity("b", "x", Some(&vmi))
-        );
     }
 
     #[test]

@@ -250,7 +250,7 @@ impl PoolSupervisor {
                 counted_blocks,
             });
         }
-        let conflicts = crate::gc::check::conflicts(&self.context.caches.pods.state()).len();
+        let conflicts = crate::gc::check::conflicts(&self.context.caches.pods.state(), &blocks).len();
         self.context.metrics.ip_conflicts.set(count(conflicts));
         counts
     }

@@ -12,7 +12,7 @@ use serde::Serialize;
 use super::index::{ClusterIndex, PodFacts};
 use super::rules::{RuleSettings, Verdict};
 use crate::crd::{IPBlock, IPClaim, IPPool};
-use crate::{pools, workload};
+use crate::pools;
 
 /// One kind of inconsistency.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -58,12 +58,12 @@ pub struct Snapshot<'a> {
     pub index: &'a ClusterIndex,
 }
 
-/// The IPs that pods of more than one workload report (invariant 1 broken), with those pods'
+/// The IPs that more than one pod reports (invariant 1 broken), with those pods'
 /// `namespace/name`. A terminating pod still holds what it reports until it is gone (it
 /// serves through its grace period); finished pods and host-network pods (which report the
-/// node's IP) do not count, and the virt-launcher pods of one VM instance count once (a live
-/// migration's source and target report the VM's IP together, by design).
-pub fn conflicts(pods: &[Arc<Pod>]) -> BTreeMap<String, Vec<String>> {
+/// node's IP) do not count. The one sharing by design is exempt: a KubeVirt live migration's
+/// source and target, as the IP's record names them (its pod and its `migrationTarget`).
+pub fn conflicts(pods: &[Arc<Pod>], blocks: &[Arc<IPBlock>]) -> BTreeMap<String, Vec<String>> {
     let mut holders: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
     for pod in pods {
         let facts = PodFacts::of(pod);
@@ -71,23 +71,34 @@ pub fn conflicts(pods: &[Arc<Pod>]) -> BTreeMap<String, Vec<String>> {
         if facts.finished() || host_network {
             continue;
         }
-        let (namespace, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
-        let identity = workload::ip_holder_identity(&namespace, &name, workload::controller_of(pod).as_ref());
+        let name = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
         for ip in &facts.ips {
-            holders.entry(ip.clone()).or_default().push((format!("{namespace}/{name}"), identity.clone()));
+            holders.entry(ip.clone()).or_default().push((name.clone(), facts.uid.clone()));
         }
     }
-    holders
-        .into_iter()
-        .filter(|(_, pods)| pods.iter().any(|(_, identity)| *identity != pods[0].1))
-        .map(|(ip, pods)| (ip, pods.into_iter().map(|(pod, _)| pod).collect()))
-        .collect()
+    holders.retain(|_, pods| pods.len() > 1);
+    if !holders.is_empty() {
+        let migrating: HashMap<&str, (&str, &str)> = blocks
+            .iter()
+            .flat_map(|b| b.spec.allocations.iter())
+            .filter_map(|(ip, r)| {
+                Some((ip.as_str(), (r.pod.uid.as_str(), r.migration_target.as_ref()?.pod.uid.as_str())))
+            })
+            .collect();
+        holders.retain(|ip, pods| {
+            let by_design = migrating
+                .get(ip.as_str())
+                .is_some_and(|(source, target)| pods.iter().all(|(_, uid)| uid == source || uid == target));
+            !by_design
+        });
+    }
+    holders.into_iter().map(|(ip, pods)| (ip, pods.into_iter().map(|(pod, _)| pod).collect())).collect()
 }
 
 /// Every problem of the snapshot at `now`, sorted by kind and subject.
 pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -> Vec<Problem> {
     let mut problems = Vec::new();
-    for (ip, pods) in conflicts(snapshot.pods) {
+    for (ip, pods) in conflicts(snapshot.pods, snapshot.blocks) {
         problems.push(Problem {
             kind: ProblemKind::Conflict,
             subject: ip,
@@ -247,7 +258,10 @@ mod test {
             assert_eq!(kinds(&check(&snapshot, Timestamp::now(), &settings)), vec![], "pods in order {order:?}");
         }
         let strangers = [launcher("virt-launcher-vm1-a", "src", "vm1"), launcher("virt-launcher-vm2-a", "x", "vm2")];
-        assert_eq!(conflicts(&strangers).len(), 1, "launchers of two VMs on one IP conflict");
+        assert_eq!(conflicts(&strangers, &blocks).len(), 1, "launchers of two VMs on one IP conflict");
+        let third = [pods[0].clone(), launcher("virt-launcher-vm1-c", "other", "vm1")];
+        assert_eq!(conflicts(&third, &blocks).len(), 1, "a launcher the record does not name conflicts");
+        assert_eq!(conflicts(&pods, &[]).len(), 1, "without a record naming both, sharing is a conflict");
     }
 
     #[test]
@@ -305,8 +319,8 @@ mod test {
         let draining = with("draining", "Running", Some("2026-01-01T00:00:00Z"));
         let done = with("done", "Succeeded", None);
         let newcomer = with("newcomer", "Running", None);
-        let found = conflicts(&[draining, newcomer.clone()]);
+        let found = conflicts(&[draining, newcomer.clone()], &[]);
         assert_eq!(found.get("10.0.0.9"), Some(&vec!["ns/draining".to_string(), "ns/newcomer".to_string()]));
-        assert!(conflicts(&[done, newcomer]).is_empty(), "a finished pod holds nothing");
+        assert!(conflicts(&[done, newcomer], &[]).is_empty(), "a finished pod holds nothing");
     }
 }
