@@ -64,6 +64,23 @@ async fn cordon(client: &kube::Client, name: &str, unschedulable: bool) {
     Api::<Node>::all(client.clone()).patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await.expect("cordon");
 }
 
+/// web-0 of a new StatefulSet `web`, started on node-0 (node-1 cordoned meanwhile).
+async fn web0_on_node0(client: &kube::Client) -> Pod {
+    cordon(client, "node-1", true).await;
+    create_web(client, json!({}), json!({})).await;
+    wait_web0(client, "", "web-0 on node-0").await
+}
+
+/// Force-deletes `web0` on node-0 while node-0's runtime holds its DEL back, with node-0
+/// cordoned and node-1 open, so the StatefulSet recreates it on node-1; returns the sandbox
+/// still attached on node-0.
+async fn move_web0_to_node1_holding_del(ipwarden: &Ipwarden, web0: &Pod) -> Sandbox {
+    let client = ipwarden.client();
+    cordon(&client, "node-0", true).await;
+    cordon(&client, "node-1", false).await;
+    force_delete_holding_del(ipwarden, 0, web0).await
+}
+
 /// Force-deletes web-0 on node `index` while that node's runtime holds its DEL back;
 /// returns the sandbox left behind.
 async fn force_delete_holding_del(ipwarden: &Ipwarden, index: usize, pod: &Pod) -> Sandbox {
@@ -89,16 +106,12 @@ async fn a_late_del_of_a_superseded_sandbox_leaves_the_new_owners_claim_and_the_
     let agent_args = ["--release-sandbox-grace-seconds=2", "--reuse-cooldown-seconds=0"];
     let ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
     let client = ipwarden.client();
-    cordon(&client, "node-1", true).await;
-    create_web(&client, json!({}), json!({})).await;
-    let first = wait_web0(&client, "", "web-0 on node-0").await;
+    let first = web0_on_node0(&client).await;
     let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
 
     // web-0 is force-deleted on node-0, whose runtime holds the DEL back, and comes back on
     // node-1 with a new UID, taking the sticky IP and the claim over.
-    cordon(&client, "node-0", true).await;
-    cordon(&client, "node-1", false).await;
-    let sandbox = force_delete_holding_del(&ipwarden, 0, &first).await;
+    let sandbox = move_web0_to_node1_holding_del(&ipwarden, &first).await;
     let second = wait_web0(&client, &first_uid, "web-0 recreated on node-1").await;
     let second_uid = second.uid().unwrap_or_default();
     assert_eq!(ip_of(&second), ip, "the recreated web-0 keeps its IP");
@@ -257,16 +270,12 @@ async fn a_recreated_sticky_pod_waits_while_its_old_sandbox_is_attached_and_take
     let client = ipwarden.client();
     let controller = ipwarden.start_controller("controller", &["--full-scan-interval-seconds=2"]);
     ipwarden.wait_leader(controller).await;
-    cordon(&client, "node-1", true).await;
-    create_web(&client, json!({}), json!({})).await;
-    let first = wait_web0(&client, "", "web-0 on node-0").await;
+    let first = web0_on_node0(&client).await;
     let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
 
     // web-0 is force-deleted while node-0's runtime holds its DEL back (a partitioned or
     // slow node): the sandbox still has the IP when web-0 comes back on node-1.
-    cordon(&client, "node-0", true).await;
-    cordon(&client, "node-1", false).await;
-    let sandbox = force_delete_holding_del(&ipwarden, 0, &first).await;
+    let sandbox = move_web0_to_node1_holding_del(&ipwarden, &first).await;
     let second = wait_new_web0(&client, &first_uid).await;
     let second_uid = second.uid().unwrap_or_default();
     wait::until("node-1's ADDs of web-0 waiting for the takeover (or web-0 running)", TIMEOUT, || async {
@@ -316,9 +325,7 @@ async fn a_sticky_pod_takes_its_ip_over_from_a_lost_node_only_under_the_not_read
     let args = ["--full-scan-interval-seconds=300", "--not-ready-policy=release", policy.as_str()];
     let controller = ipwarden.start_controller("controller", &args);
     ipwarden.wait_leader(controller).await;
-    cordon(&client, "node-1", true).await;
-    create_web(&client, json!({}), json!({})).await;
-    let first = wait_web0(&client, "", "web-0 on node-0").await;
+    let first = web0_on_node0(&client).await;
     let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
 
     // node-0 is lost with web-0's sandbox on it; web-0 is force-deleted and comes back on node-1.
