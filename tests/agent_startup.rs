@@ -5,10 +5,12 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use e2e::wait::{self, Probe};
 use ipwarden::crd::HandshakeState;
+use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
@@ -62,29 +64,43 @@ async fn an_agent_restarted_while_a_pod_drains_keeps_its_ip_until_the_del() {
     pods.create(&PostParams::default(), &draining).await.expect("create pod");
     let draining = wait_pods_with_ips(&client, NS, "app=draining", 1).await.remove("draining").expect("draining");
     let (ip, uid) = (ip_of(&draining), draining.uid().unwrap_or_default());
-    pods.delete("draining", &DeleteParams::default()).await.expect("delete");
+    let deleted = pods.delete("draining", &DeleteParams::default()).await.expect("delete");
+    // The kubelet stops the containers (and DELs) 40 s after SIGTERM, that is 20 s before the
+    // deletion timestamp (when the 60 s grace runs out). The promise is checked only on reads
+    // that start clearly before then: after it, the DEL may be under way while the pod object
+    // still exists, and then a freed record is right. The margin covers the timestamp's
+    // whole-second precision.
+    let deletion = deleted.left().and_then(|p| p.metadata.deletion_timestamp).expect("the pod is terminating").0;
+    let containers_stop = deletion - jiff::SignedDuration::from_secs(20);
+    let still_draining = || Timestamp::now() + jiff::SignedDuration::from_secs(3) < containers_stop;
 
     ipwarden.agents[0].restart().expect("restart");
     ipwarden.wait_agent_serving(0).await;
-    assert_eq!(
-        record_state(&client, &ip).await,
-        Some((uid.clone(), None)),
-        "start-up GC kept the record of a pod that still drains on the node"
+    let restarted_while_draining = still_draining();
+    let record = record_state(&client, &ip).await;
+    assert!(
+        restarted_while_draining,
+        "the agent restart must fall within the 40 s drain for this test to mean anything"
     );
+    assert_eq!(record, Some((uid.clone(), None)), "start-up GC kept the record of a pod that still drains on the node");
 
     create_pod(&client, NS, "next", "node-0", json!({"app": "next"})).await;
+    let checked = AtomicUsize::new(0);
     wait::until("the draining pod gone", TIMEOUT, || async {
-        let exists = pods.get_opt("draining").await.map_err(e2e::Error::kube("read pod"))?.is_some();
+        let draining = still_draining();
         let (record, next_ip) = (record_state(&client, &ip).await, reported_ip(&client, "next").await);
-        if exists {
+        if draining {
             assert_eq!(record, Some((uid.clone(), None)), "the record stays, unmarked, until the DEL");
             assert_eq!(next_ip, "", "no other pod gets the IP while the draining pod holds it");
-            return Ok(Probe::Pending("draining".into()));
+            checked.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(Probe::Done(()))
+        let exists = pods.get_opt("draining").await.map_err(e2e::Error::kube("read pod"))?.is_some();
+        Ok(if exists { Probe::Pending("draining".into()) } else { Probe::Done(()) })
     })
     .await
     .expect("the pod drains and goes");
+    let checked = checked.into_inner();
+    assert!(checked > 10, "the record was checked throughout the drain ({checked} checks)");
     let next = wait_pods_with_ips(&client, NS, "app=next", 1).await;
     assert_eq!(ip_of(&next["next"]), ip, "the IP goes to the next pod once the draining pod let go of it");
 }
