@@ -38,11 +38,8 @@ async fn manual_add(ipwarden: &Ipwarden, name: &str) -> Result<Option<Value>, e2
 
 /// `kubectl get ippools` as an operator sees it.
 async fn kubectl_get_ippools(ipwarden: &Ipwarden) -> String {
-    let args = vec![
-        format!("--kubeconfig={}", ipwarden.cluster.kubeconfig().display()),
-        "get".into(),
-        "ippools".into(),
-    ];
+    let args =
+        vec![format!("--kubeconfig={}", ipwarden.cluster.kubeconfig().display()), "get".into(), "ippools".into()];
     e2e::process::run_tool(&ipwarden.cluster.kubectl(), &args, None).await.expect("kubectl get ippools")
 }
 
@@ -57,8 +54,7 @@ fn column(table: &str, pool: &str, header: &str) -> Option<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_in_use_pool_being_deleted_waits_on_its_finalizer_refuses_adds_and_goes_once_the_dels_release_its_records()
-{
+async fn an_in_use_pool_being_deleted_waits_on_its_finalizer_refuses_adds_and_goes_once_the_dels_release_its_records() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let pools = [("old", json!({"cidr": "10.70.0.0/24", "default": true}))];
     let mut ipwarden = Ipwarden::start(1, &pools, &["--reuse-cooldown-seconds=0"]).await;
@@ -164,7 +160,9 @@ async fn a_pool_recreated_with_another_block_size_over_orphaned_blocks_hands_out
     let message = outcome.unwrap_or_else(|served| {
         let duplicates: Vec<String> = served
             .iter()
-            .filter_map(|(name, pod)| old_ips.get(&ip_of(pod)).map(|holder| format!("{name} got {holder}'s {}", ip_of(pod))))
+            .filter_map(|(name, pod)| {
+                old_ips.get(&ip_of(pod)).map(|holder| format!("{name} got {holder}'s {}", ip_of(pod)))
+            })
             .collect();
         panic!("the recreated pool handed out IPs the orphaned block still records: {duplicates:?}")
     });
