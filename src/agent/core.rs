@@ -1007,7 +1007,9 @@ impl Core {
         let mut pools = self.pools.state();
         pools.retain(|p| p.metadata.deletion_timestamp.is_none() && !p.spec.disabled);
         if pools.is_empty() {
-            return Err(CniError::plugin_not_available("no IPPool exists"));
+            return Err(CniError::plugin_not_available(
+                "no IPPool hands out IPs: none exists, or each is being deleted or disabled",
+            ));
         }
         let allocated: BTreeMap<String, u128> = self.blocks.state().iter().fold(BTreeMap::new(), |mut acc, b| {
             *acc.entry(b.spec.pool.clone()).or_default() += b.spec.allocations.len() as u128;
