@@ -3,11 +3,14 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
-use crate::crd::IPPoolSpec;
+use kube::ResourceExt;
+
+use crate::crd::{IPBlock, IPPool, IPPoolSpec};
 use crate::ipam::{LayoutError, PoolLayout};
 
 /// The condition type set on a pool that overlaps another; such pools are not used.
@@ -52,19 +55,108 @@ pub fn check_claimed_block(pool: &str, block: IpNet, ip: IpAddr, named: &str) ->
     Err(ForeignBlock { named: named.to_string(), ip, pool: pool.to_string(), canonical })
 }
 
-/// A snapshot of pools with their layouts computed once, to hand out [`PoolView`]s.
+/// A snapshot of pools with their layouts computed once, to hand out [`PoolView`]s, and the
+/// orphaned blocks beside them.
 pub struct PoolSet {
     names: Vec<String>,
     specs: Vec<IPPoolSpec>,
+    deleting: Vec<bool>,
     layouts: Vec<Result<PoolLayout, LayoutError>>,
+    orphans: Vec<OrphanedBlock>,
+    retired: BTreeSet<String>,
+}
+
+/// What the pool checks need of one IPBlock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockSummary {
+    /// The block's name.
+    pub name: String,
+    /// The pool it names.
+    pub pool: String,
+    /// Its CIDR as written.
+    pub cidr: String,
+    /// How many records it holds.
+    pub records: usize,
+}
+
+impl BlockSummary {
+    /// The summary of `block`.
+    pub fn of(block: &IPBlock) -> Self {
+        Self {
+            name: block.name_any(),
+            pool: block.spec.pool.clone(),
+            cidr: block.spec.cidr.clone(),
+            records: block.spec.allocations.len(),
+        }
+    }
+}
+
+/// A block no pool owns: its pool is gone, or was recreated with a layout (CIDR or block
+/// size) that has no such block. Its records may still name running pods, so a pool over
+/// it must not hand their IPs out again (docs/gc-rules.md, "Pools in use").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OrphanedBlock {
+    /// The block's name.
+    pub name: String,
+    /// The pool it names.
+    pub pool: String,
+    /// Its CIDR; `None` when it does not parse (it then overlaps nothing).
+    pub cidr: Option<IpNet>,
+    /// How many records it holds.
+    pub records: usize,
 }
 
 impl PoolSet {
-    /// Computes the layouts of `pools` (name, spec).
-    pub fn new(pools: impl IntoIterator<Item = (String, IPPoolSpec)>) -> Self {
-        let (names, specs): (Vec<String>, Vec<IPPoolSpec>) = pools.into_iter().unzip();
-        let layouts = specs.iter().map(layout).collect();
-        Self { names, specs, layouts }
+    /// Computes the layouts of `pools` (name, spec, whether it is being deleted) and which
+    /// of `blocks` no pool owns.
+    pub fn new(
+        pools: impl IntoIterator<Item = (String, IPPoolSpec, bool)>,
+        blocks: impl IntoIterator<Item = BlockSummary>,
+    ) -> Self {
+        let mut set = Self {
+            names: Vec::new(),
+            specs: Vec::new(),
+            deleting: Vec::new(),
+            layouts: Vec::new(),
+            orphans: Vec::new(),
+            retired: BTreeSet::new(),
+        };
+        for (name, spec, deleting) in pools {
+            set.layouts.push(layout(&spec));
+            set.names.push(name);
+            set.specs.push(spec);
+            set.deleting.push(deleting);
+        }
+        for block in blocks {
+            let cidr = block.cidr.parse::<IpNet>().ok();
+            let owner = set.names.iter().zip(&set.layouts).zip(&set.deleting).find(|((name, layout), _)| {
+                **name == block.pool && layout.as_ref().is_ok_and(|l| cidr.is_some_and(|c| l.is_block(c)))
+            });
+            match owner {
+                Some((_, true)) => {
+                    set.retired.insert(block.name);
+                }
+                Some((_, false)) => {}
+                None => {
+                    set.retired.insert(block.name.clone());
+                    set.orphans.push(OrphanedBlock {
+                        name: block.name,
+                        pool: block.pool,
+                        cidr,
+                        records: block.records,
+                    });
+                }
+            }
+        }
+        set
+    }
+
+    /// The set of the cached `pools` and `blocks`.
+    pub fn of(pools: &[Arc<IPPool>], blocks: &[Arc<IPBlock>]) -> Self {
+        Self::new(
+            pools.iter().map(|p| (p.name_any(), p.spec.clone(), p.metadata.deletion_timestamp.is_some())),
+            blocks.iter().map(|b| BlockSummary::of(b)),
+        )
     }
 
     /// One view per pool.
@@ -72,9 +164,27 @@ impl PoolSet {
         self.names
             .iter()
             .zip(&self.specs)
+            .zip(&self.deleting)
             .zip(&self.layouts)
-            .map(|((name, spec), layout)| PoolView { name, spec, layout: layout.as_ref() })
+            .map(|(((name, spec), deleting), layout)| PoolView {
+                name,
+                spec,
+                deleting: *deleting,
+                layout: layout.as_ref(),
+            })
             .collect()
+    }
+
+    /// The blocks no pool owns, empty or not.
+    pub fn orphans(&self) -> &[OrphanedBlock] {
+        &self.orphans
+    }
+
+    /// The names of the blocks whose records no pool keeps: orphaned blocks and the blocks
+    /// of pools being deleted. Their records go as their pods go; no sticky reservation
+    /// outlives its pod there.
+    pub fn retired(&self) -> &BTreeSet<String> {
+        &self.retired
     }
 }
 
@@ -85,13 +195,29 @@ pub struct PoolView<'a> {
     pub name: &'a str,
     /// Its spec.
     pub spec: &'a IPPoolSpec,
+    /// Whether it is being deleted (it then hands out nothing).
+    pub deleting: bool,
     /// Its layout, or why it has none.
     pub layout: Result<&'a PoolLayout, &'a LayoutError>,
 }
 
-/// The names of pools whose CIDR overlaps another pool's, each with the pools it overlaps.
-pub fn overlaps(pools: &[PoolView<'_>]) -> BTreeMap<String, BTreeSet<String>> {
+/// Whether two networks share an address.
+fn nets_overlap(a: IpNet, b: IpNet) -> bool {
+    a.contains(&b.network()) || b.contains(&a.network())
+}
+
+/// The names of pools whose CIDR overlaps another pool's, or an orphaned block that still
+/// holds records, each with what it overlaps.
+pub fn overlaps(pools: &[PoolView<'_>], orphans: &[OrphanedBlock]) -> BTreeMap<String, BTreeSet<String>> {
     let mut found: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for pool in pools {
+        let Ok(layout) = pool.layout else { continue };
+        for orphan in orphans.iter().filter(|o| o.records > 0) {
+            if orphan.cidr.is_some_and(|cidr| nets_overlap(layout.cidr(), cidr)) {
+                found.entry(pool.name.to_string()).or_default().insert(format!("orphaned IPBlock {}", orphan.name));
+            }
+        }
+    }
     for (i, a) in pools.iter().enumerate() {
         for b in &pools[i + 1..] {
             if let (Ok(la), Ok(lb)) = (a.layout, b.layout)
@@ -106,8 +232,8 @@ pub fn overlaps(pools: &[PoolView<'_>]) -> BTreeMap<String, BTreeSet<String>> {
 }
 
 /// The `Overlapping` condition each pool should carry: (status, message) by pool name.
-pub fn overlap_conditions(pools: &[PoolView<'_>]) -> BTreeMap<String, (bool, String)> {
-    let found = overlaps(pools);
+pub fn overlap_conditions(pools: &[PoolView<'_>], orphans: &[OrphanedBlock]) -> BTreeMap<String, (bool, String)> {
+    let found = overlaps(pools, orphans);
     pools
         .iter()
         .map(|pool| {
@@ -121,6 +247,30 @@ pub fn overlap_conditions(pools: &[PoolView<'_>]) -> BTreeMap<String, (bool, Str
             (pool.name.to_string(), condition)
         })
         .collect()
+}
+
+/// What the controller does about a pool's finalizer ([`crate::crd::POOL_FINALIZER`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinalizerStep {
+    /// Put it on: the pool is live and has none yet (created before the controller ran).
+    Add,
+    /// Leave it: the pool is being deleted and its blocks still hold records.
+    Wait,
+    /// Delete the pool's (empty) blocks, then take it off: the pool may go.
+    Remove,
+    /// Nothing to do.
+    Nothing,
+}
+
+/// The finalizer step for a pool that `has` the finalizer or not, is `deleting` or not,
+/// and whose blocks hold `records` records.
+pub fn finalizer_step(has: bool, deleting: bool, records: usize) -> FinalizerStep {
+    match (has, deleting) {
+        (false, false) => FinalizerStep::Add,
+        (true, true) if records > 0 => FinalizerStep::Wait,
+        (true, true) => FinalizerStep::Remove,
+        _ => FinalizerStep::Nothing,
+    }
 }
 
 /// What the selection knows about the pod being wired.
@@ -166,8 +316,16 @@ pub enum SelectError {
         family: &'static str,
     },
     /// No annotation and no default pool fits.
-    #[error("no ipwarden.io/pool annotation on the pod or its namespace, and no default pool fits it")]
-    NoDefault,
+    #[error("no ipwarden.io/pool annotation on the pod or its namespace, and no default pool fits it{}", skipped_text(.skipped))]
+    NoDefault {
+        /// The default pools that exist but cannot serve the pod, with why ("pool p: it
+        /// is being deleted").
+        skipped: Vec<String>,
+    },
+}
+
+fn skipped_text(skipped: &[String]) -> String {
+    if skipped.is_empty() { String::new() } else { format!(" ({})", skipped.join("; ")) }
 }
 
 fn family(layout: &PoolLayout) -> &'static str {
@@ -180,6 +338,16 @@ fn unusable(
     placement: &PodPlacement<'_>,
     overlapping: &BTreeMap<String, BTreeSet<String>>,
 ) -> Option<String> {
+    if pool.deleting {
+        return Some(
+            "it is being deleted: it hands out no IP, and goes once its pods have released theirs".to_string(),
+        );
+    }
+    if pool.spec.disabled {
+        return Some(
+            "it is disabled (spec.disabled): it keeps the IPs it handed out but hands out no new one".to_string(),
+        );
+    }
     if let Err(e) = pool.layout {
         return Some(format!("invalid layout: {e}"));
     }
@@ -197,10 +365,15 @@ fn unusable(
 }
 
 /// The pools a pod allocates from: those its annotation names (comma-separated), else its
-/// namespace's, else every default pool that fits it (one per IP family, IPv4 first). Overlapping or
-/// invalid pools and pools whose selectors do not match are never chosen.
-pub fn select<'a>(pools: &[PoolView<'a>], placement: &PodPlacement<'_>) -> Result<Vec<PoolView<'a>>, SelectError> {
-    let overlapping = overlaps(pools);
+/// namespace's, else every default pool that fits it (one per IP family, IPv4 first). Pools
+/// being deleted, disabled, overlapping (another pool or an orphaned block with records) or
+/// invalid, and pools whose selectors do not match, are never chosen.
+pub fn select<'a>(
+    pools: &[PoolView<'a>],
+    orphans: &[OrphanedBlock],
+    placement: &PodPlacement<'_>,
+) -> Result<Vec<PoolView<'a>>, SelectError> {
+    let overlapping = overlaps(pools, orphans);
     let annotation = [("pod", placement.pod_annotation), ("namespace", placement.namespace_annotation)]
         .into_iter()
         .find_map(|(source, value)| value.filter(|v| !v.trim().is_empty()).map(|v| (source, v)));
@@ -232,7 +405,12 @@ pub fn select<'a>(pools: &[PoolView<'a>], placement: &PodPlacement<'_>) -> Resul
         }
     };
     if chosen.is_empty() {
-        return Err(SelectError::NoDefault);
+        let skipped = pools
+            .iter()
+            .filter(|p| p.spec.default)
+            .filter_map(|p| Some(format!("pool {}: {}", p.name, unusable(p, placement, &overlapping)?)))
+            .collect();
+        return Err(SelectError::NoDefault { skipped });
     }
     for (i, a) in chosen.iter().enumerate() {
         for b in &chosen[i + 1..] {
@@ -291,24 +469,15 @@ mod test {
         serde_json::from_value(value).expect("valid spec")
     }
 
-    struct Pools(Vec<(String, IPPoolSpec, Result<PoolLayout, LayoutError>)>);
+    struct Pools(PoolSet);
 
     impl Pools {
         fn new(items: &[(&str, serde_json::Value)]) -> Self {
-            Self(
-                items
-                    .iter()
-                    .map(|(name, value)| {
-                        let spec = spec(value.clone());
-                        let layout = layout(&spec);
-                        (name.to_string(), spec, layout)
-                    })
-                    .collect(),
-            )
+            Self(PoolSet::new(items.iter().map(|(name, value)| (name.to_string(), spec(value.clone()), false)), []))
         }
 
         fn views(&self) -> Vec<PoolView<'_>> {
-            self.0.iter().map(|(name, spec, layout)| PoolView { name, spec, layout: layout.as_ref() }).collect()
+            self.0.views()
         }
     }
 
@@ -336,10 +505,10 @@ mod test {
         };
         let views = pools.views();
         let pod = PodPlacement { pod_annotation: Some("b"), namespace_annotation: Some("c"), ..base.clone() };
-        assert_eq!(names(&select(&views, &pod).expect("pod pool")), ["b"]);
+        assert_eq!(names(&select(&views, &[], &pod).expect("pod pool")), ["b"]);
         let ns = PodPlacement { namespace_annotation: Some("c"), ..base.clone() };
-        assert_eq!(names(&select(&views, &ns).expect("namespace pool")), ["c"]);
-        assert_eq!(names(&select(&views, &base).expect("default pool")), ["a"]);
+        assert_eq!(names(&select(&views, &[], &ns).expect("namespace pool")), ["c"]);
+        assert_eq!(names(&select(&views, &[], &base).expect("default pool")), ["a"]);
     }
 
     #[test]
@@ -352,9 +521,9 @@ mod test {
             namespace_labels: &empty,
             node_labels: &empty,
         };
-        assert_eq!(names(&select(&pools.views(), &placement).expect("dual stack")), ["v4", "v6"]);
+        assert_eq!(names(&select(&pools.views(), &[], &placement).expect("dual stack")), ["v4", "v6"]);
         let same = PodPlacement { pod_annotation: Some("v4,v4"), ..placement };
-        assert!(matches!(select(&pools.views(), &same), Err(SelectError::SameFamily { .. })));
+        assert!(matches!(select(&pools.views(), &[], &same), Err(SelectError::SameFamily { .. })));
     }
 
     #[test]
@@ -370,7 +539,7 @@ mod test {
         };
         for order in [[v6.clone(), v4.clone()], [v4.clone(), v6.clone()]] {
             let pools = Pools::new(&order);
-            assert_eq!(names(&select(&pools.views(), &placement).expect("dual stack")), ["v4", "v6"]);
+            assert_eq!(names(&select(&pools.views(), &[], &placement).expect("dual stack")), ["v4", "v6"]);
         }
     }
 
@@ -382,7 +551,7 @@ mod test {
             ("apart", json!({"cidr": "10.9.0.0/24", "default": true})),
         ]);
         let views = pools.views();
-        let found = overlaps(&views);
+        let found = overlaps(&views, &[]);
         assert_eq!(found.keys().collect::<Vec<_>>(), ["narrow", "wide"]);
         let empty = BTreeMap::new();
         let placement = PodPlacement {
@@ -391,10 +560,10 @@ mod test {
             namespace_labels: &empty,
             node_labels: &empty,
         };
-        let err = select(&views, &placement).expect_err("overlapping pool refused");
+        let err = select(&views, &[], &placement).expect_err("overlapping pool refused");
         assert_eq!(err.to_string(), "pool narrow cannot be used: it overlaps wide");
         let defaults = PodPlacement { pod_annotation: None, ..placement };
-        assert_eq!(names(&select(&views, &defaults).expect("non-overlapping default")), ["apart"]);
+        assert_eq!(names(&select(&views, &[], &defaults).expect("non-overlapping default")), ["apart"]);
     }
 
     #[test]
@@ -404,7 +573,7 @@ mod test {
             ("narrow", json!({"cidr": "10.0.5.0/24"})),
             ("apart", json!({"cidr": "fd00::/64"})),
         ]);
-        let conditions = overlap_conditions(&pools.views());
+        let conditions = overlap_conditions(&pools.views(), &[]);
         assert!(conditions["wide"].0);
         assert!(conditions["wide"].1.starts_with("overlaps narrow"));
         assert!(conditions["narrow"].0);
@@ -422,11 +591,11 @@ mod test {
             node_labels: &empty,
         };
         assert_eq!(
-            select(&pools.views(), &placement).err(),
+            select(&pools.views(), &[], &placement).err(),
             Some(SelectError::UnknownPool { pool: "nope".into(), source_of: "namespace" })
         );
         let none = PodPlacement { namespace_annotation: None, ..placement };
-        assert_eq!(select(&pools.views(), &none).err(), Some(SelectError::NoDefault));
+        assert_eq!(select(&pools.views(), &[], &none).err(), Some(SelectError::NoDefault { skipped: Vec::new() }));
     }
 
     #[test]
@@ -447,9 +616,9 @@ mod test {
             namespace_labels: &ns,
             node_labels: &node_b,
         };
-        assert_eq!(names(&select(&pools.views(), &placement).expect("zone b default")), ["zone-b"]);
+        assert_eq!(names(&select(&pools.views(), &[], &placement).expect("zone b default")), ["zone-b"]);
         let annotated = PodPlacement { pod_annotation: Some("team"), ..placement };
-        let err = select(&pools.views(), &annotated).expect_err("selector excludes namespace");
+        let err = select(&pools.views(), &[], &annotated).expect_err("selector excludes namespace");
         assert!(err.to_string().contains("namespaceSelector"), "{err}");
     }
 
@@ -473,6 +642,87 @@ mod test {
             assert_eq!(selector_matches(Some(&selector(op, &values)), &without), on_without, "{op} on unlabelled");
         }
         assert!(selector_matches(None, &without), "no selector matches everything");
+    }
+
+    fn placement<'a>(annotation: Option<&'a str>, empty: &'a BTreeMap<String, String>) -> PodPlacement<'a> {
+        PodPlacement {
+            pod_annotation: annotation,
+            namespace_annotation: None,
+            namespace_labels: empty,
+            node_labels: empty,
+        }
+    }
+
+    #[test]
+    fn pools_being_deleted_or_disabled_are_never_chosen_and_the_error_says_why() {
+        let set = PoolSet::new(
+            [
+                ("old".to_string(), spec(json!({"cidr": "10.1.0.0/24", "default": true})), true),
+                ("drained".to_string(), spec(json!({"cidr": "10.2.0.0/24", "default": true, "disabled": true})), false),
+            ],
+            [],
+        );
+        let views = set.views();
+        let empty = BTreeMap::new();
+        let err = select(&views, &[], &placement(Some("old"), &empty)).expect_err("deleting pool refused");
+        assert!(err.to_string().starts_with("pool old cannot be used: it is being deleted"), "{err}");
+        let err = select(&views, &[], &placement(Some("drained"), &empty)).expect_err("disabled pool refused");
+        assert!(err.to_string().starts_with("pool drained cannot be used: it is disabled"), "{err}");
+        let err = select(&views, &[], &placement(None, &empty)).expect_err("no default fits").to_string();
+        assert!(err.contains("pool old: it is being deleted") && err.contains("pool drained: it is disabled"), "{err}");
+    }
+
+    #[test]
+    fn blocks_of_a_gone_pool_or_of_another_layout_are_orphaned_and_block_the_pool_over_them_while_they_hold_records() {
+        let block = |name: &str, pool: &str, cidr: &str, records: usize| BlockSummary {
+            name: name.into(),
+            pool: pool.into(),
+            cidr: cidr.into(),
+            records,
+        };
+        let set = PoolSet::new(
+            [("p".to_string(), spec(json!({"cidr": "10.0.0.0/28", "blockSize": 30, "default": true})), false)],
+            [
+                block("p-10-0-0-0-30", "p", "10.0.0.0/30", 1),
+                block("p-10-0-0-0-28", "p", "10.0.0.0/28", 2),
+                block("gone-10-0-0-16-28", "gone", "10.0.0.16/28", 3),
+                block("gone-10-9-0-0-24", "gone", "10.9.0.0/24", 0),
+            ],
+        );
+        let orphans: Vec<&str> = set.orphans().iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(orphans, ["p-10-0-0-0-28", "gone-10-0-0-16-28", "gone-10-9-0-0-24"], "the pool's own block is not");
+        assert!(!set.retired().contains("p-10-0-0-0-30") && set.retired().len() == 3, "orphans are retired");
+        let views = set.views();
+        let found = overlaps(&views, set.orphans());
+        assert_eq!(found["p"].iter().collect::<Vec<_>>(), ["orphaned IPBlock p-10-0-0-0-28"]);
+        let empty = BTreeMap::new();
+        let err = select(&views, set.orphans(), &placement(Some("p"), &empty)).expect_err("refused");
+        assert_eq!(err.to_string(), "pool p cannot be used: it overlaps orphaned IPBlock p-10-0-0-0-28");
+
+        let released: Vec<OrphanedBlock> =
+            set.orphans().iter().cloned().map(|o| OrphanedBlock { records: 0, ..o }).collect();
+        assert!(overlaps(&views, &released).is_empty(), "empty orphaned blocks overlap nothing");
+        assert_eq!(names(&select(&views, &released, &placement(None, &empty)).expect("served")), ["p"]);
+    }
+
+    #[test]
+    fn the_finalizer_goes_on_live_pools_and_comes_off_a_deleting_pool_only_once_no_record_is_left() {
+        // (has, deleting, records, step)
+        let table = [
+            (false, false, 0, FinalizerStep::Add),
+            (false, false, 3, FinalizerStep::Add),
+            (true, false, 3, FinalizerStep::Nothing),
+            (true, true, 1, FinalizerStep::Wait),
+            (true, true, 0, FinalizerStep::Remove),
+            (false, true, 2, FinalizerStep::Nothing),
+        ];
+        for (has, deleting, records, step) in table {
+            assert_eq!(
+                finalizer_step(has, deleting, records),
+                step,
+                "has {has}, deleting {deleting}, {records} records"
+            );
+        }
     }
 
     #[test]

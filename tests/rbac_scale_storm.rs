@@ -197,6 +197,33 @@ async fn agents_and_controllers_with_the_charts_rbac_survive_a_statefulset_scale
     .await
     .expect("the controller writes pool status");
 
+    // The pool-in-use finalizer: put on by the controller, and taken off the emptied spare
+    // pool after its blocks are deleted, all through the chart's RBAC.
+    let pools: Api<IPPool> = Api::all(client.clone());
+    wait::until("the finalizer on the spare pool", TIMEOUT, || async {
+        let pool = pools.get("spare").await.map_err(e2e::Error::kube("reading pool"))?;
+        let finalizers = pool.finalizers().to_vec();
+        Ok(if finalizers.iter().any(|f| f == ipwarden::crd::POOL_FINALIZER) {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("{finalizers:?}"))
+        })
+    })
+    .await
+    .expect("the controller puts its finalizer on");
+    pools.delete("spare", &Default::default()).await.expect("delete the spare pool");
+    wait::until("the spare pool and its blocks gone", TIMEOUT, || async {
+        let pool = pools.get_opt("spare").await.map_err(e2e::Error::kube("reading pool"))?.is_some();
+        let block = Api::<IPBlock>::all(client.clone())
+            .get_opt("spare-10-61-0-0-24")
+            .await
+            .map_err(e2e::Error::kube("reading block"))?
+            .is_some();
+        Ok(if !pool && !block { Probe::Done(()) } else { Probe::Pending(format!("pool {pool}, block {block}")) })
+    })
+    .await
+    .expect("the controller releases the finalizer");
+
     for component in ipwarden.agents.iter_mut().chain(ipwarden.controllers.iter_mut()) {
         component.ensure_running().expect("every agent and controller still runs");
         let log = std::fs::read_to_string(component.log()).expect("read log");

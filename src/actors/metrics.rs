@@ -85,6 +85,10 @@ pub struct ControllerMetrics {
     pub ip_conflicts: Gauge,
     /// Nodes whose agent Lease is stale or missing.
     pub nodes_without_live_agent: Gauge,
+    /// 1 while a pool is being deleted and waits for its records to go, else 0.
+    pub pool_deleting: Family<PoolLabels, Gauge>,
+    /// Records in orphaned blocks (their pool is gone or no longer has the block).
+    pub orphaned_records: Gauge,
 }
 
 impl ControllerMetrics {
@@ -108,6 +112,8 @@ impl ControllerMetrics {
             conflict_retries: Counter::default(),
             ip_conflicts: Gauge::default(),
             nodes_without_live_agent: Gauge::default(),
+            pool_deleting: Family::default(),
+            orphaned_records: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("ipwarden");
         r.register("gc_releases", "Records released by the GC, by pool, rule and trigger", m.releases.clone());
@@ -120,6 +126,16 @@ impl ControllerMetrics {
         r.register("pool_total_ips", "IPs a pool can hand out", m.pool_total.clone());
         r.register("pool_allocated_ips", "IPs allocated in a pool", m.pool_allocated.clone());
         r.register("pool_sticky_ips", "Sticky reservations in a pool", m.pool_sticky.clone());
+        r.register(
+            "pool_deleting",
+            "1 while a pool is being deleted and waits for its records to go",
+            m.pool_deleting.clone(),
+        );
+        r.register(
+            "orphaned_block_records",
+            "Records in IPBlocks that no pool owns (pool gone, or recreated without that block)",
+            m.orphaned_records.clone(),
+        );
         r.register(
             "pool_handshaking_ips",
             "Records of a pool in a release handshake with their node's agent",

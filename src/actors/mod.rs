@@ -11,6 +11,7 @@
 //! Decisions come from `crate::gc` (pure); these actors gather caches and write.
 
 pub mod agents;
+pub mod finalizer;
 pub mod janitor;
 pub mod leader;
 pub mod manual;
@@ -69,6 +70,7 @@ impl Caches {
     pub fn index(&self) -> ClusterIndex {
         let nodes = self.nodes.state();
         let stale = self.agents.stale(&nodes);
+        let pools = crate::pools::PoolSet::of(&self.pools.state(), &self.blocks.state());
         ClusterIndex::build(
             &self.pods.state(),
             &nodes,
@@ -77,6 +79,7 @@ impl Caches {
             &self.sticky_kinds,
         )
         .with_stale_agents(&stale)
+        .with_retired_blocks(pools.retired())
     }
 }
 

@@ -149,7 +149,17 @@ impl PoolSupervisor {
     }
 
     fn prune(&mut self) {
-        let existing: Vec<String> = self.context.caches.pools.state().iter().map(|p| p.name_any()).collect();
+        // A pool that is gone keeps its actor while blocks name it: orphaned records are
+        // still released through it.
+        let existing: Vec<String> = self
+            .context
+            .caches
+            .pools
+            .state()
+            .iter()
+            .map(|p| p.name_any())
+            .chain(self.context.caches.blocks.state().iter().map(|b| b.spec.pool.clone()))
+            .collect();
         self.pools.retain(|name, _| {
             let keep = existing.contains(name);
             if !keep {
@@ -174,6 +184,7 @@ impl Actor for PoolSupervisor {
             let counts = act.update_pool_gauges();
             if act.context.leading.is_leading() {
                 ctx.spawn(write_pool_counts(act.context.clone(), counts).into_actor(act));
+                ctx.spawn(super::finalizer::reconcile(act.context.clone()).into_actor(act));
             }
         });
     }
@@ -232,6 +243,8 @@ impl PoolSupervisor {
             entry.1 += count(records.clone().filter(|a| a.sticky).count());
             entry.2 += count(records.filter(|a| a.release_handshake.is_some()).count());
         }
+        // Only pools that still exist: a deleted pool's series must not stay at 1.
+        self.context.metrics.pool_deleting.clear();
         for pool in self.context.caches.pools.state() {
             let name = pool.name_any();
             let labels = PoolLabels { pool: name.clone() };
@@ -241,6 +254,8 @@ impl PoolSupervisor {
             self.context.metrics.pool_allocated.get_or_create(&labels).set(used);
             self.context.metrics.pool_sticky.get_or_create(&labels).set(sticky);
             self.context.metrics.pool_handshaking.get_or_create(&labels).set(handshaking);
+            let deleting = i64::from(pool.metadata.deletion_timestamp.is_some());
+            self.context.metrics.pool_deleting.get_or_create(&labels).set(deleting);
             let counted_blocks = crate::blocks::pool_fingerprint(&blocks, &name);
             counts.push(PoolCounts {
                 pool: name,
@@ -250,6 +265,9 @@ impl PoolSupervisor {
                 counted_blocks,
             });
         }
+        let pools = crate::pools::PoolSet::of(&self.context.caches.pools.state(), &blocks);
+        let orphaned: usize = pools.orphans().iter().map(|o| o.records).sum();
+        self.context.metrics.orphaned_records.set(count(orphaned));
         let conflicts = crate::gc::check::conflicts(&self.context.caches.pods.state(), &blocks).len();
         self.context.metrics.ip_conflicts.set(count(conflicts));
         counts

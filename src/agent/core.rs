@@ -126,6 +126,8 @@ struct ResolvedPool {
     name: String,
     layout: PoolLayout,
     gateway: Option<String>,
+    /// Being deleted: it hands out nothing, and a sticky pod does not get its IP back.
+    deleting: bool,
 }
 
 impl Core {
@@ -249,7 +251,12 @@ impl Core {
     fn resolve_pool(&self, name: &str) -> Option<ResolvedPool> {
         let pool = self.pools.state().into_iter().find(|p| p.name_any() == name)?;
         let layout = pools::layout(&pool.spec).ok()?;
-        Some(ResolvedPool { name: name.to_string(), layout, gateway: pool.spec.gateway.clone() })
+        Some(ResolvedPool {
+            name: name.to_string(),
+            layout,
+            gateway: pool.spec.gateway.clone(),
+            deleting: pool.metadata.deletion_timestamp.is_some(),
+        })
     }
 
     fn checkpoint_ips(&self, found: Vec<(String, String, String)>) -> Vec<CheckpointIp> {
@@ -366,6 +373,11 @@ impl Core {
             let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
                 continue;
             };
+            // A pool being deleted hands nothing back; the pod is allocated afresh, which
+            // names the pool and why if it is the only one the pod may use.
+            if pool.deleting {
+                return Ok(None);
+            }
             let Some(block) = pool.layout.block_of(ip) else { continue };
             pools::check_claimed_block(&pool.name, block, ip, &claimed.block).map_err(|e| {
                 CniError::new(
@@ -488,7 +500,7 @@ impl Core {
     ) -> Result<Vec<Written>, CniError> {
         let namespace_name = pod.namespace().unwrap_or_default();
         let pools_snapshot = self.pools.state();
-        let pool_set = PoolSet::new(pools_snapshot.iter().map(|p| (p.name_any(), p.spec.clone())));
+        let pool_set = PoolSet::of(&pools_snapshot, &self.blocks.state());
         let views = pool_set.views();
         let namespace = Api::<Namespace>::all(self.client.clone())
             .get_opt(&namespace_name)
@@ -514,7 +526,7 @@ impl Core {
             namespace_labels: &namespace_labels,
             node_labels: &node_labels,
         };
-        let chosen = pools::select(&views, &placement).map_err(|e| {
+        let chosen = pools::select(&views, pool_set.orphans(), &placement).map_err(|e| {
             CniError::new(NO_POOL_FITS, format!("no pool for pod {namespace_name}/{}: {e}", pod.name_any()))
         })?;
         let record = self.record_for(pod, owner, sticky, request);
@@ -525,6 +537,7 @@ impl Core {
                 name: view.name.to_string(),
                 layout: layout.clone(),
                 gateway: view.spec.gateway.clone(),
+                deleting: view.deleting,
             };
             match self.allocate_in_pool(&pool, &record).await {
                 Ok(ip) => written.push(ip),
@@ -544,6 +557,8 @@ impl Core {
             .iter()
             .filter(|b| b.spec.pool == pool.name)
             .filter_map(|b| Some((b.name_any(), b.spec.cidr.parse().ok()?)))
+            // A block written under an earlier layout of a pool of this name is orphaned.
+            .filter(|(_, net)| pool.layout.is_block(*net))
             .collect();
         known.sort();
         // Agents start at different blocks so they rarely write the same one.
@@ -797,22 +812,25 @@ impl Core {
         uid: Option<&str>,
     ) -> ReleaseSummary {
         let mut summary = ReleaseSummary::default();
+        // The records of a pool being deleted, or of an orphaned block, are released at once:
+        // no sticky reservation outlives its pod there.
+        let retired = PoolSet::of(&self.pools.state(), &self.blocks.state()).retired().clone();
         for target in ips {
-            let Some(pool) = self.resolve_pool(&target.pool) else { continue };
-            let Some(net) = target.ip.parse().ok().and_then(|ip| pool.layout.block_of(ip)) else { continue };
-            let record = match Api::<IPBlock>::all(self.client.clone()).get_opt(&target.block).await {
-                Ok(Some(block)) => block.spec.allocations.get(&target.ip).cloned(),
+            let found = match Api::<IPBlock>::all(self.client.clone()).get_opt(&target.block).await {
+                Ok(Some(block)) => {
+                    block.spec.cidr.parse::<IpNet>().ok().zip(block.spec.allocations.get(&target.ip).cloned())
+                }
                 Ok(None) => None,
                 Err(e) => {
                     tracing::warn!(block = %target.block, error = %e, "reading block for release failed");
                     None
                 }
             };
-            let Some(record) = record else { continue };
-            let keep = record.sticky && self.owner_wants(&record).await;
+            let Some((net, record)) = found else { continue };
+            let keep = record.sticky && !retired.contains(&target.block) && self.owner_wants(&record).await;
             let now = Timestamp::now();
             let outcome = self
-                .write_block(&target.block, &pool.name, net, |spec| {
+                .write_block(&target.block, &target.pool, net, |spec| {
                     let claim = spec.allocations.get(&target.ip).map(|r| PodRef {
                         namespace: r.pod.namespace.clone(),
                         name: workload::claim_name(&r.pod.name, r.owner.as_ref()),
@@ -983,11 +1001,15 @@ impl Core {
         Ok(())
     }
 
-    /// CNI STATUS: ready when some pool exists and has a free IP.
+    /// CNI STATUS: ready when some pool that hands out IPs (not being deleted, not
+    /// disabled) exists and has a free IP.
     pub async fn status(&self, _request: &StatusRequest) -> Result<(), CniError> {
-        let pools = self.pools.state();
+        let mut pools = self.pools.state();
+        pools.retain(|p| p.metadata.deletion_timestamp.is_none() && !p.spec.disabled);
         if pools.is_empty() {
-            return Err(CniError::plugin_not_available("no IPPool exists"));
+            return Err(CniError::plugin_not_available(
+                "no IPPool hands out IPs: none exists, or each is being deleted or disabled",
+            ));
         }
         let allocated: BTreeMap<String, u128> = self.blocks.state().iter().fold(BTreeMap::new(), |mut acc, b| {
             *acc.entry(b.spec.pool.clone()).or_default() += b.spec.allocations.len() as u128;

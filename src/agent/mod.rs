@@ -109,24 +109,25 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let pool_events = reflector(pools_writer, watcher(Api::<IPPool>::all(client.clone()), watcher::Config::default()));
     let block_events =
         reflector(blocks_writer, watcher(Api::<IPBlock>::all(client.clone()), watcher::Config::default()));
-    let status_client = client.clone();
-    let status_pools = pools.clone();
+    // Recomputed on every change of the pools or the blocks (an orphaned block emptying
+    // ends an overlap); bursts coalesce into one pass, and the status writes echo back once.
+    let conditions = Arc::new(Notify::new());
+    tokio::spawn(reconcile_conditions(client.clone(), pools.clone(), blocks.clone(), conditions.clone()));
+    let pools_changed = conditions.clone();
     tokio::spawn(pool_events.default_backoff().for_each(move |event| {
-        let (client, pools) = (status_client.clone(), status_pools.clone());
-        async move {
-            // Recompute on every change of the pool set (the status writes echo back once).
-            if matches!(event, Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone)) {
-                pool_status::reconcile(&client, &pools).await;
-            }
+        if matches!(event, Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone)) {
+            pools_changed.notify_one();
         }
+        async {}
     }));
     let marks = Arc::new(Notify::new());
     let (node, notify) = (args.node_name.clone(), marks.clone());
     tokio::spawn(block_events.default_backoff().touched_objects().for_each(move |block| {
-        if let Ok(block) = block
-            && block.spec.allocations.values().any(|r| r.node == node && core::marked_for_release(r))
-        {
-            notify.notify_one();
+        if let Ok(block) = block {
+            conditions.notify_one();
+            if block.spec.allocations.values().any(|r| r.node == node && core::marked_for_release(r)) {
+                notify.notify_one();
+            }
         }
         async {}
     }));
@@ -190,6 +191,19 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     tracing::info!(socket = %args.socket.display(), node = %args.node_name, "serving CNI");
     server::serve(listener, allocator).await;
     Ok(())
+}
+
+/// Brings the pools' `Overlapping` conditions up to date each time `changed` is notified.
+async fn reconcile_conditions(
+    client: Client,
+    pools: reflector::Store<IPPool>,
+    blocks: reflector::Store<IPBlock>,
+    changed: Arc<Notify>,
+) {
+    loop {
+        changed.notified().await;
+        pool_status::reconcile(&client, &pools, &blocks).await;
+    }
 }
 
 /// Asks the allocation actor to answer release marks whenever a block with a mark for this

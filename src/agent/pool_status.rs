@@ -1,4 +1,5 @@
-//! Keeps each IPPool's `Overlapping` condition true to the pools that exist. Every agent
+//! Keeps each IPPool's `Overlapping` condition true to the pools and orphaned blocks that
+//! exist (an orphaned block still holding records counts as an overlap). Every agent
 //! computes the same answer and writes only when the stored condition differs, so the
 //! writes are idempotent and rare.
 
@@ -11,16 +12,16 @@ use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
-use crate::crd::IPPool;
+use crate::crd::{IPBlock, IPPool};
 use crate::pools::{self, OVERLAPPING_CONDITION, PoolSet};
 
-/// Brings every pool's `Overlapping` condition in line with the current pools.
-pub async fn reconcile(client: &Client, pools: &Store<IPPool>) {
+/// Brings every pool's `Overlapping` condition in line with the current pools and blocks.
+pub async fn reconcile(client: &Client, pools: &Store<IPPool>, blocks: &Store<IPBlock>) {
     let snapshot: Vec<Arc<IPPool>> = pools.state();
-    let pool_set = PoolSet::new(snapshot.iter().map(|p| (p.name_any(), p.spec.clone())));
+    let pool_set = PoolSet::of(&snapshot, &blocks.state());
     let views = pool_set.views();
     let api: Api<IPPool> = Api::all(client.clone());
-    for (pool, (overlapping, message)) in pools::overlap_conditions(&views) {
+    for (pool, (overlapping, message)) in pools::overlap_conditions(&views, pool_set.orphans()) {
         let Some(current) = snapshot.iter().find(|p| p.name_any() == pool) else { continue };
         let status = if overlapping { "True" } else { "False" };
         let existing =

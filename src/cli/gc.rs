@@ -13,7 +13,7 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use super::{Output, list, table};
 use crate::actors::manual::{ERROR_KEY, HANDLED_KEY, REQUEST_KEY, RESULT_KEY, TRIGGER_CONFIGMAP};
 use crate::actors::sweeper::SweepReport;
-use crate::crd::{IPBlock, IPClaim};
+use crate::crd::{IPBlock, IPClaim, IPPool};
 use crate::gc::index::ClusterIndex;
 use crate::gc::rules::{NotReadyPolicy, RuleSettings};
 use crate::gc::sweep::{self, ChangeAction, RecordChange};
@@ -111,6 +111,8 @@ async fn dry_run(client: &Client, args: &GcArgs) -> anyhow::Result<()> {
         &sticky,
     );
     let blocks = list::<IPBlock>(client).await?;
+    let pools = crate::pools::PoolSet::of(&list::<IPPool>(client).await?, &blocks);
+    let index = index.with_retired_blocks(pools.retired());
     let settings = RuleSettings { additional_delay: Duration::from_secs(5), not_ready: NotReadyPolicy::Keep };
     let plan = sweep::plan(&index, &blocks, Timestamp::now(), &settings);
     if args.output == Output::Json {

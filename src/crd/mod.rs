@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 pub use block::{Allocation, HandshakeState, IPBlock, IPBlockSpec, MigrationTarget, ReleaseHandshake, Takeover};
 pub use claim::{ClaimedInterface, ClaimedIp, IPClaim, IPClaimSpec};
-pub use pool::{IPPool, IPPoolSpec, IPPoolStatus, IpRange};
+pub use pool::{IPPool, IPPoolSpec, IPPoolStatus, IpRange, POOL_FINALIZER};
 
 /// The API group of every ipwarden resource.
 pub const GROUP: &str = "ipwarden.io";

@@ -8,6 +8,11 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// The finalizer the controller keeps on every pool while a block of the pool holds a
+/// record, so that a pool deleted in use neither vanishes under its pods' IPs nor lets a
+/// recreated pool hand them out again (docs/data-model.md, "Deleting a pool").
+pub const POOL_FINALIZER: &str = "ipwarden.io/pool-in-use";
+
 /// A pool of pod IPs. The apiserver refuses a malformed CIDR, a range or gateway outside
 /// the CIDR, and a block size that does not fit, with the messages below.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -20,9 +25,11 @@ use serde::{Deserialize, Serialize};
     status = "IPPoolStatus",
     printcolumn(name = "CIDR", type_ = "string", json_path = ".spec.cidr"),
     printcolumn(name = "Default", type_ = "boolean", json_path = ".spec.default"),
+    printcolumn(name = "Disabled", type_ = "boolean", json_path = ".spec.disabled"),
     printcolumn(name = "Total", type_ = "integer", json_path = ".status.total"),
     printcolumn(name = "Allocated", type_ = "integer", json_path = ".status.allocated"),
     printcolumn(name = "Sticky", type_ = "integer", json_path = ".status.stickyReserved"),
+    printcolumn(name = "Deleting", type_ = "date", json_path = ".metadata.deletionTimestamp"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
@@ -86,6 +93,10 @@ pub struct IPPoolSpec {
     /// Whether pods without a pool annotation use this pool (one default per IP family).
     #[serde(default)]
     pub default: bool,
+    /// Drains the pool for a migration: it hands out no new IP (a sticky pod still gets its
+    /// reserved one back), and the IPs it has handed out stay until their pods go.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub disabled: bool,
 }
 
 /// An inclusive range of IPs.

@@ -2,7 +2,7 @@
 //! reads: pods by name, the IPs live pods report, claims, StatefulSets and nodes. Built once
 //! per sweep (or per traced pod), it answers each record's questions without an API call.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use jiff::Timestamp;
@@ -99,6 +99,9 @@ pub struct ClusterIndex {
     /// Owner kinds whose records count as sticky; a record of another kind is not, so an
     /// owner kind removed from the list leaves ipwarden's stickiness.
     pub sticky_kinds: Vec<String>,
+    /// Blocks whose records no pool keeps ([`crate::pools::PoolSet::retired`]): orphaned
+    /// blocks and the blocks of pools being deleted.
+    pub retired_blocks: BTreeSet<String>,
 }
 
 fn node_state(node: &Node) -> NodeState {
@@ -166,6 +169,13 @@ impl ClusterIndex {
                 *state = NodeState::NotReady(*since);
             }
         }
+        self
+    }
+
+    /// Marks `blocks` as retired: no sticky reservation is kept in them, since no pool will
+    /// hand their IPs out again (a pool being deleted must empty, an orphaned block has none).
+    pub fn with_retired_blocks(mut self, blocks: &BTreeSet<String>) -> Self {
+        self.retired_blocks = blocks.clone();
         self
     }
 

@@ -145,8 +145,17 @@ pub struct SweepPlan {
 pub fn plan(index: &ClusterIndex, blocks: &[Arc<IPBlock>], now: Timestamp, settings: &RuleSettings) -> SweepPlan {
     let mut plan = SweepPlan::default();
     for block in blocks {
+        let retired = index.retired_blocks.contains(&block.name_any());
         for (ip, record) in &block.spec.allocations {
             plan.scanned += 1;
+            // In a retired block a sticky record is an ordinary one: it goes with its pod.
+            let unsticky;
+            let record = if retired && record.sticky {
+                unsticky = Allocation { sticky: false, ..record.clone() };
+                &unsticky
+            } else {
+                record
+            };
             let verdict = index.evaluate(ip, record, now, settings);
             let via_agent = index.agent_can_answer(record);
             match next_step(verdict, record, via_agent, index.takeover_step(record, now, settings)) {
@@ -174,6 +183,7 @@ mod test {
     use crate::gc::rules::NotReadyPolicy;
     use k8s_openapi::api::core::v1::{Node, Pod};
     use serde_json::json;
+    use std::collections::BTreeSet;
     use std::time::Duration;
 
     fn block(allocations: serde_json::Value) -> Arc<IPBlock> {
@@ -296,6 +306,30 @@ mod test {
         assert_eq!(stale.changes[0].action, ChangeAction::AbortTakeover, "the waiting pod is gone");
         let answered = plan_of(takeover("deleted-node", "marked-for-release"), std::slice::from_ref(&waiting));
         assert_eq!(answered.changes[0].action, ChangeAction::AnswerTakeover, "a deleted node cannot answer");
+    }
+
+    #[test]
+    fn a_sticky_reservation_in_a_retired_block_goes_with_its_pod() {
+        let mut reservation = record("web-0", "u-old");
+        reservation["sticky"] = json!(true);
+        reservation["owner"] = json!({"kind": "StatefulSet", "name": "web"});
+        let web: k8s_openapi::api::apps::v1::StatefulSet = serde_json::from_value(json!({
+            "metadata": {"namespace": "ns", "name": "web"}, "spec": {"replicas": 1, "serviceName": "web",
+            "selector": {}, "template": {}}}))
+        .expect("sts");
+        let sticky = ["StatefulSet".to_string()];
+        let index = ClusterIndex::build(&[], &[ready_node()], &[], &[Arc::new(web)], &sticky);
+        let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let blocks = [block(json!({"10.0.0.7": reservation}))];
+        let kept = plan(&index, &blocks, Timestamp::now(), &settings);
+        assert_eq!(kept.kept.get("sticky_reservation"), Some(&1), "a live pool keeps the reservation");
+        let retired = BTreeSet::from(["p-10-0-0-0-24".to_string()]);
+        let released = plan(&index.with_retired_blocks(&retired), &blocks, Timestamp::now(), &settings);
+        assert!(
+            matches!(released.changes[0].action, ChangeAction::Release { reason: ReleaseReason::PodGone, .. }),
+            "{:?}",
+            released.changes
+        );
     }
 
     #[test]

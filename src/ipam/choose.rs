@@ -65,7 +65,7 @@ pub fn choose_ip(
     now: Timestamp,
     cooldown: Duration,
 ) -> Result<IpAddr, ChooseError> {
-    if layout.block_of(block.network()) != Some(block) {
+    if !layout.is_block(block) {
         return Err(ChooseError::NotABlock { block, cidr: layout.cidr() });
     }
     let (first, last) = (block.network(), block.broadcast());

@@ -256,6 +256,12 @@ impl PoolLayout {
         IpNet::new(ip, self.block_prefix).ok().map(|block| block.trunc())
     }
 
+    /// Whether `block` is one of this pool's blocks (inside the CIDR, of the block size,
+    /// aligned): a block written under another layout of the same pool name is not.
+    pub fn is_block(&self, block: IpNet) -> bool {
+        self.block_of(block.network()) == Some(block)
+    }
+
     /// How many blocks the CIDR splits into, allocatable or not (saturating at
     /// `u128::MAX` for an IPv6 /0 pool of /128 blocks).
     pub fn block_count(&self) -> u128 {
@@ -281,11 +287,8 @@ impl PoolLayout {
     /// The allocatable addresses of `block` in address order; nothing if `block` is not
     /// one of this pool's blocks.
     pub fn allocatable_in(&self, block: IpNet) -> impl Iterator<Item = IpAddr> {
-        let (low, high) = if self.block_of(block.network()) == Some(block) {
-            (addr_to_int(block.network()), addr_to_int(block.broadcast()))
-        } else {
-            (1, 0)
-        };
+        let (low, high) =
+            if self.is_block(block) { (addr_to_int(block.network()), addr_to_int(block.broadcast())) } else { (1, 0) };
         let v4 = self.family_is_v4();
         self.allocatable
             .iter()

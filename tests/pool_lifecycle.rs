@@ -1,0 +1,240 @@
+//! Pools in use on the real control plane: a pool deleted while pods hold its IPs waits on
+//! its finalizer and hands out nothing, a pool recreated over the blocks of a deleted one
+//! never hands out an IP those blocks still record, and `spec.disabled` drains a pool.
+
+mod support;
+
+use std::collections::BTreeMap;
+
+use e2e::cni::{Invocation, PodArgs};
+use e2e::wait::{self, Probe};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use support::{Ipwarden, TIMEOUT, create_pod, ip_of, metric, metric_sum, records, wait_pods_with_ips};
+
+use ipwarden::crd::IPPool;
+
+const NS: &str = "default";
+
+/// The finalizer the controller keeps on every pool while a block of it holds a record.
+const FINALIZER: &str = "ipwarden.io/pool-in-use";
+
+/// ADDs a sandbox for pod `name` (bound to a node no kubelet runs, created here) through the
+/// real plugin and node-0's agent, as a runtime would; the CNI error when it fails.
+async fn manual_add(ipwarden: &Ipwarden, name: &str) -> Result<Option<Value>, e2e::Error> {
+    let client = ipwarden.client();
+    create_pod(&client, NS, name, "elsewhere", json!({"app": "manual"})).await;
+    let pod = Api::<Pod>::namespaced(client, NS).get(name).await.expect("pod");
+    let args = PodArgs { namespace: NS.into(), name: name.into(), uid: pod.uid().unwrap_or_default() };
+    let network = support::network();
+    let socket = e2e::ipwarden::agent_socket(&ipwarden.cluster, 0);
+    let conf = json!({"cniVersion": "1.1.0", "name": "ipwarden", "type": "ipwarden-cni", "socket": socket});
+    let call = Invocation { command: "ADD", container_id: name, ifname: "eth0", pod: Some(&args), netconf: &conf };
+    network.invoke(&call).await
+}
+
+/// `kubectl get ippools` as an operator sees it.
+async fn kubectl_get_ippools(ipwarden: &Ipwarden) -> String {
+    let args =
+        vec![format!("--kubeconfig={}", ipwarden.cluster.kubeconfig().display()), "get".into(), "ippools".into()];
+    e2e::process::run_tool(&ipwarden.cluster.kubectl(), &args, None).await.expect("kubectl get ippools")
+}
+
+/// The column `header` of pool `pool`'s row in `kubectl get ippools` output.
+fn column(table: &str, pool: &str, header: &str) -> Option<String> {
+    let mut lines = table.lines();
+    let headers: Vec<&str> = lines.next()?.split_whitespace().collect();
+    let at = headers.iter().position(|h| *h == header)?;
+    let row: Vec<&str> = lines.find(|l| l.split_whitespace().next() == Some(pool))?.split_whitespace().collect();
+    // An empty cell (e.g. no deletionTimestamp) shows as <none> or nothing at the row's end.
+    Some(row.get(at).copied().unwrap_or("<none>").to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_use_pool_being_deleted_waits_on_its_finalizer_refuses_adds_and_goes_once_the_dels_release_its_records() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pools = [("old", json!({"cidr": "10.70.0.0/24", "default": true}))];
+    let mut ipwarden = Ipwarden::start(1, &pools, &["--reuse-cooldown-seconds=0"]).await;
+    let client = ipwarden.client();
+    // A long sweep interval: only the pods' DELs may release the records in time.
+    ipwarden.start_controller("lifecycle", &["--full-scan-interval-seconds=600"]);
+    ipwarden.wait_leader(0).await;
+    let pools_api: Api<IPPool> = Api::all(client.clone());
+    wait::until("the controller putting its finalizer on the pool", TIMEOUT, || async {
+        let pool = pools_api.get("old").await.map_err(e2e::Error::kube("reading pool old"))?;
+        Ok(if pool.finalizers().iter().any(|f| f == FINALIZER) {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("finalizers {:?}", pool.finalizers()))
+        })
+    })
+    .await
+    .expect("the pool gets the finalizer");
+
+    // A sticky pod: its DEL would keep a reservation its StatefulSet still wants.
+    let sts: StatefulSet = serde_json::from_value(json!({
+        "metadata": {"name": "db"},
+        "spec": {"replicas": 1, "serviceName": "db", "selector": {"matchLabels": {"app": "db"}},
+                 "template": support::pod_template("db", json!({}))},
+    }))
+    .expect("sts");
+    Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &sts).await.expect("sts");
+    let held = ip_of(&wait_pods_with_ips(&client, NS, "app=db", 1).await["db-0"]);
+
+    pools_api.delete("old", &DeleteParams::default()).await.expect("delete pool old");
+    let pool = pools_api.get("old").await.expect("the pool still exists while in use");
+    assert!(pool.metadata.deletion_timestamp.is_some(), "the pool is being deleted");
+    let table = kubectl_get_ippools(&ipwarden).await;
+    assert!(column(&table, "old", "DELETING").is_some_and(|c| c != "<none>"), "kubectl shows it deleting:\n{table}");
+
+    let refused = manual_add(&ipwarden, "newcomer").await.expect_err("a deleting pool hands out nothing");
+    let refused = refused.to_string();
+    assert!(refused.contains("pool old") && refused.contains("being deleted"), "the ADD says why: {refused}");
+
+    Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
+    wait::until("the DEL releasing the record and the pool going", TIMEOUT, || async {
+        let recorded = records(&client).await.contains_key(&held);
+        let exists = pools_api.get_opt("old").await.map_err(e2e::Error::kube("reading pool old"))?.is_some();
+        Ok(if !recorded && !exists {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("record of {held} {recorded}, pool exists {exists}"))
+        })
+    })
+    .await
+    .expect("the last record released, the pool deleted");
+    let agent = ipwarden.scrape_agent(0).await;
+    assert!(metric(&agent, r#"ipwarden_agent_releases_total{result="released"}"#) >= 1.0, "the DEL released it");
+    let controller = ipwarden.scrape_controller(0).await.unwrap_or_default();
+    assert_eq!(metric_sum(&controller, "ipwarden_gc_releases_total", &[]), 0.0, "no GC release was needed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_recreated_with_another_block_size_over_orphaned_blocks_hands_out_no_ip_they_still_record() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    // No controller: the pool has no finalizer (created before any controller ran), so its
+    // deletion leaves its blocks, and their live records, orphaned.
+    let pools = [("p", json!({"cidr": "10.71.0.0/28", "default": true}))];
+    let mut ipwarden = Ipwarden::start(1, &pools, &["--reuse-cooldown-seconds=0"]).await;
+    let client = ipwarden.client();
+    for i in 0..4 {
+        create_pod(&client, NS, &format!("old-{i}"), "node-0", json!({"app": "old"})).await;
+    }
+    let old = wait_pods_with_ips(&client, NS, "app=old", 4).await;
+    let pools_api: Api<IPPool> = Api::all(client.clone());
+    pools_api.delete("p", &DeleteParams::default()).await.expect("delete pool p");
+    wait::until("pool p gone", TIMEOUT, || async {
+        let exists = pools_api.get_opt("p").await.map_err(e2e::Error::kube("reading pool p"))?.is_some();
+        Ok(if exists { Probe::Pending("still there".into()) } else { Probe::Done(()) })
+    })
+    .await
+    .expect("the pool goes");
+    e2e::ipwarden::create_pool(&client, "p", json!({"cidr": "10.71.0.0/28", "blockSize": 30, "default": true}))
+        .await
+        .expect("recreate pool p");
+
+    for i in 0..4 {
+        create_pod(&client, NS, &format!("new-{i}"), "node-0", json!({"app": "new"})).await;
+    }
+    let overlapping = |pool: IPPool| {
+        pool.status
+            .and_then(|s| s.conditions.into_iter().find(|c| c.type_ == "Overlapping"))
+            .map(|c| (c.status, c.message))
+    };
+    let outcome = wait::until("the new pods served, or the orphaned block reported", TIMEOUT, || async {
+        let served = support::pods_with_ips(&client, NS, "app=new").await?;
+        let condition = overlapping(pools_api.get("p").await.map_err(e2e::Error::kube("reading pool p"))?);
+        let refused = metric(&ipwarden.scrape_agent(0).await, r#"ipwarden_agent_allocations_total{result="no_pool"}"#);
+        Ok(match condition {
+            Some((status, message)) if status == "True" && refused >= 4.0 => Probe::Done(Ok(message)),
+            _ if served.len() == 4 => Probe::Done(Err(served)),
+            other => Probe::Pending(format!("{} served, condition {other:?}, {refused} refused", served.len())),
+        })
+    })
+    .await
+    .expect("the ADDs are answered");
+    let old_ips: BTreeMap<String, String> = old.iter().map(|(name, pod)| (ip_of(pod), name.clone())).collect();
+    let message = outcome.unwrap_or_else(|served| {
+        let duplicates: Vec<String> = served
+            .iter()
+            .filter_map(|(name, pod)| {
+                old_ips.get(&ip_of(pod)).map(|holder| format!("{name} got {holder}'s {}", ip_of(pod)))
+            })
+            .collect();
+        panic!("the recreated pool handed out IPs the orphaned block still records: {duplicates:?}")
+    });
+    assert!(message.contains("orphaned IPBlock p-10-71-0-0-28"), "the condition names the orphaned block: {message}");
+
+    // As the old pods go, their DELs release the orphaned records and the pool serves.
+    for i in 0..4 {
+        Api::<Pod>::namespaced(client.clone(), NS)
+            .delete(&format!("old-{i}"), &DeleteParams::default())
+            .await
+            .expect("delete old pod");
+    }
+    let new = wait_pods_with_ips(&client, NS, "app=new", 4).await;
+    let mut ips: Vec<String> = new.values().map(ip_of).collect();
+    ips.sort();
+    ips.dedup();
+    assert_eq!(ips.len(), 4, "every new pod has its own IP");
+
+    // A controller reclaims what an orphaned block records for a pod that is gone, by the
+    // normal sweep rules, and deletes the orphaned blocks once empty.
+    let ghost = support::record_json(NS, "ghost", "ghost-uid", "node-0", Some(("StatefulSet", "gone")), true);
+    support::inject_record(&client, "vanished", "vanished-10-79-0-0-24", "10.79.0.0/24", "10.79.0.7", ghost).await;
+    ipwarden.start_controller("orphans", &["--full-scan-interval-seconds=2"]);
+    let blocks: Api<ipwarden::crd::IPBlock> = Api::all(client.clone());
+    wait::until("the orphaned records reclaimed and the empty orphaned blocks deleted", TIMEOUT, || async {
+        let names: Vec<String> = blocks
+            .list(&Default::default())
+            .await
+            .map_err(e2e::Error::kube("listing blocks"))?
+            .items
+            .iter()
+            .map(ResourceExt::name_any)
+            .collect();
+        let orphans: Vec<&String> =
+            names.iter().filter(|n| *n == "p-10-71-0-0-28" || *n == "vanished-10-79-0-0-24").collect();
+        Ok(if orphans.is_empty() { Probe::Done(()) } else { Probe::Pending(format!("left: {orphans:?}")) })
+    })
+    .await
+    .expect("the orphans are cleaned up");
+    assert_eq!(records(&client).await.len(), 4, "only the new pods' records are left");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disabled_pool_hands_out_no_new_ip_keeps_the_existing_ones_and_shows_it_in_kubectl_get() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pools = [("main", json!({"cidr": "10.73.0.0/24", "default": true}))];
+    let ipwarden = Ipwarden::start(1, &pools, &[]).await;
+    let client = ipwarden.client();
+    create_pod(&client, NS, "kept", "node-0", json!({"app": "kept"})).await;
+    let kept = ip_of(&wait_pods_with_ips(&client, NS, "app=kept", 1).await["kept"]);
+
+    let pools_api: Api<IPPool> = Api::all(client.clone());
+    let disable = |disabled: bool| json!({"spec": {"disabled": disabled}});
+    pools_api.patch("main", &PatchParams::default(), &Patch::Merge(disable(true))).await.expect("disable");
+    let table = kubectl_get_ippools(&ipwarden).await;
+    assert_eq!(column(&table, "main", "DISABLED").as_deref(), Some("true"), "kubectl shows it disabled:\n{table}");
+
+    let refused = manual_add(&ipwarden, "newcomer").await.expect_err("a disabled pool hands out nothing");
+    let refused = refused.to_string();
+    assert!(refused.contains("pool main") && refused.contains("disabled"), "the ADD says why: {refused}");
+    create_pod(&client, NS, "waiting", "node-0", json!({"app": "waiting"})).await;
+    wait::until("the agent refusing the waiting pod's ADD", TIMEOUT, || async {
+        let refused = metric(&ipwarden.scrape_agent(0).await, r#"ipwarden_agent_allocations_total{result="no_pool"}"#);
+        Ok(if refused >= 2.0 { Probe::Done(()) } else { Probe::Pending(format!("{refused} refused")) })
+    })
+    .await
+    .expect("the ADD is refused");
+    let held = records(&client).await;
+    assert_eq!(held.len(), 1, "nothing new was allocated: {held:?}");
+    assert!(held.contains_key(&kept), "the existing IP is kept");
+
+    pools_api.patch("main", &PatchParams::default(), &Patch::Merge(disable(false))).await.expect("enable");
+    let served = wait_pods_with_ips(&client, NS, "app=waiting", 1).await;
+    assert_ne!(ip_of(&served["waiting"]), kept, "the re-enabled pool serves the waiting pod");
+}
