@@ -51,6 +51,7 @@ fn cluster() -> Cluster {
                     allocated_at: Time(Timestamp::UNIX_EPOCH),
                     release_handshake: None,
                     migration_target: None,
+                    repaired_at: None,
                 },
             );
             let (phase, pod_uid) = match r % 10 {

@@ -7,7 +7,7 @@ use std::net::IpAddr;
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use crate::crd::{Allocation, IPBlock, IPBlockSpec, MigrationTarget};
+use crate::crd::{Allocation, IPBlock, IPBlockSpec, MigrationTarget, OwnerRef, PodRef};
 
 /// The allocated IPs and the release times of a block, as the chooser wants them. Keys that
 /// do not parse as IPs (hand-edited objects) are left out and so never handed out again.
@@ -106,6 +106,46 @@ pub fn holds_sandbox(record: &Allocation, container_id: &str, ifname: &str) -> b
             || target.is_some_and(|t| t.container_id == container_id && t.interface == ifname))
 }
 
+/// Whether a sandbox may hold `record`'s IP: the record names one, or a repair adopted it
+/// for a pod whose sandbox is unknown. Only a sticky reservation between two pods holds none.
+pub fn may_be_attached(record: &Allocation) -> bool {
+    !record.container_id.is_empty() || record.repaired_at.is_some()
+}
+
+/// Whether `record` was repaired for pod `pod_uid`: the IP is held by a sandbox of that pod
+/// on the record's node, the one its agent's checkpoint pairs with the IP.
+pub fn adopted_by(record: &Allocation, pod_uid: Option<&str>) -> bool {
+    record.repaired_at.is_some() && pod_uid == Some(record.pod.uid.as_str())
+}
+
+/// The live pod that reports a record's IP and adopts the record, as the controller sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Adopter {
+    /// The pod.
+    pub pod: PodRef,
+    /// Its node (`spec.nodeName`).
+    pub node: String,
+    /// Its controller.
+    pub owner: Option<OwnerRef>,
+    /// Whether its owner's kind is sticky.
+    pub sticky: bool,
+}
+
+/// Rewrites `record` as the whole attachment of `adopter`, the live pod reporting its IP:
+/// its pod, node and workload, with the sandbox marked unknown (`repairedAt`), so the
+/// adopter's node takes it as its pod's and no other node as a leftover of its own.
+pub fn repair(record: &mut Allocation, adopter: &Adopter, now: Timestamp) {
+    record.pod = adopter.pod.clone();
+    record.node = adopter.node.clone();
+    record.owner = adopter.owner.clone();
+    record.sticky = adopter.sticky;
+    record.container_id.clear();
+    record.interface.clear();
+    record.release_handshake = None;
+    record.migration_target = None;
+    record.repaired_at = Some(Time(now));
+}
+
 /// Whether `record` names pod `uid`: as its pod, or as a live migration's target.
 pub fn names_pod(record: &Allocation, uid: &str) -> bool {
     record.pod.uid == uid || record.migration_target.as_ref().is_some_and(|t| t.pod.uid == uid)
@@ -136,7 +176,7 @@ pub enum ReleaseOutcome {
 }
 
 /// Releases `ip` if its record still names the sandbox (and, when given, the pod UID) the
-/// caller decided on: removed, or kept as a reservation when `keep_reservation`. During a
+/// caller decided on, or was repaired for that pod UID ([`adopted_by`]): removed, or kept as a reservation when `keep_reservation`. During a
 /// live migration the IP is never freed: the sandbox leaving hands it to the other one.
 pub fn release_attachment(
     spec: &mut IPBlockSpec,
@@ -155,7 +195,7 @@ pub fn release_attachment(
         record.migration_target = None;
         return ReleaseOutcome::Detached;
     }
-    if !names_sandbox(record, container_id, ifname, pod_uid) {
+    if !names_sandbox(record, container_id, ifname, pod_uid) && !adopted_by(record, pod_uid) {
         return ReleaseOutcome::NotOurs;
     }
     if let Some(target) = record.migration_target.take() {
@@ -169,6 +209,7 @@ pub fn release_attachment(
     }
     if keep_reservation {
         record.container_id.clear();
+        record.repaired_at = None;
         return ReleaseOutcome::Reserved;
     }
     spec.allocations.remove(ip);
@@ -219,6 +260,7 @@ mod test {
             allocated_at: Time(Timestamp::UNIX_EPOCH),
             release_handshake: None,
             migration_target: None,
+            repaired_at: None,
         }
     }
 
@@ -334,6 +376,56 @@ mod test {
         assert_eq!(spec.allocations["10.0.0.5"].container_id, "");
         assert_eq!(spec.allocations["10.0.0.5"].pod.uid, "u1");
         assert!(spec.released.is_empty());
+    }
+
+    fn repaired() -> Allocation {
+        let mut old = record("u-old", "c-old");
+        old.migration_target = migrating("u2", "c2").allocations["10.0.0.5"].migration_target.clone();
+        let adopter = Adopter {
+            pod: PodRef { namespace: "default".into(), name: "adopter".into(), uid: "u-new".into() },
+            node: "node-1".into(),
+            owner: Some(OwnerRef { kind: "StatefulSet".into(), name: "db".into() }),
+            sticky: true,
+        };
+        repair(&mut old, &adopter, Timestamp::UNIX_EPOCH);
+        old
+    }
+
+    #[test]
+    fn a_repair_writes_the_adopters_whole_attachment_with_its_sandbox_unknown() {
+        let adopted = repaired();
+        assert_eq!(
+            (adopted.pod.name.as_str(), adopted.pod.uid.as_str(), adopted.node.as_str()),
+            ("adopter", "u-new", "node-1")
+        );
+        assert_eq!(adopted.owner.as_ref().map(|o| o.name.as_str()), Some("db"));
+        assert!(adopted.sticky);
+        assert_eq!((adopted.container_id.as_str(), adopted.interface.as_str()), ("", ""));
+        assert!(adopted.migration_target.is_none(), "no other sandbox shares it");
+        assert!(may_be_attached(&adopted), "not a reservation: the adopter's sandbox holds it");
+        assert!(!may_be_attached(&record("u1", "")), "a reservation holds no sandbox");
+    }
+
+    #[test]
+    fn a_repaired_record_is_released_by_its_pods_sandbox_and_by_no_other_pod() {
+        let now = Timestamp::UNIX_EPOCH;
+        for (container, uid) in [("c-old", Some("u-old")), ("c-new", None), ("c-new", Some("u-other"))] {
+            let mut spec = block_with("10.0.0.5", repaired());
+            let outcome = release_attachment(&mut spec, "10.0.0.5", container, "eth0", uid, false, now);
+            assert_eq!(outcome, ReleaseOutcome::NotOurs, "container {container:?} uid {uid:?}");
+        }
+        for container in ["c-new", ""] {
+            let mut spec = block_with("10.0.0.5", repaired());
+            let outcome = release_attachment(&mut spec, "10.0.0.5", container, "eth0", Some("u-new"), false, now);
+            assert_eq!(outcome, ReleaseOutcome::Released, "container {container:?}");
+            assert!(spec.allocations.is_empty());
+        }
+        let mut spec = block_with("10.0.0.5", repaired());
+        let kept = release_attachment(&mut spec, "10.0.0.5", "c-new", "eth0", Some("u-new"), true, now);
+        assert_eq!(kept, ReleaseOutcome::Reserved);
+        let reservation = &spec.allocations["10.0.0.5"];
+        assert!(!may_be_attached(reservation), "the sandbox left: an ordinary reservation now");
+        assert_eq!(reservation.pod.uid, "u-new");
     }
 
     #[test]

@@ -432,11 +432,19 @@ async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outco
             publish(context, pool, "IPReleased", note).await;
             tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), reason = reason.label(), trigger = pending.trigger.label(), "released");
         }
-        (ChangeOutcome::Repaired, ChangeAction::Repair { pod }) => {
+        (ChangeOutcome::Repaired, ChangeAction::Repair { adopter }) => {
             metrics.repairs.get_or_create(&FailureLabels { pool: pool.to_string() }).inc();
+            let pod = &adopter.pod;
             let note = format!(
-                "record of {} adopted by pod {}/{} (uid {}), which reports it",
-                change.ip, pod.namespace, pod.name, pod.uid
+                "record of {} adopted by pod {}/{} (uid {}) on node {}, which reports it; it named pod {}/{} (uid {})",
+                change.ip,
+                pod.namespace,
+                pod.name,
+                pod.uid,
+                adopter.node,
+                change.pod.namespace,
+                change.pod.name,
+                change.pod.uid
             );
             publish(context, pool, "IPRecordRepaired", note).await;
         }
@@ -626,12 +634,11 @@ async fn apply_one(
             block.spec.released.insert(change.ip.clone(), Time(now));
             ChangeOutcome::Released(ended)
         }
-        ChangeAction::Repair { pod } => {
-            if holders.get(&change.ip) != Some(&pod.uid) {
+        ChangeAction::Repair { adopter } => {
+            if holders.get(&change.ip) != Some(&adopter.pod.uid) {
                 return ChangeOutcome::Skipped("holder_changed");
             }
-            record.pod = pod.clone();
-            record.release_handshake = None;
+            crate::blocks::repair(record, adopter, now);
             ChangeOutcome::Repaired
         }
         ChangeAction::AnswerTakeover => {

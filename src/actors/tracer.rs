@@ -94,7 +94,7 @@ impl PodTracer {
                 ) => changes.push(RecordChange::of(&index, block, ip, record, action)),
                 Planned::Trace(at) => again = Some(again.map_or(at, |a| a.min(at))),
                 // Repairs are the sweep's: it resolves the adopting pod from the IP index.
-                Planned::Change(ChangeAction::Repair { .. }) | Planned::Keep(_) => {}
+                Planned::Repair | Planned::Change(ChangeAction::Repair { .. }) | Planned::Keep(_) => {}
             }
         }
         if let Some(at) = again {

@@ -311,6 +311,7 @@ impl Core {
             allocated_at: Time(Timestamp::now()),
             release_handshake: None,
             migration_target: None,
+            repaired_at: None,
         }
     }
 
@@ -420,7 +421,7 @@ impl Core {
                     let step = reclaim_step(ClaimedRecord {
                         same_pod: current.pod.uid == record.pod.uid,
                         same_workload: same_workload(current, &record),
-                        attached: !current.container_id.is_empty(),
+                        attached: blocks::may_be_attached(current),
                         detached_here: current.node == self.settings.node && !held_here.contains(&key),
                         handshake: current.release_handshake.as_ref().map(|h| h.state),
                     });
@@ -952,7 +953,10 @@ impl Core {
         for (block, ip) in targets {
             let fresh = api.get_opt(&block).await.map_err(api_error(format!("reading IPBlock {block}")))?;
             let held = fresh.and_then(|b| b.spec.allocations.get(&ip).cloned());
-            if held.is_some_and(|r| blocks::holds_sandbox(&r, &request.container_id, &request.ifname)) {
+            let uid = entry.as_ref().map(|e| e.pod.uid.as_str());
+            if held.is_some_and(|r| {
+                blocks::holds_sandbox(&r, &request.container_id, &request.ifname) || blocks::adopted_by(&r, uid)
+            }) {
                 found.insert(ip);
             }
         }
@@ -1044,14 +1048,14 @@ impl Core {
             .list(&kube::api::ListParams::default())
             .await
             .map_err(api_error("listing IPBlocks".to_string()))?;
+        let lives_here = |r: &Allocation| live.get(&(r.pod.namespace.clone(), r.pod.name.clone())) == Some(&r.pod.uid);
         let mut stale = Vec::new();
         for block in &blocks.items {
             for (ip, record) in &block.spec.allocations {
-                if record.node != *node || record.container_id.is_empty() {
+                if record.node != *node || !blocks::may_be_attached(record) {
                     continue;
                 }
-                let key = (record.pod.namespace.clone(), record.pod.name.clone());
-                if live.get(&key) != Some(&record.pod.uid) {
+                if !lives_here(record) {
                     stale.push((block.name_any(), block.spec.pool.clone(), ip.clone(), record.clone()));
                 }
             }
@@ -1069,23 +1073,31 @@ impl Core {
             };
             checkpoint.remove(&key).map_err(checkpoint_error)?;
         }
-        // The attachments that records name on this node: a record's own sandbox, and a live
-        // migration's target sandbox.
-        let recorded: BTreeSet<AttachmentKey> = blocks
+        // The attachments that records name on this node: a record's own sandbox, a live
+        // migration's target sandbox, and the sandboxes of a repaired record's pod that hold
+        // its IP (the record cannot name them) while that pod lives here.
+        let adopted: BTreeSet<(&str, &str)> = blocks
             .items
             .iter()
-            .flat_map(|b| b.spec.allocations.values())
-            .flat_map(|r| {
-                let own = (r.node == *node).then_some((&r.container_id, &r.interface));
-                let target =
-                    r.migration_target.as_ref().filter(|t| t.node == *node).map(|t| (&t.container_id, &t.interface));
-                own.into_iter().chain(target).map(|(container_id, ifname)| AttachmentKey {
-                    network: r.network.clone(),
-                    container_id: container_id.clone(),
-                    ifname: ifname.clone(),
-                })
-            })
+            .flat_map(|b| b.spec.allocations.iter())
+            .filter(|(_, r)| r.node == *node && r.repaired_at.is_some() && lives_here(r))
+            .map(|(ip, r)| (r.pod.uid.as_str(), ip.as_str()))
             .collect();
+        let mut recorded: BTreeSet<AttachmentKey> = checkpoint
+            .entries()
+            .filter(|e| e.ips.iter().any(|i| adopted.contains(&(e.pod.uid.as_str(), i.ip.as_str()))))
+            .map(|e| e.key.clone())
+            .collect();
+        recorded.extend(blocks.items.iter().flat_map(|b| b.spec.allocations.values()).flat_map(|r| {
+            let own = (r.node == *node).then_some((&r.container_id, &r.interface));
+            let target =
+                r.migration_target.as_ref().filter(|t| t.node == *node).map(|t| (&t.container_id, &t.interface));
+            own.into_iter().chain(target).map(|(container_id, ifname)| AttachmentKey {
+                network: r.network.clone(),
+                container_id: container_id.clone(),
+                ifname: ifname.clone(),
+            })
+        }));
         for entry in checkpoint.retain_recorded(&recorded).map_err(checkpoint_error)? {
             tracing::info!(container_id = %entry.key.container_id, pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name), "start-up GC: no record names this checkpoint entry any more");
         }
@@ -1255,7 +1267,7 @@ fn same_workload(a: &Allocation, b: &Allocation) -> bool {
 /// pod's sandbox (the migration's source) still holds it. A reservation with no sandbox is
 /// simply taken over.
 fn shares_with_source(a: &Allocation, b: &Allocation) -> bool {
-    a.pod.uid != b.pod.uid && !a.container_id.is_empty() && same_workload(a, b)
+    a.pod.uid != b.pod.uid && blocks::may_be_attached(a) && same_workload(a, b)
 }
 
 fn attachment_key(request: &AttachmentRequest) -> AttachmentKey {
@@ -1332,6 +1344,7 @@ mod test {
             allocated_at: Time(Timestamp::UNIX_EPOCH),
             release_handshake: None,
             migration_target: None,
+            repaired_at: None,
         };
         let sts = Some(("StatefulSet", "web"));
         assert!(same_workload(&record("web-0", sts), &record("web-0", sts)));

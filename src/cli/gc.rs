@@ -153,7 +153,9 @@ fn describe(change: &RecordChange) -> (&'static str, String) {
     match &change.action {
         ChangeAction::Release { reason, .. } if change.via_agent => ("release (handshake)", reason.label().to_string()),
         ChangeAction::Release { reason, .. } => ("release", reason.label().to_string()),
-        ChangeAction::Repair { pod } => ("repair", format!("adopt by {}/{}", pod.namespace, pod.name)),
+        ChangeAction::Repair { adopter } => {
+            ("repair", format!("adopt by {}/{} on {}", adopter.pod.namespace, adopter.pod.name, adopter.node))
+        }
         ChangeAction::AbortHandshake => ("abort handshake", "no longer a candidate".to_string()),
         ChangeAction::AbortTakeover => ("abort takeover", "its pod no longer waits".to_string()),
         ChangeAction::AnswerTakeover => ("answer takeover", "the node's agent cannot answer".to_string()),

@@ -52,9 +52,10 @@ pub struct Allocation {
     /// The CNI network (netconf name) the attachment belongs to.
     #[serde(default)]
     pub network: String,
-    /// The sandbox's container ID; empty for a sticky reservation between two pods.
+    /// The sandbox's container ID; empty for a sticky reservation between two pods, and for
+    /// a repaired record (`repairedAt`), whose sandbox the controller cannot know.
     pub container_id: String,
-    /// The interface inside the sandbox.
+    /// The interface inside the sandbox (empty when `containerId` is).
     pub interface: String,
     /// The pod's controller, when it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -74,6 +75,12 @@ pub struct Allocation {
     /// design, and whichever DEL comes first leaves the IP to the other.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migration_target: Option<MigrationTarget>,
+    /// Set when the controller repaired the record for the live pod that reports its IP: a
+    /// sandbox of that pod on the record's node holds the IP, but which one is unknown (the
+    /// Kubernetes API shows no container IDs). Unlike an empty `containerId` alone (a sticky
+    /// reservation), the IP may be attached; the node's agent takes the record as its pod's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repaired_at: Option<Time>,
 }
 
 /// The second attachment of a record during a KubeVirt live migration: the target

@@ -12,7 +12,8 @@ use kube::ResourceExt;
 
 use super::handshake::{TakeoverStep, controller_takeover_step};
 use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleSettings, Verdict, decide};
-use crate::crd::{Allocation, IPClaim, PodRef};
+use crate::blocks::Adopter;
+use crate::crd::{Allocation, IPClaim, OwnerRef, PodRef};
 use crate::workload::{self, KUBEVIRT_VMI_KIND};
 
 /// What the rules need of one pod.
@@ -81,6 +82,10 @@ pub struct Holder {
     pub pod: PodRef,
     /// Whether it is terminating or completed.
     pub terminal: bool,
+    /// Its node (`spec.nodeName`), which a repair writes into the record it adopts.
+    pub node: String,
+    /// Its controller, which a repair writes into the record it adopts.
+    pub owner: Option<OwnerRef>,
 }
 
 /// The index.
@@ -134,6 +139,8 @@ impl ClusterIndex {
                     uid: facts.uid.clone(),
                 },
                 terminal: facts.terminal(),
+                node: pod.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default(),
+                owner: workload::controller_of(pod),
             };
             for ip in &facts.ips {
                 let entry = index.live_ips.entry(ip.clone()).or_insert_with(|| holder.clone());
@@ -200,6 +207,17 @@ impl ClusterIndex {
     /// [`ClusterIndex::with_stale_agents`]) has a live agent Lease.
     pub fn agent_can_answer(&self, record: &Allocation) -> bool {
         !record.node.is_empty() && self.nodes.get(&record.node) == Some(&NodeState::Ready)
+    }
+
+    /// The live pod reporting `ip`, as a repair writes it into the record it adopts.
+    pub fn adopter(&self, ip: &str) -> Option<Adopter> {
+        let holder = self.live_ips.get(ip)?;
+        Some(Adopter {
+            pod: holder.pod.clone(),
+            node: holder.node.clone(),
+            owner: holder.owner.clone(),
+            sticky: workload::is_sticky(holder.owner.as_ref(), &self.sticky_kinds),
+        })
     }
 
     /// The state of the record's node (Ready when the record names none).

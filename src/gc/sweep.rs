@@ -11,6 +11,7 @@ use kube::ResourceExt;
 use super::handshake::{ControllerStep, TakeoverStep, controller_step};
 use super::index::ClusterIndex;
 use super::rules::{ReleaseReason, RuleSettings, Verdict};
+use crate::blocks::Adopter;
 use crate::crd::{Allocation, IPBlock, PodRef};
 
 /// A change to one record, decided from a snapshot and re-checked before it is written.
@@ -57,10 +58,11 @@ pub enum ChangeAction {
         /// Whether the claim goes too.
         delete_claim: bool,
     },
-    /// Write this pod into the record: the pod reporting the IP adopts it.
+    /// Make the record the whole attachment of the pod reporting the IP
+    /// ([`crate::blocks::repair`]).
     Repair {
-        /// The adopting pod.
-        pod: PodRef,
+        /// The adopting pod, its node and its workload.
+        adopter: Adopter,
     },
     /// Clear the controller's release mark: the record is no longer a candidate.
     AbortHandshake,
@@ -80,6 +82,8 @@ pub enum Planned {
     Trace(Timestamp),
     /// Carry this out.
     Change(ChangeAction),
+    /// Repair it for the pod reporting its IP, which the sweep resolves from the IP index.
+    Repair,
 }
 
 /// Why a record marked for release is left while its agent has not answered.
@@ -118,13 +122,7 @@ pub fn next_step(
                 Planned::Change(ChangeAction::Release { reason, delete_claim })
             }
         }
-        Verdict::Repair { uid } => Planned::Change(ChangeAction::Repair {
-            pod: PodRef {
-                namespace: record.pod.namespace.clone(),
-                name: record.pod.name.clone(),
-                uid: uid.to_string(),
-            },
-        }),
+        Verdict::Repair { .. } => Planned::Repair,
     }
 }
 
@@ -165,10 +163,11 @@ pub fn plan(index: &ClusterIndex, blocks: &[Arc<IPBlock>], now: Timestamp, setti
                         ChangeAction::Release { reason: ReleaseReason::TerminatingPastDeadline, delete_claim: false };
                     plan.traced.push((RecordChange::of(index, block, ip, record, placeholder), when));
                 }
-                Planned::Change(ChangeAction::Repair { pod }) => {
-                    // The adopter's full reference (namespace and name too) from the IP index.
-                    let pod = index.live_ips.get(ip).map_or(pod, |h| h.pod.clone());
-                    plan.changes.push(RecordChange::of(index, block, ip, record, ChangeAction::Repair { pod }));
+                Planned::Repair => {
+                    // The verdict came from this very index entry, so it is there.
+                    if let Some(adopter) = index.adopter(ip) {
+                        plan.changes.push(RecordChange::of(index, block, ip, record, ChangeAction::Repair { adopter }));
+                    }
                 }
                 Planned::Change(action) => plan.changes.push(RecordChange::of(index, block, ip, record, action)),
             }
@@ -224,8 +223,16 @@ mod test {
             "10.0.0.2": record("gone", "u-gone"),
             "10.0.0.3": record("stale-name", "u-old"),
         }))];
-        let pods = [pod("live", "u-live", "10.0.0.1"), pod("adopter", "u-new", "10.0.0.3")];
-        let index = ClusterIndex::build(&pods, &[ready_node()], &[], &[], &[]);
+        let adopter: Arc<Pod> = Arc::new(
+            serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": "adopter", "uid": "u-new",
+                    "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "db", "uid": "s",
+                                         "controller": true}]},
+                "spec": {"nodeName": "n2", "containers": []},
+                "status": {"phase": "Running", "podIPs": [{"ip": "10.0.0.3"}]}}))
+            .expect("pod"),
+        );
+        let pods = [pod("live", "u-live", "10.0.0.1"), adopter];
+        let index = ClusterIndex::build(&pods, &[ready_node()], &[], &[], &["StatefulSet".to_string()]);
         let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
         let plan = plan(&index, &blocks, Timestamp::now(), &settings);
         assert_eq!(plan.scanned, 3);
@@ -238,7 +245,12 @@ mod test {
                 (
                     "10.0.0.3",
                     &ChangeAction::Repair {
-                        pod: PodRef { namespace: "ns".into(), name: "adopter".into(), uid: "u-new".into() }
+                        adopter: Adopter {
+                            pod: PodRef { namespace: "ns".into(), name: "adopter".into(), uid: "u-new".into() },
+                            node: "n2".into(),
+                            owner: Some(crate::crd::OwnerRef { kind: "StatefulSet".into(), name: "db".into() }),
+                            sticky: true,
+                        }
                     }
                 ),
             ]
