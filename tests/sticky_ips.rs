@@ -492,6 +492,9 @@ async fn a_fast_statefulset_scale_down_and_up_keeps_the_reservation_a_sweep_deci
     .await
     .expect("the controller writes");
     assert_eq!(outcome, Some((first_uid.clone(), None, None)), "the wanted reservation of web-1 is kept");
+    let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+    let dropped = metric(&text, r#"ipwarden_gc_skips_total{reason="owner_wants"}"#);
+    assert!(dropped >= 1.0, "the pool actor's re-read of the StatefulSet dropped the release: {dropped}");
 
     cordon(&client, "node-0", false).await;
     let web1 = wait::until("web-1 running again", TIMEOUT, || async {

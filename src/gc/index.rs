@@ -12,8 +12,10 @@ use kube::ResourceExt;
 
 use super::handshake::{TakeoverStep, controller_takeover_step};
 use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleSettings, Verdict, decide};
+use crate::crd::OwnerRef;
 use crate::crd::{Allocation, IPClaim, PodRef};
-use crate::workload::{self, KUBEVIRT_VMI_KIND};
+pub use crate::workload::StatefulSetFacts;
+use crate::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence};
 
 /// What the rules need of one pod.
 #[derive(Clone, Debug)]
@@ -61,17 +63,6 @@ impl PodFacts {
     }
 }
 
-/// What "owner still wants" needs of a StatefulSet.
-#[derive(Clone, Copy, Debug)]
-pub struct StatefulSetFacts {
-    /// `spec.replicas`.
-    pub replicas: i32,
-    /// `spec.ordinals.start`.
-    pub start: i32,
-    /// Whether it is being deleted.
-    pub deleting: bool,
-}
-
 type Key = (String, String);
 
 /// A pod reporting an IP.
@@ -94,11 +85,33 @@ pub struct ClusterIndex {
     pub claims: HashMap<Key, String>,
     /// StatefulSets by (namespace, name).
     pub statefulsets: HashMap<Key, StatefulSetFacts>,
+    /// KubeVirt's VMs, once the controller watches them; `None` while it does not (KubeVirt
+    /// not installed, caches not synced yet): then a VM's reservation is kept.
+    pub kubevirt: Option<KubeVirtIndex>,
     /// Node states by name.
     pub nodes: HashMap<String, NodeState>,
     /// Owner kinds whose records count as sticky; a record of another kind is not, so an
     /// owner kind removed from the list leaves ipwarden's stickiness.
     pub sticky_kinds: Vec<String>,
+}
+
+/// KubeVirt objects by (namespace, name): whether each is being deleted.
+#[derive(Clone, Debug, Default)]
+pub struct KubeVirtIndex {
+    /// VirtualMachineInstances.
+    pub instances: HashMap<Key, bool>,
+    /// VirtualMachines.
+    pub vms: HashMap<Key, bool>,
+}
+
+impl KubeVirtIndex {
+    fn presence(objects: &HashMap<Key, bool>, key: &Key) -> Presence {
+        match objects.get(key) {
+            None => Presence::Absent,
+            Some(true) => Presence::Deleting,
+            Some(false) => Presence::Live,
+        }
+    }
 }
 
 fn node_state(node: &Node) -> NodeState {
@@ -144,11 +157,7 @@ impl ClusterIndex {
             index.claims.insert((claim.namespace().unwrap_or_default(), claim.name_any()), claim.spec.pod_uid.clone());
         }
         for sts in statefulsets {
-            let facts = StatefulSetFacts {
-                replicas: sts.spec.replicas.unwrap_or(1),
-                start: sts.spec.ordinals.as_ref().and_then(|o| o.start).unwrap_or(0),
-                deleting: sts.metadata.deletion_timestamp.is_some(),
-            };
+            let facts = crate::owners::statefulset_facts(sts);
             index.statefulsets.insert((sts.namespace().unwrap_or_default(), sts.name_any()), facts);
         }
         for node in nodes {
@@ -169,20 +178,32 @@ impl ClusterIndex {
         self
     }
 
-    /// Whether a sticky record's owner still wants it. A StatefulSet answers by its
-    /// replicas and ordinals; other sticky owners (KubeVirt) are kept: the controller does
-    /// not watch their APIs, and keeping a reservation is the safe side.
+    /// Takes KubeVirt's VMs and VM instances as watched (see [`ClusterIndex::kubevirt`]).
+    pub fn with_kubevirt(mut self, kubevirt: Option<KubeVirtIndex>) -> Self {
+        self.kubevirt = kubevirt;
+        self
+    }
+
+    /// Whether a sticky record's owner still wants it, by [`workload::owner_wants`] on the
+    /// cached owner.
     pub fn owner_wants(&self, record: &Allocation) -> bool {
-        match record.owner.as_ref() {
-            Some(owner) if owner.kind == "StatefulSet" => {
-                self.statefulsets.get(&(record.pod.namespace.clone(), owner.name.clone())).is_some_and(|s| {
-                    workload::statefulset_wants(&owner.name, s.replicas, s.start, s.deleting, &record.pod.name)
-                })
-            }
-            Some(owner) if owner.kind == KUBEVIRT_VMI_KIND => true,
-            Some(_) => true,
-            None => false,
-        }
+        let Some(owner) = record.owner.as_ref() else { return false };
+        self.wants(&record.pod.namespace, owner, &record.pod.name)
+    }
+
+    /// Whether `owner` (in `namespace`) still wants the IPs of its pod `pod_name`, by
+    /// [`workload::owner_wants`] on the cached owner.
+    pub fn wants(&self, namespace: &str, owner: &OwnerRef, pod_name: &str) -> bool {
+        let key = (namespace.to_string(), owner.name.clone());
+        let facts = match owner.kind.as_str() {
+            "StatefulSet" => OwnerFacts::StatefulSet(self.statefulsets.get(&key).copied()),
+            KUBEVIRT_VMI_KIND => self.kubevirt.as_ref().map_or(OwnerFacts::Unknown, |k| OwnerFacts::VirtualMachine {
+                instance: KubeVirtIndex::presence(&k.instances, &key),
+                vm: KubeVirtIndex::presence(&k.vms, &key),
+            }),
+            _ => OwnerFacts::Unknown,
+        };
+        workload::owner_wants(&owner.name, pod_name, facts)
     }
 
     /// Whether the record's node has an agent that can answer the release handshake: the
@@ -223,7 +244,7 @@ impl ClusterIndex {
         let key = (record.pod.namespace.clone(), record.pod.name.clone());
         let claim_name = workload::claim_name(&record.pod.name, record.owner.as_ref());
         let node = self.node_of(record);
-        let sticky = record.sticky && workload::is_sticky(record.owner.as_ref(), &self.sticky_kinds);
+        let sticky = workload::record_is_sticky(record, &self.sticky_kinds);
         let facts = Facts {
             record: RecordView { ip, pod_uid: &record.pod.uid, node: &record.node, sticky },
             pod: self.pods.get(&key).map(|p| PodView {

@@ -189,6 +189,17 @@ impl ReleaseReason {
     }
 }
 
+impl ReleaseReason {
+    /// Whether a release for this reason, of a sticky record, rests on its owner no longer
+    /// wanting it: then the pool actor re-reads the owner right before writing (a fast scale
+    /// down and up can leave the decision's cache stale). The rows of a sticky pod re-added
+    /// with other IPs release whatever the owner wants; a release on a NotReady node may
+    /// have come from any row, so it counts as resting on the owner (keeping is the safe side).
+    pub fn rests_on_owner(self) -> bool {
+        !matches!(self, Self::UidMismatch | Self::StickyReaddedWithoutIpwarden | Self::StickyStaleRecord)
+    }
+}
+
 fn release(reason: ReleaseReason, facts: &Facts<'_>) -> Verdict<'static> {
     let delete_claim = facts.claim_uid == Some(facts.record.pod_uid);
     Verdict::Release { reason, delete_claim }
