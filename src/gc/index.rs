@@ -313,6 +313,35 @@ mod test {
     }
 
     #[test]
+    fn a_vm_record_is_kept_while_its_vm_is_there_or_kubevirt_unwatched_and_released_once_the_vm_is_gone() {
+        let record: Allocation = serde_json::from_value(serde_json::json!({
+            "pod": {"namespace": "ns", "name": "virt-launcher-vm1-x", "uid": "u"}, "node": "n", "network": "n",
+            "containerId": "c", "interface": "eth0", "allocatedAt": "2026-01-01T00:00:00Z", "sticky": true,
+            "owner": {"kind": KUBEVIRT_VMI_KIND, "name": "vm1"},
+        }))
+        .expect("record");
+        let now = Timestamp::from_second(1_780_000_000).expect("now");
+        let settings = RuleSettings { additional_delay: std::time::Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let index = |kubevirt: Option<KubeVirtIndex>| {
+            let mut index =
+                ClusterIndex { sticky_kinds: vec![KUBEVIRT_VMI_KIND.to_string()], ..ClusterIndex::default() };
+            index.nodes.insert("n".to_string(), NodeState::Ready);
+            index.with_kubevirt(kubevirt)
+        };
+        let vm = ("ns".to_string(), "vm1".to_string());
+        let stopped = KubeVirtIndex { vms: HashMap::from([(vm.clone(), false)]), ..KubeVirtIndex::default() };
+        let deleting = KubeVirtIndex { vms: HashMap::from([(vm, true)]), ..KubeVirtIndex::default() };
+        let kept = Verdict::Keep(KeepReason::StickyReservation);
+        assert_eq!(index(None).evaluate("10.0.0.1", &record, now, &settings), kept, "KubeVirt not watched");
+        assert_eq!(index(Some(stopped)).evaluate("10.0.0.1", &record, now, &settings), kept, "a stopped VM");
+        for gone in [KubeVirtIndex::default(), deleting] {
+            let watched = index(Some(gone));
+            let verdict = watched.evaluate("10.0.0.1", &record, now, &settings);
+            assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "{verdict:?}");
+        }
+    }
+
+    #[test]
     fn a_terminating_pod_is_terminal_but_only_a_succeeded_or_failed_one_is_finished() {
         // (phase, terminating, terminal, finished)
         let table = [

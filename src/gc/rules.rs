@@ -325,6 +325,24 @@ mod test {
     use proptest::prelude::*;
 
     #[test]
+    fn only_releases_that_rest_on_an_unwanted_owner_re_read_it() {
+        use ReleaseReason::*;
+        let table = [
+            (PodGone, true),
+            (TerminatingPastDeadline, true),
+            (Completed, true),
+            (NodeDeleted, true),
+            (NodeNotReady, true),
+            (UidMismatch, false),
+            (StickyReaddedWithoutIpwarden, false),
+            (StickyStaleRecord, false),
+        ];
+        for (reason, rests) in table {
+            assert_eq!(reason.rests_on_owner(), rests, "{reason:?}");
+        }
+    }
+
+    #[test]
     fn a_release_is_stopped_by_a_live_pod_that_owns_or_reports_the_record() {
         let ip = "10.0.0.5";
         let reports = vec![ip.to_string()];
