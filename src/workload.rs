@@ -1,10 +1,10 @@
 //! Pure rules about the workload behind a pod: its controller, whether its IPs are sticky,
-//! the name of its IPClaim and the interfaces it lists, and whether a StatefulSet still wants
-//! an ordinal.
+//! the name of its IPClaim and the interfaces it lists, and whether a sticky owner (a
+//! StatefulSet's ordinal, a KubeVirt VM) still wants its IPs.
 
 use k8s_openapi::api::core::v1::Pod;
 
-use crate::crd::{ClaimedInterface, IPClaimSpec, OwnerRef};
+use crate::crd::{Allocation, ClaimedInterface, IPClaimSpec, OwnerRef};
 
 /// The owner kind of KubeVirt's running VM instances, whose claim is named `vm.<VM>`.
 pub const KUBEVIRT_VMI_KIND: &str = "VirtualMachineInstance";
@@ -34,6 +34,12 @@ pub fn controller_of(pod: &Pod) -> Option<OwnerRef> {
 /// Whether pods of `owner` keep their IPs between pods.
 pub fn is_sticky(owner: Option<&OwnerRef>, sticky_kinds: &[String]) -> bool {
     owner.is_some_and(|o| sticky_kinds.contains(&o.kind))
+}
+
+/// Whether `record` is a sticky reservation: written as one, and its owner kind still among
+/// `sticky_kinds` (an owner kind removed from the list leaves ipwarden's stickiness).
+pub fn record_is_sticky(record: &Allocation, sticky_kinds: &[String]) -> bool {
+    record.sticky && is_sticky(record.owner.as_ref(), sticky_kinds)
 }
 
 /// The IPClaim name of a pod: `vm.<VM>` for a KubeVirt VM instance (its launcher pods change
@@ -113,6 +119,60 @@ pub fn statefulset_wants(statefulset: &str, replicas: i32, start: i32, deleting:
     match ordinal(statefulset, pod_name) {
         Some(n) => !deleting && n >= start && n < start.saturating_add(replicas),
         None => false,
+    }
+}
+
+/// What "owner still wants" needs of a StatefulSet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatefulSetFacts {
+    /// `spec.replicas`.
+    pub replicas: i32,
+    /// `spec.ordinals.start`.
+    pub start: i32,
+    /// Whether it is being deleted.
+    pub deleting: bool,
+}
+
+/// Whether a KubeVirt object (a VirtualMachine or its instance) is there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Presence {
+    /// It does not exist.
+    Absent,
+    /// It exists with a deletionTimestamp.
+    Deleting,
+    /// It exists and is not being deleted.
+    Live,
+}
+
+/// What is known of a sticky record's owner, however it was learnt (the agent's and the
+/// pool actor's live reads, the controller's watched caches): the input of [`owner_wants`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OwnerFacts {
+    /// A StatefulSet; `None` when it does not exist.
+    StatefulSet(Option<StatefulSetFacts>),
+    /// A KubeVirt VM: its VirtualMachineInstance and its VirtualMachine (same name).
+    VirtualMachine {
+        /// The VM instance.
+        instance: Presence,
+        /// The VirtualMachine.
+        vm: Presence,
+    },
+    /// Nothing could be learnt (an API error, an owner kind without a rule, KubeVirt's API
+    /// not watched yet).
+    Unknown,
+}
+
+/// Whether the owner `owner_name` of sticky pod `pod_name` still wants the pod's IPs: a
+/// StatefulSet while the ordinal is within its replicas and it is not being deleted; a VM
+/// while its instance or the VirtualMachine exists and is not being deleted (a stopped VM
+/// keeps its IP for its next start). What is unknown is wanted: keeping a reservation is
+/// safe, freeing a wanted one is not.
+pub fn owner_wants(owner_name: &str, pod_name: &str, facts: OwnerFacts) -> bool {
+    match facts {
+        OwnerFacts::StatefulSet(Some(s)) => statefulset_wants(owner_name, s.replicas, s.start, s.deleting, pod_name),
+        OwnerFacts::StatefulSet(None) => false,
+        OwnerFacts::VirtualMachine { instance, vm } => instance == Presence::Live || vm == Presence::Live,
+        OwnerFacts::Unknown => true,
     }
 }
 
@@ -224,6 +284,28 @@ mod test {
         assert_eq!(ordinal("web", "web-x"), None);
         assert_eq!(ordinal("web", "webby-3"), None);
         assert_eq!(ordinal("web", "web--1"), None);
+    }
+
+    #[test]
+    fn an_owner_wants_its_ip_while_it_exists_and_keeps_what_is_unknown() {
+        use Presence::{Absent, Deleting, Live};
+        let sts = |replicas| OwnerFacts::StatefulSet(Some(StatefulSetFacts { replicas, start: 0, deleting: false }));
+        let vm = |instance, vm| OwnerFacts::VirtualMachine { instance, vm };
+        let cases = [
+            ("web", "web-1", sts(2), true),
+            ("web", "web-1", sts(1), false),
+            ("web", "web-1", OwnerFacts::StatefulSet(None), false),
+            ("vm1", "virt-launcher-vm1-x", vm(Live, Live), true),
+            ("vm1", "virt-launcher-vm1-x", vm(Absent, Live), true),
+            ("vm1", "virt-launcher-vm1-x", vm(Live, Absent), true),
+            ("vm1", "virt-launcher-vm1-x", vm(Deleting, Deleting), false),
+            ("vm1", "virt-launcher-vm1-x", vm(Absent, Deleting), false),
+            ("vm1", "virt-launcher-vm1-x", vm(Absent, Absent), false),
+            ("x", "x-0", OwnerFacts::Unknown, true),
+        ];
+        for (owner, pod, facts, wanted) in cases {
+            assert_eq!(owner_wants(owner, pod, facts), wanted, "{owner} {pod} {facts:?}");
+        }
     }
 
     #[test]

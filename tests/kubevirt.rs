@@ -224,3 +224,72 @@ async fn a_vm_and_a_statefulset_pod_both_named_web_0_get_separate_claims_and_dis
     assert_ne!(vm_claims[0].name_any(), "web-0", "the VM's claim is not the pod's");
     assert_eq!(problems(&client).await, Vec::<String>::new(), "ipwarden check is clean");
 }
+
+/// Deletes KubeVirt object `kind`/`name` and waits until it is gone.
+async fn delete_kubevirt_and_wait(client: &Client, kind: &str, name: &str) {
+    let api = support::kubevirt::api(client, NS, kind);
+    api.delete(name, &DeleteParams::default()).await.expect("delete KubeVirt object");
+    wait::until(&format!("{kind} {name} gone"), TIMEOUT, || async {
+        let object = api.get_opt(name).await.map_err(e2e::Error::kube(format!("reading {kind} {name}")))?;
+        Ok(if object.is_none() { Probe::Done(()) } else { Probe::Pending("still there".into()) })
+    })
+    .await
+    .expect("KubeVirt object goes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_deleted_while_its_del_was_lost_has_its_record_and_claim_reclaimed_by_the_controller() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &[("pool", json!({"cidr": "10.64.0.0/24", "default": true}))], &[]).await;
+    // The controller starts before KubeVirt is installed and notices its API later.
+    let controller = ipwarden.start_controller("controller-0", &["--full-scan-interval-seconds=2"]);
+    ipwarden.wait_leader(controller).await;
+    e2e::kubevirt::install_crds(&ipwarden.cluster, TIMEOUT).await.expect("KubeVirt CRDs install");
+    let client = ipwarden.client();
+    let (_, launcher) = run_vm(&client, "vm-gone", "node-0").await;
+    let ip = ip_of(&launcher);
+    assert_eq!(claims_of_vmi(&client, NS, "vm-gone").await.len(), 1, "the VM has a claim");
+
+    // The VM is deleted; its launcher's sandbox goes without a DEL reaching ipwarden.
+    let node = &ipwarden.cluster.nodes()[0];
+    node.faults().set_skip_del(true);
+    delete_pod_and_wait(&client, &launcher.name_any()).await;
+    wait_sandbox_gone(&ipwarden, 0, &launcher.uid().unwrap_or_default()).await;
+    node.faults().set_skip_del(false);
+    delete_kubevirt_and_wait(&client, "VirtualMachineInstance", "vm-gone").await;
+    delete_kubevirt_and_wait(&client, "VirtualMachine", "vm-gone").await;
+
+    wait::until("the gone VM's record and claim reclaimed", TIMEOUT, || async {
+        let record = support::records(&client).await.contains_key(&ip);
+        let claimed = claims_of_vmi(&client, NS, "vm-gone").await.len();
+        Ok(if !record && claimed == 0 {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("record held {record}, {claimed} claims"))
+        })
+    })
+    .await
+    .expect("the controller reclaims a gone VM's IP and claim");
+    assert!(released(&client, &ip).await, "the IP is free again");
+    assert_eq!(problems(&client).await, Vec::<String>::new(), "ipwarden check is clean");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_vm_whose_instance_stopped_keeps_its_reservation_and_claim() {
+    let ipwarden = start("10.65.0.0/24").await;
+    let client = ipwarden.client();
+    let (_, launcher) = run_vm(&client, "vm-stopped", "node-0").await;
+    let ip = ip_of(&launcher);
+    let uid = launcher.uid().unwrap_or_default();
+
+    // The VM is stopped: its instance and launcher go, the VirtualMachine stays.
+    delete_pod_and_wait(&client, &launcher.name_any()).await;
+    delete_kubevirt_and_wait(&client, "VirtualMachineInstance", "vm-stopped").await;
+    ipwarden.wait_sweeps(0, 3).await;
+
+    let record = record_of(&client, &ip).await;
+    assert_eq!((record.pod.uid.as_str(), record.sticky), (uid.as_str(), true), "the reservation stays");
+    let vm_claims = claims_of_vmi(&client, NS, "vm-stopped").await;
+    assert_eq!(vm_claims.len(), 1, "the VM's claim stays");
+    assert!(!released(&client, &ip).await, "the IP is not freed");
+}

@@ -414,3 +414,97 @@ async fn a_sticky_pod_recreated_on_the_same_node_waits_for_its_old_sandbox_too()
     assert_eq!(ip_of(&running), ip);
     assert_eq!(record_of(&client, &ip).await, Some((second_uid, None, None)));
 }
+
+/// Scales StatefulSet `web` to `replicas`.
+async fn scale_web(client: &kube::Client, replicas: i32) {
+    let patch = json!({"spec": {"replicas": replicas}});
+    Api::<StatefulSet>::namespaced(client.clone(), NS)
+        .patch("web", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("scale web");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fast_statefulset_scale_down_and_up_keeps_the_reservation_a_sweep_decided_to_release_on_the_stale_state() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let agent_args = ["--release-sandbox-grace-seconds=1", "--reuse-cooldown-seconds=0"];
+    let mut ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let client = ipwarden.client();
+    // A long batch window is the gap between a release decided from the caches and its write;
+    // the slow janitor leaves web-1's claim while the set is scaled down.
+    let args = ["--full-scan-interval-seconds=1", "--batch-window-ms=6000", "--claim-janitor-interval-seconds=600"];
+    let controller = ipwarden.start_controller("controller", &args);
+    ipwarden.wait_leader(controller).await;
+    let sts: StatefulSet = serde_json::from_value(json!({
+        "metadata": {"name": "web"},
+        "spec": {"replicas": 2, "serviceName": "web", "podManagementPolicy": "Parallel",
+                 "selector": {"matchLabels": {"app": "web"}}, "template": pod_template("web", json!({}))},
+    }))
+    .expect("sts");
+    Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &sts).await.expect("create web");
+    let pods = support::wait_pods_with_ips(&client, NS, "app=web", 2).await;
+    let (ip, first_uid) = (ip_of(&pods["web-1"]), pods["web-1"].uid().unwrap_or_default());
+
+    // Scale down with web-1's DEL lost: its record stays for the controller to decide on.
+    let node = &ipwarden.cluster.nodes()[0];
+    node.faults().set_skip_del(true);
+    scale_web(&client, 1).await;
+    wait::until("web-1's sandbox dropped without DEL", TIMEOUT, || async {
+        Ok(if node.sandboxes().contains_key(&first_uid) { Probe::Pending("up".into()) } else { Probe::Done(()) })
+    })
+    .await
+    .expect("sandbox dropped");
+    node.faults().set_skip_del(false);
+
+    // The agent answers the controller's mark; the controller decides to release at once (the
+    // set wants one replica) and a sweep after that decides it again; the writes wait for
+    // the batch window.
+    wait::until("web-1's record answered ready-for-release", TIMEOUT, || async {
+        let state = record_of(&client, &ip).await;
+        Ok(match state {
+            Some((_, Some(HandshakeState::ReadyForRelease), None)) => Probe::Done(()),
+            other => Probe::Pending(format!("{other:?}")),
+        })
+    })
+    .await
+    .expect("the agent answers");
+    let scanned = || async {
+        let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+        metric(&text, "ipwarden_gc_sweep_records_scanned_total")
+    };
+    let before = scanned().await;
+    wait::until("a sweep planned on the scaled-down state", TIMEOUT, || async {
+        let now = scanned().await;
+        Ok(if now > before { Probe::Done(()) } else { Probe::Pending(format!("{now} records scanned")) })
+    })
+    .await
+    .expect("a sweep plans");
+
+    // Scaled back up before the write; web-1 stays Pending (node cordoned) so no ADD interferes.
+    cordon(&client, "node-0", true).await;
+    scale_web(&client, 2).await;
+    let outcome = wait::until("the stale release written or dropped (the mark cleared)", TIMEOUT, || async {
+        Ok(match record_of(&client, &ip).await {
+            Some((_, Some(_), _)) => Probe::Pending("still marked".into()),
+            other => Probe::Done(other),
+        })
+    })
+    .await
+    .expect("the controller writes");
+    assert_eq!(outcome, Some((first_uid.clone(), None, None)), "the wanted reservation of web-1 is kept");
+    let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+    let dropped = metric(&text, r#"ipwarden_gc_skips_total{reason="owner_wants"}"#);
+    assert!(dropped >= 1.0, "the pool actor's re-read of the StatefulSet dropped the release: {dropped}");
+
+    cordon(&client, "node-0", false).await;
+    let web1 = wait::until("web-1 running again", TIMEOUT, || async {
+        let pods = support::pods_with_ips(&client, NS, "app=web").await?;
+        Ok(match pods.get("web-1") {
+            Some(pod) if pod.uid().unwrap_or_default() != first_uid => Probe::Done(pod.clone()),
+            _ => Probe::Pending("not yet".into()),
+        })
+    })
+    .await
+    .expect("web-1 runs");
+    assert_eq!(ip_of(&web1), ip, "web-1 has its sticky IP back");
+}

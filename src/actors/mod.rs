@@ -13,6 +13,7 @@
 pub mod agents;
 pub mod finalizer;
 pub mod janitor;
+pub mod kubevirt;
 pub mod leader;
 pub mod manual;
 pub mod metrics;
@@ -55,6 +56,8 @@ pub struct Caches {
     pub claims: Store<IPClaim>,
     /// StatefulSets (sticky owners).
     pub statefulsets: Store<StatefulSet>,
+    /// KubeVirt's VMs and VM instances (sticky owners), once KubeVirt's API is served.
+    pub kubevirt: kubevirt::KubeVirtCaches,
     /// IPBlocks.
     pub blocks: Store<IPBlock>,
     /// IPPools.
@@ -80,6 +83,7 @@ impl Caches {
         )
         .with_stale_agents(&stale)
         .with_retired_blocks(pools.retired())
+        .with_kubevirt(self.kubevirt.index())
     }
 }
 
@@ -199,7 +203,8 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         reflector(agent_lease_writer, watcher(Api::namespaced(client.clone(), &args.namespace), lease_config));
     drain(agent_lease_events.default_backoff());
     let agents = agents::AgentLeases::new(agent_leases.clone(), metrics.nodes_without_live_agent.clone());
-    let caches = Caches { pods, nodes, claims, statefulsets, blocks, pools, sticky_kinds, agents };
+    let kubevirt = kubevirt::KubeVirtCaches::start(client.clone());
+    let caches = Caches { pods, nodes, claims, statefulsets, kubevirt, blocks, pools, sticky_kinds, agents };
 
     let leading = leader::Leadership::default();
     let settings = RuleSettings {

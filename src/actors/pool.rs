@@ -1,8 +1,9 @@
 //! `PoolSupervisor` and `PoolActor`: one actor per IPPool, the only writer of that pool's
 //! blocks in the controller. Changes are batched for a short window into one
 //! compare-and-swap write per block; right before writing, each change is re-checked: the
-//! record must still name the UID decided on, no live pod may report the IP, and a pod
-//! believed gone is confirmed gone by a live read.
+//! record must still name the UID decided on, no live pod may report the IP, a pod
+//! believed gone is confirmed gone by a live read, and a sticky record's owner believed done
+//! with it is re-read too.
 
 use super::leader::Leadership;
 use std::collections::{BTreeMap, HashMap};
@@ -24,6 +25,9 @@ use crate::gc::handshake::{ControllerStep, controller_step};
 use crate::gc::index::PodFacts;
 use crate::gc::rules::recheck_release;
 use crate::gc::sweep::{AWAITING_AGENT, ChangeAction, RecordChange, STICKY_TAKEOVER};
+
+/// Why a release is dropped when the re-read owner still wants the sticky record.
+const OWNER_WANTS: &str = "owner_wants";
 
 /// How many times a block write is retried after conflicts.
 const MAX_CONFLICT_RETRIES: usize = 20;
@@ -617,6 +621,13 @@ async fn apply_one(
                         change.pod.namespace, change.pod.name
                     ));
                 }
+            }
+            // The decision's owner cache may be stale (a fast scale down and up): re-read it.
+            if reason.rests_on_owner()
+                && crate::workload::record_is_sticky(record, &context.caches.sticky_kinds)
+                && crate::owners::record_owner_wants(&context.client, record).await
+            {
+                return ChangeOutcome::Skipped(OWNER_WANTS);
             }
             if step == ControllerStep::Mark {
                 record.release_handshake = Some(ReleaseHandshake {

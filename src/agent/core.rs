@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use jiff::Timestamp;
-use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
@@ -873,44 +872,11 @@ impl Core {
         summary
     }
 
-    /// Whether the workload of a sticky record still wants its IP. Unknown answers (API
-    /// errors) count as "wants": keeping a reservation is safe, freeing one is not.
+    /// Whether the workload of a sticky record still wants its IP, read live
+    /// ([`crate::owners`]). Unknown answers (API errors) count as "wants": keeping a
+    /// reservation is safe, freeing one is not.
     async fn owner_wants(&self, record: &Allocation) -> bool {
-        let Some(owner) = record.owner.as_ref() else { return false };
-        let namespace = &record.pod.namespace;
-        match owner.kind.as_str() {
-            "StatefulSet" => {
-                match Api::<StatefulSet>::namespaced(self.client.clone(), namespace).get_opt(&owner.name).await {
-                    Ok(Some(sts)) => {
-                        let spec = sts.spec;
-                        let start = spec.ordinals.and_then(|o| o.start).unwrap_or(0);
-                        workload::statefulset_wants(
-                            &owner.name,
-                            spec.replicas.unwrap_or(1),
-                            start,
-                            sts.metadata.deletion_timestamp.is_some(),
-                            &record.pod.name,
-                        )
-                    }
-                    Ok(None) => false,
-                    Err(_) => true,
-                }
-            }
-            KUBEVIRT_VMI_KIND => {
-                for kind in [KUBEVIRT_VMI_KIND, "VirtualMachine"] {
-                    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk("kubevirt.io", "v1", kind));
-                    let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), namespace, &resource);
-                    match api.get_opt(&owner.name).await {
-                        Ok(Some(object)) if object.metadata.deletion_timestamp.is_none() => return true,
-                        Ok(_) => {}
-                        Err(kube::Error::Api(status)) if status.code == 404 => {}
-                        Err(_) => return true,
-                    }
-                }
-                false
-            }
-            _ => true,
-        }
+        crate::owners::record_owner_wants(&self.client, record).await
     }
 
     /// Binds claim `claim.name`, while still bound to `claim.uid`, to the pod and node of

@@ -7,12 +7,14 @@ use crate::workload::KUBEVIRT_VMI_KIND;
 
 /// Whether `claim` (in `namespace`, named `name`) can be deleted: a stateless pod that is
 /// gone, replaced or completed (Job pods included); a StatefulSet pod that is gone or
-/// completed and whose ordinal its StatefulSet no longer wants. KubeVirt claims are left to
-/// their VM's lifecycle (the controller does not watch KubeVirt's API).
+/// completed and whose ordinal its StatefulSet no longer wants; a KubeVirt VM's claim
+/// (`vm.<VM>`, which outlives its launcher pods) once the VM no longer wants it, by the same
+/// rule as its records ([`ClusterIndex::wants`]: kept while the controller does not watch
+/// KubeVirt).
 pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &IPClaim) -> bool {
     let owner = claim.spec.owner.as_ref();
-    if owner.is_some_and(|o| o.kind == KUBEVIRT_VMI_KIND) {
-        return false;
+    if let Some(vm) = owner.filter(|o| o.kind == KUBEVIRT_VMI_KIND) {
+        return !index.wants(namespace, vm, name);
     }
     let pod = index.pods.get(&(namespace.to_string(), name.to_string()));
     let pod_done = match pod {
@@ -22,13 +24,7 @@ pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &
     if !claim.spec.sticky {
         return pod_done;
     }
-    let wanted = match owner {
-        Some(o) if o.kind == "StatefulSet" => index
-            .statefulsets
-            .get(&(namespace.to_string(), o.name.clone()))
-            .is_some_and(|s| crate::workload::statefulset_wants(&o.name, s.replicas, s.start, s.deleting, name)),
-        _ => true,
-    };
+    let wanted = owner.is_none_or(|o| index.wants(namespace, o, name));
     // A recreated StatefulSet pod (another UID) takes the claim over in its ADD: not gone.
     let replaced_by_same_ordinal = pod.is_some_and(|p| p.uid != claim.spec.pod_uid && p.phase != Phase::Completed);
     !wanted && pod_done && !replaced_by_same_ordinal
@@ -37,7 +33,9 @@ pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &
 #[cfg(test)]
 mod test {
     use super::*;
-    use crate::gc::index::{PodFacts, StatefulSetFacts};
+    use crate::gc::index::{KubeVirtIndex, PodFacts, StatefulSetFacts};
+
+    type Key = (String, String);
     use serde_json::json;
 
     fn claim(uid: &str, sticky: bool, owner: Option<(&str, &str)>) -> IPClaim {
@@ -83,8 +81,19 @@ mod test {
     }
 
     #[test]
-    fn kubevirt_claims_are_left_to_their_vm() {
+    fn a_vm_claim_goes_with_its_vm_and_stays_while_kubevirt_is_not_watched() {
         let c = claim("u1", true, Some((KUBEVIRT_VMI_KIND, "vm1")));
-        assert!(!gone_for_good(&ClusterIndex::default(), "ns", "web-1", &c));
+        let key = ("ns".to_string(), "vm1".to_string());
+        assert!(!gone_for_good(&ClusterIndex::default(), "ns", "vm.vm1", &c), "KubeVirt not watched");
+        let watched = |instances: &[(Key, bool)], vms: &[(Key, bool)]| {
+            ClusterIndex::default().with_kubevirt(Some(KubeVirtIndex {
+                instances: instances.iter().cloned().collect(),
+                vms: vms.iter().cloned().collect(),
+            }))
+        };
+        assert!(!gone_for_good(&watched(&[], &[(key.clone(), false)]), "ns", "vm.vm1", &c), "a stopped VM");
+        assert!(!gone_for_good(&watched(&[(key.clone(), false)], &[]), "ns", "vm.vm1", &c), "a running instance");
+        assert!(gone_for_good(&watched(&[], &[(key.clone(), true)]), "ns", "vm.vm1", &c), "the VM is being deleted");
+        assert!(gone_for_good(&watched(&[], &[]), "ns", "vm.vm1", &c), "the VM is gone");
     }
 }

@@ -14,7 +14,8 @@ use super::handshake::{TakeoverStep, controller_takeover_step};
 use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleSettings, Verdict, decide};
 use crate::blocks::Adopter;
 use crate::crd::{Allocation, IPClaim, OwnerRef, PodRef};
-use crate::workload::{self, KUBEVIRT_VMI_KIND};
+pub use crate::workload::StatefulSetFacts;
+use crate::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence};
 
 /// What the rules need of one pod.
 #[derive(Clone, Debug)]
@@ -62,17 +63,6 @@ impl PodFacts {
     }
 }
 
-/// What "owner still wants" needs of a StatefulSet.
-#[derive(Clone, Copy, Debug)]
-pub struct StatefulSetFacts {
-    /// `spec.replicas`.
-    pub replicas: i32,
-    /// `spec.ordinals.start`.
-    pub start: i32,
-    /// Whether it is being deleted.
-    pub deleting: bool,
-}
-
 type Key = (String, String);
 
 /// A pod reporting an IP.
@@ -99,6 +89,9 @@ pub struct ClusterIndex {
     pub claims: HashMap<Key, String>,
     /// StatefulSets by (namespace, name).
     pub statefulsets: HashMap<Key, StatefulSetFacts>,
+    /// KubeVirt's VMs, once the controller watches them; `None` while it does not (KubeVirt
+    /// not installed, caches not synced yet): then a VM's reservation is kept.
+    pub kubevirt: Option<KubeVirtIndex>,
     /// Node states by name.
     pub nodes: HashMap<String, NodeState>,
     /// Owner kinds whose records count as sticky; a record of another kind is not, so an
@@ -107,6 +100,25 @@ pub struct ClusterIndex {
     /// Blocks whose records no pool keeps ([`crate::pools::PoolSet::retired`]): orphaned
     /// blocks and the blocks of pools being deleted.
     pub retired_blocks: BTreeSet<String>,
+}
+
+/// KubeVirt objects by (namespace, name): whether each is being deleted.
+#[derive(Clone, Debug, Default)]
+pub struct KubeVirtIndex {
+    /// VirtualMachineInstances.
+    pub instances: HashMap<Key, bool>,
+    /// VirtualMachines.
+    pub vms: HashMap<Key, bool>,
+}
+
+impl KubeVirtIndex {
+    fn presence(objects: &HashMap<Key, bool>, key: &Key) -> Presence {
+        match objects.get(key) {
+            None => Presence::Absent,
+            Some(true) => Presence::Deleting,
+            Some(false) => Presence::Live,
+        }
+    }
 }
 
 fn node_state(node: &Node) -> NodeState {
@@ -154,11 +166,7 @@ impl ClusterIndex {
             index.claims.insert((claim.namespace().unwrap_or_default(), claim.name_any()), claim.spec.pod_uid.clone());
         }
         for sts in statefulsets {
-            let facts = StatefulSetFacts {
-                replicas: sts.spec.replicas.unwrap_or(1),
-                start: sts.spec.ordinals.as_ref().and_then(|o| o.start).unwrap_or(0),
-                deleting: sts.metadata.deletion_timestamp.is_some(),
-            };
+            let facts = crate::owners::statefulset_facts(sts);
             index.statefulsets.insert((sts.namespace().unwrap_or_default(), sts.name_any()), facts);
         }
         for node in nodes {
@@ -186,20 +194,32 @@ impl ClusterIndex {
         self
     }
 
-    /// Whether a sticky record's owner still wants it. A StatefulSet answers by its
-    /// replicas and ordinals; other sticky owners (KubeVirt) are kept: the controller does
-    /// not watch their APIs, and keeping a reservation is the safe side.
+    /// Takes KubeVirt's VMs and VM instances as watched (see [`ClusterIndex::kubevirt`]).
+    pub fn with_kubevirt(mut self, kubevirt: Option<KubeVirtIndex>) -> Self {
+        self.kubevirt = kubevirt;
+        self
+    }
+
+    /// Whether a sticky record's owner still wants it, by [`workload::owner_wants`] on the
+    /// cached owner.
     pub fn owner_wants(&self, record: &Allocation) -> bool {
-        match record.owner.as_ref() {
-            Some(owner) if owner.kind == "StatefulSet" => {
-                self.statefulsets.get(&(record.pod.namespace.clone(), owner.name.clone())).is_some_and(|s| {
-                    workload::statefulset_wants(&owner.name, s.replicas, s.start, s.deleting, &record.pod.name)
-                })
-            }
-            Some(owner) if owner.kind == KUBEVIRT_VMI_KIND => true,
-            Some(_) => true,
-            None => false,
-        }
+        let Some(owner) = record.owner.as_ref() else { return false };
+        self.wants(&record.pod.namespace, owner, &record.pod.name)
+    }
+
+    /// Whether `owner` (in `namespace`) still wants the IPs of its pod `pod_name`, by
+    /// [`workload::owner_wants`] on the cached owner.
+    pub fn wants(&self, namespace: &str, owner: &OwnerRef, pod_name: &str) -> bool {
+        let key = (namespace.to_string(), owner.name.clone());
+        let facts = match owner.kind.as_str() {
+            "StatefulSet" => OwnerFacts::StatefulSet(self.statefulsets.get(&key).copied()),
+            KUBEVIRT_VMI_KIND => self.kubevirt.as_ref().map_or(OwnerFacts::Unknown, |k| OwnerFacts::VirtualMachine {
+                instance: KubeVirtIndex::presence(&k.instances, &key),
+                vm: KubeVirtIndex::presence(&k.vms, &key),
+            }),
+            _ => OwnerFacts::Unknown,
+        };
+        workload::owner_wants(&owner.name, pod_name, facts)
     }
 
     /// Whether the record's node has an agent that can answer the release handshake: the
@@ -251,7 +271,7 @@ impl ClusterIndex {
         let key = (record.pod.namespace.clone(), record.pod.name.clone());
         let claim_name = workload::claim_name(&record.pod.name, record.owner.as_ref());
         let node = self.node_of(record);
-        let sticky = record.sticky && workload::is_sticky(record.owner.as_ref(), &self.sticky_kinds);
+        let sticky = workload::record_is_sticky(record, &self.sticky_kinds);
         let facts = Facts {
             record: RecordView { ip, pod_uid: &record.pod.uid, node: &record.node, sticky },
             pod: self.pods.get(&key).map(|p| PodView {
@@ -317,6 +337,35 @@ mod test {
         assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::NodeNotReady, .. }), "{verdict:?}");
         let verdict = index.evaluate("10.0.0.1", &dead, now, &release(60));
         assert_eq!(verdict, Verdict::TraceUntil(stale_since + jiff::SignedDuration::from_secs(60)));
+    }
+
+    #[test]
+    fn a_vm_record_is_kept_while_its_vm_is_there_or_kubevirt_unwatched_and_released_once_the_vm_is_gone() {
+        let record: Allocation = serde_json::from_value(serde_json::json!({
+            "pod": {"namespace": "ns", "name": "virt-launcher-vm1-x", "uid": "u"}, "node": "n", "network": "n",
+            "containerId": "c", "interface": "eth0", "allocatedAt": "2026-01-01T00:00:00Z", "sticky": true,
+            "owner": {"kind": KUBEVIRT_VMI_KIND, "name": "vm1"},
+        }))
+        .expect("record");
+        let now = Timestamp::from_second(1_780_000_000).expect("now");
+        let settings = RuleSettings { additional_delay: std::time::Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let index = |kubevirt: Option<KubeVirtIndex>| {
+            let mut index =
+                ClusterIndex { sticky_kinds: vec![KUBEVIRT_VMI_KIND.to_string()], ..ClusterIndex::default() };
+            index.nodes.insert("n".to_string(), NodeState::Ready);
+            index.with_kubevirt(kubevirt)
+        };
+        let vm = ("ns".to_string(), "vm1".to_string());
+        let stopped = KubeVirtIndex { vms: HashMap::from([(vm.clone(), false)]), ..KubeVirtIndex::default() };
+        let deleting = KubeVirtIndex { vms: HashMap::from([(vm, true)]), ..KubeVirtIndex::default() };
+        let kept = Verdict::Keep(KeepReason::StickyReservation);
+        assert_eq!(index(None).evaluate("10.0.0.1", &record, now, &settings), kept, "KubeVirt not watched");
+        assert_eq!(index(Some(stopped)).evaluate("10.0.0.1", &record, now, &settings), kept, "a stopped VM");
+        for gone in [KubeVirtIndex::default(), deleting] {
+            let watched = index(Some(gone));
+            let verdict = watched.evaluate("10.0.0.1", &record, now, &settings);
+            assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "{verdict:?}");
+        }
     }
 
     #[test]

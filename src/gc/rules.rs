@@ -189,6 +189,17 @@ impl ReleaseReason {
     }
 }
 
+impl ReleaseReason {
+    /// Whether a release for this reason, of a sticky record, rests on its owner no longer
+    /// wanting it: then the pool actor re-reads the owner right before writing (a fast scale
+    /// down and up can leave the decision's cache stale). The rows of a sticky pod re-added
+    /// with other IPs release whatever the owner wants; a release on a NotReady node may
+    /// have come from any row, so it counts as resting on the owner (keeping is the safe side).
+    pub fn rests_on_owner(self) -> bool {
+        !matches!(self, Self::UidMismatch | Self::StickyReaddedWithoutIpwarden | Self::StickyStaleRecord)
+    }
+}
+
 fn release(reason: ReleaseReason, facts: &Facts<'_>) -> Verdict<'static> {
     let delete_claim = facts.claim_uid == Some(facts.record.pod_uid);
     Verdict::Release { reason, delete_claim }
@@ -312,6 +323,24 @@ pub fn recheck_release(record_uid: &str, ip: &str, live: Option<(&str, bool, &[S
 mod test {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn only_releases_that_rest_on_an_unwanted_owner_re_read_it() {
+        use ReleaseReason::*;
+        let table = [
+            (PodGone, true),
+            (TerminatingPastDeadline, true),
+            (Completed, true),
+            (NodeDeleted, true),
+            (NodeNotReady, true),
+            (UidMismatch, false),
+            (StickyReaddedWithoutIpwarden, false),
+            (StickyStaleRecord, false),
+        ];
+        for (reason, rests) in table {
+            assert_eq!(reason.rests_on_owner(), rests, "{reason:?}");
+        }
+    }
 
     #[test]
     fn a_release_is_stopped_by_a_live_pod_that_owns_or_reports_the_record() {

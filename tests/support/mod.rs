@@ -119,16 +119,18 @@ impl Ipwarden {
         e2e::ipwarden::wait_ready(&mut self.agents[index], port, TIMEOUT).await.expect("agent serves");
     }
 
-    /// Starts a controller replica named `identity` (short timings for tests, plus `extra`)
-    /// and returns its index.
+    /// Starts a controller replica named `identity` (short timings for tests, unless `extra`
+    /// sets the same flag, plus `extra`) and returns its index.
     pub fn start_controller(&mut self, identity: &str, extra: &[&str]) -> usize {
         let port = e2e::process::free_port().expect("free port");
-        let mut args = vec![
+        let defaults = [
             "--lease-duration-seconds=4",
             "--additional-grace-seconds=1",
             "--batch-window-ms=100",
             "--claim-janitor-interval-seconds=2",
         ];
+        let flag = |arg: &str| arg.split('=').next().unwrap_or(arg).to_string();
+        let mut args: Vec<&str> = defaults.into_iter().filter(|d| !extra.iter().any(|e| flag(e) == flag(d))).collect();
         args.extend(extra);
         let run_as = self.controller_run_as.clone().unwrap_or_else(|| e2e::ipwarden::RunAs::admin(&self.cluster));
         let controller = e2e::ipwarden::start_controller_as(&self.cluster, binary(), identity, port, &args, &run_as)
