@@ -182,9 +182,21 @@ async fn a_pool_recreated_with_another_block_size_over_orphaned_blocks_hands_out
     assert_eq!(ips.len(), 4, "every new pod has its own IP");
 
     // A controller reclaims what an orphaned block records for a pod that is gone, by the
-    // normal sweep rules, and deletes the orphaned blocks once empty.
+    // normal sweep rules, and deletes the orphaned blocks once empty: a sticky record there
+    // goes with its pod even while its StatefulSet still wants the ordinal (no pool will hand
+    // the IP out again). StatefulSet `held` wants `held-0` but cannot create it (its service
+    // account does not exist), so the pod stays gone.
+    let held: StatefulSet = serde_json::from_value(json!({
+        "metadata": {"name": "held"},
+        "spec": {"replicas": 1, "serviceName": "held", "selector": {"matchLabels": {"app": "held"}},
+                 "template": support::pod_template("held", json!({"serviceAccountName": "absent"}))},
+    }))
+    .expect("sts");
+    Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &held).await.expect("sts");
     let ghost = support::record_json(NS, "ghost", "ghost-uid", "node-0", Some(("StatefulSet", "gone")), true);
     support::inject_record(&client, "vanished", "vanished-10-79-0-0-24", "10.79.0.0/24", "10.79.0.7", ghost).await;
+    let wanted = support::record_json(NS, "held-0", "held-uid", "node-0", Some(("StatefulSet", "held")), true);
+    support::inject_record(&client, "vanished", "vanished-10-79-0-0-24", "10.79.0.0/24", "10.79.0.8", wanted).await;
     ipwarden.start_controller("orphans", &["--full-scan-interval-seconds=2"]);
     let blocks: Api<ipwarden::crd::IPBlock> = Api::all(client.clone());
     wait::until("the orphaned records reclaimed and the empty orphaned blocks deleted", TIMEOUT, || async {
@@ -203,6 +215,8 @@ async fn a_pool_recreated_with_another_block_size_over_orphaned_blocks_hands_out
     .await
     .expect("the orphans are cleaned up");
     assert_eq!(records(&client).await.len(), 4, "only the new pods' records are left");
+    let held_0 = Api::<Pod>::namespaced(client.clone(), NS).get_opt("held-0").await.expect("read held-0");
+    assert!(held_0.is_none(), "held-0 never existed, so its record was a reservation of a wanted ordinal");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
