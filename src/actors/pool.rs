@@ -623,7 +623,9 @@ async fn apply_one(
                 }
             }
             // The decision's owner cache may be stale (a fast scale down and up): re-read it.
+            // A retired block keeps no reservation, so its owner has no say.
             if reason.rests_on_owner()
+                && !change.retired
                 && crate::workload::record_is_sticky(record, &context.caches.sticky_kinds)
                 && crate::owners::record_owner_wants(&context.client, record).await
             {

@@ -29,6 +29,9 @@ pub struct RecordChange {
     pub claim: String,
     /// Whether the record's node has an agent to answer the release handshake.
     pub via_agent: bool,
+    /// Whether the record's block is retired ([`ClusterIndex::retired_blocks`]): a sticky
+    /// record there goes with its pod, whatever its owner wants.
+    pub retired: bool,
     /// What to do.
     pub action: ChangeAction,
 }
@@ -43,6 +46,7 @@ impl RecordChange {
             pod: record.pod.clone(),
             claim: crate::workload::claim_name(&record.pod.name, record.owner.as_ref()),
             via_agent: index.agent_can_answer(record),
+            retired: index.retired_blocks.contains(&block.name_any()),
             action,
         }
     }
