@@ -237,6 +237,12 @@ async fn agents_and_controllers_with_the_charts_rbac_survive_a_statefulset_scale
     .await
     .expect("the controller releases the finalizer");
 
+    // Each agent's heartbeat Lease, written under the agent's ServiceAccount.
+    for node in ipwarden.cluster.nodes() {
+        let name = ipwarden::agent::heartbeat::lease_name(node.name());
+        let holder = leases.get_opt(&name).await.expect("read agent Lease").and_then(|l| l.spec?.holder_identity);
+        assert!(holder.is_some(), "the agent of {} renews its Lease {SYSTEM}/{name}", node.name());
+    }
     for component in ipwarden.agents.iter_mut().chain(ipwarden.controllers.iter_mut()) {
         component.ensure_running().expect("every agent and controller still runs");
         let log = std::fs::read_to_string(component.log()).expect("read log");
