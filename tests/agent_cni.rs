@@ -128,3 +128,44 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_rebuilt_and_an_unknown_version_
     let text = std::fs::read_to_string(log).expect("agent log");
     assert!(text.contains("has version 9, this agent reads version 1"), "the log says why");
 }
+
+/// CNI STATUS gates a node's readiness (containerd reports the network not ready on a STATUS
+/// error, and kubelet then marks the node NotReady, whose pods are evicted after five minutes):
+/// a pool that is full, disabled or being deleted makes ADDs fail one by one, never the node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_stays_ready_while_the_only_pool_is_full_or_disabled_so_no_node_goes_not_ready() {
+    let one_ip = json!({"cidr": "10.62.0.0/24", "default": true, "ranges": [{"start": "10.62.0.9", "end": "10.62.0.9"}]});
+    let ipwarden = Ipwarden::start(1, &[("only", one_ip)], &[]).await;
+    let client = ipwarden.client();
+    create_pod(&client, NS, "filler", "node-0", json!({"app": "filler"})).await;
+    support::wait_pods_with_ips(&client, NS, "app=filler", 1).await;
+
+    create_pod(&client, NS, "manual", "elsewhere", json!({"app": "manual"})).await;
+    let pod = Api::<Pod>::namespaced(client.clone(), NS).get("manual").await.expect("pod");
+    let args = PodArgs { namespace: NS.into(), name: "manual".into(), uid: pod.uid().unwrap_or_default() };
+    let network = support::network();
+    let conf = netconf(&ipwarden.cluster.nodes()[0].dir().join("agent.sock"));
+    let call = |command: &'static str| {
+        let (network, args, conf) = (network.clone(), args.clone(), conf.clone());
+        async move {
+            let pod = (command == "ADD").then_some(&args);
+            let (container_id, ifname) = if command == "ADD" { ("c0ffee", "eth0") } else { ("", "") };
+            network.invoke(&Invocation { command, container_id, ifname, pod, netconf: &conf }).await
+        }
+    };
+
+    let err = call("ADD").await.expect_err("the only IP is taken");
+    assert!(err.to_string().contains("exhausted"), "the ADD says the pool is full: {err}");
+    assert_eq!(call("STATUS").await.expect("STATUS: a full pool leaves the node ready"), None);
+
+    let pools: Api<ipwarden::crd::IPPool> = Api::all(client.clone());
+    let disable = json!({"spec": {"disabled": true}});
+    pools.patch("only", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&disable)).await.expect("disable");
+    wait::until("the agent refusing ADDs from the disabled pool", TIMEOUT, || async {
+        let refused = call("ADD").await.err().map(|e| e.to_string()).unwrap_or_default();
+        Ok(if refused.contains("disabled") { Probe::Done(()) } else { Probe::Pending(refused) })
+    })
+    .await
+    .expect("the agent sees the pool disabled");
+    assert_eq!(call("STATUS").await.expect("STATUS: a disabled pool leaves the node ready"), None);
+}
