@@ -264,11 +264,6 @@ impl CniError {
     pub fn plugin_not_available(msg: impl Into<String>) -> Self {
         Self::new(Self::PLUGIN_NOT_AVAILABLE, msg)
     }
-
-    /// Code 51 error, see [`CniError::LIMITED_RESOURCES`].
-    pub fn limited_resources(msg: impl Into<String>) -> Self {
-        Self::new(Self::LIMITED_RESOURCES, msg)
-    }
 }
 
 #[cfg(test)]
@@ -358,7 +353,7 @@ mod test {
                 dns: None,
             }),
         };
-        let err = AgentResponse::Error(CniError::limited_resources("no free addresses in 10.0.0.0/24"));
+        let err = AgentResponse::Error(CniError::new(CniError::LIMITED_RESOURCES, "no free addresses in 10.0.0.0/24"));
         assert_eq!(
             serde_json::to_value(&ok).unwrap(),
             json!({"ok": {"result": {"ips": [{"address": "10.0.0.5/24", "gateway": "10.0.0.1"}],
@@ -386,7 +381,7 @@ mod test {
             (CniError::invalid_network_config("x"), 7),
             (CniError::try_again_later("x"), 11),
             (CniError::plugin_not_available("x"), 50),
-            (CniError::limited_resources("x"), 51),
+            (CniError::new(CniError::LIMITED_RESOURCES, "x"), 51),
         ];
         for (error, code) in cases {
             assert_eq!(error.code, code, "{error}");

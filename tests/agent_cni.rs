@@ -134,7 +134,8 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_rebuilt_and_an_unknown_version_
 /// a pool that is full, disabled or being deleted makes ADDs fail one by one, never the node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_stays_ready_while_the_only_pool_is_full_or_disabled_so_no_node_goes_not_ready() {
-    let one_ip = json!({"cidr": "10.62.0.0/24", "default": true, "ranges": [{"start": "10.62.0.9", "end": "10.62.0.9"}]});
+    let one_ip =
+        json!({"cidr": "10.62.0.0/24", "default": true, "ranges": [{"start": "10.62.0.9", "end": "10.62.0.9"}]});
     let ipwarden = Ipwarden::start(1, &[("only", one_ip)], &[]).await;
     let client = ipwarden.client();
     create_pod(&client, NS, "filler", "node-0", json!({"app": "filler"})).await;

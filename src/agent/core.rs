@@ -971,24 +971,15 @@ impl Core {
         Ok(())
     }
 
-    /// CNI STATUS: ready when some pool that hands out IPs (not being deleted, not
-    /// disabled) exists and has a free IP.
+    /// CNI STATUS: ready once any IPPool exists. STATUS gates the node's readiness
+    /// (containerd reports the network not ready on an error, and kubelet marks the node
+    /// NotReady, whose pods are evicted), so a pool that is full, disabled or being deleted
+    /// fails the ADDs that would use it, one by one, and never the node (decision 0008).
     pub async fn status(&self, _request: &StatusRequest) -> Result<(), CniError> {
-        let mut pools = self.pools.state();
-        pools.retain(|p| p.metadata.deletion_timestamp.is_none() && !p.spec.disabled);
-        if pools.is_empty() {
-            return Err(CniError::plugin_not_available(
-                "no IPPool hands out IPs: none exists, or each is being deleted or disabled",
-            ));
+        if self.pools.state().is_empty() {
+            return Err(CniError::plugin_not_available("no IPPool exists: create one (docs/operations.md)"));
         }
-        let allocated: BTreeMap<String, u128> = self.blocks.state().iter().fold(BTreeMap::new(), |mut acc, b| {
-            *acc.entry(b.spec.pool.clone()).or_default() += b.spec.allocations.len() as u128;
-            acc
-        });
-        let free = pools.iter().any(|p| {
-            pools::layout(&p.spec).is_ok_and(|l| l.capacity() > allocated.get(&p.name_any()).copied().unwrap_or(0))
-        });
-        if free { Ok(()) } else { Err(CniError::limited_resources("every IPPool is exhausted")) }
+        Ok(())
     }
 
     /// Start-up GC, before the agent serves CNI: releases this node's records that no local

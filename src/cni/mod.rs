@@ -580,7 +580,7 @@ mod test {
             Ok(AgentResponse::Error(CniError::unknown_container("no allocation for container abc")))
         }
         fn exhausted() -> Result<AgentResponse, TransportError> {
-            Ok(AgentResponse::Error(CniError::limited_resources("no free addresses in 10.0.0.0/24")))
+            Ok(AgentResponse::Error(CniError::new(CniError::LIMITED_RESOURCES, "no free addresses in 10.0.0.0/24")))
         }
         fn ok() -> Result<AgentResponse, TransportError> {
             Ok(AgentResponse::Ok { result: Some(sample_result()) })
@@ -673,7 +673,9 @@ mod test {
     #[test]
     fn agent_errors_are_printed_unchanged_with_the_netconf_version() {
         fn exhausted() -> Result<AgentResponse, TransportError> {
-            Ok(AgentResponse::Error(CniError::limited_resources("no free addresses").with_details("pool 10.0.0.0/24")))
+            Ok(AgentResponse::Error(
+                CniError::new(CniError::LIMITED_RESOURCES, "no free addresses").with_details("pool 10.0.0.0/24"),
+            ))
         }
         let outcome = run(&vars("ADD", &[], &[]), &conf("1.0.0", json!({})), &FakeAgent::new(exhausted));
         assert_eq!(
