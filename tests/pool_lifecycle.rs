@@ -252,3 +252,47 @@ async fn a_disabled_pool_hands_out_no_new_ip_keeps_the_existing_ones_and_shows_i
     let served = wait_pods_with_ips(&client, NS, "app=waiting", 1).await;
     assert_ne!(ip_of(&served["waiting"]), kept, "the re-enabled pool serves the waiting pod");
 }
+
+/// Ranges, exclusions and the gateway only say which IPs of a block are handed out; the
+/// blocks a pool owns follow from its CIDR and block size alone (both immutable). A range
+/// edited into an invalid layout (the apiserver accepts a reversed one) must not disown the
+/// pool's blocks, which would make their sticky records ordinary ones and free a StatefulSet
+/// pod's reserved IP at its DEL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_whose_ranges_are_edited_into_an_invalid_layout_keeps_its_blocks_and_their_reservations() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pools = [("grid", json!({"cidr": "10.73.0.0/24", "default": true}))];
+    let mut ipwarden = Ipwarden::start(1, &pools, &["--reuse-cooldown-seconds=0"]).await;
+    let client = ipwarden.client();
+    let controller = ipwarden.start_controller("grid", &["--full-scan-interval-seconds=2"]);
+    ipwarden.wait_leader(controller).await;
+    let sts: StatefulSet = serde_json::from_value(json!({
+        "metadata": {"name": "db"},
+        "spec": {"replicas": 1, "serviceName": "db", "selector": {"matchLabels": {"app": "db"}},
+                 "template": support::pod_template("db", json!({}))},
+    }))
+    .expect("sts");
+    Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &sts).await.expect("sts");
+    let held = ip_of(&wait_pods_with_ips(&client, NS, "app=db", 1).await["db-0"]);
+
+    let reversed = json!({"spec": {"ranges": [{"start": "10.73.0.200", "end": "10.73.0.100"}]}});
+    Api::<IPPool>::all(client.clone())
+        .patch("grid", &PatchParams::default(), &Patch::Merge(&reversed))
+        .await
+        .expect("the apiserver accepts a reversed range");
+    let refused = manual_add(&ipwarden, "probe").await.expect_err("the agent refuses the invalid layout");
+    assert!(refused.to_string().contains("10.73.0.200"), "the ADD names the range: {refused}");
+
+    // db-0 is deleted; its DEL keeps the reservation its StatefulSet still wants, and no sweep
+    // or orphan clean-up takes it.
+    Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
+    ipwarden.wait_sweeps(controller, 3).await;
+    let record = records(&client).await.remove(&held);
+    assert_eq!(
+        record.map(|r| (r.pod.name, r.sticky)),
+        Some(("db-0".to_string(), true)),
+        "db-0's reserved IP {held} stays its own"
+    );
+    let controller_metrics = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+    assert_eq!(metric(&controller_metrics, "ipwarden_orphaned_block_records"), 0.0, "no block is orphaned");
+}
