@@ -23,6 +23,18 @@ pub fn layout(spec: &IPPoolSpec) -> Result<PoolLayout, LayoutError> {
     PoolLayout::new(&spec.cidr, &ranges, &exclude, spec.gateway.as_deref(), spec.block_size)
 }
 
+/// Whether the pool of `spec` owns a block of CIDR `block_cidr` (that names the pool): the
+/// block is a cell of the pool's CIDR cut at its block size, both immutable. Ranges,
+/// exclusions and the gateway only say which IPs of a block are handed out, so an edit of
+/// them, even into an invalid layout, never disowns a block and the records in it. A pool
+/// whose grid cannot be computed owns every block naming it: keeping records is the safe side.
+pub fn owns_block(spec: &IPPoolSpec, block_cidr: &str) -> bool {
+    match PoolLayout::new(&spec.cidr, &[], &[], None, spec.block_size) {
+        Ok(grid) => block_cidr.parse::<IpNet>().is_ok_and(|c| grid.is_block(c)),
+        Err(_) => true,
+    }
+}
+
 /// The IPBlock object name of `block` in `pool`: DNS-safe and the same on every node, so
 /// two agents creating the same block collide on the name instead of duplicating it.
 pub fn block_name(pool: &str, block: IpNet) -> String {
@@ -129,9 +141,12 @@ impl PoolSet {
         }
         for block in blocks {
             let cidr = block.cidr.parse::<IpNet>().ok();
-            let owner = set.names.iter().zip(&set.layouts).zip(&set.deleting).find(|((name, layout), _)| {
-                **name == block.pool && layout.as_ref().is_ok_and(|l| cidr.is_some_and(|c| l.is_block(c)))
-            });
+            let owner = set
+                .names
+                .iter()
+                .zip(&set.specs)
+                .zip(&set.deleting)
+                .find(|((name, spec), _)| **name == block.pool && owns_block(spec, &block.cidr));
             match owner {
                 Some((_, true)) => {
                     set.retired.insert(block.name);
@@ -467,6 +482,27 @@ mod test {
 
     fn spec(value: serde_json::Value) -> IPPoolSpec {
         serde_json::from_value(value).expect("valid spec")
+    }
+
+    #[test]
+    fn a_pool_owns_the_cells_of_its_cidr_at_its_block_size_whatever_its_ranges_say() {
+        let plain = spec(json!({"cidr": "10.0.0.0/16", "blockSize": 24}));
+        let reversed =
+            spec(json!({"cidr": "10.0.0.0/16", "blockSize": 24, "ranges": [{"start": "10.0.9.9", "end": "10.0.0.1"}]}));
+        let excluded = spec(json!({"cidr": "10.0.0.0/16", "blockSize": 24, "exclude": ["10.0.3.0/24"]}));
+        let broken = spec(json!({"cidr": "not a cidr"}));
+        let cases = [
+            (&plain, "10.0.3.0/24", true),
+            (&plain, "10.0.3.0/26", false),
+            (&plain, "10.1.0.0/24", false),
+            (&plain, "garbage", false),
+            (&reversed, "10.0.3.0/24", true),
+            (&excluded, "10.0.3.0/24", true),
+            (&broken, "10.0.3.0/24", true),
+        ];
+        for (pool, block, owned) in cases {
+            assert_eq!(owns_block(pool, block), owned, "{} owns {block}", pool.cidr);
+        }
     }
 
     struct Pools(PoolSet);

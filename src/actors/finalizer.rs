@@ -67,10 +67,9 @@ async fn add(client: &Client, pool: &IPPool) -> Result<bool, kube::Error> {
 /// read finds none of them holding a record; `false` when one still does.
 async fn release(client: &Client, pool: &IPPool) -> Result<bool, kube::Error> {
     let name = pool.name_any();
-    let Ok(layout) = crate::pools::layout(&pool.spec) else { return Ok(false) };
     let api: Api<IPBlock> = Api::all(client.clone());
     // The pool's own blocks: one written under an earlier layout of this name is orphaned.
-    let own = |b: &IPBlock| b.spec.pool == name && b.spec.cidr.parse().is_ok_and(|net| layout.is_block(net));
+    let own = |b: &IPBlock| b.spec.pool == name && crate::pools::owns_block(&pool.spec, &b.spec.cidr);
     let blocks: Vec<IPBlock> = api.list(&ListParams::default()).await?.items.into_iter().filter(own).collect();
     if blocks.iter().any(|b| !b.spec.allocations.is_empty()) {
         return Ok(false);
