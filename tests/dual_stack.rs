@@ -182,6 +182,36 @@ async fn a_dual_stack_statefulset_pod_recreated_keeps_both_ips() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_pod_keeps_its_ipv6_when_only_its_ipv4_pool_is_being_deleted() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pools = pools(json!({"cidr": "fd00:70::/120", "default": true}));
+    let mut ipwarden = Ipwarden::start(1, &pools, &["--reuse-cooldown-seconds=0"]).await;
+    let client = ipwarden.client();
+    ipwarden.start_controller("controller-0", &["--full-scan-interval-seconds=600"]);
+    ipwarden.wait_leader(0).await;
+    Api::<StatefulSet>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &statefulset("db"))
+        .await
+        .expect("create db");
+    let before = wait_dual_stack(&client, "db-0", None).await;
+    let ips = assert_dual_stack(&client, &before).await;
+    support::delete_pool_in_use(&client, V4).await;
+    e2e::ipwarden::create_pool(&client, "v4-next", json!({"cidr": "10.71.0.0/24", "default": true}))
+        .await
+        .expect("create pool v4-next");
+
+    Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
+    let after = wait_dual_stack(&client, "db-0", before.uid().as_deref()).await;
+    let now = pod_ips(&after);
+    assert!(now[0].starts_with("10.71.0."), "the IPv4 pool being deleted gave its IP up: {now:?}");
+    assert_eq!(now[1], ips[1], "the IPv6 pool, not being deleted, gave the sticky IPv6 back");
+    let claim = claims(&client, NS).await.remove("db-0").expect("db-0 has a claim");
+    let claimed: Vec<String> = claim.spec.interfaces[0].ips.iter().map(|i| i.ip.clone()).collect();
+    assert_eq!(claimed, now, "the claim names the pod's IPs");
+    wait_records(&client, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exhausted_ipv6_pool_fails_the_add_naming_it_and_kubelet_retries_leak_no_ipv4() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let one_ip =

@@ -169,6 +169,32 @@ async fn a_live_migration_target_inherits_the_vm_ip_and_the_source_late_del_free
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_migration_in_a_pool_being_deleted_keeps_the_vms_ip() {
+    let ipwarden = start("10.63.0.0/24").await;
+    let client = ipwarden.client();
+    let (_, source) = run_vm(&client, "vm-d", "node-0").await;
+    let ip = ip_of(&source);
+    // The VM's record holds the pool; another pool now takes the new pods.
+    support::delete_pool_in_use(&client, "pool").await;
+    e2e::ipwarden::create_pool(&client, "spare", json!({"cidr": "10.64.0.0/24", "default": true}))
+        .await
+        .expect("create pool spare");
+
+    let migration = create_migration(&client, NS, "vm-d-migration", "vm-d", "Scheduling").await;
+    let vmi = support::kubevirt::api(&client, NS, "VirtualMachineInstance").get("vm-d").await.expect("read VMI");
+    let target = create_launcher(&client, NS, &vmi, "node-1", migration.uid().as_deref()).await;
+    let target = wait_running_with_ip(&client, NS, &target.name_any()).await;
+    assert_eq!(ip_of(&target), ip, "a migration is not a new IP: the target shares the source's");
+    let record = record_of(&client, &ip).await;
+    let attached = record.migration_target.as_ref().map(|t| t.pod.uid.clone());
+    assert_eq!(attached, target.uid(), "the target is attached to the source's record");
+    let vm_claims = claims_of_vmi(&client, NS, "vm-d").await;
+    let claimed: Vec<&str> =
+        vm_claims.iter().flat_map(|c| &c.spec.interfaces).flat_map(|i| &i.ips).map(|i| i.ip.as_str()).collect();
+    assert_eq!(claimed, [ip.as_str()], "the VM's claim still names its IP");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aborted_migration_leaves_the_ip_with_the_source_and_the_target_del_frees_nothing() {
     let ipwarden = start("10.62.0.0/24").await;
     let client = ipwarden.client();

@@ -19,9 +19,6 @@ use ipwarden::crd::IPPool;
 
 const NS: &str = "default";
 
-/// The finalizer the controller keeps on every pool while a block of it holds a record.
-const FINALIZER: &str = "ipwarden.io/pool-in-use";
-
 /// ADDs a sandbox for pod `name` (bound to a node no kubelet runs, created here) through the
 /// real plugin and node-0's agent, as a runtime would; the CNI error when it fails.
 async fn manual_add(ipwarden: &Ipwarden, name: &str) -> Result<Option<Value>, e2e::Error> {
@@ -62,17 +59,6 @@ async fn an_in_use_pool_being_deleted_waits_on_its_finalizer_refuses_adds_and_go
     // A long sweep interval: only the pods' DELs may release the records in time.
     ipwarden.start_controller("lifecycle", &["--full-scan-interval-seconds=600"]);
     ipwarden.wait_leader(0).await;
-    let pools_api: Api<IPPool> = Api::all(client.clone());
-    wait::until("the controller putting its finalizer on the pool", TIMEOUT, || async {
-        let pool = pools_api.get("old").await.map_err(e2e::Error::kube("reading pool old"))?;
-        Ok(if pool.finalizers().iter().any(|f| f == FINALIZER) {
-            Probe::Done(())
-        } else {
-            Probe::Pending(format!("finalizers {:?}", pool.finalizers()))
-        })
-    })
-    .await
-    .expect("the pool gets the finalizer");
 
     // A sticky pod: its DEL would keep a reservation its StatefulSet still wants.
     let sts: StatefulSet = serde_json::from_value(json!({
@@ -84,9 +70,8 @@ async fn an_in_use_pool_being_deleted_waits_on_its_finalizer_refuses_adds_and_go
     Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &sts).await.expect("sts");
     let held = ip_of(&wait_pods_with_ips(&client, NS, "app=db", 1).await["db-0"]);
 
-    pools_api.delete("old", &DeleteParams::default()).await.expect("delete pool old");
-    let pool = pools_api.get("old").await.expect("the pool still exists while in use");
-    assert!(pool.metadata.deletion_timestamp.is_some(), "the pool is being deleted");
+    support::delete_pool_in_use(&client, "old").await;
+    let pools_api: Api<IPPool> = Api::all(client.clone());
     let table = kubectl_get_ippools(&ipwarden).await;
     assert!(column(&table, "old", "DELETING").is_some_and(|c| c != "<none>"), "kubectl shows it deleting:\n{table}");
 

@@ -212,7 +212,7 @@ impl Core {
             match reclaimed {
                 Some(reclaimed) => (reclaimed.ips, reclaimed.written, reclaimed.shared),
                 None => {
-                    let written = self.allocate(&pod, owner.as_ref(), sticky, request).await?;
+                    let written = self.allocate(&pod, owner.as_ref(), sticky, request, None).await?;
                     (written.iter().map(|w| w.ip.clone()).collect(), written, false)
                 }
             }
@@ -373,11 +373,6 @@ impl Core {
             let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
                 continue;
             };
-            // A pool being deleted hands nothing back; the pod is allocated afresh, which
-            // names the pool and why if it is the only one the pod may use.
-            if pool.deleting {
-                return Ok(None);
-            }
             let Some(block) = pool.layout.block_of(ip) else { continue };
             pools::check_claimed_block(&pool.name, block, ip, &claimed.block).map_err(|e| {
                 CniError::new(
@@ -397,11 +392,20 @@ impl Core {
             container_id: record.container_id.clone(),
             interface: record.interface.clone(),
         });
-        let (mut ips, mut taken, mut shared) = (Vec::new(), Vec::new(), false);
+        // One slot per claimed IP, in the claim's order; `Err(is IPv4)`: given up, allocated
+        // afresh.
+        let (mut slots, mut taken, mut shared) = (Vec::new(), Vec::new(), false);
         for claimed in &interface.ips {
             let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
                 break;
             };
+            // A pool being deleted hands out no new IP, so a restarted pod gives up its IP
+            // there (only that family's); a live migration's target still attaches to the IP
+            // its source holds, which is not a new one.
+            if pool.deleting && target.is_none() {
+                slots.push(Err(is_v4(&claimed.ip)));
+                continue;
+            }
             let Some(block) = pool.layout.block_of(ip) else { break };
             let key = ip.to_string();
             let mut waiting_for = None;
@@ -412,6 +416,9 @@ impl Core {
                         && shares_with_source(r, &record)
                     {
                         return blocks::attach_migration_target(spec, &key, target.clone()).map(|()| Reclaim::Attached);
+                    }
+                    if pool.deleting {
+                        return None;
                     }
                     let Some(current) = spec.allocations.get_mut(&key) else {
                         let free = pool.layout.is_allocatable(ip);
@@ -478,10 +485,28 @@ impl Core {
                 // A mark always sets `waiting_for`, which returned above.
                 Reclaim::Marked => break,
             }
-            ips.push(ip);
+            slots.push(Ok(ip));
         }
-        if ips.len() == interface.ips.len() {
-            tracing::info!(claim = %claim_name, migration_target = shared, "sticky IPs reclaimed for the pod");
+        let given_up: Vec<bool> = slots.iter().filter_map(|slot| slot.as_ref().err().copied()).collect();
+        // Unless every IP was given up (or one could not be taken back): then the pod is
+        // allocated afresh, as a new pod is.
+        if slots.len() == interface.ips.len() && given_up.len() < slots.len() {
+            let mut fresh = Vec::new();
+            if !given_up.is_empty() {
+                match self.allocate(pod, owner, true, request, Some(&given_up)).await {
+                    Ok(written) => {
+                        fresh = written.iter().map(|w| w.ip.clone()).collect();
+                        taken.extend(written);
+                    }
+                    Err(e) => {
+                        self.roll_back(&taken, request, &record.pod.uid).await;
+                        return Err(e);
+                    }
+                }
+            }
+            let ips = fill_given_up(slots, fresh, |ip| is_v4(&ip.ip));
+            let given_up = given_up.len();
+            tracing::info!(claim = %claim_name, migration_target = shared, given_up, "sticky IPs reclaimed for the pod");
             return Ok(Some(Reclaimed { ips, written: taken, shared }));
         }
         // The IPs already taken go back to the records they were taken from.
@@ -490,13 +515,16 @@ impl Core {
     }
 
     /// Allocates one IP from each pool the pod should use, all or none: when one pool has
-    /// no IP, the IPs already taken from the others are rolled back.
+    /// no IP, the IPs already taken from the others are rolled back. `families` (`true`:
+    /// IPv4) limits it to the pools of those IP families: a sticky pod's IPs given up in a
+    /// pool being deleted.
     async fn allocate(
         &self,
         pod: &Pod,
         owner: Option<&OwnerRef>,
         sticky: bool,
         request: &AttachmentRequest,
+        families: Option<&[bool]>,
     ) -> Result<Vec<Written>, CniError> {
         let namespace_name = pod.namespace().unwrap_or_default();
         let pools_snapshot = self.pools.state();
@@ -533,6 +561,9 @@ impl Core {
         let mut written = Vec::new();
         for view in chosen {
             let Ok(layout) = view.layout else { continue };
+            if families.is_some_and(|f| !f.contains(&layout.family_is_v4())) {
+                continue;
+            }
             let pool = ResolvedPool {
                 name: view.name.to_string(),
                 layout: layout.clone(),
@@ -1227,6 +1258,27 @@ fn shares_with_source(a: &Allocation, b: &Allocation) -> bool {
     a.pod.uid != b.pod.uid && blocks::may_be_attached(a) && same_workload(a, b)
 }
 
+/// Whether `ip` is an IPv4 address (a claimed IP that does not parse counts as IPv6).
+fn is_v4(ip: &str) -> bool {
+    ip.parse::<IpAddr>().is_ok_and(|ip| ip.is_ipv4())
+}
+
+/// A sticky pod's IPs in its claim's order: each kept IP (`Ok`) in its place, each IP given
+/// up (`Err`, with whether it is IPv4) replaced by the fresh IP of its family, or left out
+/// when no pool of that family was chosen.
+fn fill_given_up<T>(slots: Vec<Result<T, bool>>, fresh: Vec<T>, v4: impl Fn(&T) -> bool) -> Vec<T> {
+    let (fresh_v4, fresh_v6): (Vec<T>, Vec<T>) = fresh.into_iter().partition(|ip| v4(ip));
+    let (mut fresh_v4, mut fresh_v6) = (fresh_v4.into_iter(), fresh_v6.into_iter());
+    slots
+        .into_iter()
+        .filter_map(|slot| match slot {
+            Ok(kept) => Some(kept),
+            Err(true) => fresh_v4.next(),
+            Err(false) => fresh_v6.next(),
+        })
+        .collect()
+}
+
 fn attachment_key(request: &AttachmentRequest) -> AttachmentKey {
     AttachmentKey {
         network: request.network.clone(),
@@ -1286,6 +1338,25 @@ mod test {
         assert_eq!(result.ips[0].gateway.as_deref(), Some("10.0.0.1"));
         assert_eq!(result.routes.len(), 1);
         assert_eq!(result.routes[0].dst, "0.0.0.0/0");
+    }
+
+    #[test]
+    fn an_ip_given_up_is_replaced_in_its_place_by_the_fresh_ip_of_its_family() {
+        let v4 = |ip: &&str| is_v4(ip);
+        // (slots, fresh IPs, the pod's IPs)
+        type Case = (Vec<Result<&'static str, bool>>, Vec<&'static str>, Vec<&'static str>);
+        let cases: [Case; 5] = [
+            (vec![Err(true), Ok("fd00::1")], vec!["10.1.0.9"], vec!["10.1.0.9", "fd00::1"]),
+            (vec![Ok("10.0.0.1"), Err(false)], vec!["fd01::9"], vec!["10.0.0.1", "fd01::9"]),
+            (vec![Ok("fd00::1"), Err(true)], vec!["10.1.0.9"], vec!["fd00::1", "10.1.0.9"]),
+            // No pool of the family chosen: the pod goes without, as a new pod would.
+            (vec![Err(true), Ok("fd00::1")], vec![], vec!["fd00::1"]),
+            (vec![Ok("10.0.0.1"), Ok("fd00::1")], vec![], vec!["10.0.0.1", "fd00::1"]),
+        ];
+        for (slots, fresh, want) in cases {
+            assert_eq!(fill_given_up(slots.clone(), fresh.clone(), v4), want, "{slots:?} + {fresh:?}");
+        }
+        assert!(is_v4("10.0.0.1") && !is_v4("fd00::1"));
     }
 
     #[test]

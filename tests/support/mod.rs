@@ -15,9 +15,9 @@ use e2e::kubelet::Sandbox;
 use e2e::process::Component;
 use e2e::wait::{self, Probe};
 use e2e::{Cluster, ClusterOptions, CniNetwork, Error};
-use ipwarden::crd::{IPBlock, IPClaim};
+use ipwarden::crd::{IPBlock, IPClaim, IPPool};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
@@ -350,6 +350,28 @@ pub async fn records(client: &Client) -> BTreeMap<String, ipwarden::crd::Allocat
         .into_iter()
         .flat_map(|b| b.spec.allocations.into_iter())
         .collect()
+}
+
+/// The finalizer the controller keeps on every pool while a block of it holds a record.
+pub const POOL_FINALIZER: &str = "ipwarden.io/pool-in-use";
+
+/// Deletes pool `name` once the controller has put its finalizer on it, and asserts that it
+/// stays, being deleted (a block of it holds a record).
+pub async fn delete_pool_in_use(client: &Client, name: &str) {
+    let pools: Api<IPPool> = Api::all(client.clone());
+    wait::until(&format!("the controller putting its finalizer on pool {name}"), TIMEOUT, || async {
+        let pool = pools.get(name).await.map_err(Error::kube(format!("reading pool {name}")))?;
+        Ok(if pool.finalizers().iter().any(|f| f == POOL_FINALIZER) {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("finalizers {:?}", pool.finalizers()))
+        })
+    })
+    .await
+    .expect("the pool gets the finalizer");
+    pools.delete(name, &DeleteParams::default()).await.expect("delete pool");
+    let pool = pools.get(name).await.expect("the pool still exists while in use");
+    assert!(pool.metadata.deletion_timestamp.is_some(), "pool {name} is being deleted");
 }
 
 /// Every IPClaim of `namespace`, by name.
