@@ -8,10 +8,9 @@ use std::collections::BTreeMap;
 
 use e2e::cni::{Invocation, PodArgs};
 use e2e::wait::{self, Probe};
-use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::{Value, json};
 use support::{Ipwarden, TIMEOUT, create_pod, ip_of, metric, metric_sum, records, wait_pods_with_ips};
 
@@ -61,13 +60,7 @@ async fn an_in_use_pool_being_deleted_waits_on_its_finalizer_refuses_adds_and_go
     ipwarden.wait_leader(0).await;
 
     // A sticky pod: its DEL would keep a reservation its StatefulSet still wants.
-    let sts: StatefulSet = serde_json::from_value(json!({
-        "metadata": {"name": "db"},
-        "spec": {"replicas": 1, "serviceName": "db", "selector": {"matchLabels": {"app": "db"}},
-                 "template": support::pod_template("db", json!({}))},
-    }))
-    .expect("sts");
-    Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &sts).await.expect("sts");
+    support::create_statefulset(&client, NS, "db", json!({})).await;
     let held = ip_of(&wait_pods_with_ips(&client, NS, "app=db", 1).await["db-0"]);
 
     support::delete_pool_in_use(&client, "old").await;
@@ -171,13 +164,7 @@ async fn a_pool_recreated_with_another_block_size_over_orphaned_blocks_hands_out
     // goes with its pod even while its StatefulSet still wants the ordinal (no pool will hand
     // the IP out again). StatefulSet `held` wants `held-0` but cannot create it (its service
     // account does not exist), so the pod stays gone.
-    let held: StatefulSet = serde_json::from_value(json!({
-        "metadata": {"name": "held"},
-        "spec": {"replicas": 1, "serviceName": "held", "selector": {"matchLabels": {"app": "held"}},
-                 "template": support::pod_template("held", json!({"serviceAccountName": "absent"}))},
-    }))
-    .expect("sts");
-    Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &held).await.expect("sts");
+    support::create_statefulset(&client, NS, "held", json!({"serviceAccountName": "absent"})).await;
     let ghost = support::record_json(NS, "ghost", "ghost-uid", "node-0", Some(("StatefulSet", "gone")), true);
     support::inject_record(&client, "vanished", "vanished-10-79-0-0-24", "10.79.0.0/24", "10.79.0.7", ghost).await;
     let wanted = support::record_json(NS, "held-0", "held-uid", "node-0", Some(("StatefulSet", "held")), true);
@@ -251,13 +238,7 @@ async fn a_pool_whose_ranges_are_edited_into_an_invalid_layout_keeps_its_blocks_
     let client = ipwarden.client();
     let controller = ipwarden.start_controller("grid", &["--full-scan-interval-seconds=2"]);
     ipwarden.wait_leader(controller).await;
-    let sts: StatefulSet = serde_json::from_value(json!({
-        "metadata": {"name": "db"},
-        "spec": {"replicas": 1, "serviceName": "db", "selector": {"matchLabels": {"app": "db"}},
-                 "template": support::pod_template("db", json!({}))},
-    }))
-    .expect("sts");
-    Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &sts).await.expect("sts");
+    support::create_statefulset(&client, NS, "db", json!({})).await;
     let held = ip_of(&wait_pods_with_ips(&client, NS, "app=db", 1).await["db-0"]);
 
     let reversed = json!({"spec": {"ranges": [{"start": "10.73.0.200", "end": "10.73.0.100"}]}});

@@ -284,6 +284,21 @@ pub fn record_json(
            "allocatedAt": "2026-01-01T00:00:00Z"})
 }
 
+/// Creates StatefulSet `name` in `namespace` with one replica whose pods are labelled
+/// `app=<name>`, their spec extended by `extra` (see [`pod_template`]).
+pub async fn create_statefulset(client: &Client, namespace: &str, name: &str, extra: serde_json::Value) {
+    let sts: k8s_openapi::api::apps::v1::StatefulSet = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"replicas": 1, "serviceName": name, "selector": {"matchLabels": {"app": name}},
+                 "template": pod_template(name, extra)},
+    }))
+    .expect("statefulset");
+    Api::<k8s_openapi::api::apps::v1::StatefulSet>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &sts)
+        .await
+        .expect("create statefulset");
+}
+
 /// A workload's pod template: label `app`, grace 1 s, one container, plus `extra` spec fields.
 pub fn pod_template(app: &str, extra: serde_json::Value) -> serde_json::Value {
     let mut spec =
