@@ -1,7 +1,9 @@
-//! Sweep cost: 100k records in 1000 pools against a realistic pod cache (80% of records
-//! belong to live pods, 10% to completed or replaced pods, 10% to pods that are gone).
-//! Reports time per sweep (index build + plan) and, at the end, the process's peak RSS.
-//! Run: `cargo bench --bench sweep`.
+//! Sweep cost: 100k records in 1000 pools against a realistic pod set (80% of records
+//! belong to live pods, 10% to completed or replaced pods, 10% to pods that are gone),
+//! applied once to the controller's incremental index as its watches would. Reports the time
+//! of one sweep plan over the index, the cost of one pod event and one block event applied to
+//! it, the time to index the whole cluster at start, and the process's RSS once the pod
+//! objects are dropped (what the index itself keeps). Run: `cargo bench --bench sweep`.
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -9,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::Criterion;
-use ipwarden::crd::{Allocation, IPBlock, IPBlockSpec, PodRef};
-use ipwarden::gc::index::ClusterIndex;
+use ipwarden::crd::{Allocation, IPBlock, IPBlockSpec, IPPool, IPPoolSpec, PodRef};
+use ipwarden::gc::index::{ClusterIndex, Kind, Watched};
 use ipwarden::gc::rules::{NotReadyPolicy, RuleSettings};
 use ipwarden::gc::sweep;
 use jiff::Timestamp;
@@ -22,6 +24,7 @@ const RECORDS_PER_POOL: usize = 100;
 const NODES: usize = 100;
 
 struct Cluster {
+    pools: Vec<Arc<IPPool>>,
     blocks: Vec<Arc<IPBlock>>,
     pods: Vec<Arc<Pod>>,
     nodes: Vec<Arc<Node>>,
@@ -30,8 +33,13 @@ struct Cluster {
 fn cluster() -> Cluster {
     let mut blocks = Vec::new();
     let mut pods = Vec::new();
+    let mut pools = Vec::new();
     for p in 0..POOLS {
         let (a, b) = (p / 250, p % 250);
+        let spec: IPPoolSpec =
+            serde_json::from_value(serde_json::json!({"cidr": format!("10.{a}.{b}.0/24"), "blockSize": 24}))
+                .expect("pool spec");
+        pools.push(Arc::new(IPPool::new(&format!("pool-{p}"), spec)));
         let mut allocations = BTreeMap::new();
         for r in 0..RECORDS_PER_POOL {
             let ip = format!("10.{a}.{b}.{}", r + 1);
@@ -101,7 +109,7 @@ fn cluster() -> Cluster {
             })
         })
         .collect();
-    Cluster { blocks, pods, nodes }
+    Cluster { pools, blocks, pods, nodes }
 }
 
 fn peak_rss_kib() -> Option<u64> {
@@ -109,30 +117,76 @@ fn peak_rss_kib() -> Option<u64> {
     status.lines().find_map(|l| l.strip_prefix("VmHWM:")?.trim().strip_suffix("kB")?.trim().parse().ok())
 }
 
+fn rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
+}
+
+/// The index of `cluster`, listed as the controller's watches list it.
+fn index_of(cluster: &Cluster, sticky: &[String]) -> ClusterIndex {
+    let now = Timestamp::now();
+    let mut index = ClusterIndex::new(sticky, Duration::from_secs(20));
+    for kind in [Kind::Pool, Kind::Node, Kind::Pod, Kind::Block] {
+        index.relist_started(kind);
+    }
+    cluster.pools.iter().for_each(|o| index.apply(Watched::Pool(o), now));
+    cluster.nodes.iter().for_each(|o| index.apply(Watched::Node(o), now));
+    cluster.pods.iter().for_each(|o| index.apply(Watched::Pod(o), now));
+    cluster.blocks.iter().for_each(|o| index.apply(Watched::Block(o), now));
+    for kind in [Kind::Pool, Kind::Node, Kind::Pod, Kind::Block] {
+        index.relist_done(kind, now);
+    }
+    index
+}
+
 fn main() {
     let cluster = cluster();
     let settings = RuleSettings { additional_delay: Duration::from_secs(5), not_ready: NotReadyPolicy::Keep };
     let sticky = vec!["StatefulSet".to_string()];
     let records = POOLS * RECORDS_PER_POOL;
-    let plan = sweep::plan(
-        &ClusterIndex::build(&cluster.pods, &cluster.nodes, &[], &[], &sticky),
-        &cluster.blocks,
-        Timestamp::now(),
-        &settings,
-    );
+    let mut index = index_of(&cluster, &sticky);
+    let plan = sweep::plan(&index, index.blocks_by_name().values(), Timestamp::now(), &settings);
     assert_eq!(plan.scanned, records);
     println!("sweep plan over {records} records: {} changes, kept {:?}", plan.changes.len(), plan.kept);
 
     let mut criterion =
         Criterion::default().sample_size(10).measurement_time(Duration::from_secs(20)).configure_from_args();
     criterion.bench_function("sweep_100k_records_1000_pools", |b| {
+        b.iter(|| black_box(sweep::plan(&index, index.blocks_by_name().values(), Timestamp::now(), &settings)))
+    });
+    criterion
+        .bench_function("index_90k_pods_100k_records_at_start", |b| b.iter(|| black_box(index_of(&cluster, &sticky))));
+    let mut criterion = Criterion::default().configure_from_args();
+    // One pod event at 100k pods: a live pod starts terminating, then is running again.
+    let pod = (*cluster.pods[cluster.pods.len() / 2]).clone();
+    let mut terminating = pod.clone();
+    terminating.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+    let mut flip = false;
+    criterion.bench_function("one_pod_event_at_90k_pods", |b| {
         b.iter(|| {
-            let index = ClusterIndex::build(&cluster.pods, &cluster.nodes, &[], &[], &sticky);
-            black_box(sweep::plan(&index, &cluster.blocks, Timestamp::now(), &settings))
+            flip = !flip;
+            index.apply(Watched::Pod(if flip { &terminating } else { &pod }), Timestamp::now());
         })
     });
+    // One block event: an agent's write to a block of 100 records.
+    let block = cluster.blocks[POOLS / 2].clone();
+    criterion.bench_function("one_block_event_of_100_records", |b| {
+        b.iter(|| index.apply(Watched::Block(&block), Timestamp::now()))
+    });
     criterion.final_summary();
-    if let Some(kib) = peak_rss_kib() {
-        println!("peak RSS of the benchmark process: {} MiB", kib / 1024);
+    let before = rss_kib();
+    let Cluster { pools, blocks, pods, nodes } = cluster;
+    drop((pools, pods, nodes));
+    let kept = blocks.len();
+    drop(blocks);
+    if let (Some(before), Some(after), Some(peak)) = (before, rss_kib(), peak_rss_kib()) {
+        println!(
+            "RSS with the pod objects: {} MiB; the index alone ({} pods trimmed, {kept} blocks shared): {} MiB; \
+             peak {} MiB",
+            before / 1024,
+            index.pod_count(),
+            after / 1024,
+            peak / 1024
+        );
     }
 }

@@ -35,6 +35,13 @@ pub fn owns_block(spec: &IPPoolSpec, block_cidr: &str) -> bool {
     }
 }
 
+/// Whether a block of CIDR `block_cidr` is retired: no pool keeps its records, because the
+/// pool it names (`pool`: its spec and whether it is being deleted) is gone, is being
+/// deleted, or has no such block. The one rule for the controller's index and the agent.
+pub fn block_is_retired(pool: Option<(&IPPoolSpec, bool)>, block_cidr: &str) -> bool {
+    !matches!(pool, Some((spec, false)) if owns_block(spec, block_cidr))
+}
+
 /// The IPBlock object name of `block` in `pool`: DNS-safe and the same on every node, so
 /// two agents creating the same block collide on the name instead of duplicating it.
 pub fn block_name(pool: &str, block: IpNet) -> String {

@@ -14,8 +14,10 @@ use crate::pools::{FinalizerStep, PoolSet, finalizer_step};
 
 /// One pass over the cached pools and blocks; does nothing unless this replica leads.
 pub async fn reconcile(context: PoolContext) {
-    let pools = context.caches.pools.state();
-    let blocks = context.caches.blocks.state();
+    let (pools, blocks) = {
+        let index = context.index.read();
+        (index.pools(), index.blocks())
+    };
     let set = PoolSet::of(&pools, &blocks);
     for pool in &pools {
         let name = pool.name_any();

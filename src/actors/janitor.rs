@@ -5,40 +5,37 @@ use super::leader::Leadership;
 use std::time::Duration;
 
 use actix::{Actor, AsyncContext, Context, WrapFuture};
-use kube::{Client, ResourceExt};
+use kube::Client;
 
-use super::Caches;
+use super::watches::SharedIndex;
 use crate::gc::claims::gone_for_good;
 
 /// The janitor actor.
 pub struct ClaimJanitor {
     client: Client,
-    caches: Caches,
+    index: SharedIndex,
     leading: Leadership,
     interval: Duration,
 }
 
 impl ClaimJanitor {
     /// A janitor running every `interval`.
-    pub fn new(client: Client, caches: Caches, leading: Leadership, interval: Duration) -> Self {
-        Self { client, caches, leading, interval }
+    pub fn new(client: Client, index: SharedIndex, leading: Leadership, interval: Duration) -> Self {
+        Self { client, index, leading, interval }
     }
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
         if !self.leading.is_leading() {
             return;
         }
-        let index = self.caches.index();
-        let doomed: Vec<(String, String, String)> = self
-            .caches
-            .claims
-            .state()
-            .iter()
-            .filter_map(|claim| {
-                let (namespace, name) = (claim.namespace()?, claim.name_any());
-                gone_for_good(&index, &namespace, &name, claim).then(|| (namespace, name, claim.spec.pod_uid.clone()))
-            })
-            .collect();
+        let doomed: Vec<(String, String, String)> = {
+            let index = self.index.read();
+            index
+                .claims()
+                .filter(|(namespace, name, claim)| gone_for_good(&index, namespace, name, claim))
+                .map(|(namespace, name, claim)| (namespace.to_string(), name.to_string(), claim.pod_uid.clone()))
+                .collect()
+        };
         if doomed.is_empty() {
             return;
         }

@@ -8,9 +8,9 @@
 //! - [`janitor::ClaimJanitor`] deletes claims whose workload is gone for good.
 //! - [`manual::ManualTrigger`] serves `ipwarden gc`.
 //!
-//! Decisions come from `crate::gc` (pure); these actors gather caches and write.
+//! Decisions come from `crate::gc` (pure) over the one index [`watches::SharedIndex`] the
+//! watches keep; these actors read it and write.
 
-pub mod agents;
 pub mod finalizer;
 pub mod janitor;
 pub mod kubevirt;
@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod pool;
 pub mod sweeper;
 pub mod tracer;
+pub mod watches;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -30,62 +31,20 @@ use actix::{Actor, AsyncContext};
 use anyhow::Context as _;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::{self, Store, reflector};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 
 use crate::crd::{IPBlock, IPClaim, IPPool};
-use crate::gc::index::ClusterIndex;
+use crate::gc::index::{Kind, Watched};
 use crate::gc::rules::{NotReadyPolicy, RuleSettings};
 use crate::workload::DEFAULT_STICKY_KINDS;
 
-/// How long the controller waits for its caches at start.
+/// How long the controller waits for its watches' first lists at start.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// The cached cluster every actor reads.
-#[derive(Clone)]
-pub struct Caches {
-    /// Pods.
-    pub pods: Store<Pod>,
-    /// Nodes.
-    pub nodes: Store<Node>,
-    /// IPClaims.
-    pub claims: Store<IPClaim>,
-    /// StatefulSets (sticky owners).
-    pub statefulsets: Store<StatefulSet>,
-    /// KubeVirt's VMs and VM instances (sticky owners), once KubeVirt's API is served.
-    pub kubevirt: kubevirt::KubeVirtCaches,
-    /// IPBlocks.
-    pub blocks: Store<IPBlock>,
-    /// IPPools.
-    pub pools: Store<IPPool>,
-    /// Owner kinds whose records are sticky.
-    pub sticky_kinds: Arc<Vec<String>>,
-    /// The agents' heartbeats.
-    pub agents: agents::AgentLeases,
-}
-
-impl Caches {
-    /// The index of the cluster as cached now.
-    pub fn index(&self) -> ClusterIndex {
-        let nodes = self.nodes.state();
-        let stale = self.agents.stale(&nodes);
-        let pools = crate::pools::PoolSet::of(&self.pools.state(), &self.blocks.state());
-        ClusterIndex::build(
-            &self.pods.state(),
-            &nodes,
-            &self.claims.state(),
-            &self.statefulsets.state(),
-            &self.sticky_kinds,
-        )
-        .with_stale_agents(&stale)
-        .with_retired_blocks(pools.retired())
-        .with_kubevirt(self.kubevirt.index())
-    }
-}
 
 /// What to do with records the rules would release while their node is NotReady.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -149,22 +108,6 @@ pub struct ControllerArgs {
     pub test_clock_offset_seconds: i64,
 }
 
-fn cache<K>(api: Api<K>) -> (Store<K>, impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>>)
-where
-    K: kube::Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
-{
-    let (store, writer) = reflector::store();
-    let stream = reflector(writer, watcher(api, watcher::Config::default())).default_backoff();
-    (store, stream)
-}
-
-fn drain<S>(stream: S)
-where
-    S: futures::Stream + Send + 'static,
-{
-    tokio::spawn(stream.for_each(|_| async {}));
-}
-
 /// Runs the controller until SIGINT or SIGTERM. Must run inside an actix System.
 pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     let client = Client::try_default().await.context("building the Kubernetes client (kubeconfig or in-cluster)")?;
@@ -185,26 +128,36 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         .with_context(|| format!("binding the metrics address {}", args.metrics_address))?;
     tracing::info!(%address, %identity, "controller starting");
 
-    let (pods, pod_events) = cache(Api::<Pod>::all(client.clone()));
-    let (nodes, node_events) = cache(Api::<Node>::all(client.clone()));
-    let (claims, claim_events) = cache(Api::<IPClaim>::all(client.clone()));
-    let (statefulsets, sts_events) = cache(Api::<StatefulSet>::all(client.clone()));
-    let (blocks, block_events) = cache(Api::<IPBlock>::all(client.clone()));
-    let (pools, pool_events) = cache(Api::<IPPool>::all(client.clone()));
-    drain(node_events);
-    drain(claim_events);
-    drain(sts_events);
-    drain(pool_events);
-    let sticky_kinds =
-        Arc::new(args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect());
-    let lease_config = watcher::Config::default().labels(crate::agent::heartbeat::NODE_LABEL);
-    let (agent_leases, agent_lease_writer) = reflector::store();
-    let agent_lease_events =
-        reflector(agent_lease_writer, watcher(Api::namespaced(client.clone(), &args.namespace), lease_config));
-    drain(agent_lease_events.default_backoff());
-    let agents = agents::AgentLeases::new(agent_leases.clone(), metrics.nodes_without_live_agent.clone());
-    let kubevirt = kubevirt::KubeVirtCaches::start(client.clone());
-    let caches = Caches { pods, nodes, claims, statefulsets, kubevirt, blocks, pools, sticky_kinds, agents };
+    let sticky_kinds: Vec<String> =
+        args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect();
+    let index = watches::SharedIndex::new(&sticky_kinds, crate::agent::heartbeat::DEFAULT_LEASE_DURATION);
+    let all = watcher::Config::default;
+    let pod_events =
+        watches::watch_into(index.clone(), Kind::Pod, Api::<Pod>::all(client.clone()), all(), |o| Watched::Pod(o));
+    let block_events =
+        watches::watch_shared_into(index.clone(), Kind::Block, Api::<IPBlock>::all(client.clone()), |o| {
+            Watched::Block(o)
+        });
+    let node_events =
+        watches::watch_into(index.clone(), Kind::Node, Api::<Node>::all(client.clone()), all(), |o| Watched::Node(o));
+    watches::drain(node_events, Kind::Node);
+    let claim_events =
+        watches::watch_into(index.clone(), Kind::Claim, Api::<IPClaim>::all(client.clone()), all(), |o| {
+            Watched::Claim(o)
+        });
+    watches::drain(claim_events, Kind::Claim);
+    let sts_api = Api::<StatefulSet>::all(client.clone());
+    let sts_events = watches::watch_into(index.clone(), Kind::StatefulSet, sts_api, all(), |o| Watched::StatefulSet(o));
+    watches::drain(sts_events, Kind::StatefulSet);
+    let pool_events =
+        watches::watch_shared_into(index.clone(), Kind::Pool, Api::<IPPool>::all(client.clone()), |o| Watched::Pool(o));
+    watches::drain(pool_events, Kind::Pool);
+    let lease_config = all().labels(crate::agent::heartbeat::NODE_LABEL);
+    let lease_api = Api::<Lease>::namespaced(client.clone(), &args.namespace);
+    let lease_events =
+        watches::watch_into(index.clone(), Kind::AgentLease, lease_api, lease_config, |o| Watched::AgentLease(o));
+    watches::drain(lease_events, Kind::AgentLease);
+    kubevirt::watch_when_served(client.clone(), index.clone());
 
     let leading = leader::Leadership::default();
     let settings = RuleSettings {
@@ -222,7 +175,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     );
     let pool_context = pool::PoolContext {
         client: client.clone(),
-        caches: caches.clone(),
+        index: index.clone(),
         leading: leading.clone(),
         metrics: metrics.clone(),
         identity: identity.clone(),
@@ -231,12 +184,11 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     };
 
     let mut subscribers = Vec::new();
-    let caches_for_wait = caches.clone();
     let mut gc_actors = None;
     if args.gc_enabled {
         let supervisor = pool::PoolSupervisor::new(pool_context).start();
         let sweeper = sweeper::Sweeper::new(
-            caches.clone(),
+            index.clone(),
             supervisor.clone(),
             leading.clone(),
             settings,
@@ -244,14 +196,14 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             Duration::from_secs(args.full_scan_interval_seconds),
         );
         let tracer =
-            tracer::PodTracer::new(caches.clone(), supervisor.clone(), leading.clone(), settings, metrics.clone());
+            tracer::PodTracer::new(index.clone(), supervisor.clone(), leading.clone(), settings, metrics.clone());
         let tracer = tracer::PodTracer::create(move |ctx| {
             ctx.add_stream(pod_events);
             tracer
         });
         let janitor = janitor::ClaimJanitor::new(
             client.clone(),
-            caches.clone(),
+            index.clone(),
             leading.clone(),
             Duration::from_secs(args.claim_janitor_interval_seconds),
         )
@@ -259,24 +211,16 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         gc_actors = Some((supervisor, tracer, janitor));
         subscribers.push(sweeper_recipient(sweeper, block_events, &client, &args, &leading));
     } else {
-        drain(pod_events);
-        drain(block_events);
+        watches::drain(pod_events, Kind::Pod);
+        watches::drain(block_events, Kind::Block);
     }
 
-    tokio::time::timeout(STARTUP_TIMEOUT, async {
-        caches_for_wait.pods.wait_until_ready().await?;
-        caches_for_wait.nodes.wait_until_ready().await?;
-        caches_for_wait.claims.wait_until_ready().await?;
-        caches_for_wait.statefulsets.wait_until_ready().await?;
-        caches_for_wait.blocks.wait_until_ready().await?;
-        caches_for_wait.pools.wait_until_ready().await?;
-        agent_leases.wait_until_ready().await
-    })
-    .await
-    .context("caches did not sync in time (are the CRDs installed?)")?
-    .context("a cache closed before syncing")?;
+    let kinds = [Kind::Pod, Kind::Node, Kind::Claim, Kind::StatefulSet, Kind::Block, Kind::Pool, Kind::AgentLease];
+    tokio::time::timeout(STARTUP_TIMEOUT, index.wait_listed(&kinds))
+        .await
+        .context("the watches did not list the cluster in time (are the CRDs installed?)")?;
     ready.store(true, Ordering::SeqCst);
-    tracing::info!("caches synced; electing a leader");
+    tracing::info!("the cluster is listed; electing a leader");
 
     let lease_api = Api::namespaced(client.clone(), &args.namespace);
     let election = leader::Election {
@@ -303,13 +247,19 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
 /// Starts the sweeper and the manual trigger; returns the sweeper's leadership recipient.
 fn sweeper_recipient(
     sweeper: sweeper::Sweeper,
-    block_events: impl futures::Stream<Item = Result<watcher::Event<IPBlock>, watcher::Error>> + 'static,
+    block_events: impl futures::Stream<Item = Result<watcher::Event<Arc<IPBlock>>, watcher::Error>> + 'static,
     client: &Client,
     args: &ControllerArgs,
     leading: &leader::Leadership,
 ) -> actix::Recipient<leader::LeadershipChanged> {
     let sweeper = sweeper::Sweeper::create(move |ctx| {
-        ctx.add_stream(block_events.touched_objects());
+        ctx.add_stream(block_events.filter_map(|event| async move {
+            match event {
+                Ok(watcher::Event::Apply(block) | watcher::Event::InitApply(block)) => Some(Ok(block)),
+                Ok(_) => None,
+                Err(e) => Some(Err(e)),
+            }
+        }));
         sweeper
     });
     let trigger_api = Api::namespaced(client.clone(), &args.namespace);

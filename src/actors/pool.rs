@@ -18,8 +18,8 @@ use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource, ResourceExt};
 use tokio::sync::oneshot;
 
-use super::Caches;
 use super::metrics::{ControllerMetrics, FailureLabels, PoolLabels, ReleaseLabels};
+use super::watches::SharedIndex;
 use crate::crd::{HandshakeState, IPBlock, IPPool, ReleaseHandshake};
 use crate::gc::handshake::{ControllerStep, controller_step};
 use crate::gc::index::PodFacts;
@@ -126,8 +126,8 @@ pub struct ApplyChanges {
 pub struct PoolContext {
     /// The API client.
     pub client: Client,
-    /// The controller's caches.
-    pub caches: Caches,
+    /// The controller's index of the cluster.
+    pub index: SharedIndex,
     /// Whether this replica leads (checked right before every write).
     pub leading: Leadership,
     /// Metrics.
@@ -155,17 +155,9 @@ impl PoolSupervisor {
     fn prune(&mut self) {
         // A pool that is gone keeps its actor while blocks name it: orphaned records are
         // still released through it.
-        let existing: Vec<String> = self
-            .context
-            .caches
-            .pools
-            .state()
-            .iter()
-            .map(|p| p.name_any())
-            .chain(self.context.caches.blocks.state().iter().map(|b| b.spec.pool.clone()))
-            .collect();
+        let index = self.context.index.read();
         self.pools.retain(|name, _| {
-            let keep = existing.contains(name);
+            let keep = index.pool(name).is_some() || index.has_blocks_of(name);
             if !keep {
                 tracing::info!(pool = %name, "pool is gone; stopping its actor");
             }
@@ -212,7 +204,7 @@ struct PoolCounts {
 async fn write_pool_counts(context: PoolContext, counts: Vec<PoolCounts>) {
     let api: Api<IPPool> = Api::all(context.client.clone());
     for PoolCounts { pool: name, total, allocated, sticky, counted_blocks } in counts {
-        let current = context.caches.pools.state().into_iter().find(|p| p.name_any() == name);
+        let current = context.index.read().pool(&name).cloned();
         let shown = current.and_then(|p| p.status.clone()).unwrap_or_default();
         if (shown.total, shown.allocated, shown.sticky_reserved, shown.counted_blocks.as_deref())
             == (total, allocated, sticky, Some(counted_blocks.as_str()))
@@ -239,7 +231,8 @@ impl PoolSupervisor {
         let mut counts = Vec::new();
         let mut allocated: BTreeMap<String, (i64, i64, i64)> = BTreeMap::new();
         let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        let blocks = self.context.caches.blocks.state();
+        let index = self.context.index.read();
+        let blocks = index.blocks();
         for block in &blocks {
             let entry = allocated.entry(block.spec.pool.clone()).or_default();
             let records = block.spec.allocations.values();
@@ -249,7 +242,8 @@ impl PoolSupervisor {
         }
         // Only pools that still exist: a deleted pool's series must not stay at 1.
         self.context.metrics.pool_deleting.clear();
-        for pool in self.context.caches.pools.state() {
+        let pools = index.pools();
+        for pool in &pools {
             let name = pool.name_any();
             let labels = PoolLabels { pool: name.clone() };
             let total = crate::pools::layout(&pool.spec).map(|l| l.capacity()).unwrap_or(0);
@@ -269,11 +263,13 @@ impl PoolSupervisor {
                 counted_blocks,
             });
         }
-        let pools = crate::pools::PoolSet::of(&self.context.caches.pools.state(), &blocks);
+        let pools = crate::pools::PoolSet::of(&pools, &blocks);
         let orphaned: usize = pools.orphans().iter().map(|o| o.records).sum();
         self.context.metrics.orphaned_records.set(count(orphaned));
-        let conflicts = crate::gc::check::conflicts(&self.context.caches.pods.state(), &blocks).len();
+        let conflicts = crate::gc::check::conflicts(index.pods(), &blocks).len();
         self.context.metrics.ip_conflicts.set(count(conflicts));
+        let without_agent = index.nodes_without_live_agent(jiff::Timestamp::now());
+        self.context.metrics.nodes_without_live_agent.set(count(without_agent));
         counts
     }
 }
@@ -474,7 +470,7 @@ async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outco
 }
 
 async fn publish(context: &PoolContext, pool: &str, reason: &str, note: String) {
-    let Some(object) = context.caches.pools.state().into_iter().find(|p| p.name_any() == pool) else { return };
+    let Some(object) = context.index.read().pool(pool).cloned() else { return };
     let reference = IPPool::object_ref(&object, &());
     let event = Event {
         type_: EventType::Normal,
@@ -488,19 +484,12 @@ async fn publish(context: &PoolContext, pool: &str, reason: &str, note: String) 
     }
 }
 
-/// The non-terminal pod reporting each of `ips`, from the cache.
+/// The non-terminal pod reporting each of `ips`, from the index.
 fn live_holders(context: &PoolContext, ips: &[&str]) -> HashMap<String, String> {
-    let mut holders = HashMap::new();
-    for pod in context.caches.pods.state() {
-        let facts = PodFacts::of(&pod);
-        if facts.terminal() {
-            continue;
-        }
-        for ip in facts.ips.iter().filter(|ip| ips.contains(&ip.as_str())) {
-            holders.insert(ip.clone(), facts.uid.clone());
-        }
-    }
-    holders
+    let index = context.index.read();
+    ips.iter()
+        .filter_map(|ip| Some((ip.to_string(), index.live_holder(ip).filter(|h| !h.terminal)?.pod.uid.clone())))
+        .collect()
 }
 
 /// Why a release must not be written after all, from a live read of the record's pod (not
@@ -624,9 +613,10 @@ async fn apply_one(
             }
             // The decision's owner cache may be stale (a fast scale down and up): re-read it.
             // A retired block keeps no reservation, so its owner has no say.
+            let sticky = crate::workload::record_is_sticky(record, context.index.read().sticky_kinds());
             if reason.rests_on_owner()
                 && !change.retired
-                && crate::workload::record_is_sticky(record, &context.caches.sticky_kinds)
+                && sticky
                 && crate::owners::record_owner_wants(&context.client, record).await
             {
                 return ChangeOutcome::Skipped(OWNER_WANTS);

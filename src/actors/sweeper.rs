@@ -14,10 +14,10 @@ use jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::watcher;
 
-use super::Caches;
 use super::leader::LeadershipChanged;
 use super::metrics::ControllerMetrics;
 use super::pool::{ApplyChanges, ApplyOutcome, PoolSupervisor, Trigger, apply_in_background};
+use super::watches::SharedIndex;
 use crate::crd::{Allocation, HandshakeState, IPBlock};
 use crate::gc::rules::RuleSettings;
 use crate::gc::sweep;
@@ -62,7 +62,7 @@ pub struct SweepNow(pub Trigger);
 
 /// The sweeper actor.
 pub struct Sweeper {
-    caches: Caches,
+    index: SharedIndex,
     supervisor: Addr<PoolSupervisor>,
     leading: Leadership,
     settings: RuleSettings,
@@ -76,21 +76,22 @@ pub struct Sweeper {
 impl Sweeper {
     /// A sweeper running every `interval`.
     pub fn new(
-        caches: Caches,
+        index: SharedIndex,
         supervisor: Addr<PoolSupervisor>,
         leading: Leadership,
         settings: RuleSettings,
         metrics: ControllerMetrics,
         interval: Duration,
     ) -> Self {
-        Self { caches, supervisor, leading, settings, metrics, interval, answer_timers: BTreeSet::new() }
+        Self { index, supervisor, leading, settings, metrics, interval, answer_timers: BTreeSet::new() }
     }
 
     fn sweep(&self, trigger: Trigger) -> impl Future<Output = SweepReport> + 'static {
         let started = Instant::now();
-        let index = self.caches.index();
-        let blocks = self.caches.blocks.state();
-        let plan = sweep::plan(&index, &blocks, Timestamp::now(), &self.settings);
+        let plan = {
+            let index = self.index.read();
+            sweep::plan(&index, index.blocks_by_name().values(), Timestamp::now(), &self.settings)
+        };
         let metrics = self.metrics.clone();
         metrics.records_scanned.inc_by(u64::try_from(plan.scanned).unwrap_or(u64::MAX));
         for (reason, count) in &plan.kept {
@@ -178,9 +179,8 @@ impl Sweeper {
     /// takeover mark the NotReady policy lets the controller answer later is planned again
     /// then.
     fn plan_block(&mut self, block: Arc<IPBlock>, ctx: &mut Context<Self>) {
-        let index = self.caches.index();
         let now = Timestamp::now();
-        let plan = sweep::plan(&index, std::slice::from_ref(&block), now, &self.settings);
+        let plan = sweep::plan(&self.index.read(), [&block], now, &self.settings);
         let concerns = |ip: &str| block.spec.allocations.get(ip).is_some_and(actionable);
         let name = block.name_any();
         let answer_at = plan.traced.iter().filter(|(change, _)| concerns(&change.ip)).map(|(_, at)| *at).min();
@@ -188,7 +188,7 @@ impl Sweeper {
             let delay = Duration::try_from(at.duration_since(now)).unwrap_or(Duration::ZERO);
             ctx.run_later(delay, move |act, ctx| {
                 act.answer_timers.remove(&name);
-                let fresh = act.caches.blocks.state().into_iter().find(|b| b.name_any() == name);
+                let fresh = act.index.read().block(&name).cloned();
                 if let Some(fresh) = fresh.filter(|_| act.leading.is_leading()) {
                     act.plan_block(fresh, ctx);
                 }
@@ -205,8 +205,8 @@ impl Sweeper {
 
 /// Block changes: an agent's answer to a release handshake, and an agent's sticky takeover
 /// mark, are acted on at once, not at the next sweep.
-impl StreamHandler<Result<IPBlock, watcher::Error>> for Sweeper {
-    fn handle(&mut self, event: Result<IPBlock, watcher::Error>, ctx: &mut Context<Self>) {
+impl StreamHandler<Result<Arc<IPBlock>, watcher::Error>> for Sweeper {
+    fn handle(&mut self, event: Result<Arc<IPBlock>, watcher::Error>, ctx: &mut Context<Self>) {
         let block = match event {
             Ok(block) if block.spec.allocations.values().any(actionable) => block,
             Ok(_) => return,
@@ -216,7 +216,7 @@ impl StreamHandler<Result<IPBlock, watcher::Error>> for Sweeper {
             }
         };
         if self.leading.is_leading() {
-            self.plan_block(Arc::new(block), ctx);
+            self.plan_block(block, ctx);
         }
     }
 

@@ -13,9 +13,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::runtime::watcher;
 
-use super::Caches;
 use super::metrics::ControllerMetrics;
 use super::pool::{ApplyChanges, PoolSupervisor, Trigger, apply_in_background};
+use super::watches::SharedIndex;
 use crate::crd::PodRef;
 use crate::gc::index::PodFacts;
 use crate::gc::rules::RuleSettings;
@@ -30,7 +30,7 @@ struct Traced {
 
 /// The tracer actor.
 pub struct PodTracer {
-    caches: Caches,
+    index: SharedIndex,
     supervisor: Addr<PoolSupervisor>,
     leading: Leadership,
     settings: RuleSettings,
@@ -41,13 +41,13 @@ pub struct PodTracer {
 impl PodTracer {
     /// A tracer over the caches, sending changes to `supervisor`.
     pub fn new(
-        caches: Caches,
+        index: SharedIndex,
         supervisor: Addr<PoolSupervisor>,
         leading: Leadership,
         settings: RuleSettings,
         metrics: ControllerMetrics,
     ) -> Self {
-        Self { caches, supervisor, leading, settings, metrics, timers: HashMap::new() }
+        Self { index, supervisor, leading, settings, metrics, timers: HashMap::new() }
     }
 
     fn schedule(&mut self, traced: Traced, at: Timestamp, ctx: &mut Context<Self>) {
@@ -67,36 +67,28 @@ impl PodTracer {
         if !self.leading.is_leading() {
             return;
         }
-        let index = self.caches.index();
-        let blocks = self.caches.blocks.state();
+        let index = self.index.read();
         let now = Timestamp::now();
         let mut changes = Vec::new();
         let mut again: Option<Timestamp> = None;
         // The records are found by the pod's UID, not through its IPClaim: the claim janitor
         // may have deleted the claim of a pod that is gone before its deadline came.
-        let records = blocks.iter().flat_map(|block| {
-            block
-                .spec
-                .allocations
-                .iter()
-                .filter(|(_, r)| r.pod.uid == traced.pod.uid)
-                .map(move |(ip, r)| (block, ip, r))
-        });
-        for (block, ip, record) in records {
-            let verdict = index.evaluate(ip, record, now, &self.settings);
+        for (block, ip, record) in index.records_of(&traced.pod.uid) {
+            let verdict = index.evaluate(&block.name_any(), ip, record, now, &self.settings);
             let takeover = index.takeover_step(record, now, &self.settings);
-            match next_step(verdict, record, index.agent_can_answer(record), takeover) {
+            match next_step(verdict, record, index.agent_can_answer(record, now), takeover) {
                 Planned::Change(
                     action @ (ChangeAction::Release { .. }
                     | ChangeAction::AbortHandshake
                     | ChangeAction::AbortTakeover
                     | ChangeAction::AnswerTakeover),
-                ) => changes.push(RecordChange::of(&index, block, ip, record, action)),
+                ) => changes.push(RecordChange::of(&index, block, ip, record, action, now)),
                 Planned::Trace(at) => again = Some(again.map_or(at, |a| a.min(at))),
                 // Repairs are the sweep's: it resolves the adopting pod from the IP index.
                 Planned::Repair | Planned::Change(ChangeAction::Repair { .. }) | Planned::Keep(_) => {}
             }
         }
+        drop(index);
         if let Some(at) = again {
             self.schedule(traced.clone(), at, ctx);
         }

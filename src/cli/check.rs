@@ -4,16 +4,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use jiff::Timestamp;
-use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 
-use super::{Output, list, table};
-use crate::crd::{IPBlock, IPClaim, IPPool};
+use super::{Output, list_cluster, table};
 use crate::gc::check::{Problem, Snapshot, check};
-use crate::gc::index::ClusterIndex;
 use crate::gc::rules::{NotReadyPolicy, RuleSettings};
-use crate::workload::DEFAULT_STICKY_KINDS;
 
 /// `ipwarden check` flags.
 #[derive(clap::Args, Debug, Clone)]
@@ -26,12 +21,14 @@ pub struct CheckArgs {
 /// Reads the cluster's IPAM state with `client` and returns every problem in it: the report
 /// of `ipwarden check`, also what the chaos suites' invariant checker polls.
 pub async fn problems(client: &Client) -> anyhow::Result<Vec<Problem>> {
-    let (pods, nodes) = (list::<Pod>(client).await?, list::<Node>(client).await?);
-    let (claims, statefulsets) = (list::<IPClaim>(client).await?, list::<StatefulSet>(client).await?);
-    let (pools, blocks) = (list::<IPPool>(client).await?, list::<IPBlock>(client).await?);
-    let sticky: Vec<String> = DEFAULT_STICKY_KINDS.iter().map(|k| k.to_string()).collect();
-    let index = ClusterIndex::build(&pods, &nodes, &claims, &statefulsets, &sticky);
-    let snapshot = Snapshot { pods: &pods, pools: &pools, blocks: &blocks, claims: &claims, index: &index };
+    let listed = list_cluster(client).await?;
+    let snapshot = Snapshot {
+        pods: &listed.pods,
+        pools: &listed.pools,
+        blocks: &listed.blocks,
+        claims: &listed.claims,
+        index: &listed.index,
+    };
     let settings = RuleSettings { additional_delay: Duration::from_secs(5), not_ready: NotReadyPolicy::Keep };
     Ok(check(&snapshot, Timestamp::now(), &settings))
 }

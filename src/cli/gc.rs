@@ -5,19 +5,15 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use jiff::Timestamp;
-use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 
-use super::{Output, list, table};
+use super::{Output, table};
 use crate::actors::manual::{ERROR_KEY, HANDLED_KEY, REQUEST_KEY, RESULT_KEY, TRIGGER_CONFIGMAP};
 use crate::actors::sweeper::SweepReport;
-use crate::crd::{IPBlock, IPClaim, IPPool};
-use crate::gc::index::ClusterIndex;
 use crate::gc::rules::{NotReadyPolicy, RuleSettings};
 use crate::gc::sweep::{self, ChangeAction, RecordChange};
-use crate::workload::DEFAULT_STICKY_KINDS;
 
 /// `ipwarden gc` flags.
 #[derive(clap::Args, Debug, Clone)]
@@ -102,17 +98,7 @@ async fn collect_host_local(client: &Client, args: &HostLocalArgs, output: Outpu
 }
 
 async fn dry_run(client: &Client, args: &GcArgs) -> anyhow::Result<()> {
-    let sticky: Vec<String> = DEFAULT_STICKY_KINDS.iter().map(|k| k.to_string()).collect();
-    let index = ClusterIndex::build(
-        &list::<Pod>(client).await?,
-        &list::<Node>(client).await?,
-        &list::<IPClaim>(client).await?,
-        &list::<StatefulSet>(client).await?,
-        &sticky,
-    );
-    let blocks = list::<IPBlock>(client).await?;
-    let pools = crate::pools::PoolSet::of(&list::<IPPool>(client).await?, &blocks);
-    let index = index.with_retired_blocks(pools.retired());
+    let super::Listed { blocks, index, .. } = super::list_cluster(client).await?;
     let settings = RuleSettings { additional_delay: Duration::from_secs(5), not_ready: NotReadyPolicy::Keep };
     let plan = sweep::plan(&index, &blocks, Timestamp::now(), &settings);
     if args.output == Output::Json {

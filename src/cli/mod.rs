@@ -8,8 +8,14 @@ pub mod status;
 use std::sync::Arc;
 
 use anyhow::Context;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams};
 use kube::{Client, Resource};
+
+use crate::crd::{IPBlock, IPClaim, IPPool};
+use crate::gc::index::{ClusterIndex, Watched};
+use crate::workload::DEFAULT_STICKY_KINDS;
 
 /// Lists every object of kind `K` in the cluster.
 pub async fn list<K>(client: &Client) -> anyhow::Result<Vec<Arc<K>>>
@@ -19,6 +25,38 @@ where
     let api: Api<K> = Api::all(client.clone());
     let items = api.list(&ListParams::default()).await.with_context(|| format!("listing {}", K::plural(&())))?;
     Ok(items.items.into_iter().map(Arc::new).collect())
+}
+
+/// The cluster's IPAM state as listed now, with the controller's index of it.
+pub struct Listed {
+    /// Every pod.
+    pub pods: Vec<Arc<Pod>>,
+    /// Every claim.
+    pub claims: Vec<Arc<IPClaim>>,
+    /// Every pool.
+    pub pools: Vec<Arc<IPPool>>,
+    /// Every block.
+    pub blocks: Vec<Arc<IPBlock>>,
+    /// The index the controller would hold of these objects (with the default sticky kinds).
+    pub index: ClusterIndex,
+}
+
+/// Lists the cluster's pods, nodes, claims, StatefulSets, pools and blocks and indexes them.
+pub async fn list_cluster(client: &Client) -> anyhow::Result<Listed> {
+    let (pods, nodes) = (list::<Pod>(client).await?, list::<Node>(client).await?);
+    let (claims, statefulsets) = (list::<IPClaim>(client).await?, list::<StatefulSet>(client).await?);
+    let (pools, blocks) = (list::<IPPool>(client).await?, list::<IPBlock>(client).await?);
+    let sticky: Vec<String> = DEFAULT_STICKY_KINDS.iter().map(|k| k.to_string()).collect();
+    let objects = pods
+        .iter()
+        .map(|o| Watched::Pod(o))
+        .chain(nodes.iter().map(|o| Watched::Node(o)))
+        .chain(claims.iter().map(|o| Watched::Claim(o)))
+        .chain(statefulsets.iter().map(|o| Watched::StatefulSet(o)))
+        .chain(pools.iter().map(Watched::Pool))
+        .chain(blocks.iter().map(Watched::Block));
+    let index = ClusterIndex::from_objects(&sticky, objects);
+    Ok(Listed { pods, claims, pools, blocks, index })
 }
 
 /// Output format of CLI commands.

@@ -6,16 +6,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use jiff::Timestamp;
-use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::Client;
+use kube::{Client, ResourceExt};
 use serde::Serialize;
 
-use super::{Output, list, table};
-use crate::crd::{IPBlock, IPClaim};
-use crate::gc::index::ClusterIndex;
+use super::{Listed, Output, list_cluster, table};
 use crate::gc::rules::{NotReadyPolicy, RuleSettings, Verdict};
-use crate::workload::DEFAULT_STICKY_KINDS;
 
 /// `ipwarden status` flags.
 #[derive(clap::Args, Debug, Clone)]
@@ -61,18 +56,14 @@ struct Counts {
 /// Runs `ipwarden status`.
 pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     let client = Client::try_default().await.context("building the Kubernetes client from the kubeconfig")?;
-    let (pods, nodes) = (list::<Pod>(&client).await?, list::<Node>(&client).await?);
-    let (claims, statefulsets) = (list::<IPClaim>(&client).await?, list::<StatefulSet>(&client).await?);
-    let blocks = list::<IPBlock>(&client).await?;
-    let sticky: Vec<String> = DEFAULT_STICKY_KINDS.iter().map(|k| k.to_string()).collect();
-    let index = ClusterIndex::build(&pods, &nodes, &claims, &statefulsets, &sticky);
+    let Listed { blocks, index, .. } = list_cluster(&client).await?;
     let settings = RuleSettings { additional_delay: Duration::from_secs(5), not_ready: NotReadyPolicy::Keep };
     let now = Timestamp::now();
     let cooldown = Duration::from_secs(args.cooldown_seconds);
     let mut rows = Vec::new();
     for block in blocks.iter().filter(|b| args.pool.as_ref().is_none_or(|p| *p == b.spec.pool)) {
         for (ip, record) in &block.spec.allocations {
-            let state = match index.evaluate(ip, record, now, &settings) {
+            let state = match index.evaluate(&block.name_any(), ip, record, now, &settings) {
                 Verdict::Release { .. } | Verdict::Repair { .. } => "leak-candidate",
                 _ if !crate::blocks::may_be_attached(record) => "sticky-reserved",
                 _ => "used",

@@ -63,23 +63,23 @@ pub struct Snapshot<'a> {
 /// serves through its grace period); finished pods and host-network pods (which report the
 /// node's IP) do not count. The one sharing by design is exempt: a KubeVirt live migration's
 /// source and target, as the IP's record names them (its pod and its `migrationTarget`).
-pub fn conflicts(pods: &[Arc<Pod>], blocks: &[Arc<IPBlock>]) -> BTreeMap<String, Vec<String>> {
-    let mut holders: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+pub fn conflicts<'a>(
+    pods: impl IntoIterator<Item = &'a PodFacts>,
+    blocks: impl IntoIterator<Item = &'a Arc<IPBlock>>,
+) -> BTreeMap<String, Vec<String>> {
+    let mut holders: BTreeMap<&str, Vec<(String, &str)>> = BTreeMap::new();
     for pod in pods {
-        let facts = PodFacts::of(pod);
-        let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
-        if facts.finished() || host_network {
+        if pod.finished() || pod.host_network {
             continue;
         }
-        let name = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
-        for ip in &facts.ips {
-            holders.entry(ip.clone()).or_default().push((name.clone(), facts.uid.clone()));
+        for ip in &pod.ips {
+            holders.entry(ip).or_default().push((format!("{}/{}", pod.namespace, pod.name), &pod.uid));
         }
     }
     holders.retain(|_, pods| pods.len() > 1);
     if !holders.is_empty() {
         let migrating: HashMap<&str, (&str, &str)> = blocks
-            .iter()
+            .into_iter()
             .flat_map(|b| b.spec.allocations.iter())
             .filter_map(|(ip, r)| {
                 Some((ip.as_str(), (r.pod.uid.as_str(), r.migration_target.as_ref()?.pod.uid.as_str())))
@@ -87,18 +87,26 @@ pub fn conflicts(pods: &[Arc<Pod>], blocks: &[Arc<IPBlock>]) -> BTreeMap<String,
             .collect();
         holders.retain(|ip, pods| {
             let by_design = migrating
-                .get(ip.as_str())
+                .get(ip)
                 .is_some_and(|(source, target)| pods.iter().all(|(_, uid)| uid == source || uid == target));
             !by_design
         });
     }
-    holders.into_iter().map(|(ip, pods)| (ip, pods.into_iter().map(|(pod, _)| pod).collect())).collect()
+    holders
+        .into_iter()
+        .map(|(ip, pods)| {
+            let mut names: Vec<String> = pods.into_iter().map(|(pod, _)| pod).collect();
+            names.sort();
+            (ip.to_string(), names)
+        })
+        .collect()
 }
 
 /// Every problem of the snapshot at `now`, sorted by kind and subject.
 pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -> Vec<Problem> {
     let mut problems = Vec::new();
-    for (ip, pods) in conflicts(snapshot.pods, snapshot.blocks) {
+    let pod_facts: Vec<PodFacts> = snapshot.pods.iter().map(|p| PodFacts::of(p)).collect();
+    for (ip, pods) in conflicts(&pod_facts, snapshot.blocks) {
         problems.push(Problem {
             kind: ProblemKind::Conflict,
             subject: ip,
@@ -113,7 +121,7 @@ pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -
         for (ip, record) in &block.spec.allocations {
             records.insert(ip, (&block.spec.pool, record));
             let pod = format!("{}/{} (uid {})", record.pod.namespace, record.pod.name, record.pod.uid);
-            match snapshot.index.evaluate(ip, record, now, settings) {
+            match snapshot.index.evaluate(&block.name_any(), ip, record, now, settings) {
                 Verdict::Release { reason, .. } => problems.push(Problem {
                     kind: ProblemKind::LeakedRecord,
                     subject: ip.clone(),
@@ -130,9 +138,8 @@ pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -
     }
     let layouts: Vec<_> =
         snapshot.pools.iter().filter_map(|p| Some((p.name_any(), pools::layout(&p.spec).ok()?))).collect();
-    for pod in snapshot.pods {
-        let facts = PodFacts::of(pod);
-        if facts.terminal() || pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false) {
+    for facts in &pod_facts {
+        if facts.terminal() || facts.host_network {
             continue;
         }
         for ip in &facts.ips {
@@ -144,8 +151,7 @@ pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -
                     subject: ip.clone(),
                     detail: format!(
                         "pod {}/{} reports it, pool {pool} has no record for that pod",
-                        pod.namespace().unwrap_or_default(),
-                        pod.name_any()
+                        facts.namespace, facts.name
                     ),
                 });
             }
@@ -225,6 +231,14 @@ mod test {
         )
     }
 
+    fn facts(pods: &[Arc<Pod>]) -> Vec<PodFacts> {
+        pods.iter().map(|p| PodFacts::of(p)).collect()
+    }
+
+    fn index_of(pods: &[Arc<Pod>], sticky: &[String]) -> ClusterIndex {
+        ClusterIndex::from_objects(sticky, pods.iter().map(|p| crate::gc::index::Watched::Pod(p)))
+    }
+
     fn kinds(problems: &[Problem]) -> Vec<(ProblemKind, &str)> {
         problems.iter().map(|p| (p.kind, p.subject.as_str())).collect()
     }
@@ -253,15 +267,15 @@ mod test {
         let sticky = vec!["VirtualMachineInstance".to_string()];
         for order in [[0, 1], [1, 0]] {
             let pods = [pods[order[0]].clone(), pods[order[1]].clone()];
-            let index = ClusterIndex::build(&pods, &[], &[], &[], &sticky);
+            let index = index_of(&pods, &sticky);
             let snapshot = Snapshot { pods: &pods, pools: &pools, blocks: &blocks, claims: &[], index: &index };
             assert_eq!(kinds(&check(&snapshot, Timestamp::now(), &settings)), vec![], "pods in order {order:?}");
         }
         let strangers = [launcher("virt-launcher-vm1-a", "src", "vm1"), launcher("virt-launcher-vm2-a", "x", "vm2")];
-        assert_eq!(conflicts(&strangers, &blocks).len(), 1, "launchers of two VMs on one IP conflict");
+        assert_eq!(conflicts(&facts(&strangers), &blocks).len(), 1, "launchers of two VMs on one IP conflict");
         let third = [pods[0].clone(), launcher("virt-launcher-vm1-c", "other", "vm1")];
-        assert_eq!(conflicts(&third, &blocks).len(), 1, "a launcher the record does not name conflicts");
-        assert_eq!(conflicts(&pods, &[]).len(), 1, "without a record naming both, sharing is a conflict");
+        assert_eq!(conflicts(&facts(&third), &blocks).len(), 1, "a launcher the record does not name conflicts");
+        assert_eq!(conflicts(&facts(&pods), &[]).len(), 1, "without a record naming both, sharing is a conflict");
     }
 
     #[test]
@@ -270,14 +284,14 @@ mod test {
         let good_pods = [pod("a", "ua", "10.0.0.1")];
         let good_blocks = [block(json!({"10.0.0.1": record("a", "ua")}))];
         let pools = [pool(1, &crate::blocks::pool_fingerprint(&good_blocks, "p"))];
-        let index = ClusterIndex::build(&good_pods, &[], &[], &[], &[]);
+        let index = index_of(&good_pods, &[]);
         let snapshot = Snapshot { pods: &good_pods, pools: &pools, blocks: &good_blocks, claims: &[], index: &index };
         assert!(check(&snapshot, Timestamp::now(), &settings).is_empty());
 
         let pods = [pod("a", "ua", "10.0.0.1"), pod("b", "ub", "10.0.0.1"), pod("c", "uc", "10.0.0.3")];
         let blocks = [block(json!({"10.0.0.1": record("a", "ua"), "10.0.0.2": record("gone", "ug")}))];
         let pools = [pool(1, &crate::blocks::pool_fingerprint(&blocks, "p"))];
-        let index = ClusterIndex::build(&pods, &[], &[], &[], &[]);
+        let index = index_of(&pods, &[]);
         let snapshot = Snapshot { pods: &pods, pools: &pools, blocks: &blocks, claims: &[], index: &index };
         let problems = check(&snapshot, Timestamp::now(), &settings);
         assert_eq!(
@@ -300,7 +314,7 @@ mod test {
         let mut after = (*block(json!({"10.0.0.1": record("a", "ua")}))).clone();
         after.metadata.resource_version = Some("2".into());
         let after = [Arc::new(after)];
-        let index = ClusterIndex::build(&pods, &[], &[], &[], &[]);
+        let index = index_of(&pods, &[]);
         let stale = [pool(0, &crate::blocks::pool_fingerprint(&before, "p"))];
         let snapshot = Snapshot { pods: &pods, pools: &stale, blocks: &after, claims: &[], index: &index };
         assert!(check(&snapshot, Timestamp::now(), &settings).is_empty(), "a status of older blocks is not drift");
@@ -319,8 +333,8 @@ mod test {
         let draining = with("draining", "Running", Some("2026-01-01T00:00:00Z"));
         let done = with("done", "Succeeded", None);
         let newcomer = with("newcomer", "Running", None);
-        let found = conflicts(&[draining, newcomer.clone()], &[]);
+        let found = conflicts(&facts(&[draining, newcomer.clone()]), &[]);
         assert_eq!(found.get("10.0.0.9"), Some(&vec!["ns/draining".to_string(), "ns/newcomer".to_string()]));
-        assert!(conflicts(&[done, newcomer], &[]).is_empty(), "a finished pod holds nothing");
+        assert!(conflicts(&facts(&[done, newcomer]), &[]).is_empty(), "a finished pod holds nothing");
     }
 }

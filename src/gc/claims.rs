@@ -1,8 +1,7 @@
 //! Pure rule for the claim janitor: is an IPClaim's workload gone for good?
 
-use super::index::ClusterIndex;
+use super::index::{ClaimFacts, ClusterIndex};
 use super::rules::Phase;
-use crate::crd::IPClaim;
 use crate::workload::KUBEVIRT_VMI_KIND;
 
 /// Whether `claim` (in `namespace`, named `name`) can be deleted: a stateless pod that is
@@ -11,89 +10,111 @@ use crate::workload::KUBEVIRT_VMI_KIND;
 /// (`vm.<VM>`, which outlives its launcher pods) once the VM no longer wants it, by the same
 /// rule as its records ([`ClusterIndex::wants`]: kept while the controller does not watch
 /// KubeVirt).
-pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &IPClaim) -> bool {
-    let owner = claim.spec.owner.as_ref();
+pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &ClaimFacts) -> bool {
+    let owner = claim.owner.as_ref();
     if let Some(vm) = owner.filter(|o| o.kind == KUBEVIRT_VMI_KIND) {
         return !index.wants(namespace, vm, name);
     }
-    let pod = index.pods.get(&(namespace.to_string(), name.to_string()));
+    let pod = index.pod(namespace, name);
     let pod_done = match pod {
         None => true,
-        Some(p) => p.uid != claim.spec.pod_uid || p.phase == Phase::Completed,
+        Some(p) => p.uid != claim.pod_uid || p.phase == Phase::Completed,
     };
-    if !claim.spec.sticky {
+    if !claim.sticky {
         return pod_done;
     }
     let wanted = owner.is_none_or(|o| index.wants(namespace, o, name));
     // A recreated StatefulSet pod (another UID) takes the claim over in its ADD: not gone.
-    let replaced_by_same_ordinal = pod.is_some_and(|p| p.uid != claim.spec.pod_uid && p.phase != Phase::Completed);
+    let replaced_by_same_ordinal = pod.is_some_and(|p| p.uid != claim.pod_uid && p.phase != Phase::Completed);
     !wanted && pod_done && !replaced_by_same_ordinal
 }
 
 #[cfg(test)]
 mod test {
     use super::*;
-    use crate::gc::index::{KubeVirtIndex, PodFacts, StatefulSetFacts};
-
-    type Key = (String, String);
+    use crate::crd::OwnerRef;
+    use crate::gc::index::{Kind, Watched};
+    use jiff::Timestamp;
+    use k8s_openapi::api::apps::v1::StatefulSet;
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::api::DynamicObject;
+    use kube::core::PartialObjectMeta;
     use serde_json::json;
 
-    fn claim(uid: &str, sticky: bool, owner: Option<(&str, &str)>) -> IPClaim {
-        serde_json::from_value(json!({
-            "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim", "metadata": {"name": "web-1", "namespace": "ns"},
-            "spec": {"podUid": uid, "node": "n", "sticky": sticky, "interfaces": [], "boundAt": "2026-01-01T00:00:00Z",
-                     "owner": owner.map(|(kind, name)| json!({"kind": kind, "name": name}))},
-        }))
-        .expect("claim")
+    fn claim(uid: &str, sticky: bool, owner: Option<(&str, &str)>) -> ClaimFacts {
+        ClaimFacts {
+            pod_uid: uid.into(),
+            sticky,
+            owner: owner.map(|(kind, name)| OwnerRef { kind: kind.into(), name: name.into() }),
+        }
     }
 
-    fn with_pod(uid: &str, phase: Phase) -> ClusterIndex {
-        let mut index = ClusterIndex::default();
-        index
-            .pods
-            .insert(("ns".into(), "web-1".into()), PodFacts { uid: uid.into(), phase, deletion: None, ips: vec![] });
-        index
+    fn with_pod(uid: &str, phase: &str) -> ClusterIndex {
+        let pod: Pod = serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": "web-1", "uid": uid},
+            "status": {"phase": phase}}))
+        .expect("pod");
+        ClusterIndex::from_objects(&[], [Watched::Pod(&pod)])
+    }
+
+    fn statefulset(replicas: i32) -> StatefulSet {
+        serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": "web"},
+            "spec": {"replicas": replicas, "serviceName": "web", "selector": {}, "template": {}}}))
+        .expect("sts")
     }
 
     #[test]
     fn a_stateless_claim_goes_with_its_pod_its_replacement_or_its_completion() {
         let c = claim("u1", false, Some(("Job", "batch")));
         assert!(gone_for_good(&ClusterIndex::default(), "ns", "web-1", &c), "pod gone");
-        assert!(gone_for_good(&with_pod("u2", Phase::Active), "ns", "web-1", &c), "replaced");
-        assert!(gone_for_good(&with_pod("u1", Phase::Completed), "ns", "web-1", &c), "completed Job pod");
-        assert!(!gone_for_good(&with_pod("u1", Phase::Active), "ns", "web-1", &c), "still running");
+        assert!(gone_for_good(&with_pod("u2", "Running"), "ns", "web-1", &c), "replaced");
+        assert!(gone_for_good(&with_pod("u1", "Succeeded"), "ns", "web-1", &c), "completed Job pod");
+        assert!(!gone_for_good(&with_pod("u1", "Running"), "ns", "web-1", &c), "still running");
     }
 
     #[test]
     fn a_statefulset_claim_stays_while_its_ordinal_is_wanted() {
         let c = claim("u1", true, Some(("StatefulSet", "web")));
+        let now = Timestamp::now();
         let mut index = ClusterIndex::default();
-        index
-            .statefulsets
-            .insert(("ns".into(), "web".into()), StatefulSetFacts { replicas: 2, start: 0, deleting: false });
+        index.apply(Watched::StatefulSet(&statefulset(2)), now);
         assert!(!gone_for_good(&index, "ns", "web-1", &c), "ordinal 1 of 2 is wanted");
-        index
-            .statefulsets
-            .insert(("ns".into(), "web".into()), StatefulSetFacts { replicas: 1, start: 0, deleting: false });
+        index.apply(Watched::StatefulSet(&statefulset(1)), now);
         assert!(gone_for_good(&index, "ns", "web-1", &c), "scaled down below the ordinal");
-        index.statefulsets.clear();
+        index.delete(Watched::StatefulSet(&statefulset(1)), now);
         assert!(gone_for_good(&index, "ns", "web-1", &c), "StatefulSet deleted");
     }
 
     #[test]
     fn a_vm_claim_goes_with_its_vm_and_stays_while_kubevirt_is_not_watched() {
         let c = claim("u1", true, Some((KUBEVIRT_VMI_KIND, "vm1")));
-        let key = ("ns".to_string(), "vm1".to_string());
         assert!(!gone_for_good(&ClusterIndex::default(), "ns", "vm.vm1", &c), "KubeVirt not watched");
-        let watched = |instances: &[(Key, bool)], vms: &[(Key, bool)]| {
-            ClusterIndex::default().with_kubevirt(Some(KubeVirtIndex {
-                instances: instances.iter().cloned().collect(),
-                vms: vms.iter().cloned().collect(),
-            }))
+        let object = |deleting: bool| -> PartialObjectMeta<DynamicObject> {
+            let deletion = deleting.then(|| k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now()));
+            let meta: PartialObjectMeta<DynamicObject> = serde_json::from_value(json!({"apiVersion": "kubevirt.io/v1",
+                "kind": "VirtualMachine", "metadata": {"namespace": "ns", "name": "vm1", "deletionTimestamp": deletion}}))
+            .expect("metadata");
+            meta
         };
-        assert!(!gone_for_good(&watched(&[], &[(key.clone(), false)]), "ns", "vm.vm1", &c), "a stopped VM");
-        assert!(!gone_for_good(&watched(&[(key.clone(), false)], &[]), "ns", "vm.vm1", &c), "a running instance");
-        assert!(gone_for_good(&watched(&[], &[(key.clone(), true)]), "ns", "vm.vm1", &c), "the VM is being deleted");
-        assert!(gone_for_good(&watched(&[], &[]), "ns", "vm.vm1", &c), "the VM is gone");
+        let watched = |instance: Option<bool>, vm: Option<bool>| {
+            let now = Timestamp::now();
+            let mut index = ClusterIndex::default();
+            for kind in [Kind::VirtualMachine, Kind::VirtualMachineInstance] {
+                index.relist_started(kind);
+            }
+            if let Some(deleting) = instance {
+                index.apply(Watched::VirtualMachineInstance(&object(deleting)), now);
+            }
+            if let Some(deleting) = vm {
+                index.apply(Watched::VirtualMachine(&object(deleting)), now);
+            }
+            for kind in [Kind::VirtualMachine, Kind::VirtualMachineInstance] {
+                index.relist_done(kind, now);
+            }
+            index
+        };
+        assert!(!gone_for_good(&watched(None, Some(false)), "ns", "vm.vm1", &c), "a stopped VM");
+        assert!(!gone_for_good(&watched(Some(false), None), "ns", "vm.vm1", &c), "a running instance");
+        assert!(gone_for_good(&watched(None, Some(true)), "ns", "vm.vm1", &c), "the VM is being deleted");
+        assert!(gone_for_good(&watched(None, None), "ns", "vm.vm1", &c), "the VM is gone");
     }
 }

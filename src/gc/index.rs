@@ -1,25 +1,37 @@
-//! A plain in-memory index of the cluster, built from cached objects, that every GC decision
-//! reads: pods by name, the IPs live pods report, claims, StatefulSets and nodes. Built once
-//! per sweep (or per traced pod), it answers each record's questions without an API call.
+//! A plain in-memory index of the cluster that every GC decision reads: trimmed pods, the
+//! IPs pods report, claims, StatefulSets, KubeVirt objects, nodes and their agents' Leases,
+//! pools and blocks. It is maintained incrementally: the controller applies each watch event
+//! to it ([`ClusterIndex::apply`], [`ClusterIndex::delete`], and a relist's
+//! [`ClusterIndex::relist_started`] / [`ClusterIndex::relist_done`]), so the cost of keeping
+//! it grows with events, not with the cluster, and every question is a map lookup. The CLI
+//! builds one from lists through the same functions ([`ClusterIndex::from_objects`]).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Duration;
 
-use jiff::Timestamp;
+use jiff::{SignedDuration, Timestamp};
 use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::ResourceExt;
+use kube::api::DynamicObject;
+use kube::core::PartialObjectMeta;
 
 use super::handshake::{TakeoverStep, controller_takeover_step};
 use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleSettings, Verdict, decide};
 use crate::blocks::Adopter;
-use crate::crd::{Allocation, IPClaim, OwnerRef, PodRef};
+use crate::crd::{Allocation, IPBlock, IPClaim, IPPool, OwnerRef, PodRef};
 pub use crate::workload::StatefulSetFacts;
 use crate::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence};
 
-/// What the rules need of one pod.
-#[derive(Clone, Debug)]
+/// What the rules need of one pod: the index keeps this, never the whole object.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodFacts {
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
     /// Its UID.
     pub uid: String,
     /// Its phase.
@@ -28,6 +40,12 @@ pub struct PodFacts {
     pub deletion: Option<Timestamp>,
     /// Its `status.podIPs`.
     pub ips: Vec<String>,
+    /// Its node (`spec.nodeName`).
+    pub node: String,
+    /// Its controller.
+    pub owner: Option<OwnerRef>,
+    /// Whether it runs in the host's network (its IPs are the node's).
+    pub host_network: bool,
 }
 
 impl PodFacts {
@@ -42,11 +60,17 @@ impl PodFacts {
             .and_then(|s| s.pod_ips.as_ref())
             .map(|ips| ips.iter().map(|ip| ip.ip.clone()).collect())
             .unwrap_or_default();
+        let spec = pod.spec.as_ref();
         Self {
+            namespace: pod.namespace().unwrap_or_default(),
+            name: pod.name_any(),
             uid: pod.uid().unwrap_or_default(),
             phase,
             deletion: pod.metadata.deletion_timestamp.as_ref().map(|t| t.0),
             ips,
+            node: spec.and_then(|s| s.node_name.clone()).unwrap_or_default(),
+            owner: workload::controller_of(pod),
+            host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
         }
     }
 
@@ -61,9 +85,23 @@ impl PodFacts {
     pub fn finished(&self) -> bool {
         self.phase == Phase::Completed
     }
+
+    /// The pod as a record names it.
+    pub fn pod_ref(&self) -> PodRef {
+        PodRef { namespace: self.namespace.clone(), name: self.name.clone(), uid: self.uid.clone() }
+    }
 }
 
-type Key = (String, String);
+/// What the janitor needs of one claim.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimFacts {
+    /// The UID of the pod the claim is bound to.
+    pub pod_uid: String,
+    /// The workload's controller.
+    pub owner: Option<OwnerRef>,
+    /// Whether the claim is a sticky reservation.
+    pub sticky: bool,
+}
 
 /// A pod reporting an IP.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -78,42 +116,146 @@ pub struct Holder {
     pub owner: Option<OwnerRef>,
 }
 
-/// The index.
-#[derive(Clone, Debug, Default)]
-pub struct ClusterIndex {
-    /// Pods by (namespace, name).
-    pub pods: HashMap<Key, PodFacts>,
-    /// The pod reporting each IP; a non-terminal holder wins over a terminal one.
-    pub live_ips: HashMap<String, Holder>,
-    /// Claim UID by (namespace, claim name).
-    pub claims: HashMap<Key, String>,
-    /// StatefulSets by (namespace, name).
-    pub statefulsets: HashMap<Key, StatefulSetFacts>,
-    /// KubeVirt's VMs, once the controller watches them; `None` while it does not (KubeVirt
-    /// not installed, caches not synced yet): then a VM's reservation is kept.
-    pub kubevirt: Option<KubeVirtIndex>,
-    /// Node states by name.
-    pub nodes: HashMap<String, NodeState>,
-    /// Owner kinds whose records count as sticky; a record of another kind is not, so an
-    /// owner kind removed from the list leaves ipwarden's stickiness.
-    pub sticky_kinds: Vec<String>,
-    /// Blocks whose records no pool keeps ([`crate::pools::PoolSet::retired`]): orphaned
-    /// blocks and the blocks of pools being deleted.
-    pub retired_blocks: BTreeSet<String>,
+/// A node's agent Lease as this controller last saw it change: the one staleness rule of
+/// [`crate::lease::expired_for`], measured between two readings of this controller's own
+/// clock, never against the Lease's renewTime.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct AgentObservation {
+    /// The Lease's resourceVersion (any renewal changes it); `None` while there is none.
+    version: Option<String>,
+    /// Its `spec.leaseDurationSeconds`.
+    duration: Option<Duration>,
+    /// When this version (or the absence) was first seen.
+    since: Timestamp,
 }
 
-/// KubeVirt objects by (namespace, name): whether each is being deleted.
+/// Objects by namespace and name, looked up without building a key.
+type ByNamespace<V> = HashMap<String, HashMap<String, V>>;
+
+fn get<'a, V>(map: &'a ByNamespace<V>, namespace: &str, name: &str) -> Option<&'a V> {
+    map.get(namespace)?.get(name)
+}
+
+fn insert<V>(map: &mut ByNamespace<V>, namespace: &str, name: &str, value: V) -> Option<V> {
+    map.entry(namespace.to_string()).or_default().insert(name.to_string(), value)
+}
+
+fn remove<V>(map: &mut ByNamespace<V>, namespace: &str, name: &str) -> Option<V> {
+    let names = map.get_mut(namespace)?;
+    let removed = names.remove(name);
+    if names.is_empty() {
+        map.remove(namespace);
+    }
+    removed
+}
+
+fn keys<V>(map: &ByNamespace<V>) -> Vec<ObjectKey> {
+    map.iter()
+        .flat_map(|(ns, names)| names.keys().map(|name| ObjectKey { namespace: ns.clone(), name: name.clone() }))
+        .collect()
+}
+
+/// A watched kind of object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    /// Pods.
+    Pod,
+    /// Nodes.
+    Node,
+    /// IPClaims.
+    Claim,
+    /// StatefulSets.
+    StatefulSet,
+    /// IPBlocks.
+    Block,
+    /// IPPools.
+    Pool,
+    /// The agents' heartbeat Leases.
+    AgentLease,
+    /// KubeVirt's VirtualMachines.
+    VirtualMachine,
+    /// KubeVirt's VirtualMachineInstances.
+    VirtualMachineInstance,
+}
+
+/// One watched object, as applied to the index.
+#[derive(Clone, Copy, Debug)]
+pub enum Watched<'a> {
+    /// A pod.
+    Pod(&'a Pod),
+    /// A node.
+    Node(&'a Node),
+    /// An IPClaim.
+    Claim(&'a IPClaim),
+    /// A StatefulSet.
+    StatefulSet(&'a StatefulSet),
+    /// An IPBlock.
+    Block(&'a Arc<IPBlock>),
+    /// An IPPool.
+    Pool(&'a Arc<IPPool>),
+    /// An agent heartbeat Lease (labelled with its node).
+    AgentLease(&'a Lease),
+    /// A KubeVirt VirtualMachine's metadata.
+    VirtualMachine(&'a PartialObjectMeta<DynamicObject>),
+    /// A KubeVirt VirtualMachineInstance's metadata.
+    VirtualMachineInstance(&'a PartialObjectMeta<DynamicObject>),
+}
+
+/// Where an object sits in the index: its namespace (empty for cluster-scoped kinds, and for
+/// agent Leases keyed by node) and name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ObjectKey {
+    /// The namespace.
+    pub namespace: String,
+    /// The name.
+    pub name: String,
+}
+
+impl Watched<'_> {
+    /// The kind.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Self::Pod(_) => Kind::Pod,
+            Self::Node(_) => Kind::Node,
+            Self::Claim(_) => Kind::Claim,
+            Self::StatefulSet(_) => Kind::StatefulSet,
+            Self::Block(_) => Kind::Block,
+            Self::Pool(_) => Kind::Pool,
+            Self::AgentLease(_) => Kind::AgentLease,
+            Self::VirtualMachine(_) => Kind::VirtualMachine,
+            Self::VirtualMachineInstance(_) => Kind::VirtualMachineInstance,
+        }
+    }
+
+    /// Where it sits in the index; `None` for an agent Lease without its node label.
+    pub fn key(&self) -> Option<ObjectKey> {
+        let namespaced =
+            |namespace: Option<String>, name: String| ObjectKey { namespace: namespace.unwrap_or_default(), name };
+        Some(match self {
+            Self::Pod(o) => namespaced(o.namespace(), o.name_any()),
+            Self::Claim(o) => namespaced(o.namespace(), o.name_any()),
+            Self::StatefulSet(o) => namespaced(o.namespace(), o.name_any()),
+            Self::VirtualMachine(o) | Self::VirtualMachineInstance(o) => namespaced(o.namespace(), o.name_any()),
+            Self::Node(o) => namespaced(None, o.name_any()),
+            Self::Block(o) => namespaced(None, o.name_any()),
+            Self::Pool(o) => namespaced(None, o.name_any()),
+            Self::AgentLease(o) => namespaced(None, o.labels().get(crate::agent::heartbeat::NODE_LABEL)?.clone()),
+        })
+    }
+}
+
+/// KubeVirt objects by namespace and name: whether each is being deleted.
 #[derive(Clone, Debug, Default)]
 pub struct KubeVirtIndex {
     /// VirtualMachineInstances.
-    pub instances: HashMap<Key, bool>,
+    pub instances: HashMap<String, HashMap<String, bool>>,
     /// VirtualMachines.
-    pub vms: HashMap<Key, bool>,
+    pub vms: HashMap<String, HashMap<String, bool>>,
 }
 
 impl KubeVirtIndex {
-    fn presence(objects: &HashMap<Key, bool>, key: &Key) -> Presence {
-        match objects.get(key) {
+    fn presence(objects: &ByNamespace<bool>, namespace: &str, name: &str) -> Presence {
+        match get(objects, namespace, name) {
             None => Presence::Absent,
             Some(true) => Presence::Deleting,
             Some(false) => Presence::Live,
@@ -132,106 +274,441 @@ fn node_state(node: &Node) -> NodeState {
     }
 }
 
+/// The index.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterIndex {
+    /// Owner kinds whose records count as sticky; a record of another kind is not, so an
+    /// owner kind removed from the list leaves ipwarden's stickiness.
+    sticky_kinds: Vec<String>,
+    /// Agent Leases that go unrenewed this long make their node's agent gone, unless the
+    /// Lease names its own duration.
+    default_agent_lease: Duration,
+    pods: ByNamespace<PodFacts>,
+    /// The pods reporting each IP.
+    holders: HashMap<String, Vec<Holder>>,
+    claims: ByNamespace<ClaimFacts>,
+    statefulsets: ByNamespace<StatefulSetFacts>,
+    kubevirt: KubeVirtIndex,
+    /// Node states by name.
+    nodes: HashMap<String, NodeState>,
+    /// Agent Lease observations by node (judged once the Leases are listed; until then every
+    /// agent counts as live).
+    agents: HashMap<String, AgentObservation>,
+    pools: BTreeMap<String, Arc<IPPool>>,
+    blocks: BTreeMap<String, Arc<IPBlock>>,
+    /// Block names by the pool they name.
+    blocks_of_pool: HashMap<String, BTreeSet<String>>,
+    /// Blocks whose records no pool keeps ([`crate::pools::block_is_retired`]): orphaned
+    /// blocks and the blocks of pools being deleted.
+    retired: HashSet<String>,
+    /// Each pod UID's records: (block, IP).
+    records_of_uid: HashMap<String, BTreeSet<(String, String)>>,
+    /// The kinds whose first list has been applied.
+    synced: BTreeSet<Kind>,
+    /// The keys each relisting kind has seen since its relist started.
+    relisting: HashMap<Kind, HashSet<ObjectKey>>,
+}
+
 impl ClusterIndex {
-    /// Builds the index from cached objects.
-    pub fn build(
-        pods: &[Arc<Pod>],
-        nodes: &[Arc<Node>],
-        claims: &[Arc<IPClaim>],
-        statefulsets: &[Arc<StatefulSet>],
-        sticky_kinds: &[String],
-    ) -> Self {
-        let mut index = Self { sticky_kinds: sticky_kinds.to_vec(), ..Self::default() };
-        for pod in pods {
-            let facts = PodFacts::of(pod);
-            let holder = Holder {
-                pod: PodRef {
-                    namespace: pod.namespace().unwrap_or_default(),
-                    name: pod.name_any(),
-                    uid: facts.uid.clone(),
-                },
-                terminal: facts.terminal(),
-                node: pod.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default(),
-                owner: workload::controller_of(pod),
-            };
-            for ip in &facts.ips {
-                let entry = index.live_ips.entry(ip.clone()).or_insert_with(|| holder.clone());
-                if entry.terminal && !holder.terminal {
-                    *entry = holder.clone();
-                }
-            }
-            index.pods.insert((pod.namespace().unwrap_or_default(), pod.name_any()), facts);
-        }
-        for claim in claims {
-            index.claims.insert((claim.namespace().unwrap_or_default(), claim.name_any()), claim.spec.pod_uid.clone());
-        }
-        for sts in statefulsets {
-            let facts = crate::owners::statefulset_facts(sts);
-            index.statefulsets.insert((sts.namespace().unwrap_or_default(), sts.name_any()), facts);
-        }
-        for node in nodes {
-            index.nodes.insert(node.name_any(), node_state(node));
+    /// An empty index judging stickiness by `sticky_kinds` and agent Leases by
+    /// `default_agent_lease` where a Lease names no duration.
+    pub fn new(sticky_kinds: &[String], default_agent_lease: Duration) -> Self {
+        Self { sticky_kinds: sticky_kinds.to_vec(), default_agent_lease, ..Self::default() }
+    }
+
+    /// An index of listed objects (the CLI's), applied as a watch would apply them. Agent
+    /// Leases and KubeVirt objects are not among them: every agent counts as live and a
+    /// VM's reservation is kept.
+    pub fn from_objects<'a>(sticky_kinds: &[String], objects: impl IntoIterator<Item = Watched<'a>>) -> Self {
+        let mut index = Self::new(sticky_kinds, crate::agent::heartbeat::DEFAULT_LEASE_DURATION);
+        let now = Timestamp::now();
+        for object in objects {
+            index.apply(object, now);
         }
         index
     }
 
-    /// Takes each Ready node in `stale_agents` (node -> when its agent Lease went stale) as
-    /// NotReady since then: its agent cannot answer the release handshake, so the NotReady
-    /// policy applies to its records as to those of a node that stopped reporting.
-    pub fn with_stale_agents(mut self, stale_agents: &HashMap<String, Timestamp>) -> Self {
-        for (node, since) in stale_agents {
-            if let Some(state) = self.nodes.get_mut(node).filter(|s| **s == NodeState::Ready) {
-                *state = NodeState::NotReady(*since);
+    /// Applies an added or changed object, seen at `at`.
+    pub fn apply(&mut self, object: Watched<'_>, at: Timestamp) {
+        let Some(key) = object.key() else { return };
+        if let Some(seen) = self.relisting.get_mut(&object.kind()) {
+            seen.insert(key.clone());
+        }
+        match object {
+            Watched::Pod(pod) => self.apply_pod(PodFacts::of(pod)),
+            Watched::Node(node) => {
+                self.nodes.insert(key.name.clone(), node_state(node));
+                // A node without a Lease is observed from when it is first seen.
+                self.agents.entry(key.name).or_insert(AgentObservation { version: None, duration: None, since: at });
+            }
+            Watched::Claim(claim) => {
+                let facts = ClaimFacts {
+                    pod_uid: claim.spec.pod_uid.clone(),
+                    owner: claim.spec.owner.clone(),
+                    sticky: claim.spec.sticky,
+                };
+                insert(&mut self.claims, &key.namespace, &key.name, facts);
+            }
+            Watched::StatefulSet(sts) => {
+                insert(&mut self.statefulsets, &key.namespace, &key.name, crate::owners::statefulset_facts(sts));
+            }
+            Watched::Block(block) => self.apply_block(block.clone()),
+            Watched::Pool(pool) => {
+                self.pools.insert(key.name.clone(), pool.clone());
+                self.judge_blocks_of(&key.name);
+            }
+            Watched::AgentLease(lease) => {
+                let version = lease.resource_version();
+                let duration = lease
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.lease_duration_seconds)
+                    .and_then(|s| u64::try_from(s).ok())
+                    .map(Duration::from_secs);
+                self.observe_agent(key.name, version, duration, at);
+            }
+            Watched::VirtualMachine(vm) => {
+                insert(&mut self.kubevirt.vms, &key.namespace, &key.name, vm.metadata.deletion_timestamp.is_some());
+            }
+            Watched::VirtualMachineInstance(vmi) => {
+                let deleting = vmi.metadata.deletion_timestamp.is_some();
+                insert(&mut self.kubevirt.instances, &key.namespace, &key.name, deleting);
             }
         }
-        self
     }
 
-    /// Marks `blocks` as retired: no sticky reservation is kept in them, since no pool will
-    /// hand their IPs out again (a pool being deleted must empty, an orphaned block has none).
-    pub fn with_retired_blocks(mut self, blocks: &BTreeSet<String>) -> Self {
-        self.retired_blocks = blocks.clone();
-        self
+    /// Applies a deleted object, seen at `at`.
+    pub fn delete(&mut self, object: Watched<'_>, at: Timestamp) {
+        if let Some(key) = object.key() {
+            self.remove(object.kind(), &key, at);
+        }
     }
 
-    /// Takes KubeVirt's VMs and VM instances as watched (see [`ClusterIndex::kubevirt`]).
-    pub fn with_kubevirt(mut self, kubevirt: Option<KubeVirtIndex>) -> Self {
-        self.kubevirt = kubevirt;
-        self
+    /// Starts a relist of `kind`: what it does not list again before
+    /// [`ClusterIndex::relist_done`] is gone.
+    pub fn relist_started(&mut self, kind: Kind) {
+        self.relisting.insert(kind, HashSet::new());
+    }
+
+    /// Ends a relist of `kind` at `at`: removes what it did not list, and counts the kind as
+    /// synced.
+    pub fn relist_done(&mut self, kind: Kind, at: Timestamp) {
+        if let Some(seen) = self.relisting.remove(&kind) {
+            for key in self.keys(kind).into_iter().filter(|k| !seen.contains(k)) {
+                self.remove(kind, &key, at);
+            }
+        }
+        self.synced.insert(kind);
+    }
+
+    /// Whether every kind in `kinds` has been listed once.
+    pub fn synced(&self, kinds: &[Kind]) -> bool {
+        kinds.iter().all(|k| self.synced.contains(k))
+    }
+
+    fn keys(&self, kind: Kind) -> Vec<ObjectKey> {
+        let cluster = |names: Vec<&String>| -> Vec<ObjectKey> {
+            names.into_iter().map(|n| ObjectKey { namespace: String::new(), name: n.clone() }).collect()
+        };
+        match kind {
+            Kind::Pod => keys(&self.pods),
+            Kind::Claim => keys(&self.claims),
+            Kind::StatefulSet => keys(&self.statefulsets),
+            Kind::VirtualMachine => keys(&self.kubevirt.vms),
+            Kind::VirtualMachineInstance => keys(&self.kubevirt.instances),
+            Kind::Node => cluster(self.nodes.keys().collect()),
+            Kind::Block => cluster(self.blocks.keys().collect()),
+            Kind::Pool => cluster(self.pools.keys().collect()),
+            Kind::AgentLease => {
+                cluster(self.agents.iter().filter(|(_, o)| o.version.is_some()).map(|(n, _)| n).collect())
+            }
+        }
+    }
+
+    fn remove(&mut self, kind: Kind, key: &ObjectKey, at: Timestamp) {
+        match kind {
+            Kind::Pod => {
+                if let Some(old) = remove(&mut self.pods, &key.namespace, &key.name) {
+                    self.forget_holder(&old);
+                }
+            }
+            Kind::Node => {
+                self.nodes.remove(&key.name);
+                self.agents.remove(&key.name);
+            }
+            Kind::Claim => {
+                remove(&mut self.claims, &key.namespace, &key.name);
+            }
+            Kind::StatefulSet => {
+                remove(&mut self.statefulsets, &key.namespace, &key.name);
+            }
+            Kind::Block => {
+                if let Some(old) = self.blocks.remove(&key.name) {
+                    self.forget_block(&old);
+                }
+            }
+            Kind::Pool => {
+                self.pools.remove(&key.name);
+                self.judge_blocks_of(&key.name);
+            }
+            Kind::AgentLease => self.observe_agent(key.name.clone(), None, None, at),
+            Kind::VirtualMachine => {
+                remove(&mut self.kubevirt.vms, &key.namespace, &key.name);
+            }
+            Kind::VirtualMachineInstance => {
+                remove(&mut self.kubevirt.instances, &key.namespace, &key.name);
+            }
+        }
+    }
+
+    fn apply_pod(&mut self, facts: PodFacts) {
+        if let Some(old) = get(&self.pods, &facts.namespace, &facts.name) {
+            if *old == facts {
+                return;
+            }
+            let old = old.clone();
+            self.forget_holder(&old);
+        }
+        let holder = Holder {
+            pod: facts.pod_ref(),
+            terminal: facts.terminal(),
+            node: facts.node.clone(),
+            owner: facts.owner.clone(),
+        };
+        for ip in &facts.ips {
+            self.holders.entry(ip.clone()).or_default().push(holder.clone());
+        }
+        let (namespace, name) = (facts.namespace.clone(), facts.name.clone());
+        insert(&mut self.pods, &namespace, &name, facts);
+    }
+
+    fn forget_holder(&mut self, old: &PodFacts) {
+        for ip in &old.ips {
+            if let Some(holders) = self.holders.get_mut(ip) {
+                holders.retain(|h| !(h.pod.namespace == old.namespace && h.pod.name == old.name));
+                if holders.is_empty() {
+                    self.holders.remove(ip);
+                }
+            }
+        }
+    }
+
+    fn apply_block(&mut self, block: Arc<IPBlock>) {
+        let name = block.name_any();
+        if let Some(old) = self.blocks.remove(&name) {
+            self.forget_block(&old);
+        }
+        for (ip, record) in &block.spec.allocations {
+            self.records_of_uid.entry(record.pod.uid.clone()).or_default().insert((name.clone(), ip.clone()));
+        }
+        self.blocks_of_pool.entry(block.spec.pool.clone()).or_default().insert(name.clone());
+        let retired = self.judge(&block);
+        self.set_retired(&name, retired);
+        self.blocks.insert(name, block);
+    }
+
+    fn forget_block(&mut self, old: &IPBlock) {
+        let name = old.name_any();
+        for (ip, record) in &old.spec.allocations {
+            if let Some(records) = self.records_of_uid.get_mut(&record.pod.uid) {
+                records.remove(&(name.clone(), ip.clone()));
+                if records.is_empty() {
+                    self.records_of_uid.remove(&record.pod.uid);
+                }
+            }
+        }
+        if let Some(blocks) = self.blocks_of_pool.get_mut(&old.spec.pool) {
+            blocks.remove(&name);
+            if blocks.is_empty() {
+                self.blocks_of_pool.remove(&old.spec.pool);
+            }
+        }
+        self.retired.remove(&name);
+    }
+
+    fn judge(&self, block: &IPBlock) -> bool {
+        let pool = self.pools.get(&block.spec.pool).map(|p| (&p.spec, p.metadata.deletion_timestamp.is_some()));
+        crate::pools::block_is_retired(pool, &block.spec.cidr)
+    }
+
+    fn judge_blocks_of(&mut self, pool: &str) {
+        let names: Vec<String> = self.blocks_of_pool.get(pool).into_iter().flatten().cloned().collect();
+        for name in names {
+            let retired = self.blocks.get(&name).is_some_and(|b| self.judge(b));
+            self.set_retired(&name, retired);
+        }
+    }
+
+    fn set_retired(&mut self, block: &str, retired: bool) {
+        if retired {
+            self.retired.insert(block.to_string());
+        } else {
+            self.retired.remove(block);
+        }
+    }
+
+    fn observe_agent(&mut self, node: String, version: Option<String>, duration: Option<Duration>, at: Timestamp) {
+        match self.agents.get_mut(&node) {
+            Some(seen) if seen.version == version => seen.duration = duration,
+            _ => {
+                self.agents.insert(node, AgentObservation { version, duration, since: at });
+            }
+        }
+    }
+
+    /// When the agent of `node` went stale, at `now`: its Lease has been seen unchanged (or
+    /// missing) for a whole duration. `None` while it is live, or while agents are not
+    /// watched yet.
+    fn agent_stale_since(&self, node: &str, now: Timestamp) -> Option<Timestamp> {
+        if !self.synced.contains(&Kind::AgentLease) {
+            return None;
+        }
+        let seen = self.agents.get(node)?;
+        let unchanged_for = Duration::try_from(now.duration_since(seen.since)).unwrap_or(Duration::ZERO);
+        let duration = seen.duration.unwrap_or(self.default_agent_lease);
+        let ago = crate::lease::expired_for(unchanged_for, duration)?;
+        Some(SignedDuration::try_from(ago).ok().and_then(|ago| now.checked_sub(ago).ok()).unwrap_or(now))
+    }
+
+    /// How many nodes have no live agent at `now`.
+    pub fn nodes_without_live_agent(&self, now: Timestamp) -> usize {
+        self.nodes.keys().filter(|n| self.agent_stale_since(n, now).is_some()).count()
+    }
+
+    /// The state of node `name` at `now`: a Ready node whose agent Lease went stale counts as
+    /// NotReady since then, since its agent cannot answer the release handshake.
+    pub fn node(&self, name: &str, now: Timestamp) -> NodeState {
+        match self.nodes.get(name) {
+            None => NodeState::Deleted,
+            Some(NodeState::Ready) => self.agent_stale_since(name, now).map_or(NodeState::Ready, NodeState::NotReady),
+            Some(state) => *state,
+        }
+    }
+
+    /// The state of the record's node (Ready when the record names none).
+    fn node_of(&self, record: &Allocation, now: Timestamp) -> NodeState {
+        if record.node.is_empty() { NodeState::Ready } else { self.node(&record.node, now) }
+    }
+
+    /// The facts of pod `namespace`/`name`.
+    pub fn pod(&self, namespace: &str, name: &str) -> Option<&PodFacts> {
+        get(&self.pods, namespace, name)
+    }
+
+    /// The pods, trimmed.
+    pub fn pods(&self) -> impl Iterator<Item = &PodFacts> {
+        self.pods.values().flat_map(HashMap::values)
+    }
+
+    /// How many pods the index holds.
+    pub fn pod_count(&self) -> usize {
+        self.pods.values().map(HashMap::len).sum()
+    }
+
+    /// The claims by namespace and name.
+    pub fn claims(&self) -> impl Iterator<Item = (&str, &str, &ClaimFacts)> {
+        self.claims.iter().flat_map(|(ns, names)| names.iter().map(move |(n, c)| (ns.as_str(), n.as_str(), c)))
+    }
+
+    /// The pools.
+    pub fn pools(&self) -> Vec<Arc<IPPool>> {
+        self.pools.values().cloned().collect()
+    }
+
+    /// The owner kinds whose records count as sticky.
+    pub fn sticky_kinds(&self) -> &[String] {
+        &self.sticky_kinds
+    }
+
+    /// Whether some block names pool `pool` (a gone pool's blocks are still released
+    /// through it).
+    pub fn has_blocks_of(&self, pool: &str) -> bool {
+        self.blocks_of_pool.contains_key(pool)
+    }
+
+    /// Pool `name`.
+    pub fn pool(&self, name: &str) -> Option<&Arc<IPPool>> {
+        self.pools.get(name)
+    }
+
+    /// The blocks, by name.
+    pub fn blocks(&self) -> Vec<Arc<IPBlock>> {
+        self.blocks.values().cloned().collect()
+    }
+
+    /// The blocks by name, for a walk over every record.
+    pub fn blocks_by_name(&self) -> &BTreeMap<String, Arc<IPBlock>> {
+        &self.blocks
+    }
+
+    /// Block `name`.
+    pub fn block(&self, name: &str) -> Option<&Arc<IPBlock>> {
+        self.blocks.get(name)
+    }
+
+    /// Whether block `name` is retired: no pool keeps its records (its pool is gone, being
+    /// deleted, or no longer has such a block), so no sticky reservation is kept in it.
+    pub fn retired(&self, block: &str) -> bool {
+        self.retired.contains(block)
+    }
+
+    /// The records naming pod UID `uid`, with their blocks.
+    pub fn records_of<'a>(
+        &'a self,
+        uid: &str,
+    ) -> impl Iterator<Item = (&'a Arc<IPBlock>, &'a str, &'a Allocation)> + 'a {
+        self.records_of_uid.get(uid).into_iter().flatten().filter_map(|(block, ip)| {
+            let block = self.blocks.get(block)?;
+            let (ip, record) = block.spec.allocations.get_key_value(ip)?;
+            Some((block, ip.as_str(), record))
+        })
+    }
+
+    /// The pods reporting `ip`.
+    pub fn holders(&self, ip: &str) -> &[Holder] {
+        self.holders.get(ip).map_or(&[], Vec::as_slice)
+    }
+
+    /// The pod holding `ip`: a non-terminal pod reporting it, else a terminal one.
+    pub fn live_holder(&self, ip: &str) -> Option<&Holder> {
+        let holders = self.holders(ip);
+        holders.iter().find(|h| !h.terminal).or_else(|| holders.first())
     }
 
     /// Whether a sticky record's owner still wants it, by [`workload::owner_wants`] on the
-    /// cached owner.
+    /// watched owner.
     pub fn owner_wants(&self, record: &Allocation) -> bool {
         let Some(owner) = record.owner.as_ref() else { return false };
         self.wants(&record.pod.namespace, owner, &record.pod.name)
     }
 
     /// Whether `owner` (in `namespace`) still wants the IPs of its pod `pod_name`, by
-    /// [`workload::owner_wants`] on the cached owner.
+    /// [`workload::owner_wants`] on the watched owner. Until KubeVirt's kinds are watched, a
+    /// VM's wishes are unknown (and its reservations kept).
     pub fn wants(&self, namespace: &str, owner: &OwnerRef, pod_name: &str) -> bool {
-        let key = (namespace.to_string(), owner.name.clone());
         let facts = match owner.kind.as_str() {
-            "StatefulSet" => OwnerFacts::StatefulSet(self.statefulsets.get(&key).copied()),
-            KUBEVIRT_VMI_KIND => self.kubevirt.as_ref().map_or(OwnerFacts::Unknown, |k| OwnerFacts::VirtualMachine {
-                instance: KubeVirtIndex::presence(&k.instances, &key),
-                vm: KubeVirtIndex::presence(&k.vms, &key),
-            }),
+            "StatefulSet" => OwnerFacts::StatefulSet(get(&self.statefulsets, namespace, &owner.name).copied()),
+            KUBEVIRT_VMI_KIND if self.synced(&[Kind::VirtualMachine, Kind::VirtualMachineInstance]) => {
+                OwnerFacts::VirtualMachine {
+                    instance: KubeVirtIndex::presence(&self.kubevirt.instances, namespace, &owner.name),
+                    vm: KubeVirtIndex::presence(&self.kubevirt.vms, namespace, &owner.name),
+                }
+            }
             _ => OwnerFacts::Unknown,
         };
         workload::owner_wants(&owner.name, pod_name, facts)
     }
 
-    /// Whether the record's node has an agent that can answer the release handshake: the
-    /// record names a node, and that node exists, is Ready and (see
-    /// [`ClusterIndex::with_stale_agents`]) has a live agent Lease.
-    pub fn agent_can_answer(&self, record: &Allocation) -> bool {
-        !record.node.is_empty() && self.nodes.get(&record.node) == Some(&NodeState::Ready)
+    /// Whether the record's node has an agent that can answer the release handshake at
+    /// `now`: the record names a node, and that node exists, is Ready and has a live agent
+    /// Lease.
+    pub fn agent_can_answer(&self, record: &Allocation, now: Timestamp) -> bool {
+        !record.node.is_empty() && self.node(&record.node, now) == NodeState::Ready
     }
 
     /// The live pod reporting `ip`, as a repair writes it into the record it adopts.
     pub fn adopter(&self, ip: &str) -> Option<Adopter> {
-        let holder = self.live_ips.get(ip)?;
+        let holder = self.live_holder(ip)?;
         Some(Adopter {
             pod: holder.pod.clone(),
             node: holder.node.clone(),
@@ -240,51 +717,47 @@ impl ClusterIndex {
         })
     }
 
-    /// The state of the record's node (Ready when the record names none).
-    fn node_of(&self, record: &Allocation) -> NodeState {
-        if record.node.is_empty() {
-            return NodeState::Ready;
-        }
-        self.nodes.get(&record.node).copied().unwrap_or(NodeState::Deleted)
-    }
-
     /// The controller's step for a record an agent marked for a sticky takeover; `None`
     /// when the record carries no such mark.
     pub fn takeover_step(&self, record: &Allocation, now: Timestamp, settings: &RuleSettings) -> Option<TakeoverStep> {
         let handshake = record.release_handshake.as_ref()?;
         let claimant = &handshake.takeover.as_ref()?.pod;
         let waiting = self
-            .pods
-            .get(&(claimant.namespace.clone(), claimant.name.clone()))
+            .pod(&claimant.namespace, &claimant.name)
             .is_some_and(|p| p.uid == claimant.uid && !p.terminal() && p.ips.is_empty());
-        Some(controller_takeover_step(handshake.state, waiting, self.node_of(record), settings.not_ready, now))
+        Some(controller_takeover_step(handshake.state, waiting, self.node_of(record, now), settings.not_ready, now))
     }
 
-    /// The verdict for one record at `now`.
+    /// The verdict at `now` for the record of `ip` in block `block`. In a retired block a
+    /// sticky record is an ordinary one: it goes with its pod, whatever its owner wants.
     pub fn evaluate<'a>(
         &'a self,
+        block: &str,
         ip: &'a str,
         record: &'a Allocation,
         now: Timestamp,
         settings: &RuleSettings,
     ) -> Verdict<'a> {
-        let key = (record.pod.namespace.clone(), record.pod.name.clone());
-        let claim_name = workload::claim_name(&record.pod.name, record.owner.as_ref());
-        let node = self.node_of(record);
-        let sticky = workload::record_is_sticky(record, &self.sticky_kinds);
+        let sticky = workload::record_is_sticky(record, &self.sticky_kinds) && !self.retired(block);
+        let claim_uid = if record.owner.as_ref().is_some_and(|o| o.kind == KUBEVIRT_VMI_KIND) {
+            let claim = workload::claim_name(&record.pod.name, record.owner.as_ref());
+            get(&self.claims, &record.pod.namespace, &claim)
+        } else {
+            get(&self.claims, &record.pod.namespace, &record.pod.name)
+        };
         let facts = Facts {
             record: RecordView { ip, pod_uid: &record.pod.uid, node: &record.node, sticky },
-            pod: self.pods.get(&key).map(|p| PodView {
+            pod: self.pod(&record.pod.namespace, &record.pod.name).map(|p| PodView {
                 uid: &p.uid,
                 phase: p.phase,
                 deletion: p.deletion,
                 ips: &p.ips,
             }),
-            claim_uid: self.claims.get(&(record.pod.namespace.clone(), claim_name)).map(String::as_str),
+            claim_uid: claim_uid.map(|c| c.pod_uid.as_str()),
             owner_wants: sticky && self.owner_wants(record),
-            node,
+            node: self.node_of(record, now),
             // A live migration's target reporting the IP holds it for the record, as its source does.
-            holder: self.live_ips.get(ip).map(|h| IpHolder {
+            holder: self.live_holder(ip).map(|h| IpHolder {
                 uid: if crate::blocks::names_pod(record, &h.pod.uid) { &record.pod.uid } else { &h.pod.uid },
                 terminal: h.terminal,
             }),
@@ -298,74 +771,232 @@ impl ClusterIndex {
 mod test {
     use super::*;
     use crate::gc::rules::{KeepReason, NotReadyPolicy, ReleaseReason};
+    use serde_json::json;
+
+    const SECOND: SignedDuration = SignedDuration::from_secs(1);
+
+    fn at(seconds: i64) -> Timestamp {
+        Timestamp::from_second(1_780_000_000 + seconds).expect("timestamp")
+    }
+
+    fn record(name: &str, uid: &str, node: &str) -> Allocation {
+        serde_json::from_value(json!({
+            "pod": {"namespace": "ns", "name": name, "uid": uid}, "node": node, "network": "n",
+            "containerId": "c", "interface": "eth0", "allocatedAt": "2026-01-01T00:00:00Z",
+        }))
+        .expect("record")
+    }
+
+    fn node(name: &str, ready: bool) -> Node {
+        serde_json::from_value(json!({"metadata": {"name": name}, "status": {"conditions": [{"type": "Ready",
+            "status": if ready { "True" } else { "False" }, "lastTransitionTime": "2026-01-01T00:00:00Z"}]}}))
+        .expect("node")
+    }
+
+    fn lease(node: &str, version: &str) -> Lease {
+        serde_json::from_value(json!({"metadata": {"name": format!("agent-{node}"), "namespace": "ipwarden",
+            "resourceVersion": version, "labels": {crate::agent::heartbeat::NODE_LABEL: node}},
+            "spec": {"leaseDurationSeconds": 20}}))
+        .expect("lease")
+    }
+
+    fn pod(name: &str, uid: &str, ips: &[&str], phase: &str) -> Pod {
+        serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": name, "uid": uid},
+            "spec": {"nodeName": "n1", "containers": []},
+            "status": {"phase": phase, "podIPs": ips.iter().map(|ip| json!({"ip": ip})).collect::<Vec<_>>()}}))
+        .expect("pod")
+    }
+
+    fn block(name: &str, pool: &str, cidr: &str, records: &[(&str, Allocation)]) -> Arc<IPBlock> {
+        let allocations: serde_json::Map<String, serde_json::Value> =
+            records.iter().map(|(ip, r)| (ip.to_string(), serde_json::to_value(r).expect("record"))).collect();
+        Arc::new(
+            serde_json::from_value(json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPBlock",
+                "metadata": {"name": name}, "spec": {"pool": pool, "cidr": cidr, "allocations": allocations}}))
+            .expect("block"),
+        )
+    }
+
+    fn pool(name: &str, cidr: &str, deleting: bool) -> Arc<IPPool> {
+        let mut pool: IPPool = serde_json::from_value(json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPPool",
+            "metadata": {"name": name}, "spec": {"cidr": cidr, "blockSize": 24}}))
+        .expect("pool");
+        pool.metadata.deletion_timestamp =
+            deleting.then(|| k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(0)));
+        Arc::new(pool)
+    }
 
     #[test]
     fn a_ready_node_whose_agent_is_gone_follows_the_not_ready_policy_from_when_its_lease_went_stale() {
-        let record = |node: &str| -> Allocation {
-            serde_json::from_value(serde_json::json!({
-                "pod": {"namespace": "ns", "name": "gone", "uid": "u"}, "node": node, "network": "n",
-                "containerId": "c", "interface": "eth0", "allocatedAt": "2026-01-01T00:00:00Z",
-            }))
-            .expect("record")
-        };
-        let now = Timestamp::from_second(1_780_000_000).expect("now");
-        let stale_since = now - jiff::SignedDuration::from_secs(30);
-        let mut index = ClusterIndex::default();
-        for node in ["dead-agent", "live-agent", "not-ready"] {
-            index.nodes.insert(node.to_string(), NodeState::Ready);
+        let mut index = ClusterIndex::new(&[], Duration::from_secs(20));
+        for name in ["dead-agent", "live-agent", "no-lease"] {
+            index.apply(Watched::Node(&node(name, true)), at(0));
         }
-        index.nodes.insert("not-ready".to_string(), NodeState::NotReady(now));
-        let stale = HashMap::from([
-            ("dead-agent".to_string(), stale_since),
-            ("not-ready".to_string(), stale_since),
-            ("deleted".to_string(), stale_since),
-        ]);
-        let index = index.with_stale_agents(&stale);
-        assert!(index.agent_can_answer(&record("live-agent")));
-        assert!(!index.agent_can_answer(&record("dead-agent")), "no handshake with a gone agent");
-        assert_eq!(index.nodes.get("not-ready"), Some(&NodeState::NotReady(now)), "NotReady keeps its own since");
-        assert_eq!(index.nodes.get("deleted"), None, "a deleted node stays deleted");
+        index.apply(Watched::Node(&node("not-ready", false)), at(0));
+        index.relist_started(Kind::AgentLease);
+        for name in ["dead-agent", "live-agent", "not-ready"] {
+            index.apply(Watched::AgentLease(&lease(name, "1")), at(0));
+        }
+        index.relist_done(Kind::AgentLease, at(0));
+        assert!(index.agent_can_answer(&record("gone", "u", "dead-agent"), at(19)), "live within its duration");
+        // A relist that lists the same version is no renewal; a new version is.
+        index.apply(Watched::AgentLease(&lease("dead-agent", "1")), at(10));
+        index.apply(Watched::AgentLease(&lease("live-agent", "2")), at(40));
+        let now = at(50);
+        let stale_since = at(20);
+        assert!(index.agent_can_answer(&record("gone", "u", "live-agent"), now));
+        assert!(!index.agent_can_answer(&record("gone", "u", "dead-agent"), now), "no handshake with a gone agent");
+        assert_eq!(index.node("dead-agent", now), NodeState::NotReady(stale_since));
+        assert_eq!(index.node("no-lease", now), NodeState::NotReady(stale_since), "never had one: gone too");
+        let not_ready_since = Timestamp::from_second(1_767_225_600).expect("2026-01-01");
+        assert_eq!(index.node("not-ready", now), NodeState::NotReady(not_ready_since), "NotReady keeps its own since");
+        assert_eq!(index.node("deleted", now), NodeState::Deleted, "a deleted node stays deleted");
+        assert_eq!(index.nodes_without_live_agent(now), 3);
 
-        let keep = RuleSettings { additional_delay: std::time::Duration::ZERO, not_ready: NotReadyPolicy::Keep };
-        let dead = record("dead-agent");
-        assert_eq!(index.evaluate("10.0.0.1", &dead, now, &keep), Verdict::Keep(KeepReason::NodeNotReady));
-        let release = |secs| RuleSettings {
-            not_ready: NotReadyPolicy::ReleaseAfter(std::time::Duration::from_secs(secs)),
-            ..keep
-        };
-        let verdict = index.evaluate("10.0.0.1", &dead, now, &release(10));
+        let keep = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let dead = record("gone", "u", "dead-agent");
+        assert_eq!(index.evaluate("b", "10.0.0.1", &dead, now, &keep), Verdict::Keep(KeepReason::NodeNotReady));
+        let release =
+            |secs| RuleSettings { not_ready: NotReadyPolicy::ReleaseAfter(Duration::from_secs(secs)), ..keep };
+        let verdict = index.evaluate("b", "10.0.0.1", &dead, now, &release(10));
         assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::NodeNotReady, .. }), "{verdict:?}");
-        let verdict = index.evaluate("10.0.0.1", &dead, now, &release(60));
-        assert_eq!(verdict, Verdict::TraceUntil(stale_since + jiff::SignedDuration::from_secs(60)));
+        let verdict = index.evaluate("b", "10.0.0.1", &dead, now, &release(60));
+        assert_eq!(verdict, Verdict::TraceUntil(stale_since + 60 * SECOND));
+
+        index.delete(Watched::AgentLease(&lease("live-agent", "2")), at(60));
+        assert!(index.agent_can_answer(&record("gone", "u", "live-agent"), at(79)), "deleted: missing from then on");
+        assert!(!index.agent_can_answer(&record("gone", "u", "live-agent"), at(81)));
+    }
+
+    #[test]
+    fn before_the_agent_leases_are_listed_every_agent_counts_as_live() {
+        let mut index = ClusterIndex::new(&[], Duration::from_secs(20));
+        index.apply(Watched::Node(&node("n1", true)), at(0));
+        assert_eq!(index.node("n1", at(3600)), NodeState::Ready);
     }
 
     #[test]
     fn a_vm_record_is_kept_while_its_vm_is_there_or_kubevirt_unwatched_and_released_once_the_vm_is_gone() {
-        let record: Allocation = serde_json::from_value(serde_json::json!({
-            "pod": {"namespace": "ns", "name": "virt-launcher-vm1-x", "uid": "u"}, "node": "n", "network": "n",
-            "containerId": "c", "interface": "eth0", "allocatedAt": "2026-01-01T00:00:00Z", "sticky": true,
-            "owner": {"kind": KUBEVIRT_VMI_KIND, "name": "vm1"},
-        }))
-        .expect("record");
-        let now = Timestamp::from_second(1_780_000_000).expect("now");
-        let settings = RuleSettings { additional_delay: std::time::Duration::ZERO, not_ready: NotReadyPolicy::Keep };
-        let index = |kubevirt: Option<KubeVirtIndex>| {
-            let mut index =
-                ClusterIndex { sticky_kinds: vec![KUBEVIRT_VMI_KIND.to_string()], ..ClusterIndex::default() };
-            index.nodes.insert("n".to_string(), NodeState::Ready);
-            index.with_kubevirt(kubevirt)
+        let mut vm_record = record("virt-launcher-vm1-x", "u", "n");
+        vm_record.sticky = true;
+        vm_record.owner = Some(OwnerRef { kind: KUBEVIRT_VMI_KIND.into(), name: "vm1".into() });
+        let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let vm = |deleting: bool| {
+            let deletion = deleting.then(|| k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(0)));
+            let meta: PartialObjectMeta<DynamicObject> = serde_json::from_value(json!({"apiVersion": "kubevirt.io/v1",
+                "kind": "VirtualMachine", "metadata": {"namespace": "ns", "name": "vm1", "deletionTimestamp": deletion}}))
+            .expect("metadata");
+            meta
         };
-        let vm = ("ns".to_string(), "vm1".to_string());
-        let stopped = KubeVirtIndex { vms: HashMap::from([(vm.clone(), false)]), ..KubeVirtIndex::default() };
-        let deleting = KubeVirtIndex { vms: HashMap::from([(vm, true)]), ..KubeVirtIndex::default() };
+        let mut index = ClusterIndex::new(&[KUBEVIRT_VMI_KIND.to_string()], Duration::from_secs(20));
+        index.apply(Watched::Node(&node("n", true)), at(0));
         let kept = Verdict::Keep(KeepReason::StickyReservation);
-        assert_eq!(index(None).evaluate("10.0.0.1", &record, now, &settings), kept, "KubeVirt not watched");
-        assert_eq!(index(Some(stopped)).evaluate("10.0.0.1", &record, now, &settings), kept, "a stopped VM");
-        for gone in [KubeVirtIndex::default(), deleting] {
-            let watched = index(Some(gone));
-            let verdict = watched.evaluate("10.0.0.1", &record, now, &settings);
-            assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "{verdict:?}");
+        assert_eq!(index.evaluate("b", "10.0.0.1", &vm_record, at(0), &settings), kept, "KubeVirt not watched");
+        for kind in [Kind::VirtualMachine, Kind::VirtualMachineInstance] {
+            index.relist_started(kind);
         }
+        index.apply(Watched::VirtualMachine(&vm(false)), at(0));
+        assert_eq!(index.evaluate("b", "10.0.0.1", &vm_record, at(0), &settings), kept, "not yet synced");
+        for kind in [Kind::VirtualMachine, Kind::VirtualMachineInstance] {
+            index.relist_done(kind, at(0));
+        }
+        assert_eq!(index.evaluate("b", "10.0.0.1", &vm_record, at(0), &settings), kept, "a stopped VM");
+        index.apply(Watched::VirtualMachine(&vm(true)), at(1));
+        let verdict = index.evaluate("b", "10.0.0.1", &vm_record, at(1), &settings);
+        assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "deleting: {verdict:?}");
+        index.delete(Watched::VirtualMachine(&vm(true)), at(2));
+        let verdict = index.evaluate("b", "10.0.0.1", &vm_record, at(2), &settings);
+        assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "gone: {verdict:?}");
+    }
+
+    #[test]
+    fn pod_events_move_the_ip_holders_and_a_live_holder_wins_over_a_terminal_one() {
+        let mut index = ClusterIndex::default();
+        index.apply(Watched::Pod(&pod("a", "ua", &["10.0.0.1"], "Running")), at(0));
+        assert_eq!(index.live_holder("10.0.0.1").map(|h| h.pod.name.as_str()), Some("a"));
+        index.apply(Watched::Pod(&pod("a", "ua", &["10.0.0.2"], "Running")), at(1));
+        assert!(index.holders("10.0.0.1").is_empty(), "the old IP is forgotten");
+        index.apply(Watched::Pod(&pod("done", "ud", &["10.0.0.2"], "Succeeded")), at(2));
+        index.apply(Watched::Pod(&pod("a", "ua", &["10.0.0.2"], "Running")), at(3));
+        assert_eq!(index.holders("10.0.0.2").len(), 2);
+        assert_eq!(index.live_holder("10.0.0.2").map(|h| h.pod.name.as_str()), Some("a"), "live before terminal");
+        index.delete(Watched::Pod(&pod("a", "ua", &[], "Running")), at(4));
+        assert_eq!(index.live_holder("10.0.0.2").map(|h| h.pod.name.as_str()), Some("done"));
+        assert!(index.pod("ns", "a").is_none());
+        assert_eq!(index.pod_count(), 1);
+    }
+
+    #[test]
+    fn block_events_keep_the_records_of_each_uid() {
+        let mut index = ClusterIndex::default();
+        let one = block("p-a", "p", "10.0.0.0/24", &[("10.0.0.1", record("a", "ua", "n1"))]);
+        index.apply(Watched::Block(&one), at(0));
+        let found = |index: &ClusterIndex, uid: &str| -> Vec<String> {
+            index.records_of(uid).map(|(b, ip, _)| format!("{}:{ip}", b.name_any())).collect()
+        };
+        assert_eq!(found(&index, "ua"), ["p-a:10.0.0.1"]);
+        let moved = block(
+            "p-a",
+            "p",
+            "10.0.0.0/24",
+            &[("10.0.0.2", record("a", "ua", "n1")), ("10.0.0.3", record("b", "ub", "n1"))],
+        );
+        index.apply(Watched::Block(&moved), at(1));
+        assert_eq!(found(&index, "ua"), ["p-a:10.0.0.2"], "the edited block's old records are forgotten");
+        assert_eq!(found(&index, "ub"), ["p-a:10.0.0.3"]);
+        index.delete(Watched::Block(&moved), at(2));
+        assert!(found(&index, "ua").is_empty() && found(&index, "ub").is_empty());
+    }
+
+    #[test]
+    fn a_block_is_retired_while_its_pool_is_gone_deleting_or_of_another_layout() {
+        let mut index = ClusterIndex::default();
+        let b = block("p-10-0-0-0-24", "p", "10.0.0.0/24", &[]);
+        index.apply(Watched::Block(&b), at(0));
+        assert!(index.retired("p-10-0-0-0-24"), "no pool");
+        index.apply(Watched::Pool(&pool("p", "10.0.0.0/16", false)), at(1));
+        assert!(!index.retired("p-10-0-0-0-24"), "its pool");
+        index.apply(Watched::Pool(&pool("p", "10.0.0.0/16", true)), at(2));
+        assert!(index.retired("p-10-0-0-0-24"), "its pool is being deleted");
+        index.delete(Watched::Pool(&pool("p", "10.0.0.0/16", true)), at(3));
+        index.apply(Watched::Pool(&pool("p", "10.1.0.0/16", false)), at(4));
+        assert!(index.retired("p-10-0-0-0-24"), "a pool of that name over other addresses");
+    }
+
+    #[test]
+    fn a_relist_forgets_what_it_no_longer_lists() {
+        let mut index = ClusterIndex::default();
+        index.apply(Watched::Pod(&pod("a", "ua", &["10.0.0.1"], "Running")), at(0));
+        index.apply(Watched::Pod(&pod("b", "ub", &["10.0.0.2"], "Running")), at(0));
+        assert!(!index.synced(&[Kind::Pod]));
+        index.relist_started(Kind::Pod);
+        index.apply(Watched::Pod(&pod("b", "ub", &["10.0.0.2"], "Running")), at(1));
+        index.relist_done(Kind::Pod, at(1));
+        assert!(index.synced(&[Kind::Pod]));
+        assert!(index.pod("ns", "a").is_none() && index.holders("10.0.0.1").is_empty(), "deleted while unwatched");
+        assert!(index.pod("ns", "b").is_some());
+    }
+
+    #[test]
+    fn a_sticky_record_in_a_retired_block_is_judged_as_an_ordinary_one() {
+        let sticky = ["StatefulSet".to_string()];
+        let web: StatefulSet = serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": "web"},
+            "spec": {"replicas": 1, "serviceName": "web", "selector": {}, "template": {}}}))
+        .expect("sts");
+        let mut reservation = record("web-0", "u-old", "n1");
+        reservation.sticky = true;
+        reservation.owner = Some(OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
+        let mut index =
+            ClusterIndex::from_objects(&sticky, [Watched::StatefulSet(&web), Watched::Node(&node("n1", true))]);
+        let b = block("p-10-0-0-0-24", "p", "10.0.0.0/24", &[("10.0.0.7", reservation.clone())]);
+        index.apply(Watched::Pool(&pool("p", "10.0.0.0/16", false)), at(0));
+        index.apply(Watched::Block(&b), at(0));
+        let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let verdict = index.evaluate("p-10-0-0-0-24", "10.0.0.7", &reservation, at(0), &settings);
+        assert_eq!(verdict, Verdict::Keep(KeepReason::StickyReservation));
+        index.apply(Watched::Pool(&pool("p", "10.0.0.0/16", true)), at(1));
+        let verdict = index.evaluate("p-10-0-0-0-24", "10.0.0.7", &reservation, at(1), &settings);
+        assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "{verdict:?}");
     }
 
     #[test]
@@ -379,11 +1010,7 @@ mod test {
             ("Failed", true, true, true),
         ];
         for (phase, terminating, terminal, finished) in table {
-            let mut pod: Pod = serde_json::from_value(serde_json::json!({
-                "metadata": {"name": "p", "uid": "u"},
-                "status": {"phase": phase},
-            }))
-            .expect("pod");
+            let mut pod = pod("p", "u", &[], phase);
             if terminating {
                 pod.metadata.deletion_timestamp =
                     Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now()));

@@ -29,7 +29,7 @@ pub struct RecordChange {
     pub claim: String,
     /// Whether the record's node has an agent to answer the release handshake.
     pub via_agent: bool,
-    /// Whether the record's block is retired ([`ClusterIndex::retired_blocks`]): a sticky
+    /// Whether the record's block is retired ([`ClusterIndex::retired`]): a sticky
     /// record there goes with its pod, whatever its owner wants.
     pub retired: bool,
     /// What to do.
@@ -37,16 +37,24 @@ pub struct RecordChange {
 }
 
 impl RecordChange {
-    /// A change to `record`, the record of `ip` in `block`.
-    pub fn of(index: &ClusterIndex, block: &IPBlock, ip: &str, record: &Allocation, action: ChangeAction) -> Self {
+    /// A change to `record`, the record of `ip` in `block`, decided at `now`.
+    pub fn of(
+        index: &ClusterIndex,
+        block: &IPBlock,
+        ip: &str,
+        record: &Allocation,
+        action: ChangeAction,
+        now: Timestamp,
+    ) -> Self {
+        let name = block.name_any();
         Self {
             pool: block.spec.pool.clone(),
-            block: block.name_any(),
             ip: ip.to_string(),
             pod: record.pod.clone(),
             claim: crate::workload::claim_name(&record.pod.name, record.owner.as_ref()),
-            via_agent: index.agent_can_answer(record),
-            retired: index.retired_blocks.contains(&block.name_any()),
+            via_agent: index.agent_can_answer(record, now),
+            retired: index.retired(&name),
+            block: name,
             action,
         }
     }
@@ -144,36 +152,34 @@ pub struct SweepPlan {
 }
 
 /// Plans one sweep over `blocks`.
-pub fn plan(index: &ClusterIndex, blocks: &[Arc<IPBlock>], now: Timestamp, settings: &RuleSettings) -> SweepPlan {
+pub fn plan<'a>(
+    index: &ClusterIndex,
+    blocks: impl IntoIterator<Item = &'a Arc<IPBlock>>,
+    now: Timestamp,
+    settings: &RuleSettings,
+) -> SweepPlan {
     let mut plan = SweepPlan::default();
     for block in blocks {
-        let retired = index.retired_blocks.contains(&block.name_any());
+        let name = block.name_any();
         for (ip, record) in &block.spec.allocations {
             plan.scanned += 1;
-            // In a retired block a sticky record is an ordinary one: it goes with its pod.
-            let unsticky;
-            let record = if retired && record.sticky {
-                unsticky = Allocation { sticky: false, ..record.clone() };
-                &unsticky
-            } else {
-                record
-            };
-            let verdict = index.evaluate(ip, record, now, settings);
-            let via_agent = index.agent_can_answer(record);
+            let verdict = index.evaluate(&name, ip, record, now, settings);
+            let via_agent = index.agent_can_answer(record, now);
             match next_step(verdict, record, via_agent, index.takeover_step(record, now, settings)) {
                 Planned::Keep(reason) => *plan.kept.entry(reason).or_default() += 1,
                 Planned::Trace(when) => {
                     let placeholder =
                         ChangeAction::Release { reason: ReleaseReason::TerminatingPastDeadline, delete_claim: false };
-                    plan.traced.push((RecordChange::of(index, block, ip, record, placeholder), when));
+                    plan.traced.push((RecordChange::of(index, block, ip, record, placeholder, now), when));
                 }
                 Planned::Repair => {
                     // The verdict came from this very index entry, so it is there.
                     if let Some(adopter) = index.adopter(ip) {
-                        plan.changes.push(RecordChange::of(index, block, ip, record, ChangeAction::Repair { adopter }));
+                        let repair = ChangeAction::Repair { adopter };
+                        plan.changes.push(RecordChange::of(index, block, ip, record, repair, now));
                     }
                 }
-                Planned::Change(action) => plan.changes.push(RecordChange::of(index, block, ip, record, action)),
+                Planned::Change(action) => plan.changes.push(RecordChange::of(index, block, ip, record, action, now)),
             }
         }
     }
@@ -183,10 +189,12 @@ pub fn plan(index: &ClusterIndex, blocks: &[Arc<IPBlock>], now: Timestamp, setti
 #[cfg(test)]
 mod test {
     use super::*;
+    use crate::crd::IPPool;
+    use crate::gc::index::Watched;
     use crate::gc::rules::NotReadyPolicy;
+    use k8s_openapi::api::apps::v1::StatefulSet;
     use k8s_openapi::api::core::v1::{Node, Pod};
     use serde_json::json;
-    use std::collections::BTreeSet;
     use std::time::Duration;
 
     fn block(allocations: serde_json::Value) -> Arc<IPBlock> {
@@ -212,12 +220,17 @@ mod test {
         )
     }
 
-    fn ready_node() -> Arc<Node> {
-        Arc::new(
-            serde_json::from_value(json!({"metadata": {"name": "n1"},
-                "status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
-            .expect("node"),
-        )
+    fn ready_node() -> Node {
+        serde_json::from_value(json!({"metadata": {"name": "n1"},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
+        .expect("node")
+    }
+
+    /// An index of `pods`, `statefulsets` and the Ready node n1.
+    fn index_of(pods: &[Arc<Pod>], statefulsets: &[StatefulSet], sticky: &[String]) -> ClusterIndex {
+        let node = ready_node();
+        let objects = pods.iter().map(|p| Watched::Pod(p)).chain(statefulsets.iter().map(Watched::StatefulSet));
+        ClusterIndex::from_objects(sticky, objects.chain([Watched::Node(&node)]))
     }
 
     #[test]
@@ -236,7 +249,7 @@ mod test {
             .expect("pod"),
         );
         let pods = [pod("live", "u-live", "10.0.0.1"), adopter];
-        let index = ClusterIndex::build(&pods, &[ready_node()], &[], &[], &["StatefulSet".to_string()]);
+        let index = index_of(&pods, &[], &["StatefulSet".to_string()]);
         let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
         let plan = plan(&index, &blocks, Timestamp::now(), &settings);
         assert_eq!(plan.scanned, 3);
@@ -267,7 +280,7 @@ mod test {
     }
 
     fn planned(allocations: serde_json::Value, pods: &[Arc<Pod>]) -> SweepPlan {
-        let index = ClusterIndex::build(pods, &[ready_node()], &[], &[], &[]);
+        let index = index_of(pods, &[], &[]);
         let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
         plan(&index, &[block(allocations)], Timestamp::now(), &settings)
     }
@@ -310,7 +323,7 @@ mod test {
         let sticky = ["StatefulSet".to_string()];
         let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
         let plan_of = |record: serde_json::Value, pods: &[Arc<Pod>]| {
-            let index = ClusterIndex::build(pods, &[ready_node()], &[], &[], &sticky);
+            let index = index_of(pods, &[], &sticky);
             plan(&index, &[block(json!({"10.0.0.7": record}))], Timestamp::now(), &settings)
         };
         for state in ["marked-for-release", "ready-for-release"] {
@@ -329,18 +342,25 @@ mod test {
         let mut reservation = record("web-0", "u-old");
         reservation["sticky"] = json!(true);
         reservation["owner"] = json!({"kind": "StatefulSet", "name": "web"});
-        let web: k8s_openapi::api::apps::v1::StatefulSet = serde_json::from_value(json!({
+        let web: StatefulSet = serde_json::from_value(json!({
             "metadata": {"namespace": "ns", "name": "web"}, "spec": {"replicas": 1, "serviceName": "web",
             "selector": {}, "template": {}}}))
         .expect("sts");
         let sticky = ["StatefulSet".to_string()];
-        let index = ClusterIndex::build(&[], &[ready_node()], &[], &[Arc::new(web)], &sticky);
+        let mut index = index_of(&[], &[web], &sticky);
         let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
         let blocks = [block(json!({"10.0.0.7": reservation}))];
+        let pool: Arc<IPPool> = Arc::new(
+            serde_json::from_value(json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPPool",
+                "metadata": {"name": "p"}, "spec": {"cidr": "10.0.0.0/16", "blockSize": 24}}))
+            .expect("pool"),
+        );
+        index.apply(Watched::Pool(&pool), Timestamp::now());
+        index.apply(Watched::Block(&blocks[0]), Timestamp::now());
         let kept = plan(&index, &blocks, Timestamp::now(), &settings);
         assert_eq!(kept.kept.get("sticky_reservation"), Some(&1), "a live pool keeps the reservation");
-        let retired = BTreeSet::from(["p-10-0-0-0-24".to_string()]);
-        let released = plan(&index.with_retired_blocks(&retired), &blocks, Timestamp::now(), &settings);
+        index.delete(Watched::Pool(&pool), Timestamp::now());
+        let released = plan(&index, &blocks, Timestamp::now(), &settings);
         assert!(
             matches!(released.changes[0].action, ChangeAction::Release { reason: ReleaseReason::PodGone, .. }),
             "{:?}",

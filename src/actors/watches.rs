@@ -1,0 +1,129 @@
+//! The controller's one index of the cluster ([`ClusterIndex`]), shared by its actors and
+//! fed by its watches: every watch event is applied to the index as it arrives (a relist
+//! through [`ClusterIndex::relist_started`] / [`ClusterIndex::relist_done`]), so no actor
+//! ever rebuilds it and only the trimmed facts the rules need are kept.
+
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use jiff::Timestamp;
+use kube::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio::sync::Notify;
+
+use crate::gc::index::{ClusterIndex, Kind, Watched};
+
+/// The index and a signal for each kind's first list; cheap to clone.
+#[derive(Clone)]
+pub struct SharedIndex {
+    index: Arc<RwLock<ClusterIndex>>,
+    listed: Arc<Notify>,
+}
+
+impl SharedIndex {
+    /// An empty index judging stickiness by `sticky_kinds` and agent Leases without a
+    /// duration by `default_agent_lease`.
+    pub fn new(sticky_kinds: &[String], default_agent_lease: Duration) -> Self {
+        Self {
+            index: Arc::new(RwLock::new(ClusterIndex::new(sticky_kinds, default_agent_lease))),
+            listed: Arc::default(),
+        }
+    }
+
+    /// The index as of now. Hold the guard only for a decision: watch events wait on it.
+    pub fn read(&self) -> RwLockReadGuard<'_, ClusterIndex> {
+        self.index.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Applies one watch event of `kind`; `watched` says what each object is to the index.
+    pub fn apply<K>(&self, kind: Kind, event: &watcher::Event<K>, watched: impl Fn(&K) -> Watched<'_>) {
+        let now = Timestamp::now();
+        let mut index = self.index.write().unwrap_or_else(PoisonError::into_inner);
+        match event {
+            watcher::Event::Apply(object) | watcher::Event::InitApply(object) => index.apply(watched(object), now),
+            watcher::Event::Delete(object) => index.delete(watched(object), now),
+            watcher::Event::Init => index.relist_started(kind),
+            watcher::Event::InitDone => {
+                index.relist_done(kind, now);
+                self.listed.notify_waiters();
+            }
+        }
+    }
+
+    /// Waits until every kind of `kinds` has been listed once.
+    pub async fn wait_listed(&self, kinds: &[Kind]) {
+        loop {
+            let listed = self.listed.notified();
+            if self.read().synced(kinds) {
+                return;
+            }
+            listed.await;
+        }
+    }
+}
+
+/// Events of `api`'s objects with `config`, each applied to `index` (as `kind`) before it is
+/// passed on; watch errors are retried with backoff.
+pub fn watch_into<K>(
+    index: SharedIndex,
+    kind: Kind,
+    api: Api<K>,
+    config: watcher::Config,
+    watched: fn(&K) -> Watched<'_>,
+) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+{
+    watcher(api, config).default_backoff().map(move |event| {
+        if let Ok(event) = &event {
+            index.apply(kind, event, watched);
+        }
+        event
+    })
+}
+
+/// The same watch event over a shared object: the index keeps blocks and pools as they
+/// arrive, without a copy.
+pub fn shared<K>(event: watcher::Event<K>) -> watcher::Event<Arc<K>> {
+    match event {
+        watcher::Event::Apply(o) => watcher::Event::Apply(Arc::new(o)),
+        watcher::Event::InitApply(o) => watcher::Event::InitApply(Arc::new(o)),
+        watcher::Event::Delete(o) => watcher::Event::Delete(Arc::new(o)),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    }
+}
+
+/// Events of `api`'s objects, as shared objects, each applied to `index` before it is
+/// passed on.
+pub fn watch_shared_into<K>(
+    index: SharedIndex,
+    kind: Kind,
+    api: Api<K>,
+    watched: fn(&Arc<K>) -> Watched<'_>,
+) -> impl Stream<Item = Result<watcher::Event<Arc<K>>, watcher::Error>> + Send + 'static
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+{
+    watcher(api, watcher::Config::default()).default_backoff().map(move |event| {
+        let event = event.map(shared);
+        if let Ok(event) = &event {
+            index.apply(kind, event, watched);
+        }
+        event
+    })
+}
+
+/// Runs `stream` to its end in the background, logging its watch errors.
+pub fn drain<S, K>(stream: S, kind: Kind)
+where
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    K: Send + 'static,
+{
+    tokio::spawn(stream.for_each(move |event| async move {
+        if let Err(e) = event {
+            tracing::warn!(?kind, error = %e, "watch error; retrying with backoff");
+        }
+    }));
+}
