@@ -262,3 +262,39 @@ async fn a_pool_whose_ranges_are_edited_into_an_invalid_layout_keeps_its_blocks_
     let controller_metrics = ipwarden.scrape_controller(controller).await.unwrap_or_default();
     assert_eq!(metric(&controller_metrics, "ipwarden_orphaned_block_records"), 0.0, "no block is orphaned");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_record_in_an_orphaned_block_goes_with_its_pod_at_the_pods_deadline_not_at_the_next_sweep() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pools = [("p", json!({"cidr": "10.72.0.0/24", "default": true}))];
+    let mut ipwarden = Ipwarden::start(1, &pools, &[]).await;
+    let client = ipwarden.client();
+    // StatefulSet `held` wants ordinal 0 (it cannot create the pod: its service account does
+    // not exist). Pod `held-0` is a bare stand-in no kubelet runs (its node does not exist);
+    // its sticky record sits in a block whose pool is gone, so no pool keeps the reservation.
+    support::create_statefulset(&client, NS, "held", json!({"serviceAccountName": "absent"})).await;
+    create_pod(&client, NS, "held-0", "nowhere", json!({"app": "stand-in"})).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let uid = pods.get("held-0").await.expect("read held-0").uid().expect("uid");
+    let record = support::record_json(NS, "held-0", &uid, "node-0", Some(("StatefulSet", "held")), true);
+    support::inject_record(&client, "vanished", "vanished-10-80-0-0-24", "10.80.0.0/24", "10.80.0.9", record).await;
+    // A sweep every 10 minutes: within this test only the pod's trace may release the record.
+    let controller = ipwarden.start_controller("tracer", &["--full-scan-interval-seconds=600"]);
+    ipwarden.wait_leader(controller).await;
+    wait::until("the leader's first sweep", TIMEOUT, || async {
+        let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+        let swept = metric_sum(&text, "ipwarden_gc_sweep_duration_seconds_count", &[]);
+        Ok(if swept >= 1.0 { Probe::Done(()) } else { Probe::Pending("no sweep yet".into()) })
+    })
+    .await
+    .expect("the new leader sweeps at once");
+    assert!(records(&client).await.contains_key("10.80.0.9"), "the pod is live: the sweep keeps its record");
+
+    pods.delete("held-0", &DeleteParams::default().grace_period(0)).await.expect("delete held-0");
+    wait::until("the record released at the pod's deadline", std::time::Duration::from_secs(60), || async {
+        let left = records(&client).await.contains_key("10.80.0.9");
+        Ok(if left { Probe::Pending("still recorded".into()) } else { Probe::Done(()) })
+    })
+    .await
+    .expect("the tracer releases a sticky record of a retired block with its pod");
+}
