@@ -40,7 +40,7 @@ use prometheus_client::registry::Registry;
 use crate::crd::{IPBlock, IPClaim, IPPool};
 use crate::gc::index::ClusterIndex;
 use crate::gc::rules::{NotReadyPolicy, RuleSettings};
-use crate::workload::DEFAULT_STICKY_KINDS;
+use crate::ipam::workload::DEFAULT_STICKY_KINDS;
 
 /// How long the controller waits for its caches at start.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
@@ -73,7 +73,7 @@ impl Caches {
     pub fn index(&self) -> ClusterIndex {
         let nodes = self.nodes.state();
         let stale = self.agents.stale(&nodes);
-        let pools = crate::pools::PoolSet::of(&self.pools.state(), &self.blocks.state());
+        let pools = crate::ipam::pools::PoolSet::of(&self.pools.state(), &self.blocks.state());
         ClusterIndex::build(
             &self.pods.state(),
             &nodes,

@@ -13,7 +13,7 @@ use crate::crd::{IPBlock, IPClaim, IPPool};
 use crate::gc::check::{Problem, Snapshot, check};
 use crate::gc::index::ClusterIndex;
 use crate::gc::rules::{NotReadyPolicy, RuleSettings};
-use crate::workload::DEFAULT_STICKY_KINDS;
+use crate::ipam::workload::DEFAULT_STICKY_KINDS;
 
 /// `ipwarden check` flags.
 #[derive(clap::Args, Debug, Clone)]

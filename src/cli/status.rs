@@ -15,7 +15,7 @@ use super::{Output, list, table};
 use crate::crd::{IPBlock, IPClaim};
 use crate::gc::index::ClusterIndex;
 use crate::gc::rules::{NotReadyPolicy, RuleSettings, Verdict};
-use crate::workload::DEFAULT_STICKY_KINDS;
+use crate::ipam::workload::DEFAULT_STICKY_KINDS;
 
 /// `ipwarden status` flags.
 #[derive(clap::Args, Debug, Clone)]
@@ -74,7 +74,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         for (ip, record) in &block.spec.allocations {
             let state = match index.evaluate(ip, record, now, &settings) {
                 Verdict::Release { .. } | Verdict::Repair { .. } => "leak-candidate",
-                _ if !crate::blocks::may_be_attached(record) => "sticky-reserved",
+                _ if !crate::ipam::blocks::may_be_attached(record) => "sticky-reserved",
                 _ => "used",
             };
             let pod = format!("{}/{}", record.pod.namespace, record.pod.name);

@@ -12,10 +12,10 @@ use kube::ResourceExt;
 
 use super::handshake::{TakeoverStep, controller_takeover_step};
 use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleSettings, Verdict, decide};
-use crate::blocks::Adopter;
 use crate::crd::{Allocation, IPClaim, OwnerRef, PodRef};
-pub use crate::workload::StatefulSetFacts;
-use crate::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence};
+use crate::ipam::blocks::Adopter;
+pub use crate::ipam::workload::StatefulSetFacts;
+use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence};
 
 /// What the rules need of one pod.
 #[derive(Clone, Debug)]
@@ -97,7 +97,7 @@ pub struct ClusterIndex {
     /// Owner kinds whose records count as sticky; a record of another kind is not, so an
     /// owner kind removed from the list leaves ipwarden's stickiness.
     pub sticky_kinds: Vec<String>,
-    /// Blocks whose records no pool keeps ([`crate::pools::PoolSet::retired`]): orphaned
+    /// Blocks whose records no pool keeps ([`crate::ipam::pools::PoolSet::retired`]): orphaned
     /// blocks and the blocks of pools being deleted.
     pub retired_blocks: BTreeSet<String>,
 }
@@ -285,7 +285,7 @@ impl ClusterIndex {
             node,
             // A live migration's target reporting the IP holds it for the record, as its source does.
             holder: self.live_ips.get(ip).map(|h| IpHolder {
-                uid: if crate::blocks::names_pod(record, &h.pod.uid) { &record.pod.uid } else { &h.pod.uid },
+                uid: if crate::ipam::blocks::names_pod(record, &h.pod.uid) { &record.pod.uid } else { &h.pod.uid },
                 terminal: h.terminal,
             }),
             now,
