@@ -5,7 +5,6 @@
 
 pub mod actors;
 pub mod agent;
-pub mod blocks;
 pub mod claim_writes;
 pub mod cli;
 pub mod cni;
@@ -16,7 +15,5 @@ pub mod http;
 pub mod ipam;
 pub mod lease;
 pub mod owners;
-pub mod pools;
 pub mod protocol;
 pub mod retry;
-pub mod workload;

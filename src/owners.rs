@@ -7,7 +7,7 @@ use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 
 use crate::crd::{Allocation, OwnerRef};
-use crate::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence, StatefulSetFacts};
+use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence, StatefulSetFacts};
 
 /// KubeVirt's API group and version.
 pub const KUBEVIRT_API_VERSION: &str = "kubevirt.io/v1";

@@ -1,11 +1,16 @@
 //! The operator CLI against a real cluster: `ipwarden check` finds nothing on a consistent
 //! cluster and reports an injected leak with exit status 1; `ipwarden status` counts used
-//! IPs and leak candidates per pool and node.
+//! IPs and leak candidates per pool and node; `ipwarden gc --dry-run` shows the leader's own
+//! plan.
 
 mod support;
 
+use e2e::wait::{self, Probe};
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
-use support::{Ipwarden, create_pod, inject_record, record_json, wait_pods_with_ips};
+use support::{Ipwarden, TIMEOUT, create_pod, inject_record, record_json, wait_pods_with_ips};
 
 fn ipwarden_cli(ipwarden: &Ipwarden, args: &[&str]) -> (bool, String) {
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_ipwarden"))
@@ -42,4 +47,51 @@ async fn check_and_status_report_a_consistent_cluster_and_an_injected_leak() {
     assert_eq!(report["problems"][0]["subject"], "10.90.0.250");
     let (_, table) = ipwarden_cli(&ipwarden, &["status", "-a"]);
     assert!(table.contains("leak-candidate") && table.contains("10.90.0.250"), "status -a lists the leak: {table}");
+}
+
+/// A controller run with an hour of additional grace keeps tracing a pod stuck Terminating;
+/// the dry run must show that leader's plan, not one made with default rule settings (5 s of
+/// additional grace), which would release the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_dry_run_shows_the_plan_the_leader_makes_with_its_own_rule_flags() {
+    let mut ipwarden = Ipwarden::start(1, &[("pool", json!({"cidr": "10.91.0.0/24", "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    let flags = ["--full-scan-interval-seconds=3600", "--additional-grace-seconds=3600"];
+    let controller = ipwarden.start_controller("dry", &flags);
+    ipwarden.wait_leader(controller).await;
+    // Bound to a node without a kubelet, so nothing runs it and only the finalizer holds it.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let stuck: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "stuck", "finalizers": ["e2e.ipwarden.io/hold"]},
+        "spec": {"nodeName": "node-gone", "containers": [{"name": "app", "image": "registry.invalid/ipwarden-test/app:1"}]},
+    }))
+    .expect("pod");
+    let uid = pods.create(&PostParams::default(), &stuck).await.expect("stuck pod").uid().expect("uid");
+    let record = record_json("default", "stuck", &uid, "node-0", None, false);
+    inject_record(&client, "pool", "pool-10-91-0-0-24", "10.91.0.0/24", "10.91.0.240", record).await;
+    pods.delete("stuck", &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() })
+        .await
+        .expect("delete the stuck pod");
+    let deleted_at = pods.get("stuck").await.expect("stuck pod").metadata.deletion_timestamp.expect("terminating").0;
+    // The condition is the clock itself: the deadline default settings would give the pod.
+    wait::until("6 s past the stuck pod's deletionTimestamp", TIMEOUT, || async {
+        let past = jiff::Timestamp::now().duration_since(deleted_at).as_secs() >= 6;
+        Ok(if past { Probe::Done(()) } else { Probe::Pending("within default settings' deadline".into()) })
+    })
+    .await
+    .expect("past the default deadline");
+
+    let (ok, dry) = ipwarden_cli(&ipwarden, &["gc", "--dry-run", "-o", "json"]);
+    assert!(ok, "dry run: {dry}");
+    let plan: Value = serde_json::from_str(&dry).expect("dry-run JSON");
+    assert_eq!(plan["changes"], json!([]), "the leader traces the pod for an hour: nothing to change; {plan}");
+    assert_eq!(plan["traced"], 1, "the stuck pod's record is traced until its deadline: {plan}");
+    let (ok, run) = ipwarden_cli(&ipwarden, &["gc", "-o", "json"]);
+    assert!(ok, "gc: {run}");
+    let report: Value = serde_json::from_str(&run).expect("report JSON");
+    assert_eq!(
+        (report["traced"].as_u64(), report["planned"].as_u64()),
+        (Some(1), Some(0)),
+        "the sweep agrees: {report}"
+    );
 }

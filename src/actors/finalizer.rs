@@ -2,7 +2,7 @@
 //! pool supervisor's timer: the finalizer goes on every live pool; a pool being deleted
 //! keeps it while a block of the pool holds a record, then its empty blocks are deleted and
 //! the finalizer comes off; an orphaned block is deleted once empty. Decisions come from
-//! [`crate::pools`]; every write is conditional on the resourceVersion it was decided on.
+//! [`crate::ipam::pools`]; every write is conditional on the resourceVersion it was decided on.
 
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::{Client, ResourceExt};
@@ -10,7 +10,7 @@ use serde_json::json;
 
 use super::pool::PoolContext;
 use crate::crd::{IPBlock, IPPool, POOL_FINALIZER};
-use crate::pools::{FinalizerStep, PoolSet, finalizer_step};
+use crate::ipam::pools::{FinalizerStep, PoolSet, finalizer_step};
 
 /// One pass over the cached pools and blocks; does nothing unless this replica leads.
 pub async fn reconcile(context: PoolContext) {
@@ -71,7 +71,7 @@ async fn release(client: &Client, pool: &IPPool) -> Result<bool, kube::Error> {
     let name = pool.name_any();
     let api: Api<IPBlock> = Api::all(client.clone());
     // The pool's own blocks: one written under an earlier layout of this name is orphaned.
-    let own = |b: &IPBlock| b.spec.pool == name && crate::pools::owns_block(&pool.spec, &b.spec.cidr);
+    let own = |b: &IPBlock| b.spec.pool == name && crate::ipam::pools::owns_block(&pool.spec, &b.spec.cidr);
     let blocks: Vec<IPBlock> = api.list(&ListParams::default()).await?.items.into_iter().filter(own).collect();
     if blocks.iter().any(|b| !b.spec.allocations.is_empty()) {
         return Ok(false);

@@ -1,6 +1,6 @@
 //! Watches of KubeVirt's VirtualMachines and VirtualMachineInstances (metadata only, into
 //! the index), so that the controller decides on a VM's records and claim by the same rule as the agent
-//! ([`crate::workload::owner_wants`]). KubeVirt may be absent: its API is looked for at
+//! ([`crate::ipam::workload::owner_wants`]). KubeVirt may be absent: its API is looked for at
 //! start and then every [`DISCOVERY_INTERVAL`] until it is served; only then are the two
 //! kinds watched. Until both are listed, a VM's reservations are kept.
 
@@ -13,8 +13,8 @@ use kube::runtime::watcher;
 
 use super::watches::{SharedIndex, drain, watch_into};
 use crate::gc::index::{Kind, Watched};
+use crate::ipam::workload::KUBEVIRT_VMI_KIND;
 use crate::owners::{KUBEVIRT_API_VERSION, KUBEVIRT_VM_KIND, kubevirt_resource};
-use crate::workload::KUBEVIRT_VMI_KIND;
 
 /// How often the controller looks for KubeVirt's API while it is not served.
 pub const DISCOVERY_INTERVAL: Duration = Duration::from_secs(10);

@@ -1,7 +1,8 @@
 //! `ManualTrigger`: how an operator's `ipwarden gc` reaches the leader. The CLI writes a
-//! request ID into the ConfigMap [`TRIGGER_CONFIGMAP`] in the controller's namespace; the
-//! leader sees it, sweeps, and writes the report back under the same ID. Only kubeconfig
-//! access is needed, no route to the controller's pods.
+//! request ID (and its mode) into the ConfigMap [`TRIGGER_CONFIGMAP`] in the controller's
+//! namespace; the leader sees it, sweeps (or plans a dry run with its own settings), and
+//! writes the answer back under the same ID. Only kubeconfig access is needed, no route to
+//! the controller's pods. The contract is [`crate::gc::manual`].
 
 use super::leader::Leadership;
 use std::collections::BTreeMap;
@@ -12,22 +13,8 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, Patch, PatchParams};
 
 use super::pool::Trigger;
-use super::sweeper::{SweepNow, Sweeper};
-
-/// The ConfigMap carrying manual GC requests and their reports.
-pub const TRIGGER_CONFIGMAP: &str = "ipwarden-gc";
-
-/// Data key: the ID of the newest request.
-pub const REQUEST_KEY: &str = "request";
-
-/// Data key: the ID of the newest request the leader answered.
-pub const HANDLED_KEY: &str = "handled";
-
-/// Data key: the answer, a JSON `SweepReport`, or an error text under [`ERROR_KEY`].
-pub const RESULT_KEY: &str = "result";
-
-/// Data key: why the request could not be served.
-pub const ERROR_KEY: &str = "error";
+use super::sweeper::{PlanNow, SweepNow, Sweeper};
+use crate::gc::manual::{ERROR_KEY, HANDLED_KEY, MODE_KEY, Mode, REQUEST_KEY, RESULT_KEY, TRIGGER_CONFIGMAP};
 
 /// How often the leader looks for a request.
 const POLL_INTERVAL: Duration = Duration::from_secs(1);
@@ -58,11 +45,15 @@ impl ManualTrigger {
             let Some(request) = data.get(REQUEST_KEY).filter(|r| data.get(HANDLED_KEY) != Some(*r)).cloned() else {
                 return Ok(());
             };
-            tracing::info!(%request, "manual GC requested");
-            let (result, error) = match sweeper.send(SweepNow(Trigger::Manual)).await {
-                Ok(Ok(report)) => (serde_json::to_string(&report).unwrap_or_default(), String::new()),
-                Ok(Err(e)) => (String::new(), e),
-                Err(e) => (String::new(), format!("the sweeper did not answer: {e}")),
+            let mode = Mode::of(data.get(MODE_KEY).map(String::as_str));
+            tracing::info!(%request, mode = mode.value(), "manual GC requested");
+            let answer = match mode {
+                Mode::Sweep => encode(sweeper.send(SweepNow(Trigger::Manual)).await),
+                Mode::DryRun => encode(sweeper.send(PlanNow).await),
+            };
+            let (result, error) = match answer {
+                Ok(result) => (result, String::new()),
+                Err(e) => (String::new(), e),
             };
             let answer: BTreeMap<&str, String> =
                 [(HANDLED_KEY, request), (RESULT_KEY, result), (ERROR_KEY, error)].into_iter().collect();
@@ -80,6 +71,12 @@ impl ManualTrigger {
             }
         }));
     }
+}
+
+/// The sweeper's answer as the text under [`RESULT_KEY`], or the error for [`ERROR_KEY`].
+fn encode<T: serde::Serialize>(answer: Result<Result<T, String>, actix::MailboxError>) -> Result<String, String> {
+    let value = answer.map_err(|e| format!("the sweeper did not answer: {e}"))??;
+    serde_json::to_string(&value).map_err(|e| format!("encoding the answer: {e}"))
 }
 
 impl Actor for ManualTrigger {

@@ -41,7 +41,7 @@ use prometheus_client::registry::Registry;
 use crate::crd::{IPBlock, IPClaim, IPPool};
 use crate::gc::index::{Kind, Watched};
 use crate::gc::rules::{NotReadyPolicy, RuleSettings};
-use crate::workload::DEFAULT_STICKY_KINDS;
+use crate::ipam::workload::DEFAULT_STICKY_KINDS;
 
 /// How long the controller waits for its watches' first lists at start.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);

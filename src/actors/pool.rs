@@ -195,7 +195,7 @@ struct PoolCounts {
     total: i64,
     allocated: i64,
     sticky: i64,
-    /// [`crate::blocks::fingerprint`] of the pool's blocks in the cache the counts came from.
+    /// [`crate::ipam::blocks::fingerprint`] of the pool's blocks in the cache the counts came from.
     counted_blocks: String,
 }
 
@@ -246,7 +246,7 @@ impl PoolSupervisor {
         for pool in &pools {
             let name = pool.name_any();
             let labels = PoolLabels { pool: name.clone() };
-            let total = crate::pools::layout(&pool.spec).map(|l| l.capacity()).unwrap_or(0);
+            let total = crate::ipam::pools::layout(&pool.spec).map(|l| l.capacity()).unwrap_or(0);
             self.context.metrics.pool_total.get_or_create(&labels).set(i64::try_from(total).unwrap_or(i64::MAX));
             let (used, sticky, handshaking) = allocated.get(&name).copied().unwrap_or_default();
             self.context.metrics.pool_allocated.get_or_create(&labels).set(used);
@@ -254,7 +254,7 @@ impl PoolSupervisor {
             self.context.metrics.pool_handshaking.get_or_create(&labels).set(handshaking);
             let deleting = i64::from(pool.metadata.deletion_timestamp.is_some());
             self.context.metrics.pool_deleting.get_or_create(&labels).set(deleting);
-            let counted_blocks = crate::blocks::pool_fingerprint(&blocks, &name);
+            let counted_blocks = crate::ipam::blocks::pool_fingerprint(&blocks, &name);
             counts.push(PoolCounts {
                 pool: name,
                 total: i64::try_from(total).unwrap_or(i64::MAX),
@@ -263,7 +263,7 @@ impl PoolSupervisor {
                 counted_blocks,
             });
         }
-        let pools = crate::pools::PoolSet::of(&pools, &blocks);
+        let pools = crate::ipam::pools::PoolSet::of(&pools, &blocks);
         let orphaned: usize = pools.orphans().iter().map(|o| o.records).sum();
         self.context.metrics.orphaned_records.set(count(orphaned));
         let conflicts = crate::gc::check::conflicts(index.pods(), &blocks).len();
@@ -613,7 +613,7 @@ async fn apply_one(
             }
             // The decision's owner cache may be stale (a fast scale down and up): re-read it.
             // A retired block keeps no reservation, so its owner has no say.
-            let sticky = crate::workload::record_is_sticky(record, context.index.read().sticky_kinds());
+            let sticky = crate::ipam::workload::record_is_sticky(record, context.index.read().sticky_kinds());
             if reason.rests_on_owner()
                 && !change.retired
                 && sticky
@@ -641,7 +641,7 @@ async fn apply_one(
             if holders.get(&change.ip) != Some(&adopter.pod.uid) {
                 return ChangeOutcome::Skipped("holder_changed");
             }
-            crate::blocks::repair(record, adopter, now);
+            crate::ipam::blocks::repair(record, adopter, now);
             ChangeOutcome::Repaired
         }
         ChangeAction::AnswerTakeover => {

@@ -1,9 +1,9 @@
 //! `Sweeper` (gc-all): on a timer, on gaining leadership and on an operator's request, walks
-//! every record of every pool against the caches (no API read per record) and sends the
+//! every record of every pool against the index (no API read per record) and sends the
 //! verdicts to the pool actors. Only the leader sweeps.
 
 use super::leader::Leadership;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,46 +19,23 @@ use super::metrics::ControllerMetrics;
 use super::pool::{ApplyChanges, ApplyOutcome, PoolSupervisor, Trigger, apply_in_background};
 use super::watches::SharedIndex;
 use crate::crd::{Allocation, HandshakeState, IPBlock};
+use crate::gc::manual::{DryRunPlan, SweepReport};
 use crate::gc::rules::RuleSettings;
 use crate::gc::sweep;
-
-/// What one sweep did; what `ipwarden gc` prints.
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct SweepReport {
-    /// Records looked at.
-    pub scanned: usize,
-    /// Releases and repairs decided.
-    pub planned: usize,
-    /// Records released.
-    pub released: usize,
-    /// Records repaired.
-    pub repaired: usize,
-    /// Records marked for release, waiting for their node's agent.
-    #[serde(default)]
-    pub marked: usize,
-    /// Release handshakes cleared.
-    #[serde(default)]
-    pub aborted: usize,
-    /// Sticky takeover marks answered for a node whose agent cannot answer.
-    #[serde(default)]
-    pub answered: usize,
-    /// Decided changes the re-check dropped.
-    pub skipped: usize,
-    /// Changes that failed.
-    pub failed: usize,
-    /// Records of terminating pods still within their deadline.
-    pub traced: usize,
-    /// Records kept, by reason.
-    pub kept: BTreeMap<String, usize>,
-    /// How long it took, in milliseconds.
-    pub duration_ms: u64,
-}
 
 /// Ask for a sweep now; answers with its report, or why it could not run.
 #[derive(Message)]
 #[rtype(result = "Result<SweepReport, String>")]
 pub struct SweepNow(pub Trigger);
+
+/// Ask for the plan a sweep would carry out now, made with this replica's rule settings and
+/// index; nothing is written. Answers why not when this replica does not lead.
+#[derive(Message)]
+#[rtype(result = "Result<DryRunPlan, String>")]
+pub struct PlanNow;
+
+/// Why a standby answers no manual request.
+const NOT_LEADER: &str = "this controller replica is not the leader";
 
 /// The sweeper actor.
 pub struct Sweeper {
@@ -88,10 +65,7 @@ impl Sweeper {
 
     fn sweep(&self, trigger: Trigger) -> impl Future<Output = SweepReport> + 'static {
         let started = Instant::now();
-        let plan = {
-            let index = self.index.read();
-            sweep::plan(&index, index.blocks_by_name().values(), Timestamp::now(), &self.settings)
-        };
+        let plan = self.plan_all();
         let metrics = self.metrics.clone();
         metrics.records_scanned.inc_by(u64::try_from(plan.scanned).unwrap_or(u64::MAX));
         for (reason, count) in &plan.kept {
@@ -127,6 +101,12 @@ impl Sweeper {
             tracing::info!(trigger = trigger.label(), ?report, "sweep done");
             report
         }
+    }
+
+    /// What a sweep of every block would do now.
+    fn plan_all(&self) -> sweep::SweepPlan {
+        let index = self.index.read();
+        sweep::plan(&index, index.blocks_by_name().values(), Timestamp::now(), &self.settings)
     }
 
     fn sweep_if_leading(&mut self, trigger: Trigger, ctx: &mut Context<Self>) {
@@ -230,8 +210,19 @@ impl Handler<SweepNow> for Sweeper {
 
     fn handle(&mut self, SweepNow(trigger): SweepNow, _ctx: &mut Context<Self>) -> Self::Result {
         if !self.leading.is_leading() {
-            return Box::pin(actix::fut::ready(Err("this controller replica is not the leader".to_string())));
+            return Box::pin(actix::fut::ready(Err(NOT_LEADER.to_string())));
         }
         Box::pin(self.sweep(trigger).into_actor(self).map(|report, _, _| Ok(report)))
+    }
+}
+
+impl Handler<PlanNow> for Sweeper {
+    type Result = Result<DryRunPlan, String>;
+
+    fn handle(&mut self, _msg: PlanNow, _ctx: &mut Context<Self>) -> Self::Result {
+        if !self.leading.is_leading() {
+            return Err(NOT_LEADER.to_string());
+        }
+        Ok(DryRunPlan::of(&self.plan_all()))
     }
 }

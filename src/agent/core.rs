@@ -16,22 +16,22 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, ResourceExt};
 use tokio::sync::Mutex;
 
 use super::checkpoint::{AttachmentKey, Checkpoint, CheckpointEntry, CheckpointIp};
 use super::metrics::{AgentMetrics, PoolLabels};
-use crate::blocks::{self, ReleaseOutcome};
 use crate::crd::{
     Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPBlock, IPBlockSpec, IPClaim, IPClaimSpec, IPPool,
     MigrationTarget, OwnerRef, POOL_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
 };
 use crate::gc::handshake::{AgentAnswer, ClaimedRecord, PodOnNode, ReclaimStep, agent_answer, reclaim_step};
+use crate::ipam::blocks::{self, ReleaseOutcome};
+use crate::ipam::pools::{self, PodPlacement, PoolSet};
+use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
 use crate::ipam::{BlockUsage, ChooseError, PoolLayout, choose_ip};
-use crate::pools::{self, PodPlacement, PoolSet};
 use crate::protocol::{AttachmentRequest, CniError, GcRequest, IpConfig, IpamResult, Route, StatusRequest};
-use crate::workload::{self, KUBEVIRT_VMI_KIND};
 
 /// ipwarden's own CNI error code: no pool fits the pod.
 pub const NO_POOL_FITS: u32 = 100;
@@ -843,22 +843,24 @@ impl Core {
         uid: Option<&str>,
     ) -> ReleaseSummary {
         let mut summary = ReleaseSummary::default();
-        // The records of a pool being deleted, or of an orphaned block, are released at once:
-        // no sticky reservation outlives its pod there.
-        let retired = PoolSet::of(&self.pools.state(), &self.blocks.state()).retired().clone();
         for target in ips {
             let found = match Api::<IPBlock>::all(self.client.clone()).get_opt(&target.block).await {
-                Ok(Some(block)) => {
-                    block.spec.cidr.parse::<IpNet>().ok().zip(block.spec.allocations.get(&target.ip).cloned())
-                }
+                Ok(Some(block)) => block
+                    .spec
+                    .cidr
+                    .parse::<IpNet>()
+                    .ok()
+                    .zip(block.spec.allocations.get(&target.ip).cloned().map(|r| (r, self.retired(&block.spec)))),
                 Ok(None) => None,
                 Err(e) => {
                     tracing::warn!(block = %target.block, error = %e, "reading block for release failed");
                     None
                 }
             };
-            let Some((net, record)) = found else { continue };
-            let keep = record.sticky && !retired.contains(&target.block) && self.owner_wants(&record).await;
+            let Some((net, (record, retired))) = found else { continue };
+            // The records of a pool being deleted, or of an orphaned block, are released at
+            // once: no sticky reservation outlives its pod there.
+            let keep = record.sticky && !retired && self.owner_wants(&record).await;
             let now = Timestamp::now();
             let outcome = self
                 .write_block(&target.block, &target.pool, net, |spec| {
@@ -901,6 +903,16 @@ impl Core {
             }
         }
         summary
+    }
+
+    /// Whether `block`'s records are retired ([`pools::block_is_retired`]), by the cached pool
+    /// it names.
+    fn retired(&self, block: &IPBlockSpec) -> bool {
+        let pool = self.pools.get(&ObjectRef::new(&block.pool));
+        pools::block_is_retired(
+            pool.as_deref().map(|p| (&p.spec, p.metadata.deletion_timestamp.is_some())),
+            &block.cidr,
+        )
     }
 
     /// Whether the workload of a sticky record still wants its IP, read live

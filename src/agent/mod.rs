@@ -26,7 +26,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
 
 use crate::crd::{IPBlock, IPPool};
-use crate::workload::DEFAULT_STICKY_KINDS;
+use crate::ipam::workload::DEFAULT_STICKY_KINDS;
 use checkpoint::{Checkpoint, Restored};
 
 /// Only host-local reservations at least this old are collected at start: an ADD in flight

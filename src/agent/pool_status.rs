@@ -13,7 +13,7 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 
 use crate::crd::{IPBlock, IPPool};
-use crate::pools::{self, OVERLAPPING_CONDITION, PoolSet};
+use crate::ipam::pools::{self, OVERLAPPING_CONDITION, PoolSet};
 
 /// Brings every pool's `Overlapping` condition in line with the current pools and blocks.
 pub async fn reconcile(client: &Client, pools: &Store<IPPool>, blocks: &Store<IPBlock>) {

@@ -1,5 +1,6 @@
 //! `ipwarden gc`: ask the leader for a full sweep and print its report, or with `--dry-run`
-//! compute locally what a sweep would release and by which rule row, changing nothing.
+//! ask it what a sweep would release and by which rule row, planned with its own flags and
+//! index, changing nothing. The request travels through [`crate::gc::manual`]'s ConfigMap.
 
 use std::time::Duration;
 
@@ -10,10 +11,9 @@ use kube::Client;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 
 use super::{Output, table};
-use crate::actors::manual::{ERROR_KEY, HANDLED_KEY, REQUEST_KEY, RESULT_KEY, TRIGGER_CONFIGMAP};
-use crate::actors::sweeper::SweepReport;
-use crate::gc::rules::{NotReadyPolicy, RuleSettings};
-use crate::gc::sweep::{self, ChangeAction, RecordChange};
+use crate::gc::manual::{
+    DryRunPlan, ERROR_KEY, HANDLED_KEY, MODE_KEY, Mode, REQUEST_KEY, RESULT_KEY, SweepReport, TRIGGER_CONFIGMAP,
+};
 
 /// `ipwarden gc` flags.
 #[derive(clap::Args, Debug, Clone)]
@@ -68,8 +68,16 @@ pub async fn run(args: GcArgs) -> anyhow::Result<()> {
     let client = Client::try_default().await.context("building the Kubernetes client from the kubeconfig")?;
     match &args.target {
         Some(GcTarget::HostLocal(host_local)) => collect_host_local(&client, host_local, args.output).await,
-        None if args.dry_run => dry_run(&client, &args).await,
-        None => ask_leader(&client, &args).await,
+        None if args.dry_run => {
+            let plan = serde_json::from_str(&ask_leader(&client, &args, Mode::DryRun).await?)
+                .context("decoding the dry-run plan")?;
+            print_plan(&plan, args.output)
+        }
+        None => {
+            let report = serde_json::from_str(&ask_leader(&client, &args, Mode::Sweep).await?)
+                .context("decoding the sweep report")?;
+            print_report(&report, args.output)
+        }
     }
 }
 
@@ -97,66 +105,38 @@ async fn collect_host_local(client: &Client, args: &HostLocalArgs, output: Outpu
     Ok(())
 }
 
-async fn dry_run(client: &Client, args: &GcArgs) -> anyhow::Result<()> {
-    let super::Listed { blocks, index, .. } = super::list_cluster(client).await?;
-    let settings = RuleSettings { additional_delay: Duration::from_secs(5), not_ready: NotReadyPolicy::Keep };
-    let plan = sweep::plan(&index, &blocks, Timestamp::now(), &settings);
-    if args.output == Output::Json {
-        let changes: Vec<serde_json::Value> = plan
-            .changes
-            .iter()
-            .map(|c| {
-                let (action, rule) = describe(c);
-                serde_json::json!({"ip": c.ip, "pool": c.pool, "block": c.block,
-                    "pod": format!("{}/{}", c.pod.namespace, c.pod.name), "podUid": c.pod.uid, "action": action, "rule": rule})
-            })
-            .collect();
-        let out = serde_json::json!({"scanned": plan.scanned, "changes": changes, "traced": plan.traced.len(), "kept": plan.kept});
-        println!("{}", serde_json::to_string_pretty(&out)?);
+fn print_plan(plan: &DryRunPlan, output: Output) -> anyhow::Result<()> {
+    if output == Output::Json {
+        println!("{}", serde_json::to_string_pretty(plan)?);
         return Ok(());
     }
     let rows: Vec<Vec<String>> = plan
         .changes
         .iter()
-        .map(|c| {
-            let (action, rule) = describe(c);
-            vec![c.ip.clone(), c.pool.clone(), format!("{}/{}", c.pod.namespace, c.pod.name), action.to_string(), rule]
-        })
+        .map(|c| vec![c.ip.clone(), c.pool.clone(), c.pod.clone(), c.action.clone(), c.rule.clone()])
         .collect();
     print!("{}", table(&["IP", "POOL", "POD", "ACTION", "RULE"], &rows));
     println!(
         "{} records scanned, {} would change, {} traced until their deadline (dry run: nothing changed)",
         plan.scanned,
         plan.changes.len(),
-        plan.traced.len()
+        plan.traced
     );
     Ok(())
 }
 
-/// The action and rule columns of one change. A release on a node with a live agent goes
-/// through the release handshake first.
-fn describe(change: &RecordChange) -> (&'static str, String) {
-    match &change.action {
-        ChangeAction::Release { reason, .. } if change.via_agent => ("release (handshake)", reason.label().to_string()),
-        ChangeAction::Release { reason, .. } => ("release", reason.label().to_string()),
-        ChangeAction::Repair { adopter } => {
-            ("repair", format!("adopt by {}/{} on {}", adopter.pod.namespace, adopter.pod.name, adopter.node))
-        }
-        ChangeAction::AbortHandshake => ("abort handshake", "no longer a candidate".to_string()),
-        ChangeAction::AbortTakeover => ("abort takeover", "its pod no longer waits".to_string()),
-        ChangeAction::AnswerTakeover => ("answer takeover", "the node's agent cannot answer".to_string()),
-    }
-}
-
-async fn ask_leader(client: &Client, args: &GcArgs) -> anyhow::Result<()> {
+/// Writes a request of `mode` into the trigger ConfigMap and returns the leader's answer
+/// (the JSON under [`RESULT_KEY`]) once it has one.
+async fn ask_leader(client: &Client, args: &GcArgs, mode: Mode) -> anyhow::Result<String> {
     let api: Api<ConfigMap> = Api::namespaced(client.clone(), &args.namespace);
     let request = format!("{}", Timestamp::now().as_nanosecond());
-    let patch = serde_json::json!({"data": {REQUEST_KEY: request}});
+    let data = serde_json::json!({REQUEST_KEY: request, MODE_KEY: mode.value()});
+    let patch = serde_json::json!({"data": data});
     match api.patch(TRIGGER_CONFIGMAP, &PatchParams::default(), &Patch::Merge(&patch)).await {
         Ok(_) => {}
         Err(kube::Error::Api(status)) if status.code == 404 => {
             let map: ConfigMap = serde_json::from_value(serde_json::json!({
-                "metadata": {"name": TRIGGER_CONFIGMAP, "namespace": args.namespace}, "data": {REQUEST_KEY: request},
+                "metadata": {"name": TRIGGER_CONFIGMAP, "namespace": args.namespace}, "data": data,
             }))?;
             api.create(&PostParams::default(), &map).await.context("creating the GC trigger ConfigMap")?;
         }
@@ -167,12 +147,9 @@ async fn ask_leader(client: &Client, args: &GcArgs) -> anyhow::Result<()> {
         let data = api.get(TRIGGER_CONFIGMAP).await.context("reading the GC report")?.data.unwrap_or_default();
         if data.get(HANDLED_KEY) == Some(&request) {
             if let Some(error) = data.get(ERROR_KEY).filter(|e| !e.is_empty()) {
-                bail!("the controller could not sweep: {error}");
+                bail!("the controller could not answer the {} request: {error}", mode.value());
             }
-            let text = data.get(RESULT_KEY).cloned().unwrap_or_default();
-            let report: SweepReport = serde_json::from_str(&text).context("decoding the sweep report")?;
-            print_report(&report, args.output)?;
-            return Ok(());
+            return Ok(data.get(RESULT_KEY).cloned().unwrap_or_default());
         }
         if std::time::Instant::now() >= deadline {
             bail!(

@@ -15,7 +15,7 @@ use kube::{Client, Resource};
 
 use crate::crd::{IPBlock, IPClaim, IPPool};
 use crate::gc::index::{ClusterIndex, Watched};
-use crate::workload::DEFAULT_STICKY_KINDS;
+use crate::ipam::workload::DEFAULT_STICKY_KINDS;
 
 /// Lists every object of kind `K` in the cluster.
 pub async fn list<K>(client: &Client) -> anyhow::Result<Vec<Arc<K>>>

@@ -65,7 +65,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         for (ip, record) in &block.spec.allocations {
             let state = match index.evaluate(&block.name_any(), ip, record, now, &settings) {
                 Verdict::Release { .. } | Verdict::Repair { .. } => "leak-candidate",
-                _ if !crate::blocks::may_be_attached(record) => "sticky-reserved",
+                _ if !crate::ipam::blocks::may_be_attached(record) => "sticky-reserved",
                 _ => "used",
             };
             let pod = format!("{}/{}", record.pod.namespace, record.pod.name);

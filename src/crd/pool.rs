@@ -126,7 +126,7 @@ pub struct IPPoolStatus {
     /// How many of those are sticky reservations of StatefulSet or KubeVirt workloads.
     #[serde(default)]
     pub sticky_reserved: i64,
-    /// The blocks (names and resourceVersions, as [`crate::blocks::fingerprint`]) the counts
+    /// The blocks (names and resourceVersions, as [`crate::ipam::blocks::fingerprint`]) the counts
     /// were taken from: `ipwarden check` compares the counts only with those same blocks, so
     /// a status not yet rewritten after a change (or a leader change) is not called drift.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -12,7 +12,7 @@ use serde::Serialize;
 use super::index::{ClusterIndex, PodFacts};
 use super::rules::{RuleSettings, Verdict};
 use crate::crd::{IPBlock, IPClaim, IPPool};
-use crate::pools;
+use crate::ipam::pools;
 
 /// One kind of inconsistency.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -145,7 +145,7 @@ pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -
         for ip in &facts.ips {
             let Ok(addr) = ip.parse() else { continue };
             let Some((pool, _)) = layouts.iter().find(|(_, l)| l.contains(addr)) else { continue };
-            if records.get(ip.as_str()).is_none_or(|(_, r)| !crate::blocks::names_pod(r, &facts.uid)) {
+            if records.get(ip.as_str()).is_none_or(|(_, r)| !crate::ipam::blocks::names_pod(r, &facts.uid)) {
                 problems.push(Problem {
                     kind: ProblemKind::UnrecordedPodIp,
                     subject: ip.clone(),
@@ -175,7 +175,7 @@ pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -
         let Some(status) = pool.status.as_ref().filter(|s| s.total > 0) else { continue };
         // Counts of other blocks than these (written before the latest change, or by a leader
         // that has not yet recounted) say nothing about drift.
-        let blocks_now = crate::blocks::pool_fingerprint(snapshot.blocks, &pool.name_any());
+        let blocks_now = crate::ipam::blocks::pool_fingerprint(snapshot.blocks, &pool.name_any());
         if status.counted_blocks.as_deref() != Some(blocks_now.as_str()) {
             continue;
         }
@@ -263,7 +263,7 @@ mod test {
         migrating["migrationTarget"] = json!({"migrationUid": "m1", "node": "", "containerId": "c2", "interface": "eth0",
             "pod": {"namespace": "ns", "name": "virt-launcher-vm1-b", "uid": "dst"}});
         let blocks = [block(json!({"10.0.0.1": migrating}))];
-        let pools = [pool(1, &crate::blocks::pool_fingerprint(&blocks, "p"))];
+        let pools = [pool(1, &crate::ipam::blocks::pool_fingerprint(&blocks, "p"))];
         let sticky = vec!["VirtualMachineInstance".to_string()];
         for order in [[0, 1], [1, 0]] {
             let pods = [pods[order[0]].clone(), pods[order[1]].clone()];
@@ -283,14 +283,14 @@ mod test {
         let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
         let good_pods = [pod("a", "ua", "10.0.0.1")];
         let good_blocks = [block(json!({"10.0.0.1": record("a", "ua")}))];
-        let pools = [pool(1, &crate::blocks::pool_fingerprint(&good_blocks, "p"))];
+        let pools = [pool(1, &crate::ipam::blocks::pool_fingerprint(&good_blocks, "p"))];
         let index = index_of(&good_pods, &[]);
         let snapshot = Snapshot { pods: &good_pods, pools: &pools, blocks: &good_blocks, claims: &[], index: &index };
         assert!(check(&snapshot, Timestamp::now(), &settings).is_empty());
 
         let pods = [pod("a", "ua", "10.0.0.1"), pod("b", "ub", "10.0.0.1"), pod("c", "uc", "10.0.0.3")];
         let blocks = [block(json!({"10.0.0.1": record("a", "ua"), "10.0.0.2": record("gone", "ug")}))];
-        let pools = [pool(1, &crate::blocks::pool_fingerprint(&blocks, "p"))];
+        let pools = [pool(1, &crate::ipam::blocks::pool_fingerprint(&blocks, "p"))];
         let index = index_of(&pods, &[]);
         let snapshot = Snapshot { pods: &pods, pools: &pools, blocks: &blocks, claims: &[], index: &index };
         let problems = check(&snapshot, Timestamp::now(), &settings);
@@ -315,10 +315,10 @@ mod test {
         after.metadata.resource_version = Some("2".into());
         let after = [Arc::new(after)];
         let index = index_of(&pods, &[]);
-        let stale = [pool(0, &crate::blocks::pool_fingerprint(&before, "p"))];
+        let stale = [pool(0, &crate::ipam::blocks::pool_fingerprint(&before, "p"))];
         let snapshot = Snapshot { pods: &pods, pools: &stale, blocks: &after, claims: &[], index: &index };
         assert!(check(&snapshot, Timestamp::now(), &settings).is_empty(), "a status of older blocks is not drift");
-        let wrong = [pool(0, &crate::blocks::pool_fingerprint(&after, "p"))];
+        let wrong = [pool(0, &crate::ipam::blocks::pool_fingerprint(&after, "p"))];
         let snapshot = Snapshot { pods: &pods, pools: &wrong, blocks: &after, claims: &[], index: &index };
         assert_eq!(kinds(&check(&snapshot, Timestamp::now(), &settings)), vec![(ProblemKind::CountDrift, "p")]);
     }

@@ -2,7 +2,7 @@
 
 use super::index::{ClaimFacts, ClusterIndex};
 use super::rules::Phase;
-use crate::workload::KUBEVIRT_VMI_KIND;
+use crate::ipam::workload::KUBEVIRT_VMI_KIND;
 
 /// Whether `claim` (in `namespace`, named `name`) can be deleted: a stateless pod that is
 /// gone, replaced or completed (Job pods included); a StatefulSet pod that is gone or

@@ -20,10 +20,10 @@ use kube::core::PartialObjectMeta;
 
 use super::handshake::{TakeoverStep, controller_takeover_step};
 use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleSettings, Verdict, decide};
-use crate::blocks::Adopter;
 use crate::crd::{Allocation, IPBlock, IPClaim, IPPool, OwnerRef, PodRef};
-pub use crate::workload::StatefulSetFacts;
-use crate::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence};
+use crate::ipam::blocks::Adopter;
+pub use crate::ipam::workload::StatefulSetFacts;
+use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence};
 
 /// What the rules need of one pod: the index keeps this, never the whole object.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -298,7 +298,7 @@ pub struct ClusterIndex {
     blocks: BTreeMap<String, Arc<IPBlock>>,
     /// Block names by the pool they name.
     blocks_of_pool: HashMap<String, BTreeSet<String>>,
-    /// Blocks whose records no pool keeps ([`crate::pools::block_is_retired`]): orphaned
+    /// Blocks whose records no pool keeps ([`crate::ipam::pools::block_is_retired`]): orphaned
     /// blocks and the blocks of pools being deleted.
     retired: HashSet<String>,
     /// Each pod UID's records: (block, IP).
@@ -528,7 +528,7 @@ impl ClusterIndex {
 
     fn judge(&self, block: &IPBlock) -> bool {
         let pool = self.pools.get(&block.spec.pool).map(|p| (&p.spec, p.metadata.deletion_timestamp.is_some()));
-        crate::pools::block_is_retired(pool, &block.spec.cidr)
+        crate::ipam::pools::block_is_retired(pool, &block.spec.cidr)
     }
 
     fn judge_blocks_of(&mut self, pool: &str) {
@@ -758,7 +758,7 @@ impl ClusterIndex {
             node: self.node_of(record, now),
             // A live migration's target reporting the IP holds it for the record, as its source does.
             holder: self.live_holder(ip).map(|h| IpHolder {
-                uid: if crate::blocks::names_pod(record, &h.pod.uid) { &record.pod.uid } else { &h.pod.uid },
+                uid: if crate::ipam::blocks::names_pod(record, &h.pod.uid) { &record.pod.uid } else { &h.pod.uid },
                 terminal: h.terminal,
             }),
             now,

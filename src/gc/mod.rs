@@ -6,5 +6,6 @@ pub mod check;
 pub mod claims;
 pub mod handshake;
 pub mod index;
+pub mod manual;
 pub mod rules;
 pub mod sweep;

@@ -11,8 +11,8 @@ use kube::ResourceExt;
 use super::handshake::{ControllerStep, TakeoverStep, controller_step};
 use super::index::ClusterIndex;
 use super::rules::{ReleaseReason, RuleSettings, Verdict};
-use crate::blocks::Adopter;
 use crate::crd::{Allocation, IPBlock, PodRef};
+use crate::ipam::blocks::Adopter;
 
 /// A change to one record, decided from a snapshot and re-checked before it is written.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,7 +51,7 @@ impl RecordChange {
             pool: block.spec.pool.clone(),
             ip: ip.to_string(),
             pod: record.pod.clone(),
-            claim: crate::workload::claim_name(&record.pod.name, record.owner.as_ref()),
+            claim: crate::ipam::workload::claim_name(&record.pod.name, record.owner.as_ref()),
             via_agent: index.agent_can_answer(record, now),
             retired: index.retired(&name),
             block: name,
@@ -71,7 +71,7 @@ pub enum ChangeAction {
         delete_claim: bool,
     },
     /// Make the record the whole attachment of the pod reporting the IP
-    /// ([`crate::blocks::repair`]).
+    /// ([`crate::ipam::blocks::repair`]).
     Repair {
         /// The adopting pod, its node and its workload.
         adopter: Adopter,

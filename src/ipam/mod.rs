@@ -1,10 +1,15 @@
-//! The pure IP allocation engine: pool geometry and the choice of one IP within a block.
+//! The pure allocation domain: pool geometry and the choice of one IP within a block, which
+//! pool a pod uses and which blocks a pool owns (`pools`), the edits of a block's records
+//! (`blocks`), and what a workload's owner wants (`workload`).
 //!
-//! Nothing here does I/O or knows about Kubernetes; the node agent feeds it the pool
-//! configuration and the current usage of a block and gets back the address to hand out.
+//! Nothing here does I/O: the node agent and the controller feed it what they read and
+//! write back what it returns.
 
+pub mod blocks;
 mod choose;
 mod layout;
+pub mod pools;
+pub mod workload;
 
 pub use choose::{BlockUsage, ChooseError, choose_ip};
 pub use layout::{

@@ -35,9 +35,10 @@ pub fn owns_block(spec: &IPPoolSpec, block_cidr: &str) -> bool {
     }
 }
 
-/// Whether a block of CIDR `block_cidr` is retired: no pool keeps its records, because the
-/// pool it names (`pool`: its spec and whether it is being deleted) is gone, is being
-/// deleted, or has no such block. The one rule for the controller's index and the agent.
+/// Whether the records of a block of CIDR `block_cidr` are retired: no pool keeps them, so
+/// they go as their pods go and no sticky reservation outlives its pod there. `pool` is the
+/// pool the block names, if it exists, with whether it is being deleted. Retired: the pool is
+/// absent, being deleted, or does not own the block ([`owns_block`]).
 pub fn block_is_retired(pool: Option<(&IPPoolSpec, bool)>, block_cidr: &str) -> bool {
     !matches!(pool, Some((spec, false)) if owns_block(spec, block_cidr))
 }
@@ -147,27 +148,14 @@ impl PoolSet {
             set.deleting.push(deleting);
         }
         for block in blocks {
-            let cidr = block.cidr.parse::<IpNet>().ok();
-            let owner = set
-                .names
-                .iter()
-                .zip(&set.specs)
-                .zip(&set.deleting)
-                .find(|((name, spec), _)| **name == block.pool && owns_block(spec, &block.cidr));
-            match owner {
-                Some((_, true)) => {
-                    set.retired.insert(block.name);
-                }
-                Some((_, false)) => {}
-                None => {
-                    set.retired.insert(block.name.clone());
-                    set.orphans.push(OrphanedBlock {
-                        name: block.name,
-                        pool: block.pool,
-                        cidr,
-                        records: block.records,
-                    });
-                }
+            let pool = set.names.iter().position(|name| *name == block.pool).map(|i| (&set.specs[i], set.deleting[i]));
+            if !block_is_retired(pool, &block.cidr) {
+                continue;
+            }
+            set.retired.insert(block.name.clone());
+            if pool.is_none_or(|(spec, _)| !owns_block(spec, &block.cidr)) {
+                let cidr = block.cidr.parse::<IpNet>().ok();
+                set.orphans.push(OrphanedBlock { name: block.name, pool: block.pool, cidr, records: block.records });
             }
         }
         set
@@ -746,6 +734,23 @@ mod test {
             set.orphans().iter().cloned().map(|o| OrphanedBlock { records: 0, ..o }).collect();
         assert!(overlaps(&views, &released).is_empty(), "empty orphaned blocks overlap nothing");
         assert_eq!(names(&select(&views, &released, &placement(None, &empty)).expect("served")), ["p"]);
+    }
+
+    #[test]
+    fn a_block_is_retired_when_its_pool_is_absent_deleting_or_does_not_own_it() {
+        let pool = spec(json!({"cidr": "10.0.0.0/28", "blockSize": 30, "default": true}));
+        // (pool, being deleted, block CIDR, retired)
+        let table = [
+            (Some(&pool), false, "10.0.0.4/30", false),
+            (Some(&pool), true, "10.0.0.4/30", true),
+            (Some(&pool), false, "10.0.0.0/28", true),
+            (Some(&pool), false, "10.9.0.0/30", true),
+            (None, false, "10.0.0.4/30", true),
+        ];
+        for (spec, deleting, cidr, retired) in table {
+            let pool = spec.map(|s| (s, deleting));
+            assert_eq!(block_is_retired(pool, cidr), retired, "pool {:?}, deleting {deleting}, {cidr}", spec.is_some());
+        }
     }
 
     #[test]
