@@ -129,8 +129,16 @@ struct AgentObservation {
     since: Timestamp,
 }
 
+/// The index's hash maps: foldhash (seeded per process, so names chosen by users cannot
+/// collide on purpose) is several times faster than SipHash on the short names every sweep
+/// looks up once per record (docs/decisions/0002-dependencies.md).
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// The index's hash sets (see [`Map`]).
+type Set<K> = HashSet<K, foldhash::fast::RandomState>;
+
 /// Objects by namespace and name, looked up without building a key.
-type ByNamespace<V> = HashMap<String, HashMap<String, V>>;
+type ByNamespace<V> = Map<String, Map<String, V>>;
 
 fn get<'a, V>(map: &'a ByNamespace<V>, namespace: &str, name: &str) -> Option<&'a V> {
     map.get(namespace)?.get(name)
@@ -246,11 +254,11 @@ impl Watched<'_> {
 
 /// KubeVirt objects by namespace and name: whether each is being deleted.
 #[derive(Clone, Debug, Default)]
-pub struct KubeVirtIndex {
+struct KubeVirtIndex {
     /// VirtualMachineInstances.
-    pub instances: HashMap<String, HashMap<String, bool>>,
+    instances: ByNamespace<bool>,
     /// VirtualMachines.
-    pub vms: HashMap<String, HashMap<String, bool>>,
+    vms: ByNamespace<bool>,
 }
 
 impl KubeVirtIndex {
@@ -285,28 +293,28 @@ pub struct ClusterIndex {
     default_agent_lease: Duration,
     pods: ByNamespace<PodFacts>,
     /// The pods reporting each IP.
-    holders: HashMap<String, Vec<Holder>>,
+    holders: Map<String, Vec<Holder>>,
     claims: ByNamespace<ClaimFacts>,
     statefulsets: ByNamespace<StatefulSetFacts>,
     kubevirt: KubeVirtIndex,
     /// Node states by name.
-    nodes: HashMap<String, NodeState>,
+    nodes: Map<String, NodeState>,
     /// Agent Lease observations by node (judged once the Leases are listed; until then every
     /// agent counts as live).
-    agents: HashMap<String, AgentObservation>,
+    agents: Map<String, AgentObservation>,
     pools: BTreeMap<String, Arc<IPPool>>,
     blocks: BTreeMap<String, Arc<IPBlock>>,
     /// Block names by the pool they name.
-    blocks_of_pool: HashMap<String, BTreeSet<String>>,
+    blocks_of_pool: Map<String, BTreeSet<String>>,
     /// Blocks whose records no pool keeps ([`crate::ipam::pools::block_is_retired`]): orphaned
     /// blocks and the blocks of pools being deleted.
-    retired: HashSet<String>,
+    retired: Set<String>,
     /// Each pod UID's records: (block, IP).
-    records_of_uid: HashMap<String, BTreeSet<(String, String)>>,
+    records_of_uid: Map<String, BTreeSet<(String, String)>>,
     /// The kinds whose first list has been applied.
     synced: BTreeSet<Kind>,
     /// The keys each relisting kind has seen since its relist started.
-    relisting: HashMap<Kind, HashSet<ObjectKey>>,
+    relisting: Map<Kind, Set<ObjectKey>>,
 }
 
 impl ClusterIndex {
@@ -387,7 +395,7 @@ impl ClusterIndex {
     /// Starts a relist of `kind`: what it does not list again before
     /// [`ClusterIndex::relist_done`] is gone.
     pub fn relist_started(&mut self, kind: Kind) {
-        self.relisting.insert(kind, HashSet::new());
+        self.relisting.insert(kind, Set::default());
     }
 
     /// Ends a relist of `kind` at `at`: removes what it did not list, and counts the kind as
