@@ -334,12 +334,11 @@ pub struct ProcessUsage {
     pub leader: bool,
     /// Peak resident memory since it started, in MiB.
     pub peak_rss_mib: f64,
-    /// CPU seconds from its start to the end of the first sweep (controllers), or over the
-    /// whole run (control plane).
+    /// CPU seconds from the controllers' start to the end of the first sweep.
     pub cpu_startup_seconds: f64,
     /// CPU seconds during the quiet window.
     pub cpu_quiet_seconds: f64,
-    /// CPU seconds from the first leak's deletion to the last reclaim.
+    /// CPU seconds from the end of the quiet window to the last reclaim (the leak phase).
     pub cpu_leaks_seconds: f64,
 }
 
@@ -909,16 +908,40 @@ fn usage_of(component: &crate::process::Component) -> Result<Usage> {
     procstat::usage(pid)
 }
 
-fn usages(controllers: &[Daemon]) -> Result<Vec<Usage>> {
-    controllers.iter().map(|c| usage_of(&c.component)).collect()
+/// CPU and peak memory of every measured process at one moment, by name.
+type Usages = BTreeMap<String, Usage>;
+
+/// Measures the controllers and etcd, kube-apiserver and kube-controller-manager.
+fn measure(cluster: &mut Cluster, controllers: &[Daemon]) -> Result<Usages> {
+    let mut usages = Usages::new();
+    for controller in controllers {
+        usages.insert(controller.name.clone(), usage_of(&controller.component)?);
+    }
+    let plane = cluster.control_plane();
+    for name in [ComponentName::Etcd, ComponentName::Apiserver, ComponentName::ControllerManager] {
+        if let Some(pid) = plane.pid(name) {
+            usages.insert(name.binary().to_string(), procstat::usage(pid)?);
+        }
+    }
+    Ok(usages)
 }
 
-fn control_plane_usage(cluster: &mut Cluster) -> Result<Vec<(String, Usage)>> {
-    let plane = cluster.control_plane();
-    [ComponentName::Etcd, ComponentName::Apiserver, ComponentName::ControllerManager]
-        .into_iter()
-        .filter_map(|name| plane.pid(name).map(|pid| (name, pid)))
-        .map(|(name, pid)| Ok((name.binary().to_string(), procstat::usage(pid)?)))
+/// Each process's figures from the usages measured before the controllers started, after
+/// the first sweep, around the quiet window and at the end of the leak phase.
+fn process_usages(phases: [&Usages; 5], leader: &str) -> Vec<ProcessUsage> {
+    let [before, swept, quiet_start, quiet_end, end] = phases;
+    let cpu = |from: &Usages, to: &Usages, name: &str| {
+        to.get(name).map_or(0.0, |u| u.cpu_seconds) - from.get(name).map_or(0.0, |u| u.cpu_seconds)
+    };
+    end.iter()
+        .map(|(name, usage)| ProcessUsage {
+            name: name.clone(),
+            leader: name == leader,
+            peak_rss_mib: mib(usage.peak_rss_bytes),
+            cpu_startup_seconds: cpu(before, swept, name),
+            cpu_quiet_seconds: cpu(quiet_start, quiet_end, name),
+            cpu_leaks_seconds: cpu(quiet_end, end, name),
+        })
         .collect()
 }
 
@@ -979,13 +1002,6 @@ async fn start_controllers(cluster: &Cluster, binary: &Path) -> Result<Vec<Daemo
     Ok(controllers)
 }
 
-fn cpu(from: &[Usage], to: &[Usage], i: usize) -> f64 {
-    match (from.get(i), to.get(i)) {
-        (Some(a), Some(b)) => b.cpu_seconds - a.cpu_seconds,
-        _ => 0.0,
-    }
-}
-
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
@@ -1004,11 +1020,11 @@ pub async fn run(cluster: &mut Cluster, binary: &Path, options: &ScaleOptions) -
     let seen: Shared<Seen> = Arc::default();
     let mut background = JoinSet::new();
     background.spawn(watch_blocks(client.clone(), seen.clone()));
-    let plane_start = control_plane_usage(cluster)?;
+    let before = measure(cluster, &[])?;
 
     let controllers = start_controllers(cluster, binary).await?;
     let leader = wait_first_sweep(&controllers).await?;
-    let after_sweep = usages(&controllers)?;
+    let swept = measure(cluster, &controllers)?;
     let log = read_text(controllers[leader].component.log())?;
     let times = log_times(&log);
     let sweep_report = times.first_sweep.as_ref().map(|(_, r)| r.clone()).unwrap_or_default();
@@ -1024,10 +1040,10 @@ pub async fn run(cluster: &mut Cluster, binary: &Path, options: &ScaleOptions) -
     wait_pool_finalizers(&client, options.pools).await?;
 
     let audit = cluster.dir().join(AUDIT_LOG);
-    let quiet_start = (scrape_apiserver(&client).await?, usages(&controllers)?, jiff::Timestamp::now());
+    let quiet_start = (scrape_apiserver(&client).await?, measure(cluster, &controllers)?, jiff::Timestamp::now());
     // The quiet window is the measurement itself: whatever the controllers do in it is counted.
     tokio::time::sleep(options.quiet).await;
-    let quiet_end = (jiff::Timestamp::now(), usages(&controllers)?, scrape_apiserver(&client).await?);
+    let quiet_end = (jiff::Timestamp::now(), measure(cluster, &controllers)?, scrape_apiserver(&client).await?);
     report.quiet_seconds = options.quiet.as_secs_f64();
     let controller_requests = audit_counts(&read_text(&audit)?, quiet_start.2, quiet_end.0);
     report.quiet = Requests {
@@ -1039,7 +1055,7 @@ pub async fn run(cluster: &mut Cluster, binary: &Path, options: &ScaleOptions) -
 
     let leak_start = (scrape_apiserver(&client).await?, scrape_all(&controllers).await?, jiff::Timestamp::now());
     report.leaks = inject_leaks(&client, options, &planned, &uids, &seen).await?;
-    let leak_end = (jiff::Timestamp::now(), usages(&controllers)?, scrape_apiserver(&client).await?);
+    let leak_end = (jiff::Timestamp::now(), measure(cluster, &controllers)?, scrape_apiserver(&client).await?);
     let controller_requests = audit_counts(&read_text(&audit)?, leak_start.2, leak_end.0);
     report.leaks.requests = Requests {
         controller_per_record_gets: per_record_gets(&controller_requests),
@@ -1050,29 +1066,10 @@ pub async fn run(cluster: &mut Cluster, binary: &Path, options: &ScaleOptions) -
     report.leaks.releases_by_trigger = grown_by(&leak_start.1, &after, "ipwarden_gc_releases_total", "trigger");
     with(&seen, |s| (report.leaks.answered, report.leaks.answer_failures) = (s.answered, s.answer_failures));
 
-    report.controllers = controllers
-        .iter()
-        .enumerate()
-        .map(|(i, c)| ProcessUsage {
-            name: c.name.clone(),
-            leader: i == leader,
-            peak_rss_mib: mib(leak_end.1[i].peak_rss_bytes),
-            cpu_startup_seconds: after_sweep[i].cpu_seconds,
-            cpu_quiet_seconds: cpu(&quiet_start.1, &quiet_end.1, i),
-            cpu_leaks_seconds: cpu(&quiet_end.1, &leak_end.1, i),
-        })
-        .collect();
-    let plane_end = control_plane_usage(cluster)?;
-    report.control_plane = plane_end
-        .iter()
-        .map(|(name, end)| ProcessUsage {
-            name: name.clone(),
-            peak_rss_mib: mib(end.peak_rss_bytes),
-            cpu_startup_seconds: end.cpu_seconds
-                - plane_start.iter().find(|(n, _)| n == name).map_or(0.0, |(_, u)| u.cpu_seconds),
-            ..ProcessUsage::default()
-        })
-        .collect();
+    let leader_name = controllers[leader].name.clone();
+    let processes = process_usages([&before, &swept, &quiet_start.1, &quiet_end.1, &leak_end.1], &leader_name);
+    (report.controllers, report.control_plane) =
+        processes.into_iter().partition(|p| controllers.iter().any(|c| c.name == p.name));
     background.abort_all();
     Ok(report)
 }
@@ -1195,7 +1192,6 @@ impl std::fmt::Display for ScaleReport {
                 p.name, p.peak_rss_mib, p.cpu_startup_seconds, p.cpu_quiet_seconds, p.cpu_leaks_seconds
             )?;
         }
-        writeln!(f, "(control plane: CPU over the whole measured run in the \"CPU start\" column)")?;
         writeln!(f)?;
         writeln!(f, "quiet {:.0} s, controllers' requests: {}", self.quiet_seconds, listed(&self.quiet.controllers))?;
         writeln!(f, "quiet, controllers' per-record GETs: {}", self.quiet.controller_per_record_gets)?;
