@@ -1,6 +1,6 @@
 # The project's entry points. `make test` is the test command CI runs (.ci/run); `make demo`
 # is the main job on the local default. Both install what they need themselves.
-.PHONY: test demo soak churn-bench cluster-up cluster-down controlplane tools deps
+.PHONY: test demo soak churn-bench scale-bench cluster-up cluster-down controlplane tools deps
 
 # Where cargo puts what it builds (CARGO_TARGET_DIR when set).
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
@@ -35,6 +35,14 @@ demo: controlplane
 churn-bench: controlplane
 	cargo build --release --locked --workspace --bins
 	$(TARGET_DIR)/release/ipwarden-e2e churn --ipwarden $(TARGET_DIR)/release/ipwarden
+
+# The scale benchmark (docs/benchmarks.md, "Scale"): release binaries, 1,000 nodes, 30,000 pods
+# in 300 pools by default (SCALE_FLAGS to change them), a report at the end and in
+# .e2e/scale-report.json. Not part of `make test`.
+SCALE_FLAGS ?=
+scale-bench: controlplane
+	cargo build --release --locked --workspace --bins
+	$(TARGET_DIR)/release/ipwarden-e2e scale --ipwarden $(TARGET_DIR)/release/ipwarden $(SCALE_FLAGS)
 
 cluster-up:
 	bash e2e/cluster/cluster-up.sh

@@ -136,7 +136,7 @@ impl Latency {
 
 /// The nearest-rank `q` quantile of sorted values: the smallest value with at least a
 /// fraction `q` of the values at or below it.
-fn nearest_rank(sorted: &[f64], q: f64) -> Option<f64> {
+pub(crate) fn nearest_rank(sorted: &[f64], q: f64) -> Option<f64> {
     let rank = (q * sorted.len() as f64).ceil() as usize;
     sorted.get(rank.max(1) - 1).copied()
 }
@@ -270,7 +270,7 @@ struct Snapshot {
     usage: Vec<Usage>,
 }
 
-async fn scrape_port(port: u16, what: &str) -> Result<Scrape> {
+pub(crate) async fn scrape_port(port: u16, what: &str) -> Result<Scrape> {
     let text = ipwarden::get(port, "/metrics").await?;
     Scrape::parse(&text).map_err(|source| Error::Scrape { what: what.to_string(), source })
 }
@@ -291,11 +291,16 @@ async fn snapshot(client: &Client, installation: &Installation) -> Result<Snapsh
         })?;
         usage.push(procstat::usage(pid)?);
     }
+    let apiserver = scrape_apiserver(client).await?;
+    Ok(Snapshot { agents, controllers, apiserver, usage })
+}
+
+/// The apiserver's own `/metrics`, read with `client`.
+pub(crate) async fn scrape_apiserver(client: &Client) -> Result<Scrape> {
     let mut request = http::Request::new(Vec::new());
     *request.uri_mut() = http::Uri::from_static("/metrics");
     let text = client.request_text(request).await.map_err(Error::kube("reading the apiserver's /metrics"))?;
-    let apiserver = Scrape::parse(&text).map_err(|source| Error::Scrape { what: "kube-apiserver".into(), source })?;
-    Ok(Snapshot { agents, controllers, apiserver, usage })
+    Scrape::parse(&text).map_err(|source| Error::Scrape { what: "kube-apiserver".into(), source })
 }
 
 /// What the watches and the pod workers saw, keyed by pod UID.
@@ -612,7 +617,7 @@ fn grown(before: &[Scrape], after: &[Scrape], name: &str, select: impl Fn(&Label
 }
 
 /// Counter `name` after minus before, for each value of label `label` that grew.
-fn grown_by(before: &[Scrape], after: &[Scrape], name: &str, label: &str) -> BTreeMap<String, u64> {
+pub(crate) fn grown_by(before: &[Scrape], after: &[Scrape], name: &str, label: &str) -> BTreeMap<String, u64> {
     let values: BTreeSet<&String> = after
         .iter()
         .flat_map(|scrape| scrape.samples.iter())

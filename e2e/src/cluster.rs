@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams};
 
@@ -14,6 +15,7 @@ use crate::cni::CniNetwork;
 use crate::controlplane::{ControlPlane, ControlPlaneOptions};
 use crate::error::{Error, Result};
 use crate::kubelet::{self, NodeHandle, SIMULATED_NODE_LABEL};
+use crate::process::run_tool;
 use crate::wait::{self, Probe};
 
 /// Environment variable: the directory under which run directories are created (default:
@@ -185,6 +187,34 @@ impl Cluster {
             }
         })
         .await
+    }
+
+    /// Applies the CRDs in `file` (server-side apply with the cluster's kubectl: some schemas
+    /// are too big for client-side apply's annotation) and waits until each of `names` is
+    /// Established.
+    pub async fn apply_crds(&self, file: &Path, names: &[&str], timeout: Duration) -> Result<()> {
+        let args = [
+            "apply".to_string(),
+            "--server-side".to_string(),
+            "--field-manager=ipwarden-e2e".to_string(),
+            format!("--kubeconfig={}", self.kubeconfig().display()),
+            "-f".to_string(),
+            file.display().to_string(),
+        ];
+        run_tool(&self.kubectl(), &args, None).await?;
+        let api: Api<CustomResourceDefinition> = Api::all(self.client());
+        for name in names {
+            wait::until(&format!("CRD {name} Established"), timeout, || async {
+                let crd = api.get_opt(name).await.map_err(Error::kube(format!("reading CRD {name}")))?;
+                let established = crd
+                    .and_then(|c| c.status)
+                    .and_then(|s| s.conditions)
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Established" && c.status == "True"));
+                Ok(if established { Probe::Done(()) } else { Probe::Pending("not Established".into()) })
+            })
+            .await?;
+        }
+        Ok(())
     }
 
     /// Waits until the service-account controller created the `default` ServiceAccount

@@ -50,13 +50,27 @@ pub struct ControlPlaneOptions {
     /// `/healthz` of the others) before start-up fails naming it and its log. A cold
     /// apiserver start on 2 cores installs its bootstrap RBAC policy first.
     pub ready_timeout: Duration,
+    /// kube-controller-manager's `--controllers`: `*` (every default controller) unless a
+    /// run without kubelets turns off the controllers that need them.
+    pub controllers: String,
+    /// An audit policy (YAML) for kube-apiserver; with it, the apiserver writes its audit
+    /// log to `audit.log` in the run directory, for figures by client.
+    pub audit_policy: Option<String>,
 }
 
 impl Default for ControlPlaneOptions {
     fn default() -> Self {
-        Self { node_monitor_grace_period: Duration::from_secs(20), ready_timeout: Duration::from_secs(180) }
+        Self {
+            node_monitor_grace_period: Duration::from_secs(20),
+            ready_timeout: Duration::from_secs(180),
+            controllers: "*".to_string(),
+            audit_policy: None,
+        }
     }
 }
+
+/// The audit log's file name in the run directory when an audit policy is set.
+pub const AUDIT_LOG: &str = "audit.log";
 
 /// A running control plane.
 pub struct ControlPlane {
@@ -113,7 +127,7 @@ impl ControlPlane {
             // Test data only: durability across a machine crash is not needed, speed is.
             arg("unsafe-no-fsync", true),
         ];
-        let apiserver_args = vec![
+        let mut apiserver_args = vec![
             arg("etcd-servers", format!("http://127.0.0.1:{etcd_client}")),
             arg("bind-address", "127.0.0.1"),
             arg("advertise-address", "127.0.0.1"),
@@ -131,6 +145,12 @@ impl ControlPlane {
             arg("endpoint-reconciler-type", "none"),
             arg("profiling", false),
         ];
+        if let Some(policy) = &options.audit_policy {
+            let file = dir.join("audit-policy.yaml");
+            std::fs::write(&file, policy).map_err(Error::io("writing the audit policy", &file))?;
+            apiserver_args.push(arg("audit-policy-file", file.display()));
+            apiserver_args.push(arg("audit-log-path", dir.join(AUDIT_LOG).display()));
+        }
         let kcm_args = vec![
             arg("kubeconfig", &kc),
             arg("authentication-kubeconfig", &kc),
@@ -139,7 +159,7 @@ impl ControlPlane {
             arg("secure-port", kcm),
             arg("cert-dir", d("kube-controller-manager")),
             arg("leader-elect", false),
-            arg("controllers", "*"),
+            arg("controllers", &options.controllers),
             arg("use-service-account-credentials", true),
             arg("service-account-private-key-file", pki.sa_key.display()),
             arg("root-ca-file", pki.ca_cert.display()),
@@ -193,6 +213,11 @@ impl ControlPlane {
     /// The log file of every component, for failure messages.
     pub fn logs(&self) -> Vec<&Path> {
         self.components.iter().map(|(_, c)| c.log()).collect()
+    }
+
+    /// The process ID of a running component, for its CPU and memory figures.
+    pub fn pid(&self, name: ComponentName) -> Option<u32> {
+        self.components.iter().find(|(n, _)| *n == name).and_then(|(_, c)| c.pid())
     }
 
     /// Fails when any component has exited.

@@ -123,6 +123,10 @@ pub enum Error {
     /// The churn benchmark was asked for something it cannot do.
     #[error("the churn benchmark cannot run: {0}")]
     Churn(String),
+    /// The scale benchmark was asked for something it cannot do, or its cluster did not
+    /// reach a state it waits for.
+    #[error("the scale benchmark: {0}")]
+    Scale(String),
     /// An external tool (helm, kubectl, promtool) failed.
     #[error("{command} failed: {reason}")]
     Tool {

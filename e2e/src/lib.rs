@@ -24,6 +24,7 @@ pub mod pki;
 pub mod process;
 pub mod procstat;
 pub mod prometheus;
+pub mod scale;
 pub mod wait;
 
 pub use cluster::{Cluster, ClusterOptions};

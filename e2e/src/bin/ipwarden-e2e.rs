@@ -3,6 +3,8 @@
 //! `make cluster-up` / `make cluster-down` and `make demo` drive it.
 //!
 //! `ipwarden-e2e churn`: the churn benchmark (`make churn-bench`, docs/benchmarks.md).
+//!
+//! `ipwarden-e2e scale`: the scale benchmark (`make scale-bench`, docs/benchmarks.md).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -74,9 +76,48 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Output::Table)]
         output: Output,
     },
+    /// Measure the controller at cluster scale: Node objects without kubelets, pods, records
+    /// and claims written in bulk as kubelets and agents would, a controller pair; report its
+    /// start-up, first sweep, requests in a quiet window and the reclaim of injected leaks.
+    /// Exits non-zero when a leak was not reclaimed in time.
+    Scale {
+        /// The ipwarden binary to measure.
+        #[arg(long)]
+        ipwarden: PathBuf,
+        /// Node objects to register.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+        nodes: u64,
+        /// Pods, one IP and one record each.
+        #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+        pods: u64,
+        /// IPPools the pods are spread over.
+        #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=4096))]
+        pools: u64,
+        /// Percent of the pods that belong to StatefulSets of 10.
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=100))]
+        sticky_percent: u32,
+        /// Bare pods deleted without their records (leaks for the controller).
+        #[arg(long, default_value_t = 1000)]
+        leaks: u64,
+        /// Seconds of the quiet window in which the controllers' requests are counted.
+        #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+        quiet_seconds: u64,
+        /// API calls in flight at once while filling the cluster and deleting the leaks.
+        #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1024))]
+        concurrency: u64,
+        /// How long the leaks may take to be reclaimed.
+        #[arg(long, default_value_t = 300)]
+        leak_timeout_seconds: u64,
+        /// Where to write the report as JSON too.
+        #[arg(long, default_value = ".e2e/scale-report.json")]
+        report: PathBuf,
+        /// `table` for people, `json` for scripts.
+        #[arg(long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
 }
 
-/// How `churn` prints its report.
+/// How `churn` and `scale` print their report.
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum Output {
     /// Aligned text for people.
@@ -120,6 +161,31 @@ async fn main() -> anyhow::Result<()> {
                 settle_timeout: Duration::from_secs(settle_timeout_seconds),
             };
             churn(usize::try_from(nodes)?, &ipwarden, &options, output).await
+        }
+        Command::Scale {
+            ipwarden,
+            nodes,
+            pods,
+            pools,
+            sticky_percent,
+            leaks,
+            quiet_seconds,
+            concurrency,
+            leak_timeout_seconds,
+            report,
+            output,
+        } => {
+            let options = e2e::scale::ScaleOptions {
+                nodes: usize::try_from(nodes)?,
+                pods: usize::try_from(pods)?,
+                pools: usize::try_from(pools)?,
+                sticky_percent,
+                leaks: usize::try_from(leaks)?,
+                quiet: Duration::from_secs(quiet_seconds),
+                concurrency: usize::try_from(concurrency)?,
+                leak_timeout: Duration::from_secs(leak_timeout_seconds),
+            };
+            scale(&ipwarden, &options, &report, output).await
         }
     }
 }
@@ -247,5 +313,46 @@ async fn churn(
         report.conflicts.ip_conflicts
     );
     anyhow::ensure!(report.settled, "churn: the cluster did not settle: {}", report.unsettled);
+    Ok(())
+}
+
+async fn scale(ipwarden: &Path, options: &e2e::scale::ScaleOptions, file: &Path, output: Output) -> anyhow::Result<()> {
+    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    e2e::scale::plan(options)?;
+    let binary = std::fs::canonicalize(ipwarden).with_context(|| format!("finding {}", ipwarden.display()))?;
+    let measured = async {
+        let mut cluster =
+            e2e::Cluster::start(e2e::scale::cluster_options()).await.context("starting the test cluster")?;
+        eprintln!(
+            "scale: control plane ready (run dir {}); filling it with {} nodes, {} pods in {} pools",
+            cluster.dir().display(),
+            options.nodes,
+            options.pods,
+            options.pools
+        );
+        let report = e2e::scale::run(&mut cluster, &binary, options).await.context("running the scale benchmark")?;
+        cluster.stop();
+        anyhow::Ok(report)
+    };
+    let report = tokio::select! {
+        report = measured => report?,
+        _ = terminate.recv() => anyhow::bail!("scale: stopped by SIGTERM"),
+        _ = interrupt.recv() => anyhow::bail!("scale: stopped by SIGINT"),
+    };
+    let json = serde_json::to_string_pretty(&report)?;
+    if let Some(dir) = file.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(file, &json).with_context(|| format!("writing {}", file.display()))?;
+    match output {
+        Output::Table => print!("{report}"),
+        Output::Json => println!("{json}"),
+    }
+    anyhow::ensure!(
+        report.leaks.unreclaimed.is_empty(),
+        "scale: leaks not reclaimed in time: {}",
+        report.leaks.unreclaimed
+    );
     Ok(())
 }
