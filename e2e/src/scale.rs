@@ -795,7 +795,7 @@ async fn watch_blocks(client: Client, seen: Shared<Seen>) {
 pub struct LogTimes {
     /// "controller starting".
     pub starting: Option<jiff::Timestamp>,
-    /// "caches synced; electing a leader".
+    /// "the cluster is listed; electing a leader" (before the index: "caches synced; electing a leader").
     pub synced: Option<jiff::Timestamp>,
     /// The first "leadership changed" with `leading: true`.
     pub leading: Option<jiff::Timestamp>,
@@ -812,7 +812,9 @@ pub fn log_times(log: &str) -> LogTimes {
         let fields = &entry["fields"];
         match fields["message"].as_str() {
             Some("controller starting") => times.starting = times.starting.or(Some(at)),
-            Some("caches synced; electing a leader") => times.synced = times.synced.or(Some(at)),
+            Some("the cluster is listed; electing a leader" | "caches synced; electing a leader") => {
+                times.synced = times.synced.or(Some(at))
+            }
             Some("leadership changed") if fields["leading"].as_bool() == Some(true) => {
                 times.leading = times.leading.or(Some(at));
             }
