@@ -330,7 +330,7 @@ pub struct Startup {
 pub struct ProcessUsage {
     /// What it is.
     pub name: String,
-    /// Whether it led at the end (controllers only).
+    /// Whether it led the first sweep (controllers only).
     pub leader: bool,
     /// Peak resident memory since it started, in MiB.
     pub peak_rss_mib: f64,
