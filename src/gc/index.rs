@@ -310,7 +310,8 @@ pub struct ClusterIndex {
     /// blocks and the blocks of pools being deleted.
     retired: Set<String>,
     /// Each pod UID's records: (block, IP).
-    records_of_uid: Map<String, BTreeSet<(String, String)>>,
+    /// (Usually one record a UID, so a short list, not a tree.)
+    records_of_uid: Map<String, Vec<(Arc<str>, String)>>,
     /// The kinds whose first list has been applied.
     synced: BTreeSet<Kind>,
     /// The keys each relisting kind has seen since its relist started.
@@ -506,8 +507,9 @@ impl ClusterIndex {
         if let Some(old) = self.blocks.remove(&name) {
             self.forget_block(&old);
         }
+        let shared: Arc<str> = Arc::from(name.as_str());
         for (ip, record) in &block.spec.allocations {
-            self.records_of_uid.entry(record.pod.uid.clone()).or_default().insert((name.clone(), ip.clone()));
+            self.records_of_uid.entry(record.pod.uid.clone()).or_default().push((shared.clone(), ip.clone()));
         }
         self.blocks_of_pool.entry(block.spec.pool.clone()).or_default().insert(name.clone());
         let retired = self.judge(&block);
@@ -519,7 +521,7 @@ impl ClusterIndex {
         let name = old.name_any();
         for (ip, record) in &old.spec.allocations {
             if let Some(records) = self.records_of_uid.get_mut(&record.pod.uid) {
-                records.remove(&(name.clone(), ip.clone()));
+                records.retain(|(block, at)| !(**block == *name && at == ip));
                 if records.is_empty() {
                     self.records_of_uid.remove(&record.pod.uid);
                 }
@@ -666,7 +668,7 @@ impl ClusterIndex {
         uid: &str,
     ) -> impl Iterator<Item = (&'a Arc<IPBlock>, &'a str, &'a Allocation)> + 'a {
         self.records_of_uid.get(uid).into_iter().flatten().filter_map(|(block, ip)| {
-            let block = self.blocks.get(block)?;
+            let block = self.blocks.get(&**block)?;
             let (ip, record) = block.spec.allocations.get_key_value(ip)?;
             Some((block, ip.as_str(), record))
         })
