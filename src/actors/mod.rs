@@ -225,7 +225,11 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         caches: caches.clone(),
         leading: leading.clone(),
         metrics: metrics.clone(),
-        identity: identity.clone(),
+        store: crate::block_store::BlockStore::new(
+            client.clone(),
+            format!("ipwarden-controller-{identity}"),
+            metrics.conflict_retries.clone(),
+        ),
         batch_window: Duration::from_millis(args.batch_window_ms),
         recorder,
     };

@@ -13,24 +13,23 @@ use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Api, PostParams};
+use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use tokio::sync::oneshot;
 
 use super::Caches;
 use super::metrics::{ControllerMetrics, FailureLabels, PoolLabels, ReleaseLabels};
-use crate::crd::{HandshakeState, IPBlock, IPPool, ReleaseHandshake};
-use crate::gc::handshake::{ControllerStep, controller_step};
+use crate::block_store::{BlockStore, CasOutcome};
+use crate::crd::{HandshakeState, IPBlockSpec, IPPool, ReleaseHandshake};
+use crate::gc::handshake::{ControllerStep, controller_step, takeover_marked};
 use crate::gc::index::PodFacts;
 use crate::gc::rules::recheck_release;
 use crate::gc::sweep::{AWAITING_AGENT, ChangeAction, RecordChange, STICKY_TAKEOVER};
 
 /// Why a release is dropped when the re-read owner still wants the sticky record.
 const OWNER_WANTS: &str = "owner_wants";
-
-/// How many times a block write is retried after conflicts.
-const MAX_CONFLICT_RETRIES: usize = 20;
 
 /// What started a change: the metric's `trigger` label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,6 +94,13 @@ pub struct ApplyOutcome {
     pub failed: usize,
 }
 
+impl ChangeOutcome {
+    /// Whether the outcome changed the block, so that it must be written.
+    fn writes(&self) -> bool {
+        matches!(self, Self::Released(_) | Self::Repaired | Self::Marked | Self::Aborted | Self::Answered)
+    }
+}
+
 impl ApplyOutcome {
     fn add(&mut self, outcome: &ChangeOutcome) {
         match outcome {
@@ -132,8 +138,8 @@ pub struct PoolContext {
     pub leading: Leadership,
     /// Metrics.
     pub metrics: ControllerMetrics,
-    /// This replica's identity, used as the writes' field manager.
-    pub identity: String,
+    /// The IPBlock writer, with this replica's field manager.
+    pub store: BlockStore,
     /// How long changes are collected before one write per block.
     pub batch_window: Duration,
     /// Event recorder.
@@ -515,88 +521,116 @@ async fn live_recheck(client: &Client, change: &RecordChange) -> Result<Option<&
     ))
 }
 
-/// Applies `changes` to block `name` in one compare-and-swap write, retried on conflict.
-/// `changes` pairs each change with when its pod ended, if known (kept in a release mark for
-/// the reclaim latency).
+/// What one change needs from outside its block, read once per batch before the
+/// compare-and-swap (so a retry after a conflict repeats no API call): the live re-check of
+/// the record's pod, and whether the re-read owner still wants a sticky record. `None`: not
+/// read, because the cached record showed the change stops before them (a handshake to await
+/// or abort, a takeover mark, a live holder); if the fresh record says otherwise the change
+/// is dropped as `record_changed` and decided again from the caches.
+#[derive(Default)]
+struct LiveFacts {
+    /// Why the live read of the record's pod forbids the release, or why the read failed.
+    recheck: Option<Result<Option<&'static str>, String>>,
+    /// The re-read owner still wants the sticky record.
+    owner_wants: bool,
+}
+
+/// Reads the [`LiveFacts`] of each release in `changes` to block `name`, deciding from the
+/// cached block which releases get that far.
+async fn read_live_facts(
+    context: &PoolContext,
+    name: &str,
+    changes: &[(&RecordChange, Option<Timestamp>)],
+    holders: &HashMap<String, String>,
+) -> Vec<LiveFacts> {
+    let cached = context.caches.blocks.get(&ObjectRef::new(name));
+    let mut facts = Vec::new();
+    for (change, _) in changes {
+        let record =
+            cached.as_ref().and_then(|b| b.spec.allocations.get(&change.ip)).filter(|r| r.pod.uid == change.pod.uid);
+        let (Some(record), ChangeAction::Release { reason, .. }) = (record, &change.action) else {
+            facts.push(LiveFacts::default());
+            continue;
+        };
+        let step = controller_step(record.release_handshake.as_ref().map(|h| h.state), change.via_agent);
+        let reaches_reads = matches!(step, ControllerStep::Mark | ControllerStep::Release)
+            && !takeover_marked(record)
+            && !holders.contains_key(&change.ip);
+        if !reaches_reads {
+            facts.push(LiveFacts::default());
+            continue;
+        }
+        let recheck = live_recheck(&context.client, change)
+            .await
+            .map_err(|e| format!("reading pod {}/{}: {e}", change.pod.namespace, change.pod.name));
+        // The decision's owner cache may be stale (a fast scale down and up): re-read it.
+        // A retired block keeps no reservation, so its owner has no say.
+        let owner_wants = matches!(recheck, Ok(None))
+            && reason.rests_on_owner()
+            && !change.retired
+            && crate::ipam::workload::record_is_sticky(record, &context.caches.sticky_kinds)
+            && crate::owners::record_owner_wants(&context.client, record).await;
+        facts.push(LiveFacts { recheck: Some(recheck), owner_wants });
+    }
+    facts
+}
+
+/// Applies `changes` to block `name` in one compare-and-swap write ([`BlockStore::update`]).
+/// The live facts are read once; each attempt applies the pure [`apply_one`] to the fresh
+/// block. `changes` pairs each change with when its pod ended, if known (kept in a release
+/// mark for the reclaim latency).
 async fn write_block(
     context: &PoolContext,
     name: &str,
     changes: &[(&RecordChange, Option<Timestamp>)],
 ) -> Vec<ChangeOutcome> {
-    let api: Api<IPBlock> = Api::all(context.client.clone());
-    let mut delays =
-        crate::retry::conflict_delays(Duration::from_millis(10), Duration::from_millis(500), MAX_CONFLICT_RETRIES);
-    let params = PostParams {
-        field_manager: Some(format!("ipwarden-controller-{}", context.identity)),
-        ..PostParams::default()
-    };
-    loop {
-        let mut block = match api.get_opt(name).await {
-            Ok(Some(block)) => block,
-            Ok(None) => return changes.iter().map(|_| ChangeOutcome::Skipped("block_gone")).collect(),
-            Err(e) => {
-                return changes.iter().map(|_| ChangeOutcome::Failed(format!("reading IPBlock {name}: {e}"))).collect();
+    let ips: Vec<&str> = changes.iter().map(|(c, _)| c.ip.as_str()).collect();
+    let holders = live_holders(context, &ips);
+    let facts = read_live_facts(context, name, changes, &holders).await;
+    let mut outcomes = Vec::new();
+    let written = context
+        .store
+        .update(name, None, |spec| {
+            let now = Timestamp::now();
+            outcomes = changes
+                .iter()
+                .zip(&facts)
+                .map(|((change, ended), facts)| apply_one(spec, change, *ended, facts, &holders, now))
+                .collect();
+            if !outcomes.iter().any(ChangeOutcome::writes) {
+                return None;
             }
-        };
-        let ips: Vec<&str> = changes.iter().map(|(c, _)| c.ip.as_str()).collect();
-        let holders = live_holders(context, &ips);
-        let now = Timestamp::now();
-        let mut outcomes = Vec::new();
-        for (change, ended) in changes {
-            outcomes.push(apply_one(context, &mut block, change, *ended, &holders, now).await);
-        }
-        let writes = |o: &ChangeOutcome| {
-            matches!(
-                o,
-                ChangeOutcome::Released(_)
-                    | ChangeOutcome::Repaired
-                    | ChangeOutcome::Marked
-                    | ChangeOutcome::Aborted
-                    | ChangeOutcome::Answered
-            )
-        };
-        if !outcomes.iter().any(writes) {
-            return outcomes;
-        }
-        if !context.leading.is_leading() {
-            return changes.iter().map(|_| ChangeOutcome::Skipped("not_leader")).collect();
-        }
-        match api.replace(name, &params, &block).await {
-            Ok(_) => return outcomes,
-            Err(kube::Error::Api(status)) if status.code == 409 => {
-                context.metrics.conflict_retries.inc();
-                let Some(delay) = delays.next() else {
-                    return changes
-                        .iter()
-                        .map(|_| ChangeOutcome::Failed(format!("IPBlock {name} kept changing")))
-                        .collect();
-                };
-                tokio::time::sleep(delay).await;
+            if !context.leading.is_leading() {
+                outcomes = changes.iter().map(|_| ChangeOutcome::Skipped("not_leader")).collect();
+                return None;
             }
-            Err(e) => {
-                return changes.iter().map(|_| ChangeOutcome::Failed(format!("writing IPBlock {name}: {e}"))).collect();
-            }
-        }
+            Some(())
+        })
+        .await;
+    match written {
+        Ok(CasOutcome::Absent) => changes.iter().map(|_| ChangeOutcome::Skipped("block_gone")).collect(),
+        Ok(_) => outcomes,
+        Err(e) => changes.iter().map(|_| ChangeOutcome::Failed(e.to_string())).collect(),
     }
 }
 
-/// Re-checks one change against the fresh block and applies it to `block` in memory.
-async fn apply_one(
-    context: &PoolContext,
-    block: &mut IPBlock,
+/// Re-checks one change against the fresh block `spec` and applies it there in memory; pure.
+fn apply_one(
+    spec: &mut IPBlockSpec,
     change: &RecordChange,
     ended: Option<Timestamp>,
+    facts: &LiveFacts,
     holders: &HashMap<String, String>,
     now: Timestamp,
 ) -> ChangeOutcome {
-    let Some(record) = block.spec.allocations.get_mut(&change.ip) else { return ChangeOutcome::Skipped("record_gone") };
+    let Some(record) = spec.allocations.get_mut(&change.ip) else { return ChangeOutcome::Skipped("record_gone") };
     if record.pod.uid != change.pod.uid {
         return ChangeOutcome::Skipped("record_changed");
     }
     match &change.action {
         ChangeAction::Release { reason, .. } => {
             // An agent's takeover mark appeared since the decision: the agents settle it.
-            if record.release_handshake.as_ref().is_some_and(|h| h.takeover.is_some()) {
+            if takeover_marked(record) {
                 return ChangeOutcome::Skipped(STICKY_TAKEOVER);
             }
             let handshake = record.release_handshake.as_ref().map(|h| h.state);
@@ -612,23 +646,13 @@ async fn apply_one(
             if holders.contains_key(&change.ip) {
                 return ChangeOutcome::Skipped("in_use");
             }
-            match live_recheck(&context.client, change).await {
-                Ok(None) => {}
-                Ok(Some(reason)) => return ChangeOutcome::Skipped(reason),
-                Err(e) => {
-                    return ChangeOutcome::Failed(format!(
-                        "reading pod {}/{}: {e}",
-                        change.pod.namespace, change.pod.name
-                    ));
-                }
+            match &facts.recheck {
+                None => return ChangeOutcome::Skipped("record_changed"),
+                Some(Ok(None)) => {}
+                Some(Ok(Some(reason))) => return ChangeOutcome::Skipped(reason),
+                Some(Err(e)) => return ChangeOutcome::Failed(e.clone()),
             }
-            // The decision's owner cache may be stale (a fast scale down and up): re-read it.
-            // A retired block keeps no reservation, so its owner has no say.
-            if reason.rests_on_owner()
-                && !change.retired
-                && crate::ipam::workload::record_is_sticky(record, &context.caches.sticky_kinds)
-                && crate::owners::record_owner_wants(&context.client, record).await
-            {
+            if facts.owner_wants {
                 return ChangeOutcome::Skipped(OWNER_WANTS);
             }
             if step == ControllerStep::Mark {
@@ -643,8 +667,8 @@ async fn apply_one(
                 return ChangeOutcome::Marked;
             }
             let ended = record.release_handshake.as_ref().and_then(|h| h.pod_ended_at.as_ref()).map(|t| t.0);
-            block.spec.allocations.remove(&change.ip);
-            block.spec.released.insert(change.ip.clone(), Time(now));
+            spec.allocations.remove(&change.ip);
+            spec.released.insert(change.ip.clone(), Time(now));
             ChangeOutcome::Released(ended)
         }
         ChangeAction::Repair { adopter } => {

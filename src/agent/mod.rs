@@ -131,7 +131,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     tokio::spawn(block_events.default_backoff().touched_objects().for_each(move |block| {
         if let Ok(block) = block {
             conditions.notify_one();
-            if block.spec.allocations.values().any(|r| r.node == node && release_marks::marked_for_release(r)) {
+            if block.spec.allocations.values().any(|r| r.node == node && crate::gc::handshake::marked_for_release(r)) {
                 notify.notify_one();
             }
         }

@@ -13,12 +13,7 @@ use super::checkpoint::AttachmentKey;
 use super::core::Core;
 use super::error::Error;
 use crate::crd::{Allocation, HandshakeState};
-use crate::gc::handshake::{AgentAnswer, PodOnNode, agent_answer};
-
-/// Whether the controller has marked `record` for release and waits for this agent.
-pub fn marked_for_release(record: &Allocation) -> bool {
-    record.release_handshake.as_ref().is_some_and(|h| h.state == HandshakeState::MarkedForRelease)
-}
+use crate::gc::handshake::{AgentAnswer, PodOnNode, agent_answer, marked_for_release};
 
 impl Core {
     /// Answers the controller's release marks on this node's records
