@@ -226,9 +226,9 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         leading: leading.clone(),
         metrics: metrics.clone(),
         store: crate::block_store::BlockStore::new(
-            client.clone(),
+            kube::Api::all(client.clone()),
             format!("ipwarden-controller-{identity}"),
-            metrics.conflict_retries.clone(),
+            Some(metrics.conflict_retries.clone()),
         ),
         batch_window: Duration::from_millis(args.batch_window_ms),
         recorder,

@@ -590,7 +590,8 @@ async fn write_block(
     let mut outcomes = Vec::new();
     let written = context
         .store
-        .update(name, None, |spec| {
+        .update(name, None, |block| {
+            let spec = &mut block.spec;
             let now = Timestamp::now();
             outcomes = changes
                 .iter()
@@ -701,6 +702,103 @@ fn apply_one(
                 Some(_) => record.release_handshake = None,
             }
             ChangeOutcome::Aborted
+        }
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+    use crate::crd::{Allocation, PodRef, Takeover};
+    use crate::gc::handshake::marked_for_release;
+    use crate::gc::rules::ReleaseReason;
+
+    const IP: &str = "10.0.0.5";
+
+    fn record(uid: &str) -> Allocation {
+        Allocation {
+            pod: PodRef { namespace: "ns".into(), name: "p".into(), uid: uid.into() },
+            node: "n".into(),
+            network: "ipwarden".into(),
+            container_id: "c".into(),
+            interface: "eth0".into(),
+            owner: None,
+            sticky: false,
+            allocated_at: Time(Timestamp::UNIX_EPOCH),
+            release_handshake: None,
+            migration_target: None,
+            repaired_at: None,
+        }
+    }
+
+    fn release(via_agent: bool) -> RecordChange {
+        RecordChange {
+            pool: "pool".into(),
+            block: "b".into(),
+            ip: IP.into(),
+            pod: PodRef { namespace: "ns".into(), name: "p".into(), uid: "u1".into() },
+            claim: "p".into(),
+            via_agent,
+            retired: false,
+            action: ChangeAction::Release { reason: ReleaseReason::PodGone, delete_claim: true },
+        }
+    }
+
+    fn facts(recheck: Option<Option<&'static str>>, owner_wants: bool) -> LiveFacts {
+        LiveFacts { recheck: recheck.map(Ok), owner_wants }
+    }
+
+    #[test]
+    fn a_release_is_applied_to_the_fresh_block_only_when_every_live_fact_read_before_allows_it() {
+        let takeover = ReleaseHandshake {
+            state: HandshakeState::MarkedForRelease,
+            marked_at: Time(Timestamp::UNIX_EPOCH),
+            reason: "sticky takeover".into(),
+            detail: None,
+            pod_ended_at: None,
+            takeover: Some(Takeover { pod: record("u2").pod, node: "m".into() }),
+        };
+        let with_takeover = Allocation { release_handshake: Some(takeover), ..record("u1") };
+        let holder: HashMap<String, String> = [(IP.to_string(), "u3".to_string())].into();
+        let none = HashMap::new();
+        // (fresh record, via agent, facts, live holders, outcome)
+        type Case<'a> = (Option<Allocation>, bool, LiveFacts, &'a HashMap<String, String>, ChangeOutcome);
+        let table: [Case<'_>; 9] = [
+            (None, false, facts(Some(None), false), &none, ChangeOutcome::Skipped("record_gone")),
+            (Some(record("u2")), false, facts(Some(None), false), &none, ChangeOutcome::Skipped("record_changed")),
+            (Some(with_takeover), false, facts(Some(None), false), &none, ChangeOutcome::Skipped(STICKY_TAKEOVER)),
+            (Some(record("u1")), false, facts(Some(None), false), &holder, ChangeOutcome::Skipped("in_use")),
+            // The cached record stopped before the reads; the fresh one would not: decide again.
+            (Some(record("u1")), false, facts(None, false), &none, ChangeOutcome::Skipped("record_changed")),
+            (
+                Some(record("u1")),
+                false,
+                facts(Some(Some("pod_alive")), false),
+                &none,
+                ChangeOutcome::Skipped("pod_alive"),
+            ),
+            (Some(record("u1")), false, facts(Some(None), true), &none, ChangeOutcome::Skipped(OWNER_WANTS)),
+            (Some(record("u1")), true, facts(Some(None), false), &none, ChangeOutcome::Marked),
+            (Some(record("u1")), false, facts(Some(None), false), &none, ChangeOutcome::Released(None)),
+        ];
+        for (fresh, via_agent, facts, holders, want) in table {
+            let mut spec = IPBlockSpec::default();
+            if let Some(fresh) = fresh.clone() {
+                spec.allocations.insert(IP.into(), fresh);
+            }
+            let now = Timestamp::UNIX_EPOCH;
+            let outcome = apply_one(&mut spec, &release(via_agent), None, &facts, holders, now);
+            assert_eq!(outcome, want, "fresh {fresh:?}, via agent {via_agent}");
+            match want {
+                ChangeOutcome::Released(_) => {
+                    assert!(!spec.allocations.contains_key(IP) && spec.released.contains_key(IP))
+                }
+                ChangeOutcome::Marked => assert!(marked_for_release(&spec.allocations[IP])),
+                _ => {
+                    assert_eq!(spec.allocations.get(IP), fresh.as_ref(), "a dropped change leaves the record as it was")
+                }
+            }
+            assert_eq!(outcome.writes(), matches!(want, ChangeOutcome::Released(_) | ChangeOutcome::Marked));
         }
     }
 }

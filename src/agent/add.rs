@@ -15,9 +15,10 @@ use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
 
 use super::checkpoint::{CheckpointEntry, CheckpointIp};
-use super::core::{Core, ResolvedPool, attachment_key, result_of};
+use super::core::{Core, ResolvedPool, attachment_key, field_manager, result_of};
 use super::error::Error;
 use super::metrics::PoolLabels;
+use crate::block_store::CasStore;
 use crate::crd::{
     Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPClaim, IPClaimSpec, MigrationTarget, OwnerRef,
     POOL_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
@@ -28,9 +29,6 @@ use crate::ipam::pools::{self, PodPlacement, PoolSet};
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
 use crate::ipam::{BlockUsage, ChooseError, choose_ip};
 use crate::protocol::{AttachmentRequest, IpamResult};
-
-/// How many times an IPClaim write is retried after resourceVersion conflicts.
-const MAX_CONFLICT_RETRIES: usize = 40;
 
 /// How many not-yet-created blocks of a pool one ADD may try.
 const NEW_BLOCK_PROBES: usize = 8;
@@ -578,44 +576,40 @@ impl Core {
         let namespace = pod.namespace().unwrap_or_default();
         let uid = pod.uid().unwrap_or_default();
         let name = workload::claim_name(&pod.name_any(), owner);
-        let api: Api<IPClaim> = Api::namespaced(self.client.clone(), &namespace);
-        let what = format!("writing IPClaim {namespace}/{name}");
-        for _ in 0..MAX_CONFLICT_RETRIES {
-            let existing = api.get_opt(&name).await.map_err(Error::api(what.clone()))?;
-            let interface = ClaimedInterface {
-                interface: ifname.to_string(),
-                ips: ips
-                    .iter()
-                    .map(|i| ClaimedIp { ip: i.ip.clone(), pool: i.pool.clone(), block: i.block.clone() })
-                    .collect(),
-            };
-            let interfaces = workload::claim_interfaces(existing.as_ref().map(|c| &c.spec), &uid, sticky, interface);
-            let spec = IPClaimSpec {
-                pod_uid: uid.clone(),
-                node: self.settings.node.clone(),
-                owner: owner.cloned(),
-                sticky,
-                interfaces,
-                bound_at: Time(Timestamp::now()),
-            };
-            let written = match existing {
-                Some(mut claim) => {
-                    let before = std::mem::replace(&mut claim.spec, spec);
-                    api.replace(&name, &PostParams::default(), &claim).await.map(|_| Some(before))
-                }
-                None => {
-                    let mut claim = IPClaim::new(&name, spec);
-                    claim.metadata.namespace = Some(namespace.clone());
-                    api.create(&PostParams::default(), &claim).await.map(|_| None)
-                }
-            };
-            match written {
-                Ok(before) => return Ok(ClaimWrite { namespace, name, before }),
-                Err(kube::Error::Api(status)) if status.code == 409 => continue,
-                Err(e) => return Err(Error::api(what)(e)),
-            }
-        }
-        Err(Error::ClaimConflict { claim: format!("{namespace}/{name}") })
+        let interface = ClaimedInterface {
+            interface: ifname.to_string(),
+            ips: ips
+                .iter()
+                .map(|i| ClaimedIp { ip: i.ip.clone(), pool: i.pool.clone(), block: i.block.clone() })
+                .collect(),
+        };
+        let spec_over = |existing: Option<&IPClaimSpec>| IPClaimSpec {
+            pod_uid: uid.clone(),
+            node: self.settings.node.clone(),
+            owner: owner.cloned(),
+            sticky,
+            interfaces: workload::claim_interfaces(existing, &uid, sticky, interface.clone()),
+            bound_at: Time(Timestamp::now()),
+        };
+        let create = || {
+            let mut claim = IPClaim::new(&name, spec_over(None));
+            claim.metadata.namespace = Some(namespace.clone());
+            claim
+        };
+        let api = Api::<IPClaim>::namespaced(self.client.clone(), &namespace);
+        let store = CasStore::new(api, field_manager(&self.settings.node), None);
+        // `None`: the ADD created the claim (an object not yet stored has no resourceVersion).
+        let before = store
+            .update(&name, Some(&create), |claim| {
+                let stored = claim.metadata.resource_version.is_some();
+                let spec = spec_over(stored.then_some(&claim.spec));
+                let before = std::mem::replace(&mut claim.spec, spec);
+                Some(stored.then_some(before))
+            })
+            .await?
+            .written()
+            .flatten();
+        Ok(ClaimWrite { namespace, name, before })
     }
 
     /// Undoes this ADD's block writes after a later step failed ([`blocks::roll_back`]):

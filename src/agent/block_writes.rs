@@ -53,9 +53,12 @@ impl Core {
         name: &str,
         pool: &str,
         cidr: IpNet,
-        mutate: impl FnMut(&mut IPBlockSpec) -> Option<T>,
+        mut mutate: impl FnMut(&mut IPBlockSpec) -> Option<T>,
     ) -> Result<Option<T>, Error> {
-        Ok(self.store.update(name, Some((pool, cidr)), mutate).await?.written())
+        let create = || {
+            IPBlock::new(name, IPBlockSpec { pool: pool.to_string(), cidr: cidr.to_string(), ..IPBlockSpec::default() })
+        };
+        Ok(self.store.update(name, Some(&create), |block| mutate(&mut block.spec)).await?.written())
     }
 
     pub(super) async fn release_attachment(
@@ -107,7 +110,8 @@ impl Core {
             let now = Timestamp::now();
             let outcome = self
                 .store
-                .update(&target.block, None, |spec| {
+                .update(&target.block, None, |block| {
+                    let spec = &mut block.spec;
                     let claim = spec.allocations.get(&target.ip).map(|r| BoundClaim {
                         namespace: r.pod.namespace.clone(),
                         name: workload::claim_name(&r.pod.name, r.owner.as_ref()),

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kube::api::Api;
 use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 use tokio::sync::Mutex;
@@ -54,6 +55,11 @@ pub(super) struct ResolvedPool {
     pub(super) deleting: bool,
 }
 
+/// The field manager of this node's agent on the objects it writes.
+pub(super) fn field_manager(node: &str) -> String {
+    format!("ipwarden-agent-{node}")
+}
+
 pub(super) fn attachment_key(request: &AttachmentRequest) -> AttachmentKey {
     AttachmentKey {
         network: request.network.clone(),
@@ -97,8 +103,11 @@ impl Core {
         checkpoint: Checkpoint,
         metrics: Arc<AgentMetrics>,
     ) -> Self {
-        let field_manager = format!("ipwarden-agent-{}", settings.node);
-        let store = BlockStore::new(client.clone(), field_manager, metrics.conflict_retries.clone());
+        let store = BlockStore::new(
+            Api::all(client.clone()),
+            field_manager(&settings.node),
+            Some(metrics.conflict_retries.clone()),
+        );
         Self { client, settings, pools, blocks, checkpoint: Mutex::new(checkpoint), metrics, store }
     }
 

@@ -95,15 +95,10 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
-    /// An IPBlock compare-and-swap failed (conflicts past the retry budget, or the write).
+    /// A compare-and-swap of an IPBlock or IPClaim failed (conflicts past the retry budget,
+    /// the read, or the write).
     #[error(transparent)]
-    BlockWrite(#[from] crate::block_store::CasError),
-    /// An IPClaim kept changing under the agent's writes.
-    #[error("writing IPClaim {claim}: it kept changing")]
-    ClaimConflict {
-        /// `namespace/name` of the claim.
-        claim: String,
-    },
+    Write(#[from] crate::block_store::CasError),
     /// The node-local checkpoint could not be read or written.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),

@@ -38,8 +38,7 @@ pub fn to_cni(error: &Error) -> CniError {
         | Error::Cooling { .. }
         | Error::AwaitingTakeover { .. }
         | Error::Api { .. }
-        | Error::BlockWrite(_)
-        | Error::ClaimConflict { .. } => CniError::TRY_AGAIN_LATER,
+        | Error::Write(_) => CniError::TRY_AGAIN_LATER,
     };
     CniError::new(code, error.to_string())
 }
