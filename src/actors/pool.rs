@@ -716,19 +716,7 @@ mod test {
     const IP: &str = "10.0.0.5";
 
     fn record(uid: &str) -> Allocation {
-        Allocation {
-            pod: PodRef { namespace: "ns".into(), name: "p".into(), uid: uid.into() },
-            node: "n".into(),
-            network: "ipwarden".into(),
-            container_id: "c".into(),
-            interface: "eth0".into(),
-            owner: None,
-            sticky: false,
-            allocated_at: Time(Timestamp::UNIX_EPOCH),
-            release_handshake: None,
-            migration_target: None,
-            repaired_at: None,
-        }
+        crate::ipam::blocks::test::record(uid, "c")
     }
 
     fn release(via_agent: bool) -> RecordChange {
@@ -736,8 +724,8 @@ mod test {
             pool: "pool".into(),
             block: "b".into(),
             ip: IP.into(),
-            pod: PodRef { namespace: "ns".into(), name: "p".into(), uid: "u1".into() },
-            claim: "p".into(),
+            pod: PodRef { namespace: "default".into(), name: "web-0".into(), uid: "u1".into() },
+            claim: "web-0".into(),
             via_agent,
             retired: false,
             action: ChangeAction::Release { reason: ReleaseReason::PodGone, delete_claim: true },
