@@ -5,6 +5,7 @@
 
 pub mod actors;
 pub mod agent;
+pub mod block_store;
 pub mod claim_writes;
 pub mod cli;
 pub mod cni;

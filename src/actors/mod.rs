@@ -178,7 +178,11 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         index: index.clone(),
         leading: leading.clone(),
         metrics: metrics.clone(),
-        identity: identity.clone(),
+        store: crate::block_store::BlockStore::new(
+            kube::Api::all(client.clone()),
+            format!("ipwarden-controller-{identity}"),
+            Some(metrics.conflict_retries.clone()),
+        ),
         batch_window: Duration::from_millis(args.batch_window_ms),
         recorder,
     };

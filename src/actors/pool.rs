@@ -13,24 +13,22 @@ use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Api, PostParams};
+use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource, ResourceExt};
 use tokio::sync::oneshot;
 
 use super::metrics::{ControllerMetrics, FailureLabels, PoolLabels, ReleaseLabels};
 use super::watches::SharedIndex;
-use crate::crd::{HandshakeState, IPBlock, IPPool, ReleaseHandshake};
-use crate::gc::handshake::{ControllerStep, controller_step};
+use crate::block_store::{BlockStore, CasOutcome};
+use crate::crd::{HandshakeState, IPBlockSpec, IPPool, ReleaseHandshake};
+use crate::gc::handshake::{ControllerStep, controller_step, takeover_marked};
 use crate::gc::index::PodFacts;
 use crate::gc::rules::recheck_release;
 use crate::gc::sweep::{AWAITING_AGENT, ChangeAction, RecordChange, STICKY_TAKEOVER};
 
 /// Why a release is dropped when the re-read owner still wants the sticky record.
 const OWNER_WANTS: &str = "owner_wants";
-
-/// How many times a block write is retried after conflicts.
-const MAX_CONFLICT_RETRIES: usize = 20;
 
 /// What started a change: the metric's `trigger` label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,6 +93,13 @@ pub struct ApplyOutcome {
     pub failed: usize,
 }
 
+impl ChangeOutcome {
+    /// Whether the outcome changed the block, so that it must be written.
+    fn writes(&self) -> bool {
+        matches!(self, Self::Released(_) | Self::Repaired | Self::Marked | Self::Aborted | Self::Answered)
+    }
+}
+
 impl ApplyOutcome {
     fn add(&mut self, outcome: &ChangeOutcome) {
         match outcome {
@@ -132,8 +137,8 @@ pub struct PoolContext {
     pub leading: Leadership,
     /// Metrics.
     pub metrics: ControllerMetrics,
-    /// This replica's identity, used as the writes' field manager.
-    pub identity: String,
+    /// The IPBlock writer, with this replica's field manager.
+    pub store: BlockStore,
     /// How long changes are collected before one write per block.
     pub batch_window: Duration,
     /// Event recorder.
@@ -225,7 +230,7 @@ async fn write_pool_counts(context: PoolContext, counts: Vec<PoolCounts>) {
 }
 
 impl PoolSupervisor {
-    /// Refreshes the pool gauges (and the IP conflict gauge) from the caches and returns the
+    /// Refreshes the pool gauges (and the IP conflict gauge) from the index and returns the
     /// counts per pool.
     fn update_pool_gauges(&self) -> Vec<PoolCounts> {
         let mut counts = Vec::new();
@@ -504,88 +509,118 @@ async fn live_recheck(client: &Client, change: &RecordChange) -> Result<Option<&
     ))
 }
 
-/// Applies `changes` to block `name` in one compare-and-swap write, retried on conflict.
-/// `changes` pairs each change with when its pod ended, if known (kept in a release mark for
-/// the reclaim latency).
+/// What one change needs from outside its block, read once per batch before the
+/// compare-and-swap (so a retry after a conflict repeats no API call): the live re-check of
+/// the record's pod, and whether the re-read owner still wants a sticky record. `None`: not
+/// read, because the cached record showed the change stops before them (a handshake to await
+/// or abort, a takeover mark, a live holder); if the fresh record says otherwise the change
+/// is dropped as `record_changed` and decided again from the index.
+#[derive(Default)]
+struct LiveFacts {
+    /// Why the live read of the record's pod forbids the release, or why the read failed.
+    recheck: Option<Result<Option<&'static str>, String>>,
+    /// The re-read owner still wants the sticky record.
+    owner_wants: bool,
+}
+
+/// Reads the [`LiveFacts`] of each release in `changes` to block `name`, deciding from the
+/// cached block which releases get that far.
+async fn read_live_facts(
+    context: &PoolContext,
+    name: &str,
+    changes: &[(&RecordChange, Option<Timestamp>)],
+    holders: &HashMap<String, String>,
+) -> Vec<LiveFacts> {
+    let cached = context.index.read().block(name).cloned();
+    let mut facts = Vec::new();
+    for (change, _) in changes {
+        let record =
+            cached.as_ref().and_then(|b| b.spec.allocations.get(&change.ip)).filter(|r| r.pod.uid == change.pod.uid);
+        let (Some(record), ChangeAction::Release { reason, .. }) = (record, &change.action) else {
+            facts.push(LiveFacts::default());
+            continue;
+        };
+        let step = controller_step(record.release_handshake.as_ref().map(|h| h.state), change.via_agent);
+        let reaches_reads = matches!(step, ControllerStep::Mark | ControllerStep::Release)
+            && !takeover_marked(record)
+            && !holders.contains_key(&change.ip);
+        if !reaches_reads {
+            facts.push(LiveFacts::default());
+            continue;
+        }
+        let recheck = live_recheck(&context.client, change)
+            .await
+            .map_err(|e| format!("reading pod {}/{}: {e}", change.pod.namespace, change.pod.name));
+        // The decision's owner cache may be stale (a fast scale down and up): re-read it.
+        // A retired block keeps no reservation, so its owner has no say.
+        let sticky = crate::ipam::workload::record_is_sticky(record, context.index.read().sticky_kinds());
+        let owner_wants = matches!(recheck, Ok(None))
+            && reason.rests_on_owner()
+            && !change.retired
+            && sticky
+            && crate::owners::record_owner_wants(&context.client, record).await;
+        facts.push(LiveFacts { recheck: Some(recheck), owner_wants });
+    }
+    facts
+}
+
+/// Applies `changes` to block `name` in one compare-and-swap write ([`BlockStore::update`]).
+/// The live facts are read once; each attempt applies the pure [`apply_one`] to the fresh
+/// block. `changes` pairs each change with when its pod ended, if known (kept in a release
+/// mark for the reclaim latency).
 async fn write_block(
     context: &PoolContext,
     name: &str,
     changes: &[(&RecordChange, Option<Timestamp>)],
 ) -> Vec<ChangeOutcome> {
-    let api: Api<IPBlock> = Api::all(context.client.clone());
-    let mut delays =
-        crate::retry::conflict_delays(Duration::from_millis(10), Duration::from_millis(500), MAX_CONFLICT_RETRIES);
-    let params = PostParams {
-        field_manager: Some(format!("ipwarden-controller-{}", context.identity)),
-        ..PostParams::default()
-    };
-    loop {
-        let mut block = match api.get_opt(name).await {
-            Ok(Some(block)) => block,
-            Ok(None) => return changes.iter().map(|_| ChangeOutcome::Skipped("block_gone")).collect(),
-            Err(e) => {
-                return changes.iter().map(|_| ChangeOutcome::Failed(format!("reading IPBlock {name}: {e}"))).collect();
+    let ips: Vec<&str> = changes.iter().map(|(c, _)| c.ip.as_str()).collect();
+    let holders = live_holders(context, &ips);
+    let facts = read_live_facts(context, name, changes, &holders).await;
+    let mut outcomes = Vec::new();
+    let written = context
+        .store
+        .update(name, None, |block| {
+            let spec = &mut block.spec;
+            let now = Timestamp::now();
+            outcomes = changes
+                .iter()
+                .zip(&facts)
+                .map(|((change, ended), facts)| apply_one(spec, change, *ended, facts, &holders, now))
+                .collect();
+            if !outcomes.iter().any(ChangeOutcome::writes) {
+                return None;
             }
-        };
-        let ips: Vec<&str> = changes.iter().map(|(c, _)| c.ip.as_str()).collect();
-        let holders = live_holders(context, &ips);
-        let now = Timestamp::now();
-        let mut outcomes = Vec::new();
-        for (change, ended) in changes {
-            outcomes.push(apply_one(context, &mut block, change, *ended, &holders, now).await);
-        }
-        let writes = |o: &ChangeOutcome| {
-            matches!(
-                o,
-                ChangeOutcome::Released(_)
-                    | ChangeOutcome::Repaired
-                    | ChangeOutcome::Marked
-                    | ChangeOutcome::Aborted
-                    | ChangeOutcome::Answered
-            )
-        };
-        if !outcomes.iter().any(writes) {
-            return outcomes;
-        }
-        if !context.leading.is_leading() {
-            return changes.iter().map(|_| ChangeOutcome::Skipped("not_leader")).collect();
-        }
-        match api.replace(name, &params, &block).await {
-            Ok(_) => return outcomes,
-            Err(kube::Error::Api(status)) if status.code == 409 => {
-                context.metrics.conflict_retries.inc();
-                let Some(delay) = delays.next() else {
-                    return changes
-                        .iter()
-                        .map(|_| ChangeOutcome::Failed(format!("IPBlock {name} kept changing")))
-                        .collect();
-                };
-                tokio::time::sleep(delay).await;
+            if !context.leading.is_leading() {
+                outcomes = changes.iter().map(|_| ChangeOutcome::Skipped("not_leader")).collect();
+                return None;
             }
-            Err(e) => {
-                return changes.iter().map(|_| ChangeOutcome::Failed(format!("writing IPBlock {name}: {e}"))).collect();
-            }
-        }
+            Some(())
+        })
+        .await;
+    match written {
+        Ok(CasOutcome::Absent) => changes.iter().map(|_| ChangeOutcome::Skipped("block_gone")).collect(),
+        Ok(_) => outcomes,
+        Err(e) => changes.iter().map(|_| ChangeOutcome::Failed(e.to_string())).collect(),
     }
 }
 
-/// Re-checks one change against the fresh block and applies it to `block` in memory.
-async fn apply_one(
-    context: &PoolContext,
-    block: &mut IPBlock,
+/// Re-checks one change against the fresh block `spec` and applies it there in memory; pure.
+fn apply_one(
+    spec: &mut IPBlockSpec,
     change: &RecordChange,
     ended: Option<Timestamp>,
+    facts: &LiveFacts,
     holders: &HashMap<String, String>,
     now: Timestamp,
 ) -> ChangeOutcome {
-    let Some(record) = block.spec.allocations.get_mut(&change.ip) else { return ChangeOutcome::Skipped("record_gone") };
+    let Some(record) = spec.allocations.get_mut(&change.ip) else { return ChangeOutcome::Skipped("record_gone") };
     if record.pod.uid != change.pod.uid {
         return ChangeOutcome::Skipped("record_changed");
     }
     match &change.action {
         ChangeAction::Release { reason, .. } => {
             // An agent's takeover mark appeared since the decision: the agents settle it.
-            if record.release_handshake.as_ref().is_some_and(|h| h.takeover.is_some()) {
+            if takeover_marked(record) {
                 return ChangeOutcome::Skipped(STICKY_TAKEOVER);
             }
             let handshake = record.release_handshake.as_ref().map(|h| h.state);
@@ -601,24 +636,13 @@ async fn apply_one(
             if holders.contains_key(&change.ip) {
                 return ChangeOutcome::Skipped("in_use");
             }
-            match live_recheck(&context.client, change).await {
-                Ok(None) => {}
-                Ok(Some(reason)) => return ChangeOutcome::Skipped(reason),
-                Err(e) => {
-                    return ChangeOutcome::Failed(format!(
-                        "reading pod {}/{}: {e}",
-                        change.pod.namespace, change.pod.name
-                    ));
-                }
+            match &facts.recheck {
+                None => return ChangeOutcome::Skipped("record_changed"),
+                Some(Ok(None)) => {}
+                Some(Ok(Some(reason))) => return ChangeOutcome::Skipped(reason),
+                Some(Err(e)) => return ChangeOutcome::Failed(e.clone()),
             }
-            // The decision's owner cache may be stale (a fast scale down and up): re-read it.
-            // A retired block keeps no reservation, so its owner has no say.
-            let sticky = crate::ipam::workload::record_is_sticky(record, context.index.read().sticky_kinds());
-            if reason.rests_on_owner()
-                && !change.retired
-                && sticky
-                && crate::owners::record_owner_wants(&context.client, record).await
-            {
+            if facts.owner_wants {
                 return ChangeOutcome::Skipped(OWNER_WANTS);
             }
             if step == ControllerStep::Mark {
@@ -633,8 +657,8 @@ async fn apply_one(
                 return ChangeOutcome::Marked;
             }
             let ended = record.release_handshake.as_ref().and_then(|h| h.pod_ended_at.as_ref()).map(|t| t.0);
-            block.spec.allocations.remove(&change.ip);
-            block.spec.released.insert(change.ip.clone(), Time(now));
+            spec.allocations.remove(&change.ip);
+            spec.released.insert(change.ip.clone(), Time(now));
             ChangeOutcome::Released(ended)
         }
         ChangeAction::Repair { adopter } => {
@@ -667,6 +691,91 @@ async fn apply_one(
                 Some(_) => record.release_handshake = None,
             }
             ChangeOutcome::Aborted
+        }
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+    use crate::crd::{Allocation, PodRef, Takeover};
+    use crate::gc::handshake::marked_for_release;
+    use crate::gc::rules::ReleaseReason;
+
+    const IP: &str = "10.0.0.5";
+
+    fn record(uid: &str) -> Allocation {
+        crate::ipam::blocks::test::record(uid, "c")
+    }
+
+    fn release(via_agent: bool) -> RecordChange {
+        RecordChange {
+            pool: "pool".into(),
+            block: "b".into(),
+            ip: IP.into(),
+            pod: PodRef { namespace: "default".into(), name: "web-0".into(), uid: "u1".into() },
+            claim: "web-0".into(),
+            via_agent,
+            retired: false,
+            action: ChangeAction::Release { reason: ReleaseReason::PodGone, delete_claim: true },
+        }
+    }
+
+    fn facts(recheck: Option<Option<&'static str>>, owner_wants: bool) -> LiveFacts {
+        LiveFacts { recheck: recheck.map(Ok), owner_wants }
+    }
+
+    #[test]
+    fn a_release_is_applied_to_the_fresh_block_only_when_every_live_fact_read_before_allows_it() {
+        let takeover = ReleaseHandshake {
+            state: HandshakeState::MarkedForRelease,
+            marked_at: Time(Timestamp::UNIX_EPOCH),
+            reason: "sticky takeover".into(),
+            detail: None,
+            pod_ended_at: None,
+            takeover: Some(Takeover { pod: record("u2").pod, node: "m".into() }),
+        };
+        let with_takeover = Allocation { release_handshake: Some(takeover), ..record("u1") };
+        let holder: HashMap<String, String> = [(IP.to_string(), "u3".to_string())].into();
+        let none = HashMap::new();
+        // (fresh record, via agent, facts, live holders, outcome)
+        type Case<'a> = (Option<Allocation>, bool, LiveFacts, &'a HashMap<String, String>, ChangeOutcome);
+        let table: [Case<'_>; 9] = [
+            (None, false, facts(Some(None), false), &none, ChangeOutcome::Skipped("record_gone")),
+            (Some(record("u2")), false, facts(Some(None), false), &none, ChangeOutcome::Skipped("record_changed")),
+            (Some(with_takeover), false, facts(Some(None), false), &none, ChangeOutcome::Skipped(STICKY_TAKEOVER)),
+            (Some(record("u1")), false, facts(Some(None), false), &holder, ChangeOutcome::Skipped("in_use")),
+            // The cached record stopped before the reads; the fresh one would not: decide again.
+            (Some(record("u1")), false, facts(None, false), &none, ChangeOutcome::Skipped("record_changed")),
+            (
+                Some(record("u1")),
+                false,
+                facts(Some(Some("pod_alive")), false),
+                &none,
+                ChangeOutcome::Skipped("pod_alive"),
+            ),
+            (Some(record("u1")), false, facts(Some(None), true), &none, ChangeOutcome::Skipped(OWNER_WANTS)),
+            (Some(record("u1")), true, facts(Some(None), false), &none, ChangeOutcome::Marked),
+            (Some(record("u1")), false, facts(Some(None), false), &none, ChangeOutcome::Released(None)),
+        ];
+        for (fresh, via_agent, facts, holders, want) in table {
+            let mut spec = IPBlockSpec::default();
+            if let Some(fresh) = fresh.clone() {
+                spec.allocations.insert(IP.into(), fresh);
+            }
+            let now = Timestamp::UNIX_EPOCH;
+            let outcome = apply_one(&mut spec, &release(via_agent), None, &facts, holders, now);
+            assert_eq!(outcome, want, "fresh {fresh:?}, via agent {via_agent}");
+            match want {
+                ChangeOutcome::Released(_) => {
+                    assert!(!spec.allocations.contains_key(IP) && spec.released.contains_key(IP))
+                }
+                ChangeOutcome::Marked => assert!(marked_for_release(&spec.allocations[IP])),
+                _ => {
+                    assert_eq!(spec.allocations.get(IP), fresh.as_ref(), "a dropped change leaves the record as it was")
+                }
+            }
+            assert_eq!(outcome.writes(), matches!(want, ChangeOutcome::Released(_) | ChangeOutcome::Marked));
         }
     }
 }

@@ -18,7 +18,8 @@ use super::leader::LeadershipChanged;
 use super::metrics::ControllerMetrics;
 use super::pool::{ApplyChanges, ApplyOutcome, PoolSupervisor, Trigger, apply_in_background};
 use super::watches::SharedIndex;
-use crate::crd::{Allocation, HandshakeState, IPBlock};
+use crate::crd::IPBlock;
+use crate::gc::handshake::actionable;
 use crate::gc::manual::{DryRunPlan, SweepReport};
 use crate::gc::rules::RuleSettings;
 use crate::gc::sweep;
@@ -133,25 +134,6 @@ impl Handler<LeadershipChanged> for Sweeper {
             self.sweep_if_leading(Trigger::Sweep, ctx);
         }
     }
-}
-
-/// Whether the record's node agent has answered its release handshake.
-fn answered(record: &Allocation) -> bool {
-    record
-        .release_handshake
-        .as_ref()
-        .is_some_and(|h| matches!(h.state, HandshakeState::ReadyForRelease | HandshakeState::DoNotRelease))
-}
-
-/// Whether an agent marked the record for a sticky takeover.
-fn takeover_marked(record: &Allocation) -> bool {
-    record.release_handshake.as_ref().is_some_and(|h| h.takeover.is_some())
-}
-
-/// Whether the record's handshake is one the controller acts on as soon as it appears: an
-/// agent's answer, or a sticky takeover mark (answered for a node whose agent cannot).
-fn actionable(record: &Allocation) -> bool {
-    answered(record) || takeover_marked(record)
 }
 
 impl Sweeper {

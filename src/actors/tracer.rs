@@ -39,7 +39,7 @@ pub struct PodTracer {
 }
 
 impl PodTracer {
-    /// A tracer over the caches, sending changes to `supervisor`.
+    /// A tracer over the index, sending changes to `supervisor`.
     pub fn new(
         index: SharedIndex,
         supervisor: Addr<PoolSupervisor>,

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use actix::{Actor, AtomicResponse, Context, Handler, Message, WrapFuture};
 
 use super::core::Core;
-use crate::protocol::{AgentRequest, AgentResponse};
+use super::error::Error;
+use crate::protocol::{AgentRequest, IpamResult};
 
 /// The actor owning the node's allocation core.
 pub struct NodeAllocator {
@@ -25,29 +26,26 @@ impl Actor for NodeAllocator {
     type Context = Context<Self>;
 }
 
-/// One CNI call forwarded by the socket server.
+/// One CNI call forwarded by the socket server; answers ADD's result, or nothing for the
+/// other verbs.
 #[derive(Message)]
-#[rtype(result = "AgentResponse")]
+#[rtype(result = "Result<Option<IpamResult>, Error>")]
 pub struct Call(pub AgentRequest);
 
 impl Handler<Call> for NodeAllocator {
     // Atomic: the actor takes no other message until this one's future is done.
-    type Result = AtomicResponse<Self, AgentResponse>;
+    type Result = AtomicResponse<Self, Result<Option<IpamResult>, Error>>;
 
     fn handle(&mut self, Call(request): Call, _ctx: &mut Context<Self>) -> Self::Result {
         let core = self.core.clone();
         AtomicResponse::new(Box::pin(
             async move {
-                let outcome = match &request {
+                match &request {
                     AgentRequest::Add(r) => core.add(r).await.map(Some),
                     AgentRequest::Del(r) => core.del(r).await.map(|()| None),
                     AgentRequest::Check(r) => core.check(r).await.map(|()| None),
                     AgentRequest::Gc(r) => core.gc(r).await.map(|()| None),
                     AgentRequest::Status(r) => core.status(r).await.map(|()| None),
-                };
-                match outcome {
-                    Ok(result) => AgentResponse::Ok { result },
-                    Err(error) => AgentResponse::Error(error),
                 }
             }
             .into_actor(self),
@@ -68,7 +66,7 @@ impl Handler<AnswerMarks> for NodeAllocator {
         AtomicResponse::new(Box::pin(
             async move {
                 if let Err(e) = core.answer_marks().await {
-                    tracing::warn!(error = %e.msg, "answering release marks failed; retrying on the next pass");
+                    tracing::warn!(error = %e, "answering release marks failed; retrying on the next pass");
                 }
             }
             .into_actor(self),

@@ -2,14 +2,20 @@
 //! with compare-and-swap on IPBlocks, keeps IPClaims and a node-local checkpoint, and
 //! exposes metrics. See docs/agent.md for every flag.
 
+mod add;
 pub mod allocator;
+mod block_writes;
 pub mod checkpoint;
+mod cni_verbs;
 pub mod core;
+pub mod error;
 pub mod heartbeat;
 pub mod lock;
 pub mod metrics;
 pub mod pool_status;
+mod release_marks;
 pub mod server;
+mod startup;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -125,7 +131,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     tokio::spawn(block_events.default_backoff().touched_objects().for_each(move |block| {
         if let Ok(block) = block {
             conditions.notify_one();
-            if block.spec.allocations.values().any(|r| r.node == node && core::marked_for_release(r)) {
+            if block.spec.allocations.values().any(|r| r.node == node && crate::gc::handshake::marked_for_release(r)) {
                 notify.notify_one();
             }
         }
@@ -153,8 +159,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     } else {
         // A lost file (new disk, changed path) is rebuilt like a corrupt one: the handshake
         // needs to know which sandboxes are still attached.
-        let count =
-            core.rebuild_checkpoint().await.map_err(|e| anyhow::anyhow!("rebuilding the checkpoint: {}", e.msg))?;
+        let count = core.rebuild_checkpoint().await.context("rebuilding the checkpoint")?;
         match restored {
             Restored::MovedAside(aside) => {
                 tracing::warn!(corrupt = %aside.display(), entries = count, "checkpoint was corrupt: moved aside and rebuilt from the IPBlocks");
@@ -166,7 +171,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         }
     }
 
-    let released = core.startup_gc().await.map_err(|e| anyhow::anyhow!("start-up GC: {}", e.msg))?;
+    let released = core.startup_gc().await.context("start-up GC")?;
     tracing::info!(released, "start-up GC done");
     if let (Some(data_dir), Some(network)) = (&args.host_local_data_dir, &args.host_local_network) {
         let live = crate::hostlocal::live_ips_on_node(&client, &args.node_name)

@@ -9,7 +9,39 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
 use super::allocator::{Call, NodeAllocator};
+use super::error::Error;
 use crate::protocol::{AgentRequest, AgentResponse, CniError, MAX_REQUEST_BYTES};
+
+/// ipwarden's own CNI error code: no pool fits the pod.
+pub const NO_POOL_FITS: u32 = 100;
+
+/// ipwarden's own CNI error code: every IP of the chosen pool is taken.
+pub const POOL_EXHAUSTED: u32 = 101;
+
+/// ipwarden's own CNI error code: the pod's IPClaim names an object that does not hold the
+/// claimed IP's record (a hand-edited claim); the claim must be fixed or deleted.
+pub const INVALID_CLAIM: u32 = 102;
+
+/// The CNI error the plugin hands the runtime for `error`: the code says what the runtime
+/// may do (retry later, give up, fix the configuration), the message what failed.
+pub fn to_cni(error: &Error) -> CniError {
+    let code = match error {
+        Error::NoPodInRequest => CniError::INVALID_ENVIRONMENT,
+        Error::StaleSandbox { .. } | Error::UnknownAttachment { .. } => CniError::UNKNOWN_CONTAINER,
+        Error::NoPoolFits { .. } => NO_POOL_FITS,
+        Error::PoolExhausted { .. } => POOL_EXHAUSTED,
+        Error::InvalidClaim { .. } => INVALID_CLAIM,
+        Error::Checkpoint(_) => CniError::IO_FAILURE,
+        Error::PrevResultMismatch { .. } => CniError::INVALID_NETWORK_CONFIG,
+        Error::NoPool => CniError::PLUGIN_NOT_AVAILABLE,
+        Error::PodMissing { .. }
+        | Error::Cooling { .. }
+        | Error::AwaitingTakeover { .. }
+        | Error::Api { .. }
+        | Error::Write(_) => CniError::TRY_AGAIN_LATER,
+    };
+    CniError::new(code, error.to_string())
+}
 
 /// Binds the socket at `path` (replacing a stale one) with mode 0600.
 pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
@@ -49,9 +81,11 @@ async fn serve_one(stream: UnixStream, allocator: Addr<NodeAllocator>) {
         ))),
         Ok(_) => match serde_json::from_str::<AgentRequest>(&line) {
             Err(e) => AgentResponse::Error(CniError::decoding_failure(format!("decoding the request: {e}"))),
-            Ok(request) => allocator.send(Call(request)).await.unwrap_or_else(|e| {
-                AgentResponse::Error(CniError::try_again_later(format!("the allocator is not running: {e}")))
-            }),
+            Ok(request) => match allocator.send(Call(request)).await {
+                Ok(Ok(result)) => AgentResponse::Ok { result },
+                Ok(Err(error)) => AgentResponse::Error(to_cni(&error)),
+                Err(e) => AgentResponse::Error(CniError::try_again_later(format!("the allocator is not running: {e}"))),
+            },
         },
     };
     let mut bytes = serde_json::to_vec(&response).unwrap_or_else(|e| {

@@ -14,7 +14,32 @@ use std::time::Duration;
 use jiff::Timestamp;
 
 use super::rules::{NodeState, NotReadyGate, NotReadyPolicy, not_ready_gate};
-use crate::crd::HandshakeState;
+use crate::crd::{Allocation, HandshakeState};
+
+/// Whether `record` is marked for release (by the controller, or by an agent's sticky
+/// takeover) and waits for its node's agent to answer.
+pub fn marked_for_release(record: &Allocation) -> bool {
+    record.release_handshake.as_ref().is_some_and(|h| h.state == HandshakeState::MarkedForRelease)
+}
+
+/// Whether the record's node agent has answered its release handshake.
+pub fn answered(record: &Allocation) -> bool {
+    record
+        .release_handshake
+        .as_ref()
+        .is_some_and(|h| matches!(h.state, HandshakeState::ReadyForRelease | HandshakeState::DoNotRelease))
+}
+
+/// Whether an agent marked the record for a sticky takeover.
+pub fn takeover_marked(record: &Allocation) -> bool {
+    record.release_handshake.as_ref().is_some_and(|h| h.takeover.is_some())
+}
+
+/// Whether the record's handshake is one the controller acts on as soon as it appears: an
+/// agent's answer, or a sticky takeover mark (answered for a node whose agent cannot).
+pub fn actionable(record: &Allocation) -> bool {
+    answered(record) || takeover_marked(record)
+}
 
 /// What the controller does with a record the rule table wants released.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -243,12 +243,13 @@ pub fn pool_fingerprint(blocks: &[std::sync::Arc<IPBlock>], pool: &str) -> Strin
 }
 
 #[cfg(test)]
-mod test {
+pub(crate) mod test {
     use super::*;
     use crate::crd::PodRef;
     use proptest::prelude::*;
 
-    fn record(uid: &str, container: &str) -> Allocation {
+    /// A plain record of pod default/web-0 on node-0, for tests.
+    pub(crate) fn record(uid: &str, container: &str) -> Allocation {
         Allocation {
             pod: PodRef { namespace: "default".into(), name: "web-0".into(), uid: uid.into() },
             node: "node-0".into(),

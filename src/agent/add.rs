@@ -1,0 +1,710 @@
+//! CNI ADD: the sandbox's IPs, allocated once, a sticky pod's claimed IPs reclaimed. Order:
+//! block record, then IPClaim, then checkpoint, so a crash leaves at worst a record that the
+//! next ADD or DEL of the same sandbox finds; a step that fails rolls back the block records
+//! this ADD wrote (`blocks::roll_back`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::time::Instant;
+
+use ipnet::IpNet;
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::ResourceExt;
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
+
+use super::checkpoint::{CheckpointEntry, CheckpointIp};
+use super::core::{Core, ResolvedPool, attachment_key, field_manager, result_of};
+use super::error::Error;
+use super::metrics::PoolLabels;
+use crate::block_store::CasStore;
+use crate::crd::{
+    Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPClaim, IPClaimSpec, MigrationTarget, OwnerRef,
+    POOL_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
+};
+use crate::gc::handshake::{ClaimedRecord, ReclaimStep, reclaim_step};
+use crate::ipam::blocks;
+use crate::ipam::pools::{self, PodPlacement, PoolSet};
+use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
+use crate::ipam::{BlockUsage, ChooseError, choose_ip};
+use crate::protocol::{AttachmentRequest, IpamResult};
+
+/// How many not-yet-created blocks of a pool one ADD may try.
+const NEW_BLOCK_PROBES: usize = 8;
+
+/// A record this ADD wrote, and what its IP held before, so that a failed ADD can undo it.
+struct Written {
+    /// The IP as the CNI result and the checkpoint carry it.
+    ip: CheckpointIp,
+    /// What the IP held before the write.
+    prior: blocks::Prior,
+}
+
+/// What one claimed IP's compare-and-swap did in [`Core::reclaim_sticky`].
+enum Reclaim {
+    /// Taken over (or free and taken), with what the IP held before, for a rollback.
+    Taken(blocks::Prior),
+    /// Attached as a running live migration's target; the source keeps the record.
+    Attached,
+    /// Marked for a sticky takeover: the ADD waits for the holder's node.
+    Marked,
+}
+
+/// What [`Core::reclaim_sticky`] got back for a recreated sticky pod.
+struct Reclaimed {
+    /// Every IP of the claimed interface, in the claim's order.
+    ips: Vec<CheckpointIp>,
+    /// The records taken over (undone if the ADD fails later).
+    written: Vec<Written>,
+    /// Attached as a live migration's target instead of taken over (the claim stays as is).
+    shared: bool,
+}
+
+/// An IPClaim as an ADD wrote it, and the spec it replaced (`None`: the ADD created it).
+struct ClaimWrite {
+    namespace: String,
+    name: String,
+    before: Option<IPClaimSpec>,
+}
+
+/// The mark a recreated sticky pod's ADD writes on its predecessor's record: the record's
+/// node answers it like a release mark (docs/gc-rules.md, "Sticky takeover").
+fn takeover_mark(claimant: &Allocation) -> ReleaseHandshake {
+    ReleaseHandshake {
+        state: HandshakeState::MarkedForRelease,
+        marked_at: Time(Timestamp::now()),
+        reason: format!(
+            "sticky takeover by pod {}/{} on node {}",
+            claimant.pod.namespace, claimant.pod.name, claimant.node
+        ),
+        detail: None,
+        pod_ended_at: None,
+        takeover: Some(Takeover { pod: claimant.pod.clone(), node: claimant.node.clone() }),
+    }
+}
+
+/// Whether record `a` and the new record `b` belong to the same sticky workload: the same
+/// KubeVirt VM, or the same StatefulSet pod name (its ordinal).
+fn same_workload(a: &Allocation, b: &Allocation) -> bool {
+    let same_namespace = a.pod.namespace == b.pod.namespace;
+    match b.owner.as_ref() {
+        Some(owner) if owner.kind == KUBEVIRT_VMI_KIND => same_namespace && a.owner.as_ref() == Some(owner),
+        _ => same_namespace && a.pod.name == b.pod.name,
+    }
+}
+
+/// Whether the new record `b` of a live migration's target attaches to record `a` as its
+/// migration target rather than taking it over: `a` is the same VM instance's and another
+/// pod's sandbox (the migration's source) still holds it. A reservation with no sandbox is
+/// simply taken over.
+fn shares_with_source(a: &Allocation, b: &Allocation) -> bool {
+    a.pod.uid != b.pod.uid && blocks::may_be_attached(a) && same_workload(a, b)
+}
+
+/// Whether `ip` is an IPv4 address (a claimed IP that does not parse counts as IPv6).
+fn is_v4(ip: &str) -> bool {
+    ip.parse::<IpAddr>().is_ok_and(|ip| ip.is_ipv4())
+}
+
+/// A sticky pod's IPs in its claim's order: each kept IP (`Ok`) in its place, each IP given
+/// up (`Err`, with whether it is IPv4) replaced by the fresh IP of its family, or left out
+/// when no pool of that family was chosen.
+fn fill_given_up<T>(slots: Vec<Result<T, bool>>, fresh: Vec<T>, v4: impl Fn(&T) -> bool) -> Vec<T> {
+    let (fresh_v4, fresh_v6): (Vec<T>, Vec<T>) = fresh.into_iter().partition(|ip| v4(ip));
+    let (mut fresh_v4, mut fresh_v6) = (fresh_v4.into_iter(), fresh_v6.into_iter());
+    slots
+        .into_iter()
+        .filter_map(|slot| match slot {
+            Ok(kept) => Some(kept),
+            Err(true) => fresh_v4.next(),
+            Err(false) => fresh_v6.next(),
+        })
+        .collect()
+}
+
+/// A stable hash of the node name, so each node starts its block scan at its own offset.
+fn node_hash(node: &str) -> usize {
+    node.bytes().fold(0usize, |h, b| h.wrapping_mul(31).wrapping_add(usize::from(b)))
+}
+
+impl Core {
+    /// CNI ADD: the sandbox's IPs, allocated once (idempotent for the same attachment).
+    pub async fn add(&self, request: &AttachmentRequest) -> Result<IpamResult, Error> {
+        let started = Instant::now();
+        let outcome = self.add_inner(request).await;
+        self.metrics.allocation_duration.observe(started.elapsed().as_secs_f64());
+        self.metrics.allocation(outcome.as_ref().map_or_else(Error::label, |_| "success"));
+        if let Err(e) = &outcome {
+            tracing::warn!(container_id = %request.container_id, result = e.label(), error = %e, "ADD failed");
+        }
+        outcome
+    }
+
+    async fn add_inner(&self, request: &AttachmentRequest) -> Result<IpamResult, Error> {
+        let key = attachment_key(request);
+        let mut checkpoint = self.checkpoint.lock().await;
+        if let Some(entry) = checkpoint.get(&key) {
+            return Ok(result_of(&entry.ips));
+        }
+        let pod_ref = request.pod.as_ref().ok_or(Error::NoPodInRequest)?;
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &pod_ref.namespace);
+        let pod = pods
+            .get_opt(&pod_ref.name)
+            .await
+            .map_err(Error::api(format!("reading pod {}/{}", pod_ref.namespace, pod_ref.name)))?
+            .ok_or_else(|| Error::PodMissing { pod: format!("{}/{}", pod_ref.namespace, pod_ref.name) })?;
+        let uid = pod.uid().unwrap_or_default();
+        if let Some(expected) = pod_ref.uid.as_deref()
+            && expected != uid
+        {
+            return Err(Error::StaleSandbox {
+                pod: format!("{}/{}", pod_ref.namespace, pod_ref.name),
+                uid,
+                expected: expected.to_string(),
+            });
+        }
+        let owner = workload::controller_of(&pod);
+        let sticky = workload::is_sticky(owner.as_ref(), &self.settings.sticky_kinds);
+        let found = self.records_of_sandbox(&request.container_id, &request.ifname);
+        let migration = if sticky { self.active_migration(&pod, owner.as_ref()).await? } else { None };
+        let (ips, written, shares) = if !found.is_empty() {
+            // Written before a crash that lost the answer: the same sandbox adopts them. They
+            // are not this call's writes, so a failure below leaves them to the sandbox's DEL.
+            let ips = self.checkpoint_ips(found.into_iter().map(|(block, ip, pool)| (pool, block, ip)).collect());
+            (ips, Vec::new(), migration.is_some())
+        } else {
+            let reclaimed = if sticky {
+                let held_here: BTreeSet<String> =
+                    checkpoint.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect();
+                self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request, &held_here).await?
+            } else {
+                None
+            };
+            match reclaimed {
+                Some(reclaimed) => (reclaimed.ips, reclaimed.written, reclaimed.shared),
+                None => {
+                    let written = self.allocate(&pod, owner.as_ref(), sticky, request, None).await?;
+                    (written.iter().map(|w| w.ip.clone()).collect(), written, false)
+                }
+            }
+        };
+        // A live migration's target shares the source's IPs; the claim stays bound to the
+        // source until the source's sandbox leaves them to the target.
+        let claim = if shares {
+            None
+        } else {
+            match self.write_claim(&pod, owner.as_ref(), sticky, &request.ifname, &ips).await {
+                Ok(claim) => Some(claim),
+                Err(e) => {
+                    self.roll_back(&written, request, &uid).await;
+                    return Err(e);
+                }
+            }
+        };
+        let entry = CheckpointEntry {
+            key,
+            pod: PodRef { namespace: pod_ref.namespace.clone(), name: pod_ref.name.clone(), uid: uid.clone() },
+            ips: ips.clone(),
+        };
+        if let Err(e) = checkpoint.insert(entry) {
+            if let Some(claim) = claim.as_ref().filter(|_| !written.is_empty()) {
+                self.restore_claim(claim, &uid).await;
+            }
+            self.roll_back(&written, request, &uid).await;
+            return Err(e.into());
+        }
+        tracing::info!(pod = %format!("{}/{}", pod_ref.namespace, pod_ref.name), container_id = %request.container_id,
+            ips = ?ips.iter().map(|i| i.ip.as_str()).collect::<Vec<_>>(), "allocated");
+        Ok(result_of(&ips))
+    }
+
+    fn record_for(&self, pod: &Pod, owner: Option<&OwnerRef>, sticky: bool, request: &AttachmentRequest) -> Allocation {
+        Allocation {
+            pod: PodRef {
+                namespace: pod.namespace().unwrap_or_default(),
+                name: pod.name_any(),
+                uid: pod.uid().unwrap_or_default(),
+            },
+            node: self.settings.node.clone(),
+            network: request.network.clone(),
+            container_id: request.container_id.clone(),
+            interface: request.ifname.clone(),
+            owner: owner.cloned(),
+            sticky,
+            allocated_at: Time(Timestamp::now()),
+            release_handshake: None,
+            migration_target: None,
+            repaired_at: None,
+        }
+    }
+
+    /// The UID of the live migration `pod` is the target of, if that migration of its VM
+    /// instance exists and still runs ([`workload::is_active_migration_target`]).
+    async fn active_migration(&self, pod: &Pod, owner: Option<&OwnerRef>) -> Result<Option<String>, Error> {
+        let Some(job) = workload::migration_job_of(pod) else { return Ok(None) };
+        let namespace = pod.namespace().unwrap_or_default();
+        let resource =
+            ApiResource::from_gvk(&GroupVersionKind::gvk("kubevirt.io", "v1", "VirtualMachineInstanceMigration"));
+        let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), &namespace, &resource);
+        let migrations = match api.list(&ListParams::default()).await {
+            Ok(list) => list.items,
+            Err(kube::Error::Api(status)) if status.code == 404 => Vec::new(),
+            Err(e) => return Err(Error::api(format!("listing VirtualMachineInstanceMigrations in {namespace}"))(e)),
+        };
+        let active = migrations.iter().any(|m| {
+            let text = |path: &str| m.data.pointer(path).and_then(|v| v.as_str()).unwrap_or_default();
+            let facts = workload::MigrationFacts {
+                uid: m.metadata.uid.as_deref().unwrap_or_default(),
+                vmi_name: text("/spec/vmiName"),
+                phase: text("/status/phase"),
+                deleting: m.metadata.deletion_timestamp.is_some(),
+            };
+            workload::is_active_migration_target(owner, job, &facts)
+        });
+        Ok(active.then(|| job.to_string()))
+    }
+
+    /// Gives a recreated sticky pod its claim's IPs back; `None` when it has none to reclaim.
+    /// The target of the running live migration `migration` attaches to the IPs its source
+    /// still holds instead of taking them over (`shared`). Any other claimed IP whose record
+    /// still names a sandbox that may be attached (on another node, or in `held_here`, the IPs
+    /// of this node's checkpoint) is not shared: the record is marked for a sticky takeover and
+    /// the ADD fails with "try again later" until the record's node has let go of it
+    /// ([`reclaim_step`]).
+    async fn reclaim_sticky(
+        &self,
+        pod: &Pod,
+        owner: Option<&OwnerRef>,
+        migration: Option<&str>,
+        request: &AttachmentRequest,
+        held_here: &BTreeSet<String>,
+    ) -> Result<Option<Reclaimed>, Error> {
+        let namespace = pod.namespace().unwrap_or_default();
+        let claim_name = workload::claim_name(&pod.name_any(), owner);
+        let claims: Api<IPClaim> = Api::namespaced(self.client.clone(), &namespace);
+        let Some(claim) = claims
+            .get_opt(&claim_name)
+            .await
+            .map_err(Error::api(format!("reading IPClaim {namespace}/{claim_name}")))?
+        else {
+            return Ok(None);
+        };
+        let Some(interface) = claim.spec.interfaces.iter().find(|i| i.interface == request.ifname) else {
+            return Ok(None);
+        };
+        // Checked before anything is written: the claim is user-writable, the blocks are not.
+        for claimed in &interface.ips {
+            let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
+                continue;
+            };
+            let Some(block) = pool.layout.block_of(ip) else { continue };
+            pools::check_claimed_block(&pool.name, block, ip, &claimed.block).map_err(|cause| Error::InvalidClaim {
+                claim: format!("{namespace}/{claim_name}"),
+                pod: pod.name_any(),
+                cause,
+            })?;
+        }
+        let record = self.record_for(pod, owner, true, request);
+        let target = migration.map(|uid| MigrationTarget {
+            migration_uid: uid.to_string(),
+            pod: record.pod.clone(),
+            node: record.node.clone(),
+            container_id: record.container_id.clone(),
+            interface: record.interface.clone(),
+        });
+        // One slot per claimed IP, in the claim's order; `Err(is IPv4)`: given up, allocated
+        // afresh.
+        let (mut slots, mut taken, mut shared) = (Vec::new(), Vec::new(), false);
+        for claimed in &interface.ips {
+            let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
+                break;
+            };
+            // A pool being deleted hands out no new IP, so a restarted pod gives up its IP
+            // there (only that family's); a live migration's target still attaches to the IP
+            // its source holds, which is not a new one.
+            if pool.deleting && target.is_none() {
+                slots.push(Err(is_v4(&claimed.ip)));
+                continue;
+            }
+            let Some(block) = pool.layout.block_of(ip) else { break };
+            let key = ip.to_string();
+            let mut waiting_for = None;
+            let took = self
+                .write_block(&claimed.block, &pool.name, block, |spec| {
+                    waiting_for = None;
+                    if let (Some(r), Some(target)) = (spec.allocations.get(&key), target.as_ref())
+                        && shares_with_source(r, &record)
+                    {
+                        return blocks::attach_migration_target(spec, &key, target.clone()).map(|()| Reclaim::Attached);
+                    }
+                    if pool.deleting {
+                        return None;
+                    }
+                    let Some(current) = spec.allocations.get_mut(&key) else {
+                        let free = pool.layout.is_allocatable(ip);
+                        return free.then(|| Reclaim::Taken(blocks::allocate(spec, ip, record.clone())));
+                    };
+                    let step = reclaim_step(ClaimedRecord {
+                        same_pod: current.pod.uid == record.pod.uid,
+                        same_workload: same_workload(current, &record),
+                        attached: blocks::may_be_attached(current),
+                        detached_here: current.node == self.settings.node && !held_here.contains(&key),
+                        handshake: current.release_handshake.as_ref().map(|h| h.state),
+                    });
+                    match step {
+                        ReclaimStep::NotOurs => None,
+                        ReclaimStep::Take => Some(Reclaim::Taken(blocks::allocate(spec, ip, record.clone()))),
+                        ReclaimStep::Wait => {
+                            waiting_for = Some(current.clone());
+                            None
+                        }
+                        ReclaimStep::Mark => {
+                            current.release_handshake = Some(takeover_mark(&record));
+                            waiting_for = Some(current.clone());
+                            Some(Reclaim::Marked)
+                        }
+                    }
+                })
+                .await;
+            let took = match took {
+                Ok(took) => took,
+                Err(e) => {
+                    self.roll_back(&taken, request, &record.pod.uid).await;
+                    return Err(e);
+                }
+            };
+            if let Some(holder) = waiting_for {
+                self.roll_back(&taken, request, &record.pod.uid).await;
+                return Err(Error::AwaitingTakeover {
+                    ip: ip.to_string(),
+                    pod: format!("{namespace}/{}", pod.name_any()),
+                    container_id: holder.container_id,
+                    holder: format!("{}/{}", holder.pod.namespace, holder.pod.name),
+                    holder_uid: holder.pod.uid,
+                    node: holder.node,
+                });
+            }
+            let Some(took) = took else {
+                tracing::warn!(claim = %claim_name, ip = %claimed.ip, "claimed IP is held by another pod; allocating afresh");
+                break;
+            };
+            let ip = CheckpointIp {
+                ip: claimed.ip.clone(),
+                prefix_len: pool.layout.cidr().prefix_len(),
+                gateway: pool.gateway.clone(),
+                pool: pool.name.clone(),
+                block: claimed.block.clone(),
+            };
+            match took {
+                Reclaim::Taken(prior) => taken.push(Written { ip: ip.clone(), prior }),
+                Reclaim::Attached => {
+                    shared = true;
+                    taken.push(Written { ip: ip.clone(), prior: blocks::Prior::Attached });
+                }
+                // A mark always sets `waiting_for`, which returned above.
+                Reclaim::Marked => break,
+            }
+            slots.push(Ok(ip));
+        }
+        let given_up: Vec<bool> = slots.iter().filter_map(|slot| slot.as_ref().err().copied()).collect();
+        // Unless every IP was given up (or one could not be taken back): then the pod is
+        // allocated afresh, as a new pod is.
+        if slots.len() == interface.ips.len() && given_up.len() < slots.len() {
+            let mut fresh = Vec::new();
+            if !given_up.is_empty() {
+                match self.allocate(pod, owner, true, request, Some(&given_up)).await {
+                    Ok(written) => {
+                        fresh = written.iter().map(|w| w.ip.clone()).collect();
+                        taken.extend(written);
+                    }
+                    Err(e) => {
+                        self.roll_back(&taken, request, &record.pod.uid).await;
+                        return Err(e);
+                    }
+                }
+            }
+            let ips = fill_given_up(slots, fresh, |ip| is_v4(&ip.ip));
+            let given_up = given_up.len();
+            tracing::info!(claim = %claim_name, migration_target = shared, given_up, "sticky IPs reclaimed for the pod");
+            return Ok(Some(Reclaimed { ips, written: taken, shared }));
+        }
+        // The IPs already taken go back to the records they were taken from.
+        self.roll_back(&taken, request, &record.pod.uid).await;
+        Ok(None)
+    }
+
+    /// Allocates one IP from each pool the pod should use, all or none: when one pool has
+    /// no IP, the IPs already taken from the others are rolled back. `families` (`true`:
+    /// IPv4) limits it to the pools of those IP families: a sticky pod's IPs given up in a
+    /// pool being deleted.
+    async fn allocate(
+        &self,
+        pod: &Pod,
+        owner: Option<&OwnerRef>,
+        sticky: bool,
+        request: &AttachmentRequest,
+        families: Option<&[bool]>,
+    ) -> Result<Vec<Written>, Error> {
+        let namespace_name = pod.namespace().unwrap_or_default();
+        let pools_snapshot = self.pools.state();
+        let pool_set = PoolSet::of(&pools_snapshot, &self.blocks.state());
+        let views = pool_set.views();
+        let namespace = Api::<Namespace>::all(self.client.clone())
+            .get_opt(&namespace_name)
+            .await
+            .map_err(Error::api(format!("reading namespace {namespace_name}")))?;
+        let namespace_labels = namespace.as_ref().map(|n| n.labels().clone()).unwrap_or_default();
+        let node_labels = if pools_snapshot.iter().any(|p| p.spec.node_selector.is_some()) {
+            Api::<Node>::all(self.client.clone())
+                .get_opt(&self.settings.node)
+                .await
+                .map_err(Error::api(format!("reading node {}", self.settings.node)))?
+                .map(|n| n.labels().clone())
+                .unwrap_or_default()
+        } else {
+            BTreeMap::new()
+        };
+        let placement = PodPlacement {
+            pod_annotation: pod.annotations().get(POOL_ANNOTATION).map(String::as_str),
+            namespace_annotation: namespace
+                .as_ref()
+                .and_then(|n| n.annotations().get(POOL_ANNOTATION))
+                .map(String::as_str),
+            namespace_labels: &namespace_labels,
+            node_labels: &node_labels,
+        };
+        let chosen = pools::select(&views, pool_set.orphans(), &placement)
+            .map_err(|cause| Error::NoPoolFits { pod: format!("{namespace_name}/{}", pod.name_any()), cause })?;
+        let record = self.record_for(pod, owner, sticky, request);
+        let mut written = Vec::new();
+        for view in chosen {
+            let Ok(layout) = view.layout else { continue };
+            if families.is_some_and(|f| !f.contains(&layout.family_is_v4())) {
+                continue;
+            }
+            let pool = ResolvedPool {
+                name: view.name.to_string(),
+                layout: layout.clone(),
+                gateway: view.spec.gateway.clone(),
+                deleting: view.deleting,
+            };
+            match self.allocate_in_pool(&pool, &record).await {
+                Ok(ip) => written.push(ip),
+                Err(e) => {
+                    self.roll_back(&written, request, &record.pod.uid).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(written)
+    }
+
+    async fn allocate_in_pool(&self, pool: &ResolvedPool, record: &Allocation) -> Result<Written, Error> {
+        let mut known: Vec<(String, IpNet)> = self
+            .blocks
+            .state()
+            .iter()
+            .filter(|b| b.spec.pool == pool.name)
+            .filter_map(|b| Some((b.name_any(), b.spec.cidr.parse().ok()?)))
+            // A block written under an earlier layout of a pool of this name is orphaned.
+            .filter(|(_, net)| pool.layout.is_block(*net))
+            .collect();
+        known.sort();
+        // Agents start at different blocks so they rarely write the same one.
+        if !known.is_empty() {
+            let offset = node_hash(&self.settings.node) % known.len();
+            known.rotate_left(offset);
+        }
+        let known_nets: BTreeSet<IpNet> = known.iter().map(|(_, net)| *net).collect();
+        let fresh = pool
+            .layout
+            .blocks()
+            .filter(|net| !known_nets.contains(net))
+            .take(NEW_BLOCK_PROBES)
+            .map(|net| (pools::block_name(&pool.name, net), net));
+        let candidates: Vec<(String, IpNet)> = known.into_iter().chain(fresh).collect();
+        let mut cooling = 0usize;
+        let mut next_free: Option<Timestamp> = None;
+        for (name, net) in candidates {
+            let now = Timestamp::now();
+            let chosen = self
+                .write_block(&name, &pool.name, net, |spec| {
+                    let (allocated, released) = blocks::usage(spec);
+                    let usage = BlockUsage { allocated: &allocated, released: &released };
+                    match choose_ip(&pool.layout, net, usage, now, self.settings.cooldown) {
+                        Ok(ip) => Some((ip, blocks::allocate(spec, ip, record.clone()))),
+                        Err(ChooseError::Cooling { cooling: count, next_free_at, .. }) => {
+                            cooling += count;
+                            next_free = Some(next_free.map_or(next_free_at, |t| t.min(next_free_at)));
+                            None
+                        }
+                        Err(_) => None,
+                    }
+                })
+                .await?;
+            if let Some((ip, prior)) = chosen {
+                let ip = CheckpointIp {
+                    ip: ip.to_string(),
+                    prefix_len: pool.layout.cidr().prefix_len(),
+                    gateway: pool.gateway.clone(),
+                    pool: pool.name.clone(),
+                    block: name,
+                };
+                return Ok(Written { ip, prior });
+            }
+        }
+        self.metrics.pool_exhausted.get_or_create(&PoolLabels { pool: pool.name.clone() }).inc();
+        if cooling > 0 {
+            let next_free = next_free.map(|t| t.to_string()).unwrap_or_default();
+            return Err(Error::Cooling { pool: pool.name.clone(), cooling, next_free });
+        }
+        Err(Error::PoolExhausted { pool: pool.name.clone() })
+    }
+
+    /// Records the pod's IPs of `ifname` in its IPClaim (created, or taken over from a
+    /// previous pod of the same name, keeping a sticky predecessor's other interfaces);
+    /// returns what it replaced, for [`Core::restore_claim`].
+    async fn write_claim(
+        &self,
+        pod: &Pod,
+        owner: Option<&OwnerRef>,
+        sticky: bool,
+        ifname: &str,
+        ips: &[CheckpointIp],
+    ) -> Result<ClaimWrite, Error> {
+        let namespace = pod.namespace().unwrap_or_default();
+        let uid = pod.uid().unwrap_or_default();
+        let name = workload::claim_name(&pod.name_any(), owner);
+        let interface = ClaimedInterface {
+            interface: ifname.to_string(),
+            ips: ips
+                .iter()
+                .map(|i| ClaimedIp { ip: i.ip.clone(), pool: i.pool.clone(), block: i.block.clone() })
+                .collect(),
+        };
+        let spec_over = |existing: Option<&IPClaimSpec>| IPClaimSpec {
+            pod_uid: uid.clone(),
+            node: self.settings.node.clone(),
+            owner: owner.cloned(),
+            sticky,
+            interfaces: workload::claim_interfaces(existing, &uid, sticky, interface.clone()),
+            bound_at: Time(Timestamp::now()),
+        };
+        let create = || {
+            let mut claim = IPClaim::new(&name, spec_over(None));
+            claim.metadata.namespace = Some(namespace.clone());
+            claim
+        };
+        let api = Api::<IPClaim>::namespaced(self.client.clone(), &namespace);
+        let store = CasStore::new(api, field_manager(&self.settings.node), None);
+        // `None`: the ADD created the claim (an object not yet stored has no resourceVersion).
+        let before = store
+            .update(&name, Some(&create), |claim| {
+                let stored = claim.metadata.resource_version.is_some();
+                let spec = spec_over(stored.then_some(&claim.spec));
+                let before = std::mem::replace(&mut claim.spec, spec);
+                Some(stored.then_some(before))
+            })
+            .await?
+            .written()
+            .flatten();
+        Ok(ClaimWrite { namespace, name, before })
+    }
+
+    /// Undoes this ADD's block writes after a later step failed ([`blocks::roll_back`]):
+    /// the runtime got no IP, and its retry is a new sandbox, so nothing may stay behind. A
+    /// rollback that cannot be written is left to the sandbox's DEL and the GC.
+    async fn roll_back(&self, written: &[Written], request: &AttachmentRequest, uid: &str) {
+        for Written { ip, prior } in written {
+            let Some(pool) = self.resolve_pool(&ip.pool) else { continue };
+            let Some(net) = ip.ip.parse().ok().and_then(|addr| pool.layout.block_of(addr)) else { continue };
+            let undone = self
+                .write_block(&ip.block, &pool.name, net, |spec| {
+                    blocks::roll_back(spec, &ip.ip, &request.container_id, &request.ifname, uid, prior).then_some(())
+                })
+                .await;
+            match undone {
+                Ok(Some(())) => {
+                    self.metrics.release("rolled_back");
+                    tracing::info!(ip = %ip.ip, container_id = %request.container_id, "rolled back the record of a failed ADD");
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    self.metrics.release("error");
+                    tracing::warn!(ip = %ip.ip, error = %e, "rolling back a failed ADD failed; the sandbox's DEL or the GC will release it");
+                }
+            }
+        }
+    }
+
+    /// Puts the IPClaim an ADD wrote back as it was (deleted when the ADD created it), if it
+    /// still names `uid`. A restore that fails is logged: the claim janitor, and the next
+    /// ADD of the pod, mend the claim.
+    async fn restore_claim(&self, claim: &ClaimWrite, uid: &str) {
+        let api: Api<IPClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
+        let restored = match &claim.before {
+            None => crate::claim_writes::delete_if_bound_to(&self.client, &claim.namespace, &claim.name, uid)
+                .await
+                .map(drop),
+            Some(before) => match api.get_opt(&claim.name).await {
+                Ok(Some(mut current)) if current.spec.pod_uid == uid => {
+                    current.spec = before.clone();
+                    api.replace(&claim.name, &PostParams::default(), &current).await.map(drop)
+                }
+                Ok(_) => Ok(()),
+                Err(e) => Err(e),
+            },
+        };
+        if let Err(e) = restored {
+            tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), error = %e, "restoring the claim of a failed ADD failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn an_ip_given_up_is_replaced_in_its_place_by_the_fresh_ip_of_its_family() {
+        let v4 = |ip: &&str| is_v4(ip);
+        // (slots, fresh IPs, the pod's IPs)
+        type Case = (Vec<Result<&'static str, bool>>, Vec<&'static str>, Vec<&'static str>);
+        let cases: [Case; 5] = [
+            (vec![Err(true), Ok("fd00::1")], vec!["10.1.0.9"], vec!["10.1.0.9", "fd00::1"]),
+            (vec![Ok("10.0.0.1"), Err(false)], vec!["fd01::9"], vec!["10.0.0.1", "fd01::9"]),
+            (vec![Ok("fd00::1"), Err(true)], vec!["10.1.0.9"], vec!["fd00::1", "10.1.0.9"]),
+            // No pool of the family chosen: the pod goes without, as a new pod would.
+            (vec![Err(true), Ok("fd00::1")], vec![], vec!["fd00::1"]),
+            (vec![Ok("10.0.0.1"), Ok("fd00::1")], vec![], vec!["10.0.0.1", "fd00::1"]),
+        ];
+        for (slots, fresh, want) in cases {
+            assert_eq!(fill_given_up(slots.clone(), fresh.clone(), v4), want, "{slots:?} + {fresh:?}");
+        }
+        assert!(is_v4("10.0.0.1") && !is_v4("fd00::1"));
+    }
+
+    #[test]
+    fn the_same_statefulset_ordinal_or_vm_is_the_same_workload() {
+        let record = |name: &str, owner: Option<(&str, &str)>| Allocation {
+            pod: PodRef { namespace: "ns".into(), name: name.into(), uid: "u".into() },
+            node: "n".into(),
+            network: "ipwarden".into(),
+            container_id: "c".into(),
+            interface: "eth0".into(),
+            owner: owner.map(|(kind, name)| OwnerRef { kind: kind.into(), name: name.into() }),
+            sticky: true,
+            allocated_at: Time(Timestamp::UNIX_EPOCH),
+            release_handshake: None,
+            migration_target: None,
+            repaired_at: None,
+        };
+        let sts = Some(("StatefulSet", "web"));
+        assert!(same_workload(&record("web-0", sts), &record("web-0", sts)));
+        assert!(!same_workload(&record("web-1", sts), &record("web-0", sts)));
+        let vm = Some((KUBEVIRT_VMI_KIND, "vm1"));
+        assert!(same_workload(&record("virt-launcher-vm1-a", vm), &record("virt-launcher-vm1-b", vm)));
+        assert!(!same_workload(&record("virt-launcher-vm2-a", Some((KUBEVIRT_VMI_KIND, "vm2"))), &record("x", vm)));
+    }
+}

@@ -1,0 +1,199 @@
+//! Block writes of the agent: every compare-and-swap through [`crate::block_store`], and
+//! the release of a sandbox's records that DEL, node GC and start-up recovery share.
+
+use std::collections::BTreeSet;
+
+use ipnet::IpNet;
+use jiff::Timestamp;
+use kube::api::Api;
+use kube::runtime::reflector::ObjectRef;
+
+use super::checkpoint::CheckpointEntry;
+use super::core::Core;
+use super::error::Error;
+use crate::block_store::CasOutcome;
+use crate::crd::{Allocation, IPBlock, IPBlockSpec};
+use crate::ipam::blocks::{self, ReleaseOutcome};
+use crate::ipam::pools;
+use crate::ipam::workload;
+
+/// What releasing a sandbox's IPs did.
+#[derive(Default)]
+pub(super) struct ReleaseSummary {
+    /// Some IP stayed as a sticky reservation (the claim stays too).
+    kept: bool,
+    /// The claim of the released records.
+    claim: Option<BoundClaim>,
+}
+
+/// Where a record to release lives.
+pub(super) struct RecordAt {
+    /// The IPBlock.
+    pub(super) block: String,
+    /// The record's IP.
+    pub(super) ip: String,
+}
+
+/// An IPClaim as bound to one pod: changed only while it still names that pod's UID.
+struct BoundClaim {
+    /// The claim's namespace.
+    namespace: String,
+    /// The claim's name (the pod's, or the VM's for KubeVirt).
+    name: String,
+    /// The UID of the pod it is bound to.
+    uid: String,
+}
+
+impl Core {
+    /// Applies `mutate` to a fresh copy of block `name` in one compare-and-swap (creating
+    /// the block, of `pool` and `cidr`, when it does not exist). `mutate` returning `None`
+    /// means nothing to write.
+    pub(super) async fn write_block<T>(
+        &self,
+        name: &str,
+        pool: &str,
+        cidr: IpNet,
+        mut mutate: impl FnMut(&mut IPBlockSpec) -> Option<T>,
+    ) -> Result<Option<T>, Error> {
+        let create = || {
+            IPBlock::new(name, IPBlockSpec { pool: pool.to_string(), cidr: cidr.to_string(), ..IPBlockSpec::default() })
+        };
+        Ok(self.store.update(name, Some(&create), |block| mutate(&mut block.spec)).await?.written())
+    }
+
+    pub(super) async fn release_attachment(
+        &self,
+        entry: Option<&CheckpointEntry>,
+        container_id: &str,
+        ifname: &str,
+        uid: Option<&str>,
+    ) -> Result<(), Error> {
+        let mut targets: BTreeSet<(String, String)> =
+            entry.iter().flat_map(|e| e.ips.iter()).map(|ip| (ip.block.clone(), ip.ip.clone())).collect();
+        targets.extend(self.records_of_sandbox(container_id, ifname).into_iter().map(|(block, ip, _)| (block, ip)));
+        let ips: Vec<RecordAt> = targets.into_iter().map(|(block, ip)| RecordAt { block, ip }).collect();
+        let summary = self.release_ips(&ips, container_id, ifname, uid).await;
+        // Only the claim of a record this sandbox really released: a superseded sandbox's
+        // records and claim belong to the new pod now (leftover claims are the janitor's).
+        if let (false, Some(claim)) = (summary.kept, summary.claim) {
+            self.delete_claim_of(&claim).await;
+        }
+        Ok(())
+    }
+
+    /// Releases `ips` of a sandbox; says whether any was kept as a sticky reservation and
+    /// which claim (namespace, claim name, pod UID) the released records belong to, taken
+    /// from the record the compare-and-swap actually released, never from an earlier read.
+    pub(super) async fn release_ips(
+        &self,
+        ips: &[RecordAt],
+        container_id: &str,
+        ifname: &str,
+        uid: Option<&str>,
+    ) -> ReleaseSummary {
+        let mut summary = ReleaseSummary::default();
+        for target in ips {
+            let found = match Api::<IPBlock>::all(self.client.clone()).get_opt(&target.block).await {
+                Ok(Some(block)) => {
+                    block.spec.allocations.get(&target.ip).cloned().map(|r| (r, self.retired(&block.spec)))
+                }
+                Ok(None) => None,
+                Err(e) => {
+                    tracing::warn!(block = %target.block, error = %e, "reading block for release failed");
+                    None
+                }
+            };
+            let Some((record, retired)) = found else { continue };
+            // The records of a pool being deleted, or of an orphaned block, are released at
+            // once: no sticky reservation outlives its pod there.
+            let keep = record.sticky && !retired && self.owner_wants(&record).await;
+            let now = Timestamp::now();
+            let outcome = self
+                .store
+                .update(&target.block, None, |block| {
+                    let spec = &mut block.spec;
+                    let claim = spec.allocations.get(&target.ip).map(|r| BoundClaim {
+                        namespace: r.pod.namespace.clone(),
+                        name: workload::claim_name(&r.pod.name, r.owner.as_ref()),
+                        uid: r.pod.uid.clone(),
+                    });
+                    match blocks::release_attachment(spec, &target.ip, container_id, ifname, uid, keep, now) {
+                        ReleaseOutcome::NotOurs => None,
+                        outcome => Some((outcome, claim, spec.allocations.get(&target.ip).cloned())),
+                    }
+                })
+                .await
+                .map(CasOutcome::written);
+            match outcome {
+                Ok(Some((ReleaseOutcome::Released, claim, _))) => {
+                    summary.claim = claim;
+                    self.metrics.release("released");
+                }
+                Ok(Some((ReleaseOutcome::Reserved, _, _))) => {
+                    summary.kept = true;
+                    self.metrics.release("reserved");
+                }
+                Ok(Some((ReleaseOutcome::HandedOver, claim, holder))) => {
+                    summary.kept = true;
+                    if let (Some(claim), Some(holder)) = (claim, holder) {
+                        self.rebind_claim(&claim, &holder).await;
+                    }
+                    self.metrics.release("handed_over");
+                }
+                Ok(Some((ReleaseOutcome::Detached, _, _))) => {
+                    summary.kept = true;
+                    self.metrics.release("handed_over");
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    self.metrics.release("error");
+                    tracing::warn!(ip = %target.ip, error = %e, "release failed; the GC will reclaim it");
+                }
+            }
+        }
+        summary
+    }
+
+    /// Whether `block`'s records are retired ([`pools::block_is_retired`]), by the cached pool
+    /// it names.
+    fn retired(&self, block: &IPBlockSpec) -> bool {
+        let pool = self.pools.get(&ObjectRef::new(&block.pool));
+        pools::block_is_retired(
+            pool.as_deref().map(|p| (&p.spec, p.metadata.deletion_timestamp.is_some())),
+            &block.cidr,
+        )
+    }
+
+    /// Whether the workload of a sticky record still wants its IP, read live
+    /// ([`crate::owners`]). Unknown answers (API errors) count as "wants": keeping a
+    /// reservation is safe, freeing one is not.
+    async fn owner_wants(&self, record: &Allocation) -> bool {
+        crate::owners::record_owner_wants(&self.client, record).await
+    }
+
+    /// Binds claim `claim.name`, while still bound to `claim.uid`, to the pod and node of
+    /// `holder`: the live migration's target that inherited the VM's IPs.
+    async fn rebind_claim(&self, claim: &BoundClaim, holder: &Allocation) {
+        let rebound = crate::claim_writes::rebind_if_bound_to(
+            &self.client,
+            &claim.namespace,
+            &claim.name,
+            &claim.uid,
+            &holder.pod.uid,
+            &holder.node,
+        )
+        .await;
+        if let Err(e) = rebound {
+            tracing::warn!(claim = %claim.name, error = %e, "claim not rebound to the migration's target");
+        }
+    }
+
+    /// Deletes claim `claim.name` in `claim.namespace` if it is still bound to `claim.uid`.
+    async fn delete_claim_of(&self, claim: &BoundClaim) {
+        let deleted =
+            crate::claim_writes::delete_if_bound_to(&self.client, &claim.namespace, &claim.name, &claim.uid).await;
+        if let Err(e) = deleted {
+            tracing::debug!(claim = %claim.name, error = %e, "claim not deleted; the claim janitor will");
+        }
+    }
+}

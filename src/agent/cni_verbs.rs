@@ -1,0 +1,101 @@
+//! CNI DEL, CHECK, GC and STATUS (ADD has its own file, `add`).
+
+use std::collections::BTreeSet;
+
+use kube::api::Api;
+
+use super::checkpoint::CheckpointEntry;
+use super::core::{Core, attachment_key};
+use super::error::Error;
+use crate::crd::IPBlock;
+use crate::ipam::blocks;
+use crate::protocol::{AttachmentRequest, GcRequest, StatusRequest};
+
+impl Core {
+    /// CNI DEL: releases the sandbox's IPs (keeping a wanted sticky reservation). Unknown
+    /// sandboxes and repeated DELs succeed.
+    pub async fn del(&self, request: &AttachmentRequest) -> Result<(), Error> {
+        let key = attachment_key(request);
+        let mut checkpoint = self.checkpoint.lock().await;
+        let entry = checkpoint.get(&key).cloned();
+        let uid =
+            request.pod.as_ref().and_then(|p| p.uid.clone()).or_else(|| entry.as_ref().map(|e| e.pod.uid.clone()));
+        self.release_attachment(entry.as_ref(), &request.container_id, &request.ifname, uid.as_deref()).await?;
+        checkpoint.remove(&key)?;
+        Ok(())
+    }
+
+    /// CNI CHECK: the sandbox's records still exist (read fresh from the blocks) and hold
+    /// the IPs the runtime has.
+    pub async fn check(&self, request: &AttachmentRequest) -> Result<(), Error> {
+        let entry = self.checkpoint.lock().await.get(&attachment_key(request)).cloned();
+        let mut targets: BTreeSet<(String, String)> =
+            entry.iter().flat_map(|e| e.ips.iter()).map(|ip| (ip.block.clone(), ip.ip.clone())).collect();
+        targets.extend(
+            self.records_of_sandbox(&request.container_id, &request.ifname).into_iter().map(|(b, ip, _)| (b, ip)),
+        );
+        let api: Api<IPBlock> = Api::all(self.client.clone());
+        let mut found = BTreeSet::new();
+        for (block, ip) in targets {
+            let fresh = api.get_opt(&block).await.map_err(Error::api(format!("reading IPBlock {block}")))?;
+            let held = fresh.and_then(|b| b.spec.allocations.get(&ip).cloned());
+            let uid = entry.as_ref().map(|e| e.pod.uid.as_str());
+            if held.is_some_and(|r| {
+                blocks::holds_sandbox(&r, &request.container_id, &request.ifname) || blocks::adopted_by(&r, uid)
+            }) {
+                found.insert(ip);
+            }
+        }
+        if found.is_empty() {
+            return Err(Error::UnknownAttachment {
+                container_id: request.container_id.clone(),
+                ifname: request.ifname.clone(),
+            });
+        }
+        let expected: BTreeSet<String> = request
+            .prev_result
+            .as_ref()
+            .and_then(|r| r.get("ips"))
+            .and_then(|ips| ips.as_array())
+            .into_iter()
+            .flatten()
+            .filter_map(|ip| ip.get("address").and_then(|a| a.as_str()))
+            .map(|cidr| cidr.split('/').next().unwrap_or(cidr).to_string())
+            .collect();
+        if expected != found {
+            return Err(Error::PrevResultMismatch { container_id: request.container_id.clone(), found, expected });
+        }
+        Ok(())
+    }
+
+    /// CNI GC: releases every attachment of the network that the runtime no longer lists.
+    pub async fn gc(&self, request: &GcRequest) -> Result<(), Error> {
+        let valid: BTreeSet<(&str, &str)> =
+            request.valid_attachments.iter().map(|a| (a.container_id.as_str(), a.ifname.as_str())).collect();
+        let mut checkpoint = self.checkpoint.lock().await;
+        let stale: Vec<CheckpointEntry> = checkpoint
+            .entries()
+            .filter(|e| e.key.network == request.network)
+            .filter(|e| !valid.contains(&(e.key.container_id.as_str(), e.key.ifname.as_str())))
+            .cloned()
+            .collect();
+        for entry in stale {
+            tracing::info!(container_id = %entry.key.container_id, pod = %entry.pod.name, "GC: releasing a stale attachment");
+            self.release_attachment(Some(&entry), &entry.key.container_id, &entry.key.ifname, Some(&entry.pod.uid))
+                .await?;
+            checkpoint.remove(&entry.key)?;
+        }
+        Ok(())
+    }
+
+    /// CNI STATUS: ready once any IPPool exists. STATUS gates the node's readiness
+    /// (containerd reports the network not ready on an error, and kubelet marks the node
+    /// NotReady, whose pods are evicted), so a pool that is full, disabled or being deleted
+    /// fails the ADDs that would use it, one by one, and never the node (decision 0008).
+    pub async fn status(&self, _request: &StatusRequest) -> Result<(), Error> {
+        if self.pools.state().is_empty() {
+            return Err(Error::NoPool);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,146 @@
+//! The agent's failures, typed: each flow returns [`Error`], and only the socket server
+//! turns one into the CNI wire error (`server::to_cni`). The ADD metric's label comes from
+//! the variant ([`Error::label`]), never from a message's text.
+
+use std::collections::BTreeSet;
+
+use super::checkpoint::CheckpointError;
+use crate::ipam::pools::{ForeignBlock, SelectError};
+
+/// Why a CNI call, the start-up recovery or a release-mark answer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// ADD without the pod's namespace and name in `CNI_ARGS`.
+    #[error("ADD needs the pod: CNI_ARGS must carry K8S_POD_NAMESPACE and K8S_POD_NAME")]
+    NoPodInRequest,
+    /// The pod of an ADD is not (yet) in the apiserver.
+    #[error("pod {pod} does not exist (yet)")]
+    PodMissing {
+        /// `namespace/name`.
+        pod: String,
+    },
+    /// The pod was recreated since the runtime made the sandbox.
+    #[error("pod {pod} now has uid {uid}, the runtime asked for {expected}: the sandbox is stale")]
+    StaleSandbox {
+        /// `namespace/name`.
+        pod: String,
+        /// The pod's UID now.
+        uid: String,
+        /// The UID the runtime asked for.
+        expected: String,
+    },
+    /// No pool may serve the pod.
+    #[error("no pool for pod {pod}: {cause}")]
+    NoPoolFits {
+        /// `namespace/name`.
+        pod: String,
+        /// Why each pool was refused.
+        #[source]
+        cause: SelectError,
+    },
+    /// Every IP of the chosen pool is allocated.
+    #[error("pool {pool} is exhausted: every IP is allocated")]
+    PoolExhausted {
+        /// The pool.
+        pool: String,
+    },
+    /// The chosen pool's free IPs are all cooling down after release.
+    #[error(
+        "pool {pool} has no free IP now: {cooling} released IPs are cooling down before reuse; the first is free at {next_free}"
+    )]
+    Cooling {
+        /// The pool.
+        pool: String,
+        /// How many free IPs are cooling down.
+        cooling: usize,
+        /// When the first of them is free.
+        next_free: String,
+    },
+    /// A hand-edited IPClaim names a block that does not hold its IP's record.
+    #[error("IPClaim {claim} of pod {pod} is refused: {cause}; fix or delete the claim")]
+    InvalidClaim {
+        /// `namespace/name` of the claim.
+        claim: String,
+        /// The pod's name.
+        pod: String,
+        /// What the claim names wrongly.
+        #[source]
+        cause: ForeignBlock,
+    },
+    /// A recreated sticky pod's IP is still attached to a sandbox elsewhere; the ADD waits
+    /// for that sandbox's node to let go of it (docs/gc-rules.md, "Sticky takeover").
+    #[error(
+        "awaiting a sticky takeover: sticky IP {ip} of pod {pod} is still attached to sandbox {container_id} of pod {holder} (uid {holder_uid}) on node {node}; it is taken over once that node's agent lets go of it"
+    )]
+    AwaitingTakeover {
+        /// The sticky IP.
+        ip: String,
+        /// `namespace/name` of the pod waiting for it.
+        pod: String,
+        /// The holder's sandbox.
+        container_id: String,
+        /// `namespace/name` of the holder's pod.
+        holder: String,
+        /// The holder's pod UID.
+        holder_uid: String,
+        /// The holder's node.
+        node: String,
+    },
+    /// An apiserver call failed.
+    #[error("{what}: {source}")]
+    Api {
+        /// What was being read or written, naming the object.
+        what: String,
+        /// The client's error.
+        #[source]
+        source: kube::Error,
+    },
+    /// A compare-and-swap of an IPBlock or IPClaim failed (conflicts past the retry budget,
+    /// the read, or the write).
+    #[error(transparent)]
+    Write(#[from] crate::block_store::CasError),
+    /// The node-local checkpoint could not be read or written.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// CHECK of an attachment no record names.
+    #[error("no IP is recorded for container {container_id} interface {ifname}")]
+    UnknownAttachment {
+        /// The sandbox.
+        container_id: String,
+        /// The interface.
+        ifname: String,
+    },
+    /// CHECK found other IPs than the runtime's prevResult.
+    #[error("container {container_id} holds {found:?} but its prevResult says {expected:?}")]
+    PrevResultMismatch {
+        /// The sandbox.
+        container_id: String,
+        /// The IPs its records hold.
+        found: BTreeSet<String>,
+        /// The IPs of the prevResult.
+        expected: BTreeSet<String>,
+    },
+    /// STATUS before any pool exists.
+    #[error("no IPPool exists: create one (docs/operations.md)")]
+    NoPool,
+}
+
+impl Error {
+    /// A failed apiserver call, saying `what` it was doing.
+    pub fn api(what: impl Into<String>) -> impl FnOnce(kube::Error) -> Self {
+        let what = what.into();
+        move |source| Self::Api { what, source }
+    }
+
+    /// The ADD metric's `result` label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::PoolExhausted { .. } => "exhausted",
+            Self::NoPoolFits { .. } => "no_pool",
+            Self::InvalidClaim { .. } => "invalid_claim",
+            Self::AwaitingTakeover { .. } => "awaiting_takeover",
+            Self::Cooling { .. } => "cooling",
+            _ => "error",
+        }
+    }
+}

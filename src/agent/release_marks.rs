@@ -1,0 +1,102 @@
+//! Answering the controller's release marks on this node's records
+//! ([`crate::gc::handshake`]), under the allocation lock.
+
+use std::time::Duration;
+
+use ipnet::IpNet;
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::Api;
+
+use super::checkpoint::AttachmentKey;
+use super::core::Core;
+use super::error::Error;
+use crate::crd::{Allocation, HandshakeState};
+use crate::gc::handshake::{AgentAnswer, PodOnNode, agent_answer, marked_for_release};
+
+impl Core {
+    /// Answers the controller's release marks on this node's records
+    /// ([`crate::gc::handshake`]). Runs inside the allocation actor, so no ADD, DEL or GC
+    /// interleaves: after `ready-for-release` the IP is in no checkpoint entry, and only a
+    /// new record (which clears the mark) could hand it out again. Returns how many marks
+    /// were answered; marks that must wait are left for the next pass.
+    pub async fn answer_marks(&self) -> Result<usize, Error> {
+        let node = &self.settings.node;
+        let marked: Vec<(String, String, IpNet, String, Allocation)> = self
+            .blocks
+            .state()
+            .iter()
+            .filter_map(|b| b.spec.cidr.parse::<IpNet>().ok().map(|cidr| (b, cidr)))
+            .flat_map(|(b, cidr)| {
+                b.spec
+                    .allocations
+                    .iter()
+                    .filter(|(_, r)| r.node == *node && marked_for_release(r))
+                    .map(move |(ip, r)| (b.name_any(), b.spec.pool.clone(), cidr, ip.clone(), r.clone()))
+            })
+            .collect();
+        if marked.is_empty() {
+            return Ok(0);
+        }
+        let mut checkpoint = self.checkpoint.lock().await;
+        let mut answered = 0;
+        for (block, pool, cidr, ip, record) in marked {
+            let pod = self.pod_on_node(&record).await?;
+            let attached: Vec<AttachmentKey> =
+                checkpoint.entries().filter(|e| e.ips.iter().any(|i| i.ip == ip)).map(|e| e.key.clone()).collect();
+            let marked_at = record.release_handshake.as_ref().map_or(Timestamp::UNIX_EPOCH, |h| h.marked_at.0);
+            let marked_for = Duration::try_from(Timestamp::now().duration_since(marked_at)).unwrap_or(Duration::ZERO);
+            let answer = agent_answer(pod, !attached.is_empty(), marked_for, self.settings.sandbox_grace);
+            let Some(state) = answer.state() else { continue };
+            let detail = match (answer, attached.is_empty()) {
+                (AgentAnswer::DoNotRelease, _) => "the pod is running on this node".to_string(),
+                (_, true) => "no sandbox on this node holds the IP".to_string(),
+                (_, false) => format!(
+                    "its sandbox got no DEL within {} s of the mark; counted as lost",
+                    self.settings.sandbox_grace.as_secs()
+                ),
+            };
+            let written = self
+                .write_block(&block, &pool, cidr, |spec| {
+                    let current = spec.allocations.get_mut(&ip).filter(|r| r.pod.uid == record.pod.uid)?;
+                    let handshake =
+                        current.release_handshake.as_mut().filter(|h| h.state == HandshakeState::MarkedForRelease)?;
+                    handshake.state = state;
+                    handshake.detail = Some(detail.clone());
+                    Some(())
+                })
+                .await?;
+            if written.is_none() {
+                continue;
+            }
+            if answer == AgentAnswer::Ready {
+                for key in &attached {
+                    checkpoint.remove(key)?;
+                }
+            }
+            self.metrics.handshake_answer(answer.label());
+            tracing::info!(%ip, pod = %format!("{}/{}", record.pod.namespace, record.pod.name), answer = answer.label(), %detail, "answered a release mark");
+            answered += 1;
+        }
+        Ok(answered)
+    }
+
+    /// The record's pod as the handshake needs it, from a live read (not the cache). A
+    /// terminating pod counts as ending here, unlike in start-up GC: the controller marks
+    /// its record only once `deletionTimestamp` (the end of the grace period, when the
+    /// kubelet kills what still runs) has passed, and its attached sandbox still waits
+    /// `sandbox_grace` for the DEL.
+    async fn pod_on_node(&self, record: &Allocation) -> Result<PodOnNode, Error> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &record.pod.namespace);
+        let pod = pods
+            .get_opt(&record.pod.name)
+            .await
+            .map_err(Error::api(format!("reading pod {}/{}", record.pod.namespace, record.pod.name)))?;
+        Ok(match pod.map(|p| crate::gc::index::PodFacts::of(&p)) {
+            Some(facts) if facts.uid == record.pod.uid && !facts.terminal() => PodOnNode::Active,
+            Some(facts) if facts.uid == record.pod.uid => PodOnNode::Ending,
+            _ => PodOnNode::Gone,
+        })
+    }
+}

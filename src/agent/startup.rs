@@ -1,0 +1,128 @@
+//! Start-up recovery, before the agent serves CNI: the checkpoint rebuilt when it was lost,
+//! and this node's records that no local pod holds released.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::Api;
+
+use super::block_writes::RecordAt;
+use super::checkpoint::{AttachmentKey, CheckpointEntry, CheckpointIp};
+use super::core::Core;
+use super::error::Error;
+use crate::crd::{Allocation, IPBlock};
+use crate::ipam::blocks;
+
+impl Core {
+    /// Start-up GC, before the agent serves CNI: releases this node's records that no local
+    /// pod holds. A record is in use when its pod exists on this node with the record's UID
+    /// and has not finished (Succeeded or Failed), terminating or not (a draining pod still
+    /// serves; its DEL frees the IP), whatever its `status.podIPs` say yet (pod status lags
+    /// the CNI result; the record and the checkpoint are the node's own word). Releases are
+    /// conditional on the sandbox and UID, and a sticky record its owner wants stays reserved.
+    pub async fn startup_gc(&self) -> Result<usize, Error> {
+        let node = &self.settings.node;
+        let params = kube::api::ListParams::default().fields(&format!("spec.nodeName={node}"));
+        let pods = Api::<Pod>::all(self.client.clone())
+            .list(&params)
+            .await
+            .map_err(Error::api(format!("listing the pods of node {node}")))?;
+        let live: BTreeMap<(String, String), String> = pods
+            .items
+            .iter()
+            .filter(|p| !crate::gc::index::PodFacts::of(p).finished())
+            .map(|p| ((p.namespace().unwrap_or_default(), p.name_any()), p.uid().unwrap_or_default()))
+            .collect();
+        let blocks = Api::<IPBlock>::all(self.client.clone())
+            .list(&kube::api::ListParams::default())
+            .await
+            .map_err(Error::api("listing IPBlocks".to_string()))?;
+        let lives_here = |r: &Allocation| live.get(&(r.pod.namespace.clone(), r.pod.name.clone())) == Some(&r.pod.uid);
+        let mut stale = Vec::new();
+        for block in &blocks.items {
+            for (ip, record) in &block.spec.allocations {
+                if record.node != *node || !blocks::may_be_attached(record) {
+                    continue;
+                }
+                if !lives_here(record) {
+                    stale.push((block.name_any(), ip.clone(), record.clone()));
+                }
+            }
+        }
+        let mut checkpoint = self.checkpoint.lock().await;
+        for (block, ip, record) in &stale {
+            tracing::info!(%ip, pod = %format!("{}/{}", record.pod.namespace, record.pod.name), "start-up GC: no local pod holds it");
+            let target = RecordAt { block: block.clone(), ip: ip.clone() };
+            self.release_ips(&[target], &record.container_id, &record.interface, Some(&record.pod.uid)).await;
+            let key = AttachmentKey {
+                network: record.network.clone(),
+                container_id: record.container_id.clone(),
+                ifname: record.interface.clone(),
+            };
+            checkpoint.remove(&key)?;
+        }
+        // The attachments that records name on this node: a record's own sandbox, a live
+        // migration's target sandbox, and the sandboxes of a repaired record's pod that hold
+        // its IP (the record cannot name them) while that pod lives here.
+        let adopted: BTreeSet<(&str, &str)> = blocks
+            .items
+            .iter()
+            .flat_map(|b| b.spec.allocations.iter())
+            .filter(|(_, r)| r.node == *node && r.repaired_at.is_some() && lives_here(r))
+            .map(|(ip, r)| (r.pod.uid.as_str(), ip.as_str()))
+            .collect();
+        let mut recorded: BTreeSet<AttachmentKey> = checkpoint
+            .entries()
+            .filter(|e| e.ips.iter().any(|i| adopted.contains(&(e.pod.uid.as_str(), i.ip.as_str()))))
+            .map(|e| e.key.clone())
+            .collect();
+        recorded.extend(blocks.items.iter().flat_map(|b| b.spec.allocations.values()).flat_map(|r| {
+            let own = (r.node == *node).then_some((&r.container_id, &r.interface));
+            let target =
+                r.migration_target.as_ref().filter(|t| t.node == *node).map(|t| (&t.container_id, &t.interface));
+            own.into_iter().chain(target).map(|(container_id, ifname)| AttachmentKey {
+                network: r.network.clone(),
+                container_id: container_id.clone(),
+                ifname: ifname.clone(),
+            })
+        }));
+        for entry in checkpoint.retain_recorded(&recorded)? {
+            tracing::info!(container_id = %entry.key.container_id, pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name), "start-up GC: no record names this checkpoint entry any more");
+        }
+        Ok(stale.len())
+    }
+
+    /// Rebuilds the checkpoint from this node's records in the blocks (when the file was
+    /// missing, or corrupt and moved aside).
+    pub async fn rebuild_checkpoint(&self) -> Result<usize, Error> {
+        let mut entries: BTreeMap<AttachmentKey, CheckpointEntry> = BTreeMap::new();
+        for block in self.blocks.state() {
+            for (ip, record) in &block.spec.allocations {
+                if record.node != self.settings.node || record.container_id.is_empty() {
+                    continue;
+                }
+                let key = AttachmentKey {
+                    network: record.network.clone(),
+                    container_id: record.container_id.clone(),
+                    ifname: record.interface.clone(),
+                };
+                let resolved = self.resolve_pool(&block.spec.pool);
+                entries
+                    .entry(key.clone())
+                    .or_insert_with(|| CheckpointEntry { key, pod: record.pod.clone(), ips: Vec::new() })
+                    .ips
+                    .push(CheckpointIp {
+                        ip: ip.clone(),
+                        prefix_len: resolved.as_ref().map(|p| p.layout.cidr().prefix_len()).unwrap_or(32),
+                        gateway: resolved.and_then(|p| p.gateway),
+                        pool: block.spec.pool.clone(),
+                        block: block.name_any(),
+                    });
+            }
+        }
+        let count = entries.len();
+        self.checkpoint.lock().await.replace_all(entries.into_values().collect())?;
+        Ok(count)
+    }
+}
