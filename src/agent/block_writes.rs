@@ -105,8 +105,9 @@ impl Core {
             };
             let Some((record, retired)) = found else { continue };
             // The records of a pool being deleted, or of an orphaned block, are released at
-            // once: no sticky reservation outlives its pod there.
-            let keep = record.sticky && !retired && self.owner_wants(&record).await;
+            // once: no sticky reservation outlives its pod there. The owner is read live; an
+            // unknown answer counts as "wants" (keeping a reservation is safe, freeing is not).
+            let keep = record.sticky && !retired && crate::owners::record_owner_wants(&self.client, &record).await;
             let now = Timestamp::now();
             let outcome = self
                 .store
@@ -162,13 +163,6 @@ impl Core {
             pool.as_deref().map(|p| (&p.spec, p.metadata.deletion_timestamp.is_some())),
             &block.cidr,
         )
-    }
-
-    /// Whether the workload of a sticky record still wants its IP, read live
-    /// ([`crate::owners`]). Unknown answers (API errors) count as "wants": keeping a
-    /// reservation is safe, freeing one is not.
-    async fn owner_wants(&self, record: &Allocation) -> bool {
-        crate::owners::record_owner_wants(&self.client, record).await
     }
 
     /// Binds claim `claim.name`, while still bound to `claim.uid`, to the pod and node of
