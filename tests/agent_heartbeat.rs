@@ -56,8 +56,14 @@ async fn a_leak_on_a_ready_node_whose_agent_is_gone_is_released_by_the_not_ready
     let released =
         controller_metric(&ipwarden, controller, "ipwarden_gc_releases_total", &["reason=\"node_not_ready\""]).await;
     assert_eq!(released, 1.0, "released by the NotReady policy");
-    let without = controller_metric(&ipwarden, controller, "ipwarden_nodes_without_live_agent", &[]).await;
-    assert_eq!(without, 1.0, "node-0 counts as a node without a live agent");
+    // The gauge is refreshed with the pool gauges (every 10 s).
+    let gauge_bound = Duration::from_secs(20);
+    wait::until("node-0 counted as a node without a live agent", gauge_bound, || async {
+        let without = controller_metric(&ipwarden, controller, "ipwarden_nodes_without_live_agent", &[]).await;
+        Ok(if without == 1.0 { Probe::Done(()) } else { Probe::Pending(format!("gauge {without}")) })
+    })
+    .await
+    .expect("node-0 counts as a node without a live agent");
 
     // node-1's agent is alive: a leak there goes through the handshake as before.
     let marks = ["step=\"marked\""];
