@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams};
 
@@ -162,6 +163,33 @@ impl Cluster {
     /// The kubectl binary built with the control plane.
     pub fn kubectl(&self) -> PathBuf {
         self.control_plane.binaries.path("kubectl")
+    }
+
+    /// Applies the CRDs in `file` (server-side with the cluster's kubectl: big schemas do not
+    /// fit client-side apply's annotation) and waits until each of `names` is Established.
+    pub async fn apply_crds(&self, file: &Path, names: &[&str], timeout: Duration) -> Result<()> {
+        let args = [
+            "apply".to_string(),
+            "--server-side".to_string(),
+            "--field-manager=ipwarden-e2e".to_string(),
+            format!("--kubeconfig={}", self.kubeconfig().display()),
+            "-f".to_string(),
+            file.display().to_string(),
+        ];
+        crate::process::run_tool(&self.kubectl(), &args, None).await?;
+        let api: Api<CustomResourceDefinition> = Api::all(self.client());
+        for name in names {
+            wait::until(&format!("CRD {name} Established"), timeout, || async {
+                let crd = api.get_opt(name).await.map_err(Error::kube(format!("reading CRD {name}")))?;
+                let established = crd
+                    .and_then(|c| c.status)
+                    .and_then(|s| s.conditions)
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Established" && c.status == "True"));
+                Ok(if established { Probe::Done(()) } else { Probe::Pending("not Established".into()) })
+            })
+            .await?;
+        }
+        Ok(())
     }
 
     /// Waits until every simulated node is Ready and carries no not-ready taint.

@@ -41,6 +41,19 @@ pub struct CniNetwork {
     /// When set, each node calls the CNI 1.1 GC verb this often with its live attachments,
     /// as CRI-O does.
     pub gc_interval: Option<Duration>,
+    /// When set, the NetworkAttachmentDefinition (`namespace/name`) each Running pod's
+    /// [`NETWORK_STATUS_ANNOTATION`] names with the pod's IPs, as Multus writes it: IPAMs
+    /// whose controllers read that annotation (Whereabouts) need it to see which IPs are used.
+    pub network_status: Option<String>,
+}
+
+/// The pod annotation Multus writes with each attachment's network and IPs.
+pub const NETWORK_STATUS_ANNOTATION: &str = "k8s.v1.cni.cncf.io/network-status";
+
+/// The [`NETWORK_STATUS_ANNOTATION`] value of a pod attached to `network` on `ifname` with
+/// `ips`, as a secondary (non-default) network, the way Multus records it.
+pub fn network_status(network: &str, ifname: &str, ips: &[String]) -> String {
+    json!([{"name": network, "interface": ifname, "ips": ips, "default": false}]).to_string()
 }
 
 impl std::fmt::Debug for CniNetwork {
@@ -48,6 +61,7 @@ impl std::fmt::Debug for CniNetwork {
         f.debug_struct("CniNetwork")
             .field("plugin_dirs", &self.plugin_dirs)
             .field("gc_interval", &self.gc_interval)
+            .field("network_status", &self.network_status)
             .finish_non_exhaustive()
     }
 }
@@ -71,6 +85,7 @@ impl CniNetwork {
                 })
             }),
             gc_interval: None,
+            network_status: None,
         }
     }
 }
@@ -253,6 +268,16 @@ mod test {
         let text =
             describe_failure("exit status: 1", r#"{"code": 11, "msg": "try again", "details": "agent down"}"#, "");
         assert_eq!(text, "exit status: 1: code 11 try again: agent down");
+    }
+
+    #[test]
+    fn network_status_names_the_network_and_every_ip_as_a_secondary_attachment() {
+        let status: Value =
+            serde_json::from_str(&network_status("kube-system/wb", "eth0", &["10.245.0.3".into()])).expect("JSON");
+        assert_eq!(
+            status,
+            json!([{"name": "kube-system/wb", "interface": "eth0", "ips": ["10.245.0.3"], "default": false}])
+        );
     }
 
     #[test]

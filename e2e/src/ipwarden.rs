@@ -38,6 +38,7 @@ pub fn network(binary: &Path, plugin_dir: &Path) -> Result<CniNetwork> {
             |node| json!({"cniVersion": "1.1.0", "name": NETWORK, "type": "ipwarden-cni", "socket": node.dir.join("agent.sock")}),
         ),
         gc_interval: None,
+        network_status: None,
     })
 }
 

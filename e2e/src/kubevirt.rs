@@ -6,13 +6,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::Api;
-
 use crate::cluster::Cluster;
-use crate::error::{Error, Result};
-use crate::process::run_tool;
-use crate::wait::{self, Probe};
+use crate::error::Result;
 
 /// The CRDs the build script prints, by name.
 pub const CRD_NAMES: [&str; 3] = [
@@ -30,31 +25,7 @@ pub fn crds_yaml() -> Result<PathBuf> {
     )
 }
 
-/// Installs KubeVirt's CRDs into `cluster` (server-side apply with the cluster's kubectl: the
-/// schemas are too big for client-side apply's annotation) and waits until each is
-/// Established.
+/// Installs KubeVirt's CRDs into `cluster` and waits until each is Established.
 pub async fn install_crds(cluster: &Cluster, timeout: Duration) -> Result<()> {
-    let file = crds_yaml()?;
-    let args = [
-        "apply".to_string(),
-        "--server-side".to_string(),
-        "--field-manager=ipwarden-e2e".to_string(),
-        format!("--kubeconfig={}", cluster.kubeconfig().display()),
-        "-f".to_string(),
-        file.display().to_string(),
-    ];
-    run_tool(&cluster.kubectl(), &args, None).await?;
-    let api: Api<CustomResourceDefinition> = Api::all(cluster.client());
-    for name in CRD_NAMES {
-        wait::until(&format!("CRD {name} Established"), timeout, || async {
-            let crd = api.get_opt(name).await.map_err(Error::kube(format!("reading CRD {name}")))?;
-            let established = crd
-                .and_then(|c| c.status)
-                .and_then(|s| s.conditions)
-                .is_some_and(|c| c.iter().any(|c| c.type_ == "Established" && c.status == "True"));
-            Ok(if established { Probe::Done(()) } else { Probe::Pending("not Established".into()) })
-        })
-        .await?;
-    }
-    Ok(())
+    cluster.apply_crds(&crds_yaml()?, &CRD_NAMES, timeout).await
 }

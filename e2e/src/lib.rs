@@ -20,6 +20,7 @@ pub mod helm;
 pub mod ipwarden;
 pub mod kubelet;
 pub mod kubevirt;
+pub mod peers;
 pub mod pki;
 pub mod process;
 pub mod procstat;

@@ -2,7 +2,8 @@
 //! kubeconfig copied to a fixed path, optionally with the churning demo workload.
 //! `make cluster-up` / `make cluster-down` and `make demo` drive it.
 //!
-//! `ipwarden-e2e churn`: the churn benchmark (`make churn-bench`, docs/benchmarks.md).
+//! `ipwarden-e2e churn`: the churn benchmark (`make churn-bench`, docs/benchmarks.md), of
+//! ipwarden or of a peer IPAM (`--ipam`, `make peer-bench`).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -41,14 +42,17 @@ enum Command {
         #[arg(long)]
         ipwarden: Option<PathBuf>,
     },
-    /// Measure ipwarden under pod churn: start a cluster as `up --ipwarden` does, create bare
-    /// pods at a set rate round robin over the nodes, delete each after its lifetime, wait until
-    /// every IP of a deleted pod is released, report and stop. Exits non-zero when an IP was
-    /// seen on two live pods or the cluster did not settle.
+    /// Measure an IPAM under pod churn: start a cluster running it (ipwarden as `up
+    /// --ipwarden` does), create bare pods at a set rate round robin over the nodes, delete
+    /// each after its lifetime, wait until every IP of a deleted pod is released, report and
+    /// stop. Exits non-zero when an IP was seen on two live pods or the cluster did not settle.
     Churn {
-        /// The ipwarden binary to measure.
+        /// The IPAM to measure: ipwarden, or a peer built from its Go module (whereabouts).
+        #[arg(long, default_value = "ipwarden")]
+        ipam: e2e::peers::Ipam,
+        /// The ipwarden binary to measure (needed with --ipam ipwarden).
         #[arg(long)]
-        ipwarden: PathBuf,
+        ipwarden: Option<PathBuf>,
         /// How many simulated nodes to register.
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
         nodes: u64,
@@ -96,6 +100,7 @@ async fn main() -> anyhow::Result<()> {
             up(nodes, kubeconfig, demo.then(|| Duration::from_secs(churn_seconds)), ipwarden).await
         }
         Command::Churn {
+            ipam,
             ipwarden,
             nodes,
             rate,
@@ -119,7 +124,7 @@ async fn main() -> anyhow::Result<()> {
                 force_percent,
                 settle_timeout: Duration::from_secs(settle_timeout_seconds),
             };
-            churn(usize::try_from(nodes)?, &ipwarden, &options, output).await
+            churn(usize::try_from(nodes)?, ipam, ipwarden.as_deref(), &options, output).await
         }
     }
 }
@@ -209,19 +214,45 @@ async fn up(
 /// its binary).
 const CHURN_PLUGIN_DIR: &str = ".e2e/churn-cni-bin";
 
+/// A cluster of `nodes` nodes running `ipam` (ipwarden from `ipwarden`).
+async fn start_ipam(
+    nodes: usize,
+    ipam: e2e::peers::Ipam,
+    ipwarden: Option<&Path>,
+) -> anyhow::Result<(e2e::Cluster, e2e::peers::Installed)> {
+    use e2e::peers::{Installed, Ipam, whereabouts};
+    match ipam {
+        Ipam::Ipwarden => {
+            let binary = ipwarden.context("--ipam ipwarden needs --ipwarden <binary>")?;
+            let (cluster, installation) = start(nodes, Some(binary), Path::new(CHURN_PLUGIN_DIR)).await?;
+            Ok((cluster, Installed::Ipwarden(installation.context("ipwarden was not started")?)))
+        }
+        Ipam::Whereabouts => {
+            let build = whereabouts::build().context("building Whereabouts")?;
+            let kubeconfig = whereabouts::KubeconfigSlot::default();
+            let network = Some(whereabouts::network(&build, kubeconfig.clone()));
+            let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
+            let cluster = e2e::Cluster::start(options).await.context("starting the test cluster")?;
+            kubeconfig.get_or_init(|| cluster.kubeconfig().to_path_buf());
+            let installation = whereabouts::install(&cluster, &build).await.context("installing Whereabouts")?;
+            Ok((cluster, Installed::Whereabouts(installation)))
+        }
+    }
+}
+
 async fn churn(
     nodes: usize,
-    ipwarden: &Path,
+    ipam: e2e::peers::Ipam,
+    ipwarden: Option<&Path>,
     options: &e2e::churn::ChurnOptions,
     output: Output,
 ) -> anyhow::Result<()> {
     let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let measured = async {
-        let (cluster, installation) = start(nodes, Some(ipwarden), Path::new(CHURN_PLUGIN_DIR)).await?;
-        let installation = installation.context("ipwarden was not started")?;
+        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden).await?;
         eprintln!(
-            "churn: cluster ready ({} nodes, run dir {}); creating {} pods/s for {:?}",
+            "churn: {ipam} on a cluster ready ({} nodes, run dir {}); creating {} pods/s for {:?}",
             nodes,
             cluster.dir().display(),
             options.rate,
