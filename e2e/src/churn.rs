@@ -885,6 +885,64 @@ impl std::fmt::Display for Report {
     }
 }
 
+/// One figure of the comparison: its name and how to read it from a report.
+type Figure = (&'static str, fn(&Report) -> Option<f64>);
+
+/// The figures [`compare`] puts side by side; all lower-is-better.
+const FIGURES: [Figure; 12] = [
+    ("allocation end to end p50 (s)", |r| r.allocation_end_to_end.p50_seconds),
+    ("allocation end to end p99 (s)", |r| r.allocation_end_to_end.p99_seconds),
+    ("release after delete p50 (s)", |r| r.release_deleted.p50_seconds),
+    ("release after delete p99 (s)", |r| r.release_deleted.p99_seconds),
+    ("release after force delete p50 (s)", |r| r.release_force_deleted.p50_seconds),
+    ("release after force delete p99 (s)", |r| r.release_force_deleted.p99_seconds),
+    ("leak reclaim p50 (s)", |r| r.reclaim_leaked.p50_seconds),
+    ("leak reclaim p99 (s)", |r| r.reclaim_leaked.p99_seconds),
+    ("apiserver writes per pod life", |r| r.writes.per_pod_life),
+    ("409 Conflict answers", |r| Some(r.writes.by_resource.values().map(|w| w.conflicts).sum::<u64>() as f64)),
+    ("controller CPU seconds (all replicas)", |r| Some(r.controllers.iter().map(|c| c.cpu_seconds).sum())),
+    ("controller peak RSS MiB (all replicas)", |r| Some(r.controllers.iter().map(|c| c.peak_rss_mib).sum())),
+];
+
+/// The reports of one workload run on several IPAMs, side by side: one column per IPAM with
+/// its value and its ratio to the first report's (ipwarden's when it leads), then conflicts
+/// and whether each run settled.
+pub fn compare(reports: &[Report]) -> String {
+    use std::fmt::Write;
+    let mut table = String::new();
+    let first = reports.first();
+    let _ = write!(table, "{:<40}", "figure");
+    for report in reports {
+        let _ = write!(table, " {:>24}", report.ipam);
+    }
+    table.push('\n');
+    for (name, read) in FIGURES {
+        let _ = write!(table, "{name:<40}");
+        let base = first.and_then(read);
+        for report in reports {
+            let cell = match (read(report), base) {
+                (None, _) => "-".to_string(),
+                (Some(value), Some(base)) if base > 0.0 => format!("{value:.3} (x{:.2})", value / base),
+                (Some(value), _) => format!("{value:.3}"),
+            };
+            let _ = write!(table, " {cell:>24}");
+        }
+        table.push('\n');
+    }
+    let _ = write!(table, "{:<40}", "IP conflicts between live pods");
+    for report in reports {
+        let _ = write!(table, " {:>24}", report.conflicts.ip_conflicts);
+    }
+    table.push('\n');
+    let _ = write!(table, "{:<40}", "settled");
+    for report in reports {
+        let settled = if report.settled { format!("yes ({:.1} s)", report.settle_seconds) } else { "NO".into() };
+        let _ = write!(table, " {settled:>24}");
+    }
+    table.push('\n');
+    table
+}
+
 #[cfg(test)]
 mod test {
     use super::*;
@@ -1019,6 +1077,24 @@ mod test {
         assert!(table.contains("settled: NO after 0.0 s: 2 churn pods left"), "{table}");
         assert!(table.contains("IP conflicts between live pods: 1"), "{table}");
         assert!(table.contains("  10.244.0.5: default/a, default/b"), "{table}");
+    }
+
+    #[test]
+    fn the_comparison_gives_each_ipam_a_column_with_its_ratio_to_the_first() {
+        let report = |ipam: &str, p50: f64, cpu: f64| Report {
+            ipam: ipam.into(),
+            allocation_end_to_end: Latency { samples: 1, p50_seconds: Some(p50), p99_seconds: None },
+            controllers: vec![ControllerUsage { cpu_seconds: cpu, ..ControllerUsage::default() }],
+            settled: true,
+            ..Report::default()
+        };
+        let table = compare(&[report("ipwarden", 0.1, 2.0), report("whereabouts", 0.4, 1.0)]);
+        let row = |name: &str| table.lines().find(|l| l.starts_with(name)).unwrap_or_default().to_string();
+        assert!(row("figure").contains("ipwarden") && row("figure").contains("whereabouts"), "{table}");
+        assert!(row("allocation end to end p50").contains("0.400 (x4.00)"), "{table}");
+        assert!(row("allocation end to end p99").contains(" -"), "{table}");
+        assert!(row("controller CPU seconds").contains("1.000 (x0.50)"), "{table}");
+        assert!(row("settled").contains("yes (0.0 s)"), "{table}");
     }
 
     #[test]

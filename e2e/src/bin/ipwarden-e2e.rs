@@ -47,9 +47,11 @@ enum Command {
     /// each after its lifetime, wait until every IP of a deleted pod is released, report and
     /// stop. Exits non-zero when an IP was seen on two live pods or the cluster did not settle.
     Churn {
-        /// The IPAM to measure: ipwarden, or a peer built from its Go module (whereabouts).
-        #[arg(long, default_value = "ipwarden")]
-        ipam: e2e::peers::Ipam,
+        /// The IPAMs to measure, comma-separated, one after the other with the same workload:
+        /// ipwarden, or a peer built from its Go module (whereabouts). With more than one, a
+        /// comparison with ratios to the first follows the reports.
+        #[arg(long, default_value = "ipwarden", value_delimiter = ',')]
+        ipam: Vec<e2e::peers::Ipam>,
         /// The ipwarden binary to measure (needed with --ipam ipwarden).
         #[arg(long)]
         ipwarden: Option<PathBuf>,
@@ -124,7 +126,29 @@ async fn main() -> anyhow::Result<()> {
                 force_percent,
                 settle_timeout: Duration::from_secs(settle_timeout_seconds),
             };
-            churn(usize::try_from(nodes)?, ipam, ipwarden.as_deref(), &options, output).await
+            let nodes = usize::try_from(nodes)?;
+            let mut reports = Vec::new();
+            for ipam in ipam {
+                reports.push(churn(nodes, ipam, ipwarden.as_deref(), &options).await?);
+            }
+            for report in &reports {
+                match output {
+                    Output::Table => print!("{report}\n"),
+                    Output::Json => println!("{}", serde_json::to_string_pretty(report)?),
+                }
+            }
+            if reports.len() > 1 && matches!(output, Output::Table) {
+                print!("{}", e2e::churn::compare(&reports));
+            }
+            for report in &reports {
+                anyhow::ensure!(
+                    report.conflicts.ip_conflicts == 0 || report.ipam != "ipwarden",
+                    "churn: {} IPs were held by two live pods at once",
+                    report.conflicts.ip_conflicts
+                );
+                anyhow::ensure!(report.settled, "churn of {}: the cluster did not settle: {}", report.ipam, report.unsettled);
+            }
+            Ok(())
         }
     }
 }
@@ -240,13 +264,13 @@ async fn start_ipam(
     }
 }
 
+/// One churn run of `ipam` on a cluster of its own, stopped afterwards.
 async fn churn(
     nodes: usize,
     ipam: e2e::peers::Ipam,
     ipwarden: Option<&Path>,
     options: &e2e::churn::ChurnOptions,
-    output: Output,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<e2e::churn::Report> {
     let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let measured = async {
@@ -268,15 +292,5 @@ async fn churn(
         _ = terminate.recv() => anyhow::bail!("churn: stopped by SIGTERM"),
         _ = interrupt.recv() => anyhow::bail!("churn: stopped by SIGINT"),
     };
-    match output {
-        Output::Table => print!("{report}"),
-        Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),
-    }
-    anyhow::ensure!(
-        report.conflicts.ip_conflicts == 0,
-        "churn: {} IPs were held by two live pods at once",
-        report.conflicts.ip_conflicts
-    );
-    anyhow::ensure!(report.settled, "churn: the cluster did not settle: {}", report.unsettled);
-    Ok(())
+    Ok(report)
 }
