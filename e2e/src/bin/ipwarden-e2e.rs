@@ -133,7 +133,7 @@ async fn main() -> anyhow::Result<()> {
             }
             for report in &reports {
                 match output {
-                    Output::Table => print!("{report}\n"),
+                    Output::Table => println!("{report}"),
                     Output::Json => println!("{}", serde_json::to_string_pretty(report)?),
                 }
             }
@@ -146,7 +146,12 @@ async fn main() -> anyhow::Result<()> {
                     "churn: {} IPs were held by two live pods at once",
                     report.conflicts.ip_conflicts
                 );
-                anyhow::ensure!(report.settled, "churn of {}: the cluster did not settle: {}", report.ipam, report.unsettled);
+                anyhow::ensure!(
+                    report.settled,
+                    "churn of {}: the cluster did not settle: {}",
+                    report.ipam,
+                    report.unsettled
+                );
             }
             Ok(())
         }
