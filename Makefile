@@ -42,7 +42,8 @@ churn-bench: controlplane
 peer-bench: controlplane
 	bash e2e/cluster/build-whereabouts.sh >/dev/null
 	cargo build --release --locked --workspace --bins
-	$(TARGET_DIR)/release/ipwarden-e2e churn --ipam ipwarden,whereabouts --ipwarden $(TARGET_DIR)/release/ipwarden
+	$(TARGET_DIR)/release/ipwarden-e2e churn --ipam ipwarden,whereabouts,whereabouts-nodeslices \
+		--ipwarden $(TARGET_DIR)/release/ipwarden $(PEER_BENCH_ARGS)
 
 cluster-up:
 	bash e2e/cluster/cluster-up.sh

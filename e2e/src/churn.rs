@@ -30,6 +30,7 @@ use crate::ipwarden;
 use crate::kubelet::SKIP_DEL_ANNOTATION;
 use crate::peers::{Installed, Ipam, Measured};
 use crate::procstat::{self, Usage};
+use crate::storm::{REPLICAS, StormReport};
 use crate::wait::{self, Probe};
 
 /// The namespace churn pods live in.
@@ -277,6 +278,10 @@ pub struct Report {
     pub settle_seconds: f64,
     /// What was still pending when the settle wait gave up; empty when settled.
     pub unsettled: String,
+    /// The StatefulSet scale storm on a pool of 5 IPs, on a cluster of its own, when run.
+    pub storm: Option<StormReport>,
+    /// Why the storm was not run, when it was not.
+    pub storm_skipped: String,
 }
 
 /// The metrics and resource use of everything measured, at one moment.
@@ -344,9 +349,11 @@ struct PodTimes {
     deleted: Option<Instant>,
 }
 
-type Shared<T> = Arc<Mutex<T>>;
+/// State shared between the benchmark's tasks.
+pub(crate) type Shared<T> = Arc<Mutex<T>>;
 
-fn with<T, R>(shared: &Shared<T>, f: impl FnOnce(&mut T) -> R) -> R {
+/// Runs `f` on the state behind `shared`.
+pub(crate) fn with<T, R>(shared: &Shared<T>, f: impl FnOnce(&mut T) -> R) -> R {
     // A poisoned lock means a panicking task; the data is still the best there is.
     let mut guard = shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     f(&mut guard)
@@ -448,6 +455,27 @@ pub fn conflicts<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> Vec<String> {
     found
 }
 
+/// Waits until `watch` (which feeds `store`) has listed the pods, then checks them for
+/// conflicts every [`CONFLICT_POLL`] in a task on `background`; returns what the checks see:
+/// the conflicts and the number of checks.
+pub(crate) async fn watch_conflicts(
+    store: Store<Pod>,
+    background: &mut JoinSet<()>,
+    watch: &str,
+) -> Result<Shared<(BTreeSet<String>, u64)>> {
+    let synced = tokio::time::timeout(WATCH_SYNC_TIMEOUT, store.wait_until_ready()).await;
+    if !matches!(synced, Ok(Ok(()))) {
+        return Err(Error::Timeout {
+            what: format!("{watch} to list the pods"),
+            timeout: WATCH_SYNC_TIMEOUT,
+            last: format!("{synced:?}"),
+        });
+    }
+    let seen: Shared<(BTreeSet<String>, u64)> = Arc::default();
+    background.spawn(poll_conflicts(store, seen.clone()));
+    Ok(seen)
+}
+
 /// Checks the pod store for conflicts every [`CONFLICT_POLL`] until aborted.
 async fn poll_conflicts(store: Store<Pod>, seen: Shared<(BTreeSet<String>, u64)>) {
     let mut ticker = tokio::time::interval(CONFLICT_POLL);
@@ -535,16 +563,7 @@ pub async fn run(cluster: &Cluster, installed: &Installed, options: &ChurnOption
     background.spawn(watch_releases(client.clone(), ipam, timeline.clone()));
     let lease_updates: Arc<AtomicU64> = Arc::default();
     background.spawn(watch_leases(client.clone(), lease_updates.clone()));
-    let synced = tokio::time::timeout(WATCH_SYNC_TIMEOUT, store.wait_until_ready()).await;
-    if !matches!(synced, Ok(Ok(()))) {
-        return Err(Error::Timeout {
-            what: "the churn's pod watch to list the pods".into(),
-            timeout: WATCH_SYNC_TIMEOUT,
-            last: format!("{synced:?}"),
-        });
-    }
-    let seen: Shared<(BTreeSet<String>, u64)> = Arc::default();
-    background.spawn(poll_conflicts(store.clone(), seen.clone()));
+    let seen = watch_conflicts(store, &mut background, "the churn's pod watch").await?;
 
     let before = snapshot(&client, installed, &lease_updates).await?;
     let started = Instant::now();
@@ -881,7 +900,31 @@ impl std::fmt::Display for Report {
             f,
             "CAS retries (resourceVersion conflicts): agents {}, controllers {}",
             c.agent_cas_retries, c.controller_cas_retries
-        )
+        )?;
+        match &self.storm {
+            None if self.storm_skipped.is_empty() => Ok(()),
+            None => writeln!(f, "\nStatefulSet scale storm: not run: {}", self.storm_skipped),
+            Some(storm) => {
+                let done =
+                    if storm.completed { "completed".to_string() } else { format!("STOPPED: {}", storm.failure) };
+                writeln!(
+                    f,
+                    "\nStatefulSet scale storm (2 x {} pods on {} IPs): {} cycles, {done}",
+                    REPLICAS, REPLICAS, storm.cycles
+                )?;
+                let h = &storm.handover;
+                writeln!(f, "handover p50 {}, p99 {}", seconds(h.p50_seconds), seconds(h.p99_seconds))?;
+                writeln!(f, "IP conflicts between live pods: {}", storm.ip_conflicts)?;
+                for example in &storm.examples {
+                    writeln!(f, "  {example}")?;
+                }
+                writeln!(
+                    f,
+                    "pods back under a name that ran before: {}, with its last IP: {}",
+                    storm.returned, storm.sticky_kept
+                )
+            }
+        }
     }
 }
 
@@ -889,7 +932,7 @@ impl std::fmt::Display for Report {
 type Figure = (&'static str, fn(&Report) -> Option<f64>);
 
 /// The figures [`compare`] puts side by side; all lower-is-better.
-const FIGURES: [Figure; 12] = [
+const FIGURES: [Figure; 14] = [
     ("allocation end to end p50 (s)", |r| r.allocation_end_to_end.p50_seconds),
     ("allocation end to end p99 (s)", |r| r.allocation_end_to_end.p99_seconds),
     ("release after delete p50 (s)", |r| r.release_deleted.p50_seconds),
@@ -902,7 +945,12 @@ const FIGURES: [Figure; 12] = [
     ("409 Conflict answers", |r| Some(r.writes.by_resource.values().map(|w| w.conflicts).sum::<u64>() as f64)),
     ("controller CPU seconds (all replicas)", |r| Some(r.controllers.iter().map(|c| c.cpu_seconds).sum())),
     ("controller peak RSS MiB (all replicas)", |r| Some(r.controllers.iter().map(|c| c.peak_rss_mib).sum())),
+    ("storm handover p50 (s)", |r| r.storm.as_ref().and_then(|s| s.handover.p50_seconds)),
+    ("storm handover p99 (s)", |r| r.storm.as_ref().and_then(|s| s.handover.p99_seconds)),
 ];
+
+/// One row of the storm's figures in [`compare`]: its name and how to write a storm's cell.
+type StormRow = (&'static str, fn(&StormReport) -> String);
 
 /// The reports of one workload run on several IPAMs, side by side: one column per IPAM with
 /// its value and its ratio to the first report's (ipwarden's when it leads), then conflicts
@@ -934,6 +982,21 @@ pub fn compare(reports: &[Report]) -> String {
         let _ = write!(table, " {:>24}", report.conflicts.ip_conflicts);
     }
     table.push('\n');
+    let storm_rows: [StormRow; 3] = [
+        (
+            "storm cycles completed",
+            |s| if s.completed { s.cycles.to_string() } else { format!("{} (stopped)", s.cycles) },
+        ),
+        ("storm IP conflicts between live pods", |s| s.ip_conflicts.to_string()),
+        ("storm sticky IPs kept (of pods back)", |s| format!("{} of {}", s.sticky_kept, s.returned)),
+    ];
+    for (name, cell) in storm_rows {
+        let _ = write!(table, "{name:<40}");
+        for report in reports {
+            let _ = write!(table, " {:>24}", report.storm.as_ref().map_or_else(|| "-".to_string(), cell));
+        }
+        table.push('\n');
+    }
     let _ = write!(table, "{:<40}", "settled");
     for report in reports {
         let settled = if report.settled { format!("yes ({:.1} s)", report.settle_seconds) } else { "NO".into() };
@@ -1088,13 +1151,18 @@ mod test {
             settled: true,
             ..Report::default()
         };
-        let table = compare(&[report("ipwarden", 0.1, 2.0), report("whereabouts", 0.4, 1.0)]);
+        let storm =
+            StormReport { cycles: 10, returned: 40, sticky_kept: 12, completed: true, ..StormReport::default() };
+        let peer = Report { storm: Some(storm), ..report("whereabouts", 0.4, 1.0) };
+        let table = compare(&[report("ipwarden", 0.1, 2.0), peer]);
         let row = |name: &str| table.lines().find(|l| l.starts_with(name)).unwrap_or_default().to_string();
         assert!(row("figure").contains("ipwarden") && row("figure").contains("whereabouts"), "{table}");
         assert!(row("allocation end to end p50").contains("0.400 (x4.00)"), "{table}");
         assert!(row("allocation end to end p99").contains(" -"), "{table}");
         assert!(row("controller CPU seconds").contains("1.000 (x0.50)"), "{table}");
         assert!(row("settled").contains("yes (0.0 s)"), "{table}");
+        assert!(row("storm sticky IPs kept").trim_end().ends_with("-                 12 of 40"), "{table}");
+        assert!(row("storm cycles completed").ends_with(" 10"), "{table}");
     }
 
     #[test]

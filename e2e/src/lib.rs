@@ -25,6 +25,7 @@ pub mod pki;
 pub mod process;
 pub mod procstat;
 pub mod prometheus;
+pub mod storm;
 pub mod wait;
 
 pub use cluster::{Cluster, ClusterOptions};

@@ -76,6 +76,10 @@ enum Command {
         /// How long to wait after the last deletion for every IP to be released.
         #[arg(long, default_value_t = 300)]
         settle_timeout_seconds: u64,
+        /// Handovers of the StatefulSet scale storm run after each IPAM's churn, on a cluster
+        /// of its own whose pool has 5 IPs (two StatefulSets of 5 take turns); 0: no storm.
+        #[arg(long, default_value_t = 10)]
+        storm_cycles: u32,
         /// `table` for people, `json` for scripts.
         #[arg(long, value_enum, default_value_t = Output::Table)]
         output: Output,
@@ -111,6 +115,7 @@ async fn main() -> anyhow::Result<()> {
             leak_percent,
             force_percent,
             settle_timeout_seconds,
+            storm_cycles,
             output,
         } => {
             anyhow::ensure!(
@@ -127,9 +132,10 @@ async fn main() -> anyhow::Result<()> {
                 settle_timeout: Duration::from_secs(settle_timeout_seconds),
             };
             let nodes = usize::try_from(nodes)?;
+            let storm = e2e::storm::StormOptions { cycles: storm_cycles, handover_timeout: STORM_HANDOVER_TIMEOUT };
             let mut reports = Vec::new();
             for ipam in ipam {
-                reports.push(churn(nodes, ipam, ipwarden.as_deref(), &options).await?);
+                reports.push(churn(nodes, ipam, ipwarden.as_deref(), &options, &storm).await?);
             }
             for report in &reports {
                 match output {
@@ -243,43 +249,94 @@ async fn up(
 /// its binary).
 const CHURN_PLUGIN_DIR: &str = ".e2e/churn-cni-bin";
 
-/// A cluster of `nodes` nodes running `ipam` (ipwarden from `ipwarden`).
+/// How long one handover of the storm may take before the storm is given up.
+const STORM_HANDOVER_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// ipwarden's agent flags in the storm: a released IP may be reused after 1 s instead of 30 s,
+/// as in the storm test (tests/rbac_scale_storm.rs); with 5 IPs handed over at once, the
+/// default cooldown would be most of every handover.
+const STORM_AGENT_ARGS: [&str; 1] = ["--reuse-cooldown-seconds=1"];
+
+/// The pool a benchmark cluster's IPAM hands out.
+#[derive(Clone, Copy)]
+enum Pool {
+    /// The churn's: 10.244.0.0/16.
+    Churn,
+    /// The storm's: 5 IPs.
+    Storm,
+}
+
+/// A cluster of `nodes` nodes running `ipam` (ipwarden from `ipwarden`) with `pool`.
 async fn start_ipam(
     nodes: usize,
     ipam: e2e::peers::Ipam,
     ipwarden: Option<&Path>,
+    pool: Pool,
 ) -> anyhow::Result<(e2e::Cluster, e2e::peers::Installed)> {
     use e2e::peers::{Installed, Ipam, whereabouts};
+    use e2e::storm::{CIDR, FIRST_IP, LAST_IP};
     match ipam {
         Ipam::Ipwarden => {
             let binary = ipwarden.context("--ipam ipwarden needs --ipwarden <binary>")?;
-            let (cluster, installation) = start(nodes, Some(binary), Path::new(CHURN_PLUGIN_DIR)).await?;
-            Ok((cluster, Installed::Ipwarden(installation.context("ipwarden was not started")?)))
+            if let Pool::Churn = pool {
+                let (cluster, installation) = start(nodes, Some(binary), Path::new(CHURN_PLUGIN_DIR)).await?;
+                return Ok((cluster, Installed::Ipwarden(installation.context("ipwarden was not started")?)));
+            }
+            let binary = std::fs::canonicalize(binary).with_context(|| format!("finding {}", binary.display()))?;
+            let network = Some(e2e::ipwarden::network(&binary, Path::new(CHURN_PLUGIN_DIR))?);
+            let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
+            let cluster = e2e::Cluster::start(options).await.context("starting the test cluster")?;
+            let spec =
+                serde_json::json!({"cidr": CIDR, "ranges": [{"start": FIRST_IP, "end": LAST_IP}], "default": true});
+            let installation = e2e::ipwarden::install_with(&cluster, &binary, spec, &STORM_AGENT_ARGS)
+                .await
+                .context("starting ipwarden's agents and controllers")?;
+            Ok((cluster, Installed::Ipwarden(installation)))
         }
-        Ipam::Whereabouts => {
+        Ipam::Whereabouts | Ipam::WhereaboutsNodeSlices => {
+            let setup = match (ipam, pool) {
+                (Ipam::WhereaboutsNodeSlices, Pool::Churn) => whereabouts::Setup::node_slices(),
+                (_, Pool::Churn) => whereabouts::Setup::whole_range(),
+                (_, Pool::Storm) => whereabouts::Setup::bounded(CIDR, FIRST_IP, LAST_IP),
+            };
             let build = whereabouts::build().context("building Whereabouts")?;
             let kubeconfig = whereabouts::KubeconfigSlot::default();
-            let network = Some(whereabouts::network(&build, kubeconfig.clone()));
+            let network = Some(whereabouts::network(&build, kubeconfig.clone(), &setup));
             let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
             let cluster = e2e::Cluster::start(options).await.context("starting the test cluster")?;
             kubeconfig.get_or_init(|| cluster.kubeconfig().to_path_buf());
-            let installation = whereabouts::install(&cluster, &build).await.context("installing Whereabouts")?;
+            let installation =
+                whereabouts::install(&cluster, &build, &setup).await.context("installing Whereabouts")?;
             Ok((cluster, Installed::Whereabouts(installation)))
         }
     }
 }
 
-/// One churn run of `ipam` on a cluster of its own, stopped afterwards.
+/// Why the storm is not run for `ipam`, if it is not.
+fn storm_skipped(ipam: e2e::peers::Ipam, storm: &e2e::storm::StormOptions) -> Option<String> {
+    if storm.cycles == 0 {
+        return Some("--storm-cycles 0".into());
+    }
+    (ipam == e2e::peers::Ipam::WhereaboutsNodeSlices).then(|| {
+        "node slices give each node a CIDR of its own; 5 IPs cannot be sliced among the nodes \
+         (the storm of plain Whereabouts is the same plugin on one shared range)"
+            .to_string()
+    })
+}
+
+/// One churn run of `ipam` on a cluster of its own, then the storm on another, each stopped
+/// afterwards.
 async fn churn(
     nodes: usize,
     ipam: e2e::peers::Ipam,
     ipwarden: Option<&Path>,
     options: &e2e::churn::ChurnOptions,
+    storm: &e2e::storm::StormOptions,
 ) -> anyhow::Result<e2e::churn::Report> {
     let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let measured = async {
-        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden).await?;
+        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, Pool::Churn).await?;
         eprintln!(
             "churn: {ipam} on a cluster ready ({} nodes, run dir {}); creating {} pods/s for {:?}",
             nodes,
@@ -287,7 +344,20 @@ async fn churn(
             options.rate,
             options.duration
         );
-        let report = e2e::churn::run(&cluster, &installation, options).await.context("running the churn")?;
+        let mut report = e2e::churn::run(&cluster, &installation, options).await.context("running the churn")?;
+        drop(installation);
+        cluster.stop();
+        if let Some(reason) = storm_skipped(ipam, storm) {
+            report.storm_skipped = reason;
+            return anyhow::Ok(report);
+        }
+        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, Pool::Storm).await?;
+        eprintln!(
+            "storm: {ipam} on a cluster ready (run dir {}); {} handovers of 5 IPs",
+            cluster.dir().display(),
+            storm.cycles
+        );
+        report.storm = Some(e2e::storm::run(&cluster, storm).await.context("running the storm")?);
         drop(installation);
         cluster.stop();
         anyhow::Ok(report)

@@ -140,7 +140,7 @@ impl NodeRuntime {
             }));
             let netconf = cni::with_valid_attachments(&(self.network.netconf)(&self.node), &valid);
             let call = Invocation { command: "GC", container_id: "", ifname: "", pod: None, netconf: &netconf };
-            if let Err(e) = self.network.invoke(&call).await {
+            if let Err(e) = self.network.invoke_on(&self.node, &call).await {
                 tracing::warn!(node = %self.node.name, error = %e, "CNI GC failed");
             }
         }
@@ -213,7 +213,7 @@ impl NodeRuntime {
             for ifname in state.ifnames.iter().rev() {
                 let call =
                     Invocation { command: "DEL", container_id, ifname, pod: state.args.as_ref(), netconf: &netconf };
-                if let Err(e) = self.network.invoke(&call).await {
+                if let Err(e) = self.network.invoke_on(&self.node, &call).await {
                     tracing::warn!(node = %self.node.name, pod_uid = %uid, error = %e, "CNI DEL of a failed sandbox failed; retrying");
                     return false;
                 }
@@ -304,7 +304,7 @@ impl NodeRuntime {
                 pending.insert(container_id.clone(), state.ifnames.clone());
             }
         }
-        let primary = self.network.invoke(&call).await;
+        let primary = self.network.invoke_on(&self.node, &call).await;
         let extra = match &primary {
             Ok(Some(_)) => self.add_extra_interfaces(&container_id, &args, &state.ifnames[1..], &netconf).await,
             _ => Ok(Vec::new()),
@@ -328,7 +328,7 @@ impl NodeRuntime {
         let mut results = Vec::new();
         for ifname in ifnames {
             let call = Invocation { command: "ADD", container_id, ifname, pod: Some(args), netconf };
-            let result = self.network.invoke(&call).await?.unwrap_or(Value::Null);
+            let result = self.network.invoke_on(&self.node, &call).await?.unwrap_or(Value::Null);
             results.push((ifname.clone(), result));
         }
         Ok(results)
@@ -393,7 +393,7 @@ impl NodeRuntime {
                     pod: Some(&args),
                     netconf: &netconf,
                 };
-                if let Err(e) = self.network.invoke(&call).await {
+                if let Err(e) = self.network.invoke_on(&self.node, &call).await {
                     tracing::warn!(node = %self.node.name, pod = %sandbox.pod, %ifname, error = %e, "CNI DEL failed; retrying");
                     return false;
                 }

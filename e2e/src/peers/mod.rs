@@ -21,6 +21,9 @@ pub enum Ipam {
     /// Whereabouts: IPPools (and OverlappingRangeIPReservations), a cluster-wide Lease per
     /// ADD and DEL, an ip-control-loop and reconciler per node.
     Whereabouts,
+    /// Whereabouts with node slices: each node allocates from a slice of the range of its own
+    /// (assigned by the node slice controller) under a Lease per slice.
+    WhereaboutsNodeSlices,
 }
 
 impl std::str::FromStr for Ipam {
@@ -30,7 +33,8 @@ impl std::str::FromStr for Ipam {
         match name {
             "ipwarden" => Ok(Self::Ipwarden),
             "whereabouts" => Ok(Self::Whereabouts),
-            other => Err(format!("unknown IPAM {other:?}: expected ipwarden or whereabouts")),
+            "whereabouts-nodeslices" => Ok(Self::WhereaboutsNodeSlices),
+            other => Err(format!("unknown IPAM {other:?}: expected ipwarden, whereabouts or whereabouts-nodeslices")),
         }
     }
 }
@@ -40,6 +44,7 @@ impl std::fmt::Display for Ipam {
         f.write_str(match self {
             Self::Ipwarden => "ipwarden",
             Self::Whereabouts => "whereabouts",
+            Self::WhereaboutsNodeSlices => "whereabouts-nodeslices",
         })
     }
 }
@@ -49,7 +54,7 @@ impl Ipam {
     pub fn records(self) -> ApiResource {
         match self {
             Self::Ipwarden => ApiResource::from_gvk(&GroupVersionKind::gvk("ipwarden.io", "v1alpha1", "IPBlock")),
-            Self::Whereabouts => {
+            Self::Whereabouts | Self::WhereaboutsNodeSlices => {
                 ApiResource::from_gvk(&GroupVersionKind::gvk("whereabouts.cni.cncf.io", "v1alpha1", "IPPool"))
             }
         }
@@ -65,7 +70,7 @@ impl Ipam {
                     Some(format!("{}/{}", pod["namespace"].as_str()?, pod["name"].as_str()?))
                 })
                 .collect(),
-            Self::Whereabouts => {
+            Self::Whereabouts | Self::WhereaboutsNodeSlices => {
                 allocations.filter_map(|record| record["podref"].as_str().map(str::to_string)).collect()
             }
         }
@@ -77,6 +82,7 @@ impl Ipam {
         match self {
             Self::Ipwarden => &["ipblocks", "ipclaims"],
             Self::Whereabouts => &["ippools", "overlappingrangeipreservations"],
+            Self::WhereaboutsNodeSlices => &["ippools", "overlappingrangeipreservations", "nodeslicepools"],
         }
     }
 }
@@ -95,7 +101,7 @@ pub struct Measured<'a> {
 pub enum Installed {
     /// ipwarden's agents and controllers.
     Ipwarden(crate::ipwarden::Installation),
-    /// Whereabouts' per-node controllers.
+    /// Whereabouts' per-node controllers (and node slice controller).
     Whereabouts(whereabouts::Installation),
 }
 
@@ -104,6 +110,7 @@ impl Installed {
     pub fn ipam(&self) -> Ipam {
         match self {
             Self::Ipwarden(_) => Ipam::Ipwarden,
+            Self::Whereabouts(installation) if installation.node_slices => Ipam::WhereaboutsNodeSlices,
             Self::Whereabouts(_) => Ipam::Whereabouts,
         }
     }
@@ -170,7 +177,7 @@ mod test {
 
     #[test]
     fn ipam_names_round_trip_and_unknown_names_are_refused() {
-        for ipam in [Ipam::Ipwarden, Ipam::Whereabouts] {
+        for ipam in [Ipam::Ipwarden, Ipam::Whereabouts, Ipam::WhereaboutsNodeSlices] {
             assert_eq!(ipam.to_string().parse::<Ipam>(), Ok(ipam));
         }
         assert!("calico".parse::<Ipam>().unwrap_err().contains("unknown IPAM"));
