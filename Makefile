@@ -1,6 +1,6 @@
 # The project's entry points. `make test` is the test command CI runs (.ci/run); `make demo`
 # is the main job on the local default. Both install what they need themselves.
-.PHONY: test demo soak churn-bench scale-bench cluster-up cluster-down controlplane tools deps
+.PHONY: test demo soak churn-bench scale-bench peer-bench cluster-up cluster-down controlplane tools deps
 
 # Where cargo puts what it builds (CARGO_TARGET_DIR when set).
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
@@ -43,6 +43,16 @@ SCALE_FLAGS ?=
 scale-bench: controlplane
 	cargo build --release --locked --workspace --bins
 	$(TARGET_DIR)/release/ipwarden-e2e scale --ipwarden $(TARGET_DIR)/release/ipwarden $(SCALE_FLAGS)
+
+# The churn benchmark of ipwarden and its peers back to back, same seed and workload, with a
+# comparison (docs/benchmarks.md, "Peers"). Builds the peers from their pinned Go modules the
+# first time. Not part of `make test`.
+PEER_BENCH_ARGS ?=
+peer-bench: controlplane
+	bash e2e/cluster/build-whereabouts.sh >/dev/null
+	cargo build --release --locked --workspace --bins
+	$(TARGET_DIR)/release/ipwarden-e2e churn --ipam ipwarden,whereabouts,whereabouts-nodeslices \
+		--ipwarden $(TARGET_DIR)/release/ipwarden $(PEER_BENCH_ARGS)
 
 cluster-up:
 	bash e2e/cluster/cluster-up.sh

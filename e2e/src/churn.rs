@@ -2,16 +2,19 @@
 //! round robin over the nodes, and deleted after a fixed lifetime; a share of them lose their
 //! CNI DEL (leaks the controller must reclaim) and a share are force-deleted. Then a bounded
 //! wait until every record of a deleted pod is released, and a [`Report`]: allocation and
-//! reclaim latency, apiserver writes per release, controller CPU and peak memory, and IP
-//! conflicts seen between live pods.
+//! reclaim latency, apiserver writes per pod life, controller CPU and peak memory, and IP
+//! conflicts seen between live pods. The IPAM under test is ipwarden or a peer
+//! ([`crate::peers`]): the same workload, each measured by its own records and resources.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
@@ -23,9 +26,11 @@ use tokio::time::Instant;
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
 use crate::exposition::{Histogram, Labels, Scrape};
-use crate::ipwarden::{self, Installation};
+use crate::ipwarden;
 use crate::kubelet::SKIP_DEL_ANNOTATION;
+use crate::peers::{Installed, Ipam, Measured};
 use crate::procstat::{self, Usage};
+use crate::storm::{REPLICAS, StormReport};
 use crate::wait::{self, Probe};
 
 /// The namespace churn pods live in.
@@ -42,6 +47,9 @@ const CONFLICT_POLL: Duration = Duration::from_secs(1);
 
 /// How long the watches may take to list the cluster before churn starts.
 const WATCH_SYNC_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The namespace of the nodes' heartbeat Leases, which are no IPAM's writes.
+const NODE_LEASE_NAMESPACE: &str = "kube-node-lease";
 
 /// The apiserver request verbs that write.
 const WRITE_VERBS: [&str; 6] = ["POST", "PUT", "PATCH", "APPLY", "DELETE", "DELETECOLLECTION"];
@@ -156,25 +164,33 @@ pub struct PodCounts {
     pub api_failures: u64,
 }
 
-/// Apiserver writes during the run, against the releases they paid for.
+/// Apiserver writes on one resource during the run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct Writes {
-    /// Write requests on IPBlocks (POST, PUT, PATCH, APPLY, DELETE), any response code.
-    pub ipblock_writes: u64,
+pub struct ResourceWrites {
+    /// Write requests (POST, PUT, PATCH, APPLY, DELETE), any response code.
+    pub writes: u64,
     /// Of those, answered 409 Conflict.
-    pub ipblock_conflicts: u64,
-    /// Write requests on IPClaims.
-    pub ipclaim_writes: u64,
-    /// Successful allocations by the agents.
+    pub conflicts: u64,
+}
+
+/// The IPAM's apiserver writes during the run, against the pod lives they paid for.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Writes {
+    /// Writes on each of the IPAM's own resources ([`Ipam::write_resources`]).
+    pub by_resource: BTreeMap<String, ResourceWrites>,
+    /// Lease updates outside kube-node-lease seen by a watch (the control plane runs without
+    /// leader election, so these are the IPAM's: Whereabouts' lock, ipwarden's leader Lease).
+    pub lease_updates: u64,
+    /// All of the above.
+    pub total: u64,
+    /// `total / pods created`.
+    pub per_pod_life: Option<f64>,
+    /// Successful allocations by ipwarden's agents (0 for a peer: no such counter).
     pub allocations: u64,
-    /// IPs released by the agents (CNI DEL, CNI GC, start-up GC).
+    /// IPs released by ipwarden's agents (CNI DEL, CNI GC, start-up GC).
     pub agent_releases: u64,
-    /// Records released by the controller (the GC).
+    /// Records released by ipwarden's controller (the GC).
     pub controller_releases: u64,
-    /// `ipblock_writes / (agent_releases + controller_releases)`.
-    pub ipblock_writes_per_release: Option<f64>,
-    /// `ipclaim_writes / (agent_releases + controller_releases)`.
-    pub ipclaim_writes_per_release: Option<f64>,
 }
 
 /// One controller replica's resource use.
@@ -220,6 +236,8 @@ pub struct Conflicts {
 /// Everything the run measured.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Report {
+    /// The IPAM measured.
+    pub ipam: String,
     /// Simulated nodes.
     pub nodes: usize,
     /// Pods created per second.
@@ -237,14 +255,14 @@ pub struct Report {
     pub allocation_agent: Latency,
     /// From the create call to the pod's status showing its IP (pod watch).
     pub allocation_end_to_end: Latency,
-    /// From the delete call to the record's removal from its IPBlock, pods deleted gracefully
-    /// (released by the agent on CNI DEL).
+    /// From the delete call to the pod's record leaving the IPAM's records (ipwarden: its
+    /// IPBlock; Whereabouts: its IPPool), pods deleted gracefully (released on CNI DEL).
     pub release_deleted: Latency,
     /// The same for force-deleted pods.
     pub release_force_deleted: Latency,
-    /// The same for leaked pods (released by the controller's GC).
+    /// The same for leaked pods (released by the IPAM's controller).
     pub reclaim_leaked: Latency,
-    /// The controllers' reclaim latency histogram: from a traced pod's end to its IP free.
+    /// ipwarden controllers' reclaim latency histogram: from a traced pod's end to its IP free.
     pub reclaim_controller: Latency,
     /// Apiserver writes.
     pub writes: Writes,
@@ -260,6 +278,10 @@ pub struct Report {
     pub settle_seconds: f64,
     /// What was still pending when the settle wait gave up; empty when settled.
     pub unsettled: String,
+    /// The StatefulSet scale storm on a pool of 5 IPs, on a cluster of its own, when run.
+    pub storm: Option<StormReport>,
+    /// Why the storm was not run, when it was not.
+    pub storm_skipped: String,
 }
 
 /// The metrics and resource use of everything measured, at one moment.
@@ -268,6 +290,8 @@ struct Snapshot {
     controllers: Vec<Scrape>,
     apiserver: Scrape,
     usage: Vec<Usage>,
+    /// Lease updates seen so far by the lease watch.
+    lease_updates: u64,
 }
 
 pub(crate) async fn scrape_port(port: u16, what: &str) -> Result<Scrape> {
@@ -275,24 +299,31 @@ pub(crate) async fn scrape_port(port: u16, what: &str) -> Result<Scrape> {
     Scrape::parse(&text).map_err(|source| Error::Scrape { what: what.to_string(), source })
 }
 
-async fn snapshot(client: &Client, installation: &Installation) -> Result<Snapshot> {
-    let mut agents = Vec::new();
-    for agent in &installation.agents {
-        agents.push(scrape_port(agent.metrics_port, &agent.name).await?);
-    }
-    let mut controllers = Vec::new();
+async fn snapshot(client: &Client, installed: &Installed, lease_updates: &AtomicU64) -> Result<Snapshot> {
+    let scrape_all = async |processes: &[Measured<'_>]| -> Result<Vec<Scrape>> {
+        let mut scrapes = Vec::new();
+        for process in processes {
+            if let Some(port) = process.metrics_port {
+                scrapes.push(scrape_port(port, process.name).await?);
+            }
+        }
+        Ok(scrapes)
+    };
+    let agents = scrape_all(&installed.agents()).await?;
+    let controllers = installed.controllers();
+    let scraped = scrape_all(&controllers).await?;
     let mut usage = Vec::new();
-    for controller in &installation.controllers {
-        controllers.push(scrape_port(controller.metrics_port, &controller.name).await?);
+    for controller in &controllers {
         let pid = controller.component.pid().ok_or_else(|| Error::Exited {
-            component: controller.name.clone(),
+            component: controller.name.to_string(),
             status: "not running".into(),
             log: controller.component.log().to_path_buf(),
         })?;
         usage.push(procstat::usage(pid)?);
     }
     let apiserver = scrape_apiserver(client).await?;
-    Ok(Snapshot { agents, controllers, apiserver, usage })
+    let lease_updates = lease_updates.load(Ordering::Relaxed);
+    Ok(Snapshot { agents, controllers: scraped, apiserver, usage, lease_updates })
 }
 
 /// The apiserver's own `/metrics`, read with `client`.
@@ -310,64 +341,69 @@ struct Timeline {
     pods: HashMap<String, PodTimes>,
     /// When each pod's status first showed an IP.
     ip_seen: HashMap<String, Instant>,
-    /// When each pod's last record left the IPBlocks.
+    /// When each pod's (`namespace/name`) last record left the IPAM's records.
     released: HashMap<String, Instant>,
     api_failures: u64,
 }
 
 struct PodTimes {
+    /// `namespace/name`: how the IPAMs' records name the pod (churn names are unique).
+    key: String,
     fate: Fate,
     created: Instant,
     deleted: Option<Instant>,
 }
 
-type Shared<T> = Arc<Mutex<T>>;
+/// State shared between the benchmark's tasks.
+pub(crate) type Shared<T> = Arc<Mutex<T>>;
 
-fn with<T, R>(shared: &Shared<T>, f: impl FnOnce(&mut T) -> R) -> R {
+/// Runs `f` on the state behind `shared`.
+pub(crate) fn with<T, R>(shared: &Shared<T>, f: impl FnOnce(&mut T) -> R) -> R {
     // A poisoned lock means a panicking task; the data is still the best there is.
     let mut guard = shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     f(&mut guard)
 }
 
-/// The UIDs of the pods an IPBlock holds records for.
-fn record_uids(block: &DynamicObject) -> HashSet<String> {
-    block.data["spec"]["allocations"]
-        .as_object()
-        .into_iter()
-        .flat_map(|records| records.values())
-        .filter_map(|record| record["pod"]["uid"].as_str().map(str::to_string))
-        .collect()
-}
-
-fn ipblock_resource() -> ApiResource {
-    ApiResource::from_gvk(&GroupVersionKind::gvk("ipwarden.io", "v1alpha1", "IPBlock"))
-}
-
-/// Notes when each pod's records leave the IPBlocks, from a watch of every block.
-async fn watch_releases(client: Client, timeline: Shared<Timeline>) {
-    let blocks: Api<DynamicObject> = Api::all_with(client, &ipblock_resource());
+/// Notes when each pod's records leave the IPAM's records, from a watch of all of them.
+async fn watch_releases(client: Client, ipam: Ipam, timeline: Shared<Timeline>) {
+    let records: Api<DynamicObject> = Api::all_with(client, &ipam.records());
     let mut held: HashMap<String, HashSet<String>> = HashMap::new();
-    let mut events = watcher(blocks, watcher::Config::default()).default_backoff().boxed();
+    let mut events = watcher(records, watcher::Config::default()).default_backoff().boxed();
     while let Some(event) = events.next().await {
         let (name, now_held) = match event {
-            Ok(watcher::Event::Apply(block) | watcher::Event::InitApply(block)) => {
-                let uids = record_uids(&block);
-                (block.name_any(), uids)
+            Ok(watcher::Event::Apply(object) | watcher::Event::InitApply(object)) => {
+                let pods = ipam.held_pods(&object);
+                (object.name_any(), pods)
             }
-            Ok(watcher::Event::Delete(block)) => (block.name_any(), HashSet::new()),
+            Ok(watcher::Event::Delete(object)) => (object.name_any(), HashSet::new()),
             Ok(watcher::Event::Init | watcher::Event::InitDone) => continue,
             Err(e) => {
-                tracing::warn!(error = %e, "churn: IPBlock watch error; retrying");
+                tracing::warn!(error = %e, "churn: watch of the IPAM's records failed; retrying");
                 continue;
             }
         };
         let before = held.insert(name, now_held.clone()).unwrap_or_default();
         let now = Instant::now();
         with(&timeline, |t| {
-            for uid in before.difference(&now_held) {
-                t.released.entry(uid.clone()).or_insert(now);
+            for pod in before.difference(&now_held) {
+                t.released.entry(pod.clone()).or_insert(now);
             }
         });
+    }
+}
+
+/// Counts updates of Leases outside kube-node-lease (after the initial list).
+async fn watch_leases(client: Client, updates: Arc<AtomicU64>) {
+    let leases: Api<Lease> = Api::all(client);
+    let mut events = watcher(leases, watcher::Config::default()).default_backoff().boxed();
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(watcher::Event::Apply(lease)) if lease.namespace().as_deref() != Some(NODE_LEASE_NAMESPACE) => {
+                updates.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "churn: Lease watch error; retrying"),
+        }
     }
 }
 
@@ -424,6 +460,27 @@ pub fn conflicts<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> Vec<String> {
     found
 }
 
+/// Waits until `watch` (which feeds `store`) has listed the pods, then checks them for
+/// conflicts every [`CONFLICT_POLL`] in a task on `background`; returns what the checks see:
+/// the conflicts and the number of checks.
+pub(crate) async fn watch_conflicts(
+    store: Store<Pod>,
+    background: &mut JoinSet<()>,
+    watch: &str,
+) -> Result<Shared<(BTreeSet<String>, u64)>> {
+    let synced = tokio::time::timeout(WATCH_SYNC_TIMEOUT, store.wait_until_ready()).await;
+    if !matches!(synced, Ok(Ok(()))) {
+        return Err(Error::Timeout {
+            what: format!("{watch} to list the pods"),
+            timeout: WATCH_SYNC_TIMEOUT,
+            last: format!("{synced:?}"),
+        });
+    }
+    let seen: Shared<(BTreeSet<String>, u64)> = Arc::default();
+    background.spawn(poll_conflicts(store, seen.clone()));
+    Ok(seen)
+}
+
 /// Checks the pod store for conflicts every [`CONFLICT_POLL`] until aborted.
 async fn poll_conflicts(store: Store<Pod>, seen: Shared<(BTreeSet<String>, u64)>) {
     let mut ticker = tokio::time::interval(CONFLICT_POLL);
@@ -470,7 +527,8 @@ async fn live(pods: Api<Pod>, manifest: Pod, fate: Fate, lifetime: Duration, tim
             return;
         }
     };
-    with(&timeline, |t| t.pods.insert(uid.clone(), PodTimes { fate, created, deleted: None }));
+    let key = format!("{NAMESPACE}/{name}");
+    with(&timeline, |t| t.pods.insert(uid.clone(), PodTimes { key, fate, created, deleted: None }));
     // The pod's lifetime is the workload, not a wait for a condition.
     tokio::time::sleep_until(created + lifetime).await;
     let params = match fate {
@@ -491,8 +549,9 @@ async fn live(pods: Api<Pod>, manifest: Pod, fate: Fate, lifetime: Duration, tim
     }
 }
 
-/// Runs the churn on `cluster`, where `installation` runs ipwarden, and reports.
-pub async fn run(cluster: &Cluster, installation: &Installation, options: &ChurnOptions) -> Result<Report> {
+/// Runs the churn on `cluster`, where `installed` runs the IPAM under test, and reports.
+pub async fn run(cluster: &Cluster, installed: &Installed, options: &ChurnOptions) -> Result<Report> {
+    let ipam = installed.ipam();
     let nodes: Vec<String> = cluster.nodes().iter().map(|n| n.name().to_string()).collect();
     if nodes.is_empty() {
         return Err(Error::Churn("the cluster has no nodes".into()));
@@ -506,19 +565,12 @@ pub async fn run(cluster: &Cluster, installation: &Installation, options: &Churn
     let (store, writer) = reflector::store::<Pod>();
     let mut background = JoinSet::new();
     background.spawn(watch_pods(client.clone(), writer, timeline.clone()));
-    background.spawn(watch_releases(client.clone(), timeline.clone()));
-    let synced = tokio::time::timeout(WATCH_SYNC_TIMEOUT, store.wait_until_ready()).await;
-    if !matches!(synced, Ok(Ok(()))) {
-        return Err(Error::Timeout {
-            what: "the churn's pod watch to list the pods".into(),
-            timeout: WATCH_SYNC_TIMEOUT,
-            last: format!("{synced:?}"),
-        });
-    }
-    let seen: Shared<(BTreeSet<String>, u64)> = Arc::default();
-    background.spawn(poll_conflicts(store.clone(), seen.clone()));
+    background.spawn(watch_releases(client.clone(), ipam, timeline.clone()));
+    let lease_updates: Arc<AtomicU64> = Arc::default();
+    background.spawn(watch_leases(client.clone(), lease_updates.clone()));
+    let seen = watch_conflicts(store, &mut background, "the churn's pod watch").await?;
 
-    let before = snapshot(&client, installation).await?;
+    let before = snapshot(&client, installed, &lease_updates).await?;
     let started = Instant::now();
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let mut ticker = tokio::time::interval(period);
@@ -541,19 +593,20 @@ pub async fn run(cluster: &Cluster, installation: &Installation, options: &Churn
     while lives.join_next().await.is_some() {}
 
     let last_deletion = Instant::now();
-    let churned: HashSet<String> = with(&timeline, |t| t.pods.keys().cloned().collect());
-    let (settled, unsettled) = match settle(&client, &churned, options.settle_timeout).await {
+    let churned: HashSet<String> = with(&timeline, |t| t.pods.values().map(|p| p.key.clone()).collect());
+    let (settled, unsettled) = match settle(&client, ipam, &churned, options.settle_timeout).await {
         Ok(()) => (true, String::new()),
         Err(Error::Timeout { last, .. }) => (false, last),
         Err(e) => return Err(e),
     };
     let settle_seconds = last_deletion.elapsed().as_secs_f64();
     let window_seconds = started.elapsed().as_secs_f64();
-    let after = snapshot(&client, installation).await?;
+    let after = snapshot(&client, installed, &lease_updates).await?;
     background.abort_all();
     let conflicts_seen = with(&seen, |(all, polls)| (all.iter().cloned().collect::<Vec<_>>(), *polls));
-    let identities: Vec<String> = installation.controllers.iter().map(|c| c.name.clone()).collect();
+    let identities: Vec<String> = installed.controllers().iter().map(|c| c.name.to_string()).collect();
     let report = with(&timeline, |timeline| Report {
+        ipam: ipam.to_string(),
         nodes: nodes.len(),
         rate_per_second: options.rate,
         duration_seconds: options.duration.as_secs_f64(),
@@ -562,17 +615,17 @@ pub async fn run(cluster: &Cluster, installation: &Installation, options: &Churn
         settled,
         settle_seconds,
         unsettled,
-        ..measure(&before, &after, timeline, &identities, conflicts_seen)
+        ..measure(ipam, &before, &after, timeline, &identities, conflicts_seen)
     });
     Ok(report)
 }
 
-/// Waits until no churn pod is left and no IPBlock holds a record of one.
-async fn settle(client: &Client, churned: &HashSet<String>, timeout: Duration) -> Result<()> {
+/// Waits until no churn pod is left and no record of the IPAM names one.
+async fn settle(client: &Client, ipam: Ipam, churned: &HashSet<String>, timeout: Duration) -> Result<()> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
-    let blocks: Api<DynamicObject> = Api::all_with(client.clone(), &ipblock_resource());
+    let records: Api<DynamicObject> = Api::all_with(client.clone(), &ipam.records());
     wait::until("every record of a deleted churn pod released", timeout, || {
-        let (pods, blocks) = (pods.clone(), blocks.clone());
+        let (pods, records) = (pods.clone(), records.clone());
         async move {
             let left = pods
                 .list(&ListParams::default().labels(&format!("{CHURN_LABEL}=true")))
@@ -580,14 +633,14 @@ async fn settle(client: &Client, churned: &HashSet<String>, timeout: Duration) -
                 .map_err(Error::kube("listing churn pods"))?
                 .items
                 .len();
-            let held = blocks
+            let held = records
                 .list(&ListParams::default())
                 .await
-                .map_err(Error::kube("listing IPBlocks"))?
+                .map_err(Error::kube(format!("listing {}", ipam.records().plural)))?
                 .items
                 .iter()
-                .flat_map(record_uids)
-                .filter(|uid| churned.contains(uid))
+                .flat_map(|object| ipam.held_pods(object))
+                .filter(|pod| churned.contains(pod))
                 .count();
             Ok(if left == 0 && held == 0 {
                 Probe::Done(())
@@ -637,6 +690,7 @@ fn per(numerator: u64, denominator: u64) -> Option<f64> {
 
 /// The figures from two snapshots and the timeline (everything but the run's settings).
 fn measure(
+    ipam: Ipam,
     before: &Snapshot,
     after: &Snapshot,
     timeline: &Timeline,
@@ -663,20 +717,29 @@ fn measure(
         l.get("result").is_some_and(|r| r == "released")
     });
     let controller_releases = grown(&before.controllers, &after.controllers, "ipwarden_gc_releases_total", any);
-    let ipblock_writes = apiserver(writes_on("ipblocks", false));
-    let ipclaim_writes = apiserver(writes_on("ipclaims", false));
-    let releases = agent_releases + controller_releases;
+    let by_resource: BTreeMap<String, ResourceWrites> = ipam
+        .write_resources()
+        .iter()
+        .map(|resource| {
+            let counted = ResourceWrites {
+                writes: apiserver(writes_on(resource, false)),
+                conflicts: apiserver(writes_on(resource, true)),
+            };
+            (resource.to_string(), counted)
+        })
+        .collect();
+    let lease_updates = after.lease_updates.saturating_sub(before.lease_updates);
+    let total = by_resource.values().map(|r| r.writes).sum::<u64>() + lease_updates;
     let writes = Writes {
-        ipblock_writes,
-        ipblock_conflicts: apiserver(writes_on("ipblocks", true)),
-        ipclaim_writes,
+        by_resource,
+        lease_updates,
+        total,
+        per_pod_life: per(total, timeline.pods.len() as u64),
         allocations: grown(&before.agents, &after.agents, "ipwarden_agent_allocations_total", |l| {
             l.get("result").is_some_and(|r| r == "success")
         }),
         agent_releases,
         controller_releases,
-        ipblock_writes_per_release: per(ipblock_writes, releases),
-        ipclaim_writes_per_release: per(ipclaim_writes, releases),
     };
 
     let mut end_to_end = Vec::new();
@@ -693,7 +756,7 @@ fn measure(
             pods.got_ip += 1;
             end_to_end.push(seen.saturating_duration_since(times.created).as_secs_f64());
         }
-        if let (Some(deleted), Some(gone)) = (times.deleted, timeline.released.get(uid)) {
+        if let (Some(deleted), Some(gone)) = (times.deleted, timeline.released.get(&times.key)) {
             released.entry(times.fate).or_default().push(gone.saturating_duration_since(deleted).as_secs_f64());
         }
     }
@@ -702,10 +765,10 @@ fn measure(
     let controllers = identities
         .iter()
         .zip(before.usage.iter().zip(&after.usage))
-        .zip(&after.controllers)
-        .map(|((identity, (start, end)), scrape)| ControllerUsage {
+        .enumerate()
+        .map(|(i, (identity, (start, end)))| ControllerUsage {
             identity: identity.clone(),
-            leader: scrape.sum("ipwarden_controller_leader") >= 1.0,
+            leader: after.controllers.get(i).is_some_and(|scrape| scrape.sum("ipwarden_controller_leader") >= 1.0),
             cpu_seconds: end.cpu_seconds - start.cpu_seconds,
             peak_rss_mib: end.peak_rss_bytes as f64 / (1024.0 * 1024.0),
         })
@@ -775,8 +838,8 @@ impl std::fmt::Display for Report {
         let p = &self.pods;
         writeln!(
             f,
-            "churn: {} nodes, {} pods/s for {} s, each pod living {} s",
-            self.nodes, self.rate_per_second, self.duration_seconds, self.lifetime_seconds
+            "churn of {}: {} nodes, {} pods/s for {} s, each pod living {} s",
+            self.ipam, self.nodes, self.rate_per_second, self.duration_seconds, self.lifetime_seconds
         )?;
         writeln!(
             f,
@@ -805,10 +868,12 @@ impl std::fmt::Display for Report {
         }
         writeln!(f)?;
         let w = &self.writes;
-        writeln!(f, "{:<52} {:>8} {:>12}", "apiserver writes", "total", "per release")?;
-        let ipblocks = format!("ipblocks ({} answered 409 Conflict)", w.ipblock_conflicts);
-        writeln!(f, "{ipblocks:<52} {:>8} {:>12}", w.ipblock_writes, ratio(w.ipblock_writes_per_release))?;
-        writeln!(f, "{:<52} {:>8} {:>12}", "ipclaims", w.ipclaim_writes, ratio(w.ipclaim_writes_per_release))?;
+        writeln!(f, "{:<52} {:>8} {:>12}", "apiserver writes", "total", "409s")?;
+        for (resource, counted) in &w.by_resource {
+            writeln!(f, "{resource:<52} {:>8} {:>12}", counted.writes, counted.conflicts)?;
+        }
+        writeln!(f, "{:<52} {:>8} {:>12}", "lease updates (outside kube-node-lease)", w.lease_updates, "-")?;
+        writeln!(f, "{:<52} {:>8} {:>12}", "all, per pod life", w.total, ratio(w.per_pod_life))?;
         writeln!(
             f,
             "releases: {} (agents {}, controller {}); allocations: {}",
@@ -840,8 +905,110 @@ impl std::fmt::Display for Report {
             f,
             "CAS retries (resourceVersion conflicts): agents {}, controllers {}",
             c.agent_cas_retries, c.controller_cas_retries
-        )
+        )?;
+        match &self.storm {
+            None if self.storm_skipped.is_empty() => Ok(()),
+            None => writeln!(f, "\nStatefulSet scale storm: not run: {}", self.storm_skipped),
+            Some(storm) => {
+                let done =
+                    if storm.completed { "completed".to_string() } else { format!("STOPPED: {}", storm.failure) };
+                writeln!(
+                    f,
+                    "\nStatefulSet scale storm (2 x {} pods on {} IPs): {} cycles, {done}",
+                    REPLICAS, REPLICAS, storm.cycles
+                )?;
+                let h = &storm.handover;
+                writeln!(f, "handover p50 {}, p99 {}", seconds(h.p50_seconds), seconds(h.p99_seconds))?;
+                writeln!(f, "IP conflicts between live pods: {}", storm.ip_conflicts)?;
+                for example in &storm.examples {
+                    writeln!(f, "  {example}")?;
+                }
+                writeln!(
+                    f,
+                    "pods back under a name that ran before: {}, with its last IP: {}",
+                    storm.returned, storm.sticky_kept
+                )
+            }
+        }
     }
+}
+
+/// One figure of the comparison: its name and how to read it from a report.
+type Figure = (&'static str, fn(&Report) -> Option<f64>);
+
+/// The figures [`compare`] puts side by side; all lower-is-better.
+const FIGURES: [Figure; 14] = [
+    ("allocation end to end p50 (s)", |r| r.allocation_end_to_end.p50_seconds),
+    ("allocation end to end p99 (s)", |r| r.allocation_end_to_end.p99_seconds),
+    ("release after delete p50 (s)", |r| r.release_deleted.p50_seconds),
+    ("release after delete p99 (s)", |r| r.release_deleted.p99_seconds),
+    ("release after force delete p50 (s)", |r| r.release_force_deleted.p50_seconds),
+    ("release after force delete p99 (s)", |r| r.release_force_deleted.p99_seconds),
+    ("leak reclaim p50 (s)", |r| r.reclaim_leaked.p50_seconds),
+    ("leak reclaim p99 (s)", |r| r.reclaim_leaked.p99_seconds),
+    ("apiserver writes per pod life", |r| r.writes.per_pod_life),
+    ("409 Conflict answers", |r| Some(r.writes.by_resource.values().map(|w| w.conflicts).sum::<u64>() as f64)),
+    ("controller CPU seconds (all replicas)", |r| Some(r.controllers.iter().map(|c| c.cpu_seconds).sum())),
+    ("controller peak RSS MiB (all replicas)", |r| Some(r.controllers.iter().map(|c| c.peak_rss_mib).sum())),
+    ("storm handover p50 (s)", |r| r.storm.as_ref().and_then(|s| s.handover.p50_seconds)),
+    ("storm handover p99 (s)", |r| r.storm.as_ref().and_then(|s| s.handover.p99_seconds)),
+];
+
+/// One row of the storm's figures in [`compare`]: its name and how to write a storm's cell.
+type StormRow = (&'static str, fn(&StormReport) -> String);
+
+/// The reports of one workload run on several IPAMs, side by side: one column per IPAM with
+/// its value and its ratio to the first report's (ipwarden's when it leads), then conflicts
+/// and whether each run settled.
+pub fn compare(reports: &[Report]) -> String {
+    use std::fmt::Write;
+    let mut table = String::new();
+    let first = reports.first();
+    let _ = write!(table, "{:<40}", "figure");
+    for report in reports {
+        let _ = write!(table, " {:>24}", report.ipam);
+    }
+    table.push('\n');
+    for (name, read) in FIGURES {
+        let _ = write!(table, "{name:<40}");
+        let base = first.and_then(read);
+        for report in reports {
+            let cell = match (read(report), base) {
+                (None, _) => "-".to_string(),
+                (Some(value), Some(base)) if base > 0.0 => format!("{value:.3} (x{:.2})", value / base),
+                (Some(value), _) => format!("{value:.3}"),
+            };
+            let _ = write!(table, " {cell:>24}");
+        }
+        table.push('\n');
+    }
+    let _ = write!(table, "{:<40}", "IP conflicts between live pods");
+    for report in reports {
+        let _ = write!(table, " {:>24}", report.conflicts.ip_conflicts);
+    }
+    table.push('\n');
+    let storm_rows: [StormRow; 3] = [
+        (
+            "storm cycles completed",
+            |s| if s.completed { s.cycles.to_string() } else { format!("{} (stopped)", s.cycles) },
+        ),
+        ("storm IP conflicts between live pods", |s| s.ip_conflicts.to_string()),
+        ("storm sticky IPs kept (of pods back)", |s| format!("{} of {}", s.sticky_kept, s.returned)),
+    ];
+    for (name, cell) in storm_rows {
+        let _ = write!(table, "{name:<40}");
+        for report in reports {
+            let _ = write!(table, " {:>24}", report.storm.as_ref().map_or_else(|| "-".to_string(), cell));
+        }
+        table.push('\n');
+    }
+    let _ = write!(table, "{:<40}", "settled");
+    for report in reports {
+        let settled = if report.settled { format!("yes ({:.1} s)", report.settle_seconds) } else { "NO".into() };
+        let _ = write!(table, " {settled:>24}");
+    }
+    table.push('\n');
+    table
 }
 
 #[cfg(test)]
@@ -894,25 +1061,12 @@ mod test {
         assert!(conflicts(&pods[2..]).is_empty());
     }
 
-    #[test]
-    fn record_uids_are_read_from_the_blocks_allocations() {
-        let block: DynamicObject = serde_json::from_value(json!({
-            "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPBlock", "metadata": {"name": "b"},
-            "spec": {"allocations": {
-                "10.244.0.1": {"pod": {"namespace": "default", "name": "x", "uid": "u1"}},
-                "10.244.0.2": {"pod": {"namespace": "default", "name": "y", "uid": "u2"}},
-            }},
-        }))
-        .expect("valid block");
-        assert_eq!(record_uids(&block), HashSet::from(["u1".to_string(), "u2".to_string()]));
-    }
-
     fn scrape(text: &str) -> Scrape {
         Scrape::parse(text).expect("valid exposition")
     }
 
     #[test]
-    fn writes_per_release_count_only_write_verbs_on_the_resource_between_the_snapshots() {
+    fn writes_count_only_write_verbs_on_the_ipams_resources_and_leases_between_the_snapshots() {
         let apiserver = |posts: u32, puts: u32, conflicts: u32, gets: u32| {
             scrape(&format!(
                 "apiserver_request_total{{code=\"201\",resource=\"ipblocks\",verb=\"POST\"}} {posts}\n\
@@ -940,23 +1094,36 @@ mod test {
             controllers: vec![controller(0, 1), controller(0, 0)],
             apiserver: apiserver(2, 10, 0, 50),
             usage: vec![usage(1.0), usage(1.0)],
+            lease_updates: 5,
         };
         let after = Snapshot {
             agents: vec![agent(5), agent(4)],
             controllers: vec![controller(2, 1), controller(0, 0)],
             apiserver: apiserver(4, 30, 3, 500),
             usage: vec![usage(3.5), usage(1.25)],
+            lease_updates: 9,
         };
         let identities = ["controller-a".to_string(), "controller-b".to_string()];
-        let report = measure(&before, &after, &Timeline::default(), &identities, (Vec::new(), 7));
+        let mut timeline = Timeline::default();
+        for n in 0..10 {
+            let times =
+                PodTimes { key: format!("default/p{n}"), fate: Fate::Deleted, created: Instant::now(), deleted: None };
+            timeline.pods.insert(format!("u{n}"), times);
+        }
+        let report = measure(Ipam::Ipwarden, &before, &after, &timeline, &identities, (Vec::new(), 7));
         let w = report.writes;
         assert_eq!((w.agent_releases, w.controller_releases), (8, 2));
         // Sweep releases stayed at 4: only the handshake trigger grew.
         assert_eq!(report.gc.releases_by_trigger, BTreeMap::from([("handshake".to_string(), 2)]));
-        assert_eq!(w.ipblock_writes, 2 + 20 + 3);
-        assert_eq!(w.ipblock_conflicts, 3);
-        assert_eq!(w.ipclaim_writes, 2);
-        assert_eq!(w.ipblock_writes_per_release, Some(2.5));
+        assert_eq!(w.by_resource["ipblocks"], ResourceWrites { writes: 2 + 20 + 3, conflicts: 3 });
+        assert_eq!(w.by_resource["ipclaims"], ResourceWrites { writes: 2, conflicts: 0 });
+        assert_eq!(w.lease_updates, 4);
+        assert_eq!(w.total, 25 + 2 + 4);
+        assert_eq!(w.per_pod_life, Some(3.1));
+        // A peer's resources only: ipwarden's writes are none of Whereabouts'.
+        let peer = measure(Ipam::Whereabouts, &before, &after, &timeline, &identities, (Vec::new(), 7));
+        assert_eq!(peer.writes.by_resource["ippools"], ResourceWrites::default());
+        assert_eq!(peer.writes.total, 4);
         assert_eq!(report.controllers[0].cpu_seconds, 2.5);
         assert!(report.controllers[0].leader && !report.controllers[1].leader);
         assert_eq!(report.controllers[1].peak_rss_mib, 64.0);
@@ -981,18 +1148,47 @@ mod test {
     }
 
     #[test]
+    fn the_comparison_gives_each_ipam_a_column_with_its_ratio_to_the_first() {
+        let report = |ipam: &str, p50: f64, cpu: f64| Report {
+            ipam: ipam.into(),
+            allocation_end_to_end: Latency { samples: 1, p50_seconds: Some(p50), p99_seconds: None },
+            controllers: vec![ControllerUsage { cpu_seconds: cpu, ..ControllerUsage::default() }],
+            settled: true,
+            ..Report::default()
+        };
+        let storm =
+            StormReport { cycles: 10, returned: 40, sticky_kept: 12, completed: true, ..StormReport::default() };
+        let peer = Report { storm: Some(storm), ..report("whereabouts", 0.4, 1.0) };
+        let table = compare(&[report("ipwarden", 0.1, 2.0), peer]);
+        let row = |name: &str| table.lines().find(|l| l.starts_with(name)).unwrap_or_default().to_string();
+        assert!(row("figure").contains("ipwarden") && row("figure").contains("whereabouts"), "{table}");
+        assert!(row("allocation end to end p50").contains("0.400 (x4.00)"), "{table}");
+        assert!(row("allocation end to end p99").contains(" -"), "{table}");
+        assert!(row("controller CPU seconds").contains("1.000 (x0.50)"), "{table}");
+        assert!(row("settled").contains("yes (0.0 s)"), "{table}");
+        assert!(row("storm sticky IPs kept").trim_end().ends_with("-                 12 of 40"), "{table}");
+        assert!(row("storm cycles completed").ends_with(" 10"), "{table}");
+    }
+
+    #[test]
     fn end_to_end_latencies_are_split_by_how_the_pod_ended() {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
         let mut timeline = Timeline::default();
-        timeline.pods.insert("u1".into(), PodTimes { fate: Fate::Deleted, created: at(0), deleted: Some(at(10)) });
-        timeline.pods.insert("u2".into(), PodTimes { fate: Fate::Leaked, created: at(1), deleted: Some(at(11)) });
-        timeline.pods.insert("u3".into(), PodTimes { fate: Fate::Deleted, created: at(2), deleted: None });
+        let times = |key: &str, fate, created, deleted| PodTimes { key: key.into(), fate, created, deleted };
+        timeline.pods.insert("u1".into(), times("default/a", Fate::Deleted, at(0), Some(at(10))));
+        timeline.pods.insert("u2".into(), times("default/b", Fate::Leaked, at(1), Some(at(11))));
+        timeline.pods.insert("u3".into(), times("default/c", Fate::Deleted, at(2), None));
         timeline.ip_seen.extend([("u1".to_string(), at(1)), ("u2".to_string(), at(4))]);
-        timeline.released.extend([("u1".to_string(), at(12)), ("u2".to_string(), at(81))]);
-        let empty =
-            Snapshot { agents: Vec::new(), controllers: Vec::new(), apiserver: Scrape::default(), usage: Vec::new() };
-        let report = measure(&empty, &empty, &timeline, &[], (Vec::new(), 0));
+        timeline.released.extend([("default/a".to_string(), at(12)), ("default/b".to_string(), at(81))]);
+        let empty = Snapshot {
+            agents: Vec::new(),
+            controllers: Vec::new(),
+            apiserver: Scrape::default(),
+            usage: Vec::new(),
+            lease_updates: 0,
+        };
+        let report = measure(Ipam::Whereabouts, &empty, &empty, &timeline, &[], (Vec::new(), 0));
         assert_eq!((report.pods.created, report.pods.leaked, report.pods.got_ip), (3, 1, 2));
         assert_eq!(report.allocation_end_to_end.p99_seconds, Some(3.0));
         assert_eq!(report.release_deleted.samples, 1);

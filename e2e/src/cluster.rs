@@ -15,7 +15,6 @@ use crate::cni::CniNetwork;
 use crate::controlplane::{ControlPlane, ControlPlaneOptions};
 use crate::error::{Error, Result};
 use crate::kubelet::{self, NodeHandle, SIMULATED_NODE_LABEL};
-use crate::process::run_tool;
 use crate::wait::{self, Probe};
 
 /// Environment variable: the directory under which run directories are created (default:
@@ -166,6 +165,33 @@ impl Cluster {
         self.control_plane.binaries.path("kubectl")
     }
 
+    /// Applies the CRDs in `file` (server-side with the cluster's kubectl: big schemas do not
+    /// fit client-side apply's annotation) and waits until each of `names` is Established.
+    pub async fn apply_crds(&self, file: &Path, names: &[&str], timeout: Duration) -> Result<()> {
+        let args = [
+            "apply".to_string(),
+            "--server-side".to_string(),
+            "--field-manager=ipwarden-e2e".to_string(),
+            format!("--kubeconfig={}", self.kubeconfig().display()),
+            "-f".to_string(),
+            file.display().to_string(),
+        ];
+        crate::process::run_tool(&self.kubectl(), &args, None).await?;
+        let api: Api<CustomResourceDefinition> = Api::all(self.client());
+        for name in names {
+            wait::until(&format!("CRD {name} Established"), timeout, || async {
+                let crd = api.get_opt(name).await.map_err(Error::kube(format!("reading CRD {name}")))?;
+                let established = crd
+                    .and_then(|c| c.status)
+                    .and_then(|s| s.conditions)
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Established" && c.status == "True"));
+                Ok(if established { Probe::Done(()) } else { Probe::Pending("not Established".into()) })
+            })
+            .await?;
+        }
+        Ok(())
+    }
+
     /// Waits until every simulated node is Ready and carries no not-ready taint.
     pub async fn wait_nodes_ready(&mut self) -> Result<()> {
         let nodes: Api<Node> = Api::all(self.client());
@@ -187,34 +213,6 @@ impl Cluster {
             }
         })
         .await
-    }
-
-    /// Applies the CRDs in `file` (server-side apply with the cluster's kubectl: some schemas
-    /// are too big for client-side apply's annotation) and waits until each of `names` is
-    /// Established.
-    pub async fn apply_crds(&self, file: &Path, names: &[&str], timeout: Duration) -> Result<()> {
-        let args = [
-            "apply".to_string(),
-            "--server-side".to_string(),
-            "--field-manager=ipwarden-e2e".to_string(),
-            format!("--kubeconfig={}", self.kubeconfig().display()),
-            "-f".to_string(),
-            file.display().to_string(),
-        ];
-        run_tool(&self.kubectl(), &args, None).await?;
-        let api: Api<CustomResourceDefinition> = Api::all(self.client());
-        for name in names {
-            wait::until(&format!("CRD {name} Established"), timeout, || async {
-                let crd = api.get_opt(name).await.map_err(Error::kube(format!("reading CRD {name}")))?;
-                let established = crd
-                    .and_then(|c| c.status)
-                    .and_then(|s| s.conditions)
-                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Established" && c.status == "True"));
-                Ok(if established { Probe::Done(()) } else { Probe::Pending("not Established".into()) })
-            })
-            .await?;
-        }
-        Ok(())
     }
 
     /// Waits until the service-account controller created the `default` ServiceAccount

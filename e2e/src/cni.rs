@@ -31,6 +31,9 @@ pub struct NodeInfo {
 /// Builds the netconf for one node.
 pub type NetconfFn = Arc<dyn Fn(&NodeInfo) -> Value + Send + Sync>;
 
+/// Builds the extra environment variables of the plugin on one node.
+pub type NodeEnvFn = Arc<dyn Fn(&NodeInfo) -> Vec<(String, String)> + Send + Sync>;
+
 /// A CNI network as the simulated runtime sees it.
 #[derive(Clone)]
 pub struct CniNetwork {
@@ -41,6 +44,23 @@ pub struct CniNetwork {
     /// When set, each node calls the CNI 1.1 GC verb this often with its live attachments,
     /// as CRI-O does.
     pub gc_interval: Option<Duration>,
+    /// When set, the NetworkAttachmentDefinition (`namespace/name`) each Running pod's
+    /// [`NETWORK_STATUS_ANNOTATION`] names with the pod's IPs, as Multus writes it: IPAMs
+    /// whose controllers read that annotation (Whereabouts) need it to see which IPs are used.
+    pub network_status: Option<String>,
+    /// When set, environment variables the plugin gets on each node besides the `CNI_*` ones,
+    /// as its host would give them: simulated nodes share one host, so a plugin that names its
+    /// node by the host (Whereabouts' node slices: `NODENAME` or `/etc/hostname`) needs it.
+    pub node_env: Option<NodeEnvFn>,
+}
+
+/// The pod annotation Multus writes with each attachment's network and IPs.
+pub const NETWORK_STATUS_ANNOTATION: &str = "k8s.v1.cni.cncf.io/network-status";
+
+/// The [`NETWORK_STATUS_ANNOTATION`] value of a pod attached to `network` on `ifname` with
+/// `ips`, as a secondary (non-default) network, the way Multus records it.
+pub fn network_status(network: &str, ifname: &str, ips: &[String]) -> String {
+    json!([{"name": network, "interface": ifname, "ips": ips, "default": false}]).to_string()
 }
 
 impl std::fmt::Debug for CniNetwork {
@@ -48,6 +68,8 @@ impl std::fmt::Debug for CniNetwork {
         f.debug_struct("CniNetwork")
             .field("plugin_dirs", &self.plugin_dirs)
             .field("gc_interval", &self.gc_interval)
+            .field("network_status", &self.network_status)
+            .field("node_env", &self.node_env.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -71,6 +93,8 @@ impl CniNetwork {
                 })
             }),
             gc_interval: None,
+            network_status: None,
+            node_env: None,
         }
     }
 }
@@ -113,6 +137,17 @@ pub struct Invocation<'a> {
 impl CniNetwork {
     /// Runs the plugin named by `netconf.type`, returning its parsed stdout (if any).
     pub async fn invoke(&self, call: &Invocation<'_>) -> Result<Option<Value>> {
+        self.invoke_with_env(call, Vec::new()).await
+    }
+
+    /// [`CniNetwork::invoke`] as the runtime of `node` does it: with the plugin's
+    /// [`CniNetwork::node_env`] of that node.
+    pub async fn invoke_on(&self, node: &NodeInfo, call: &Invocation<'_>) -> Result<Option<Value>> {
+        let env = self.node_env.as_ref().map(|env| env(node)).unwrap_or_default();
+        self.invoke_with_env(call, env).await
+    }
+
+    async fn invoke_with_env(&self, call: &Invocation<'_>, env: Vec<(String, String)>) -> Result<Option<Value>> {
         let plugin = self.plugin_path(call)?;
         let fail = |reason: String| Error::Cni {
             command: call.command.to_string(),
@@ -127,6 +162,7 @@ impl CniNetwork {
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("CNI_COMMAND", call.command)
             .env("CNI_PATH", cni_path)
+            .envs(env)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -253,6 +289,16 @@ mod test {
         let text =
             describe_failure("exit status: 1", r#"{"code": 11, "msg": "try again", "details": "agent down"}"#, "");
         assert_eq!(text, "exit status: 1: code 11 try again: agent down");
+    }
+
+    #[test]
+    fn network_status_names_the_network_and_every_ip_as_a_secondary_attachment() {
+        let status: Value =
+            serde_json::from_str(&network_status("kube-system/wb", "eth0", &["10.245.0.3".into()])).expect("JSON");
+        assert_eq!(
+            status,
+            json!([{"name": "kube-system/wb", "interface": "eth0", "ips": ["10.245.0.3"], "default": false}])
+        );
     }
 
     #[test]

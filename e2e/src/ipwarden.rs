@@ -38,6 +38,8 @@ pub fn network(binary: &Path, plugin_dir: &Path) -> Result<CniNetwork> {
             |node| json!({"cniVersion": "1.1.0", "name": NETWORK, "type": "ipwarden-cni", "socket": node.dir.join("agent.sock")}),
         ),
         gc_interval: None,
+        network_status: None,
+        node_env: None,
     })
 }
 
@@ -201,16 +203,30 @@ pub struct Installation {
 /// per node (the first installs the CRDs), the default pool, then two controller replicas,
 /// each waited on until ready.
 pub async fn install(cluster: &Cluster, binary: &Path) -> Result<Installation> {
+    install_with(cluster, binary, json!({"cidr": "10.244.0.0/16", "default": true}), &[]).await
+}
+
+/// [`install`] with `pool` as the default pool's spec and `agent_args` added to every agent's
+/// command line (the benchmark's StatefulSet storm runs on a pool of a few IPs).
+pub async fn install_with(
+    cluster: &Cluster,
+    binary: &Path,
+    pool: serde_json::Value,
+    agent_args: &[&str],
+) -> Result<Installation> {
     let mut installed = Installation { agents: Vec::new(), controllers: Vec::new() };
     for node in 0..cluster.nodes().len() {
         let port = crate::process::free_port()?;
-        let extra: &[&str] = if node == 0 { &["--install-crds"] } else { &[] };
-        let mut agent = start_agent(cluster, binary, node, port, extra)?;
+        let mut extra = agent_args.to_vec();
+        if node == 0 {
+            extra.push("--install-crds");
+        }
+        let mut agent = start_agent(cluster, binary, node, port, &extra)?;
         wait_ready(&mut agent, port, READY_TIMEOUT).await?;
         let name = format!("agent {}", cluster.nodes()[node].name());
         installed.agents.push(Daemon { name, metrics_port: port, component: agent });
     }
-    create_pool(&cluster.client(), "default", json!({"cidr": "10.244.0.0/16", "default": true})).await?;
+    create_pool(&cluster.client(), "default", pool).await?;
     for identity in ["controller-a", "controller-b"] {
         let port = crate::process::free_port()?;
         let mut controller = start_controller(cluster, binary, identity, port, &[])?;

@@ -20,11 +20,13 @@ pub mod helm;
 pub mod ipwarden;
 pub mod kubelet;
 pub mod kubevirt;
+pub mod peers;
 pub mod pki;
 pub mod process;
 pub mod procstat;
 pub mod prometheus;
 pub mod scale;
+pub mod storm;
 pub mod wait;
 
 pub use cluster::{Cluster, ClusterOptions};

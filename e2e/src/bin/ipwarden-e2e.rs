@@ -2,7 +2,8 @@
 //! kubeconfig copied to a fixed path, optionally with the churning demo workload.
 //! `make cluster-up` / `make cluster-down` and `make demo` drive it.
 //!
-//! `ipwarden-e2e churn`: the churn benchmark (`make churn-bench`, docs/benchmarks.md).
+//! `ipwarden-e2e churn`: the churn benchmark (`make churn-bench`, docs/benchmarks.md), of
+//! ipwarden or of a peer IPAM (`--ipam`, `make peer-bench`).
 //!
 //! `ipwarden-e2e scale`: the scale benchmark (`make scale-bench`, docs/benchmarks.md).
 
@@ -43,14 +44,19 @@ enum Command {
         #[arg(long)]
         ipwarden: Option<PathBuf>,
     },
-    /// Measure ipwarden under pod churn: start a cluster as `up --ipwarden` does, create bare
-    /// pods at a set rate round robin over the nodes, delete each after its lifetime, wait until
-    /// every IP of a deleted pod is released, report and stop. Exits non-zero when an IP was
-    /// seen on two live pods or the cluster did not settle.
+    /// Measure an IPAM under pod churn: start a cluster running it (ipwarden as `up
+    /// --ipwarden` does), create bare pods at a set rate round robin over the nodes, delete
+    /// each after its lifetime, wait until every IP of a deleted pod is released, report and
+    /// stop. Exits non-zero when an IP was seen on two live pods or the cluster did not settle.
     Churn {
-        /// The ipwarden binary to measure.
+        /// The IPAMs to measure, comma-separated, one after the other with the same workload:
+        /// ipwarden, or a peer built from its Go module (whereabouts). With more than one, a
+        /// comparison with ratios to the first follows the reports.
+        #[arg(long, default_value = "ipwarden", value_delimiter = ',')]
+        ipam: Vec<e2e::peers::Ipam>,
+        /// The ipwarden binary to measure (needed with --ipam ipwarden).
         #[arg(long)]
-        ipwarden: PathBuf,
+        ipwarden: Option<PathBuf>,
         /// How many simulated nodes to register.
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
         nodes: u64,
@@ -72,6 +78,10 @@ enum Command {
         /// How long to wait after the last deletion for every IP to be released.
         #[arg(long, default_value_t = 300)]
         settle_timeout_seconds: u64,
+        /// Handovers of the StatefulSet scale storm run after each IPAM's churn, on a cluster
+        /// of its own whose pool has 5 IPs (two StatefulSets of 5 take turns); 0: no storm.
+        #[arg(long, default_value_t = 10)]
+        storm_cycles: u32,
         /// `table` for people, `json` for scripts.
         #[arg(long, value_enum, default_value_t = Output::Table)]
         output: Output,
@@ -137,6 +147,7 @@ async fn main() -> anyhow::Result<()> {
             up(nodes, kubeconfig, demo.then(|| Duration::from_secs(churn_seconds)), ipwarden).await
         }
         Command::Churn {
+            ipam,
             ipwarden,
             nodes,
             rate,
@@ -145,6 +156,7 @@ async fn main() -> anyhow::Result<()> {
             leak_percent,
             force_percent,
             settle_timeout_seconds,
+            storm_cycles,
             output,
         } => {
             anyhow::ensure!(
@@ -160,7 +172,35 @@ async fn main() -> anyhow::Result<()> {
                 force_percent,
                 settle_timeout: Duration::from_secs(settle_timeout_seconds),
             };
-            churn(usize::try_from(nodes)?, &ipwarden, &options, output).await
+            let nodes = usize::try_from(nodes)?;
+            let storm = e2e::storm::StormOptions { cycles: storm_cycles, handover_timeout: STORM_HANDOVER_TIMEOUT };
+            let mut reports = Vec::new();
+            for ipam in ipam {
+                reports.push(churn(nodes, ipam, ipwarden.as_deref(), &options, &storm).await?);
+            }
+            for report in &reports {
+                match output {
+                    Output::Table => println!("{report}"),
+                    Output::Json => println!("{}", serde_json::to_string_pretty(report)?),
+                }
+            }
+            if reports.len() > 1 && matches!(output, Output::Table) {
+                print!("{}", e2e::churn::compare(&reports));
+            }
+            for report in &reports {
+                anyhow::ensure!(
+                    report.conflicts.ip_conflicts == 0 || report.ipam != "ipwarden",
+                    "churn: {} IPs were held by two live pods at once",
+                    report.conflicts.ip_conflicts
+                );
+                anyhow::ensure!(
+                    report.settled,
+                    "churn of {}: the cluster did not settle: {}",
+                    report.ipam,
+                    report.unsettled
+                );
+            }
+            Ok(())
         }
         Command::Scale {
             ipwarden,
@@ -275,25 +315,115 @@ async fn up(
 /// its binary).
 const CHURN_PLUGIN_DIR: &str = ".e2e/churn-cni-bin";
 
+/// How long one handover of the storm may take before the storm is given up.
+const STORM_HANDOVER_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// ipwarden's agent flags in the storm: a released IP may be reused after 1 s instead of 30 s,
+/// as in the storm test (tests/rbac_scale_storm.rs); with 5 IPs handed over at once, the
+/// default cooldown would be most of every handover.
+const STORM_AGENT_ARGS: [&str; 1] = ["--reuse-cooldown-seconds=1"];
+
+/// The pool a benchmark cluster's IPAM hands out.
+#[derive(Clone, Copy)]
+enum Pool {
+    /// The churn's: 10.244.0.0/16.
+    Churn,
+    /// The storm's: 5 IPs.
+    Storm,
+}
+
+/// A cluster of `nodes` nodes running `ipam` (ipwarden from `ipwarden`) with `pool`.
+async fn start_ipam(
+    nodes: usize,
+    ipam: e2e::peers::Ipam,
+    ipwarden: Option<&Path>,
+    pool: Pool,
+) -> anyhow::Result<(e2e::Cluster, e2e::peers::Installed)> {
+    use e2e::peers::{Installed, Ipam, whereabouts};
+    use e2e::storm::{CIDR, FIRST_IP, LAST_IP};
+    match ipam {
+        Ipam::Ipwarden => {
+            let binary = ipwarden.context("--ipam ipwarden needs --ipwarden <binary>")?;
+            if let Pool::Churn = pool {
+                let (cluster, installation) = start(nodes, Some(binary), Path::new(CHURN_PLUGIN_DIR)).await?;
+                return Ok((cluster, Installed::Ipwarden(installation.context("ipwarden was not started")?)));
+            }
+            let binary = std::fs::canonicalize(binary).with_context(|| format!("finding {}", binary.display()))?;
+            let network = Some(e2e::ipwarden::network(&binary, Path::new(CHURN_PLUGIN_DIR))?);
+            let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
+            let cluster = e2e::Cluster::start(options).await.context("starting the test cluster")?;
+            let spec =
+                serde_json::json!({"cidr": CIDR, "ranges": [{"start": FIRST_IP, "end": LAST_IP}], "default": true});
+            let installation = e2e::ipwarden::install_with(&cluster, &binary, spec, &STORM_AGENT_ARGS)
+                .await
+                .context("starting ipwarden's agents and controllers")?;
+            Ok((cluster, Installed::Ipwarden(installation)))
+        }
+        Ipam::Whereabouts | Ipam::WhereaboutsNodeSlices => {
+            let setup = match (ipam, pool) {
+                (Ipam::WhereaboutsNodeSlices, Pool::Churn) => whereabouts::Setup::node_slices(),
+                (_, Pool::Churn) => whereabouts::Setup::whole_range(),
+                (_, Pool::Storm) => whereabouts::Setup::bounded(CIDR, FIRST_IP, LAST_IP),
+            };
+            let build = whereabouts::build().context("building Whereabouts")?;
+            let kubeconfig = whereabouts::KubeconfigSlot::default();
+            let network = Some(whereabouts::network(&build, kubeconfig.clone(), &setup));
+            let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
+            let cluster = e2e::Cluster::start(options).await.context("starting the test cluster")?;
+            kubeconfig.get_or_init(|| cluster.kubeconfig().to_path_buf());
+            let installation =
+                whereabouts::install(&cluster, &build, &setup).await.context("installing Whereabouts")?;
+            Ok((cluster, Installed::Whereabouts(installation)))
+        }
+    }
+}
+
+/// Why the storm is not run for `ipam`, if it is not.
+fn storm_skipped(ipam: e2e::peers::Ipam, storm: &e2e::storm::StormOptions) -> Option<String> {
+    if storm.cycles == 0 {
+        return Some("--storm-cycles 0".into());
+    }
+    (ipam == e2e::peers::Ipam::WhereaboutsNodeSlices).then(|| {
+        "node slices give each node a CIDR of its own; 5 IPs cannot be sliced among the nodes \
+         (the storm of plain Whereabouts is the same plugin on one shared range)"
+            .to_string()
+    })
+}
+
+/// One churn run of `ipam` on a cluster of its own, then the storm on another, each stopped
+/// afterwards.
 async fn churn(
     nodes: usize,
-    ipwarden: &Path,
+    ipam: e2e::peers::Ipam,
+    ipwarden: Option<&Path>,
     options: &e2e::churn::ChurnOptions,
-    output: Output,
-) -> anyhow::Result<()> {
+    storm: &e2e::storm::StormOptions,
+) -> anyhow::Result<e2e::churn::Report> {
     let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let measured = async {
-        let (cluster, installation) = start(nodes, Some(ipwarden), Path::new(CHURN_PLUGIN_DIR)).await?;
-        let installation = installation.context("ipwarden was not started")?;
+        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, Pool::Churn).await?;
         eprintln!(
-            "churn: cluster ready ({} nodes, run dir {}); creating {} pods/s for {:?}",
+            "churn: {ipam} on a cluster ready ({} nodes, run dir {}); creating {} pods/s for {:?}",
             nodes,
             cluster.dir().display(),
             options.rate,
             options.duration
         );
-        let report = e2e::churn::run(&cluster, &installation, options).await.context("running the churn")?;
+        let mut report = e2e::churn::run(&cluster, &installation, options).await.context("running the churn")?;
+        drop(installation);
+        cluster.stop();
+        if let Some(reason) = storm_skipped(ipam, storm) {
+            report.storm_skipped = reason;
+            return anyhow::Ok(report);
+        }
+        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, Pool::Storm).await?;
+        eprintln!(
+            "storm: {ipam} on a cluster ready (run dir {}); {} handovers of 5 IPs",
+            cluster.dir().display(),
+            storm.cycles
+        );
+        report.storm = Some(e2e::storm::run(&cluster, storm).await.context("running the storm")?);
         drop(installation);
         cluster.stop();
         anyhow::Ok(report)
@@ -303,17 +433,7 @@ async fn churn(
         _ = terminate.recv() => anyhow::bail!("churn: stopped by SIGTERM"),
         _ = interrupt.recv() => anyhow::bail!("churn: stopped by SIGINT"),
     };
-    match output {
-        Output::Table => print!("{report}"),
-        Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),
-    }
-    anyhow::ensure!(
-        report.conflicts.ip_conflicts == 0,
-        "churn: {} IPs were held by two live pods at once",
-        report.conflicts.ip_conflicts
-    );
-    anyhow::ensure!(report.settled, "churn: the cluster did not settle: {}", report.unsettled);
-    Ok(())
+    Ok(report)
 }
 
 async fn scale(ipwarden: &Path, options: &e2e::scale::ScaleOptions, file: &Path, output: Output) -> anyhow::Result<()> {

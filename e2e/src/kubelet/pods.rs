@@ -140,7 +140,7 @@ impl NodeRuntime {
             }));
             let netconf = cni::with_valid_attachments(&(self.network.netconf)(&self.node), &valid);
             let call = Invocation { command: "GC", container_id: "", ifname: "", pod: None, netconf: &netconf };
-            if let Err(e) = self.network.invoke(&call).await {
+            if let Err(e) = self.network.invoke_on(&self.node, &call).await {
                 tracing::warn!(node = %self.node.name, error = %e, "CNI GC failed");
             }
         }
@@ -213,7 +213,7 @@ impl NodeRuntime {
             for ifname in state.ifnames.iter().rev() {
                 let call =
                     Invocation { command: "DEL", container_id, ifname, pod: state.args.as_ref(), netconf: &netconf };
-                if let Err(e) = self.network.invoke(&call).await {
+                if let Err(e) = self.network.invoke_on(&self.node, &call).await {
                     tracing::warn!(node = %self.node.name, pod_uid = %uid, error = %e, "CNI DEL of a failed sandbox failed; retrying");
                     return false;
                 }
@@ -259,7 +259,13 @@ impl NodeRuntime {
                 return Next::At(due);
             }
             let ips = state.sandbox.as_ref().map(|s| s.ips.clone()).unwrap_or_else(|| vec![NODE_ADDRESS.to_string()]);
-            if !self.patch_status(pod, uid, running_status(pod, uid, &ips, started.1)).await {
+            let annotations = match &self.network.network_status {
+                Some(network) => {
+                    json!({cni::NETWORK_STATUS_ANNOTATION: cni::network_status(network, POD_IFNAME, &ips)})
+                }
+                None => json!({}),
+            };
+            if !self.patch_status(pod, uid, annotations, running_status(pod, uid, &ips, started.1)).await {
                 return Next::Retry;
             }
             state.running_posted = true;
@@ -270,7 +276,7 @@ impl NodeRuntime {
             return Next::At(finish);
         }
         let exit_code = annotation_u64(pod, EXIT_CODE_ANNOTATION).unwrap_or(0);
-        if !self.patch_status(pod, uid, terminated_status(pod, uid, exit_code, started.1)).await {
+        if !self.patch_status(pod, uid, json!({}), terminated_status(pod, uid, exit_code, started.1)).await {
             return Next::Retry;
         }
         // The runtime stops a finished pod's sandbox, which releases its network.
@@ -298,7 +304,7 @@ impl NodeRuntime {
                 pending.insert(container_id.clone(), state.ifnames.clone());
             }
         }
-        let primary = self.network.invoke(&call).await;
+        let primary = self.network.invoke_on(&self.node, &call).await;
         let extra = match &primary {
             Ok(Some(_)) => self.add_extra_interfaces(&container_id, &args, &state.ifnames[1..], &netconf).await,
             _ => Ok(Vec::new()),
@@ -322,7 +328,7 @@ impl NodeRuntime {
         let mut results = Vec::new();
         for ifname in ifnames {
             let call = Invocation { command: "ADD", container_id, ifname, pod: Some(args), netconf };
-            let result = self.network.invoke(&call).await?.unwrap_or(Value::Null);
+            let result = self.network.invoke_on(&self.node, &call).await?.unwrap_or(Value::Null);
             results.push((ifname.clone(), result));
         }
         Ok(results)
@@ -387,7 +393,7 @@ impl NodeRuntime {
                     pod: Some(&args),
                     netconf: &netconf,
                 };
-                if let Err(e) = self.network.invoke(&call).await {
+                if let Err(e) = self.network.invoke_on(&self.node, &call).await {
                     tracing::warn!(node = %self.node.name, pod = %sandbox.pod, %ifname, error = %e, "CNI DEL failed; retrying");
                     return false;
                 }
@@ -416,9 +422,10 @@ impl NodeRuntime {
         }
     }
 
-    async fn patch_status(&self, pod: &Pod, uid: &str, status: Value) -> bool {
+    /// Patches the pod's status, and `annotations` (an object) into its metadata.
+    async fn patch_status(&self, pod: &Pod, uid: &str, annotations: Value, status: Value) -> bool {
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &pod.namespace().unwrap_or_default());
-        let patch = json!({"metadata": {"uid": uid}, "status": status});
+        let patch = json!({"metadata": {"uid": uid, "annotations": annotations}, "status": status});
         match api.patch_status(&pod.name_any(), &PatchParams::default(), &Patch::Strategic(&patch)).await {
             Ok(_) => true,
             // Gone or replaced by a pod with another UID: the next snapshot says what to do.
