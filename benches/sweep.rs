@@ -125,17 +125,16 @@ fn rss_kib() -> Option<u64> {
 
 /// The index of `cluster`, listed as the controller's watches list it.
 fn index_of(cluster: &Cluster, sticky: &[String]) -> ClusterIndex {
-    let now = Timestamp::now();
     let mut index = ClusterIndex::new(sticky, Duration::from_secs(20));
     for kind in [Kind::Pool, Kind::Node, Kind::Pod, Kind::Block] {
         index.relist_started(kind);
     }
-    cluster.pools.iter().for_each(|o| index.apply(Watched::Pool(o), now));
-    cluster.nodes.iter().for_each(|o| index.apply(Watched::Node(o), now));
-    cluster.pods.iter().for_each(|o| index.apply(Watched::Pod(o), now));
-    cluster.blocks.iter().for_each(|o| index.apply(Watched::Block(o), now));
+    cluster.pools.iter().for_each(|o| index.apply(Watched::Pool(o)));
+    cluster.nodes.iter().for_each(|o| index.apply(Watched::Node(o)));
+    cluster.pods.iter().for_each(|o| index.apply(Watched::Pod(o)));
+    cluster.blocks.iter().for_each(|o| index.apply(Watched::Block(o)));
     for kind in [Kind::Pool, Kind::Node, Kind::Pod, Kind::Block] {
-        index.relist_done(kind, now);
+        index.relist_done(kind);
     }
     index
 }
@@ -175,14 +174,12 @@ fn main() {
     criterion.bench_function("one_pod_event_at_90k_pods", |b| {
         b.iter(|| {
             flip = !flip;
-            index.apply(Watched::Pod(if flip { &terminating } else { &pod }), Timestamp::now());
+            index.apply(Watched::Pod(if flip { &terminating } else { &pod }));
         })
     });
     // One block event: an agent's write to a block of 100 records.
     let block = cluster.blocks[POOLS / 2].clone();
-    criterion.bench_function("one_block_event_of_100_records", |b| {
-        b.iter(|| index.apply(Watched::Block(&block), Timestamp::now()))
-    });
+    criterion.bench_function("one_block_event_of_100_records", |b| b.iter(|| index.apply(Watched::Block(&block))));
     criterion.final_summary();
     if let Some(kib) = peak_rss_kib() {
         println!("peak RSS of the benchmark process: {} MiB", kib / 1024);

@@ -158,6 +158,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         watches::watch_into(index.clone(), Kind::AgentLease, lease_api, lease_config, |o| Watched::AgentLease(o));
     watches::drain(lease_events, Kind::AgentLease);
     kubevirt::watch_when_served(client.clone(), index.clone());
+    index.judge_agents_every_second();
 
     let leading = leader::Leadership::default();
     let settings = RuleSettings {

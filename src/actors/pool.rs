@@ -273,7 +273,7 @@ impl PoolSupervisor {
         self.context.metrics.orphaned_records.set(count(orphaned));
         let conflicts = crate::gc::check::conflicts(index.pods(), &blocks).len();
         self.context.metrics.ip_conflicts.set(count(conflicts));
-        let without_agent = index.nodes_without_live_agent(jiff::Timestamp::now());
+        let without_agent = index.nodes_without_live_agent();
         self.context.metrics.nodes_without_live_agent.set(count(without_agent));
         counts
     }

@@ -76,13 +76,13 @@ impl PodTracer {
         for (block, ip, record) in index.records_of(&traced.pod.uid) {
             let verdict = index.evaluate(&block.name_any(), ip, record, now, &self.settings);
             let takeover = index.takeover_step(record, now, &self.settings);
-            match next_step(verdict, record, index.agent_can_answer(record, now), takeover) {
+            match next_step(verdict, record, index.agent_can_answer(record), takeover) {
                 Planned::Change(
                     action @ (ChangeAction::Release { .. }
                     | ChangeAction::AbortHandshake
                     | ChangeAction::AbortTakeover
                     | ChangeAction::AnswerTakeover),
-                ) => changes.push(RecordChange::of(&index, block, ip, record, action, now)),
+                ) => changes.push(RecordChange::of(&index, block, ip, record, action)),
                 Planned::Trace(at) => again = Some(again.map_or(at, |a| a.min(at))),
                 // Repairs are the sweep's: it resolves the adopting pod from the IP index.
                 Planned::Repair | Planned::Change(ChangeAction::Repair { .. }) | Planned::Keep(_) => {}

@@ -4,7 +4,7 @@
 //! ever rebuilds it and only the trimmed facts the rules need are kept.
 
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use jiff::Timestamp;
@@ -38,17 +38,30 @@ impl SharedIndex {
 
     /// Applies one watch event of `kind`; `watched` says what each object is to the index.
     pub fn apply<K>(&self, kind: Kind, event: &watcher::Event<K>, watched: impl Fn(&K) -> Watched<'_>) {
-        let now = Timestamp::now();
         let mut index = self.index.write().unwrap_or_else(PoisonError::into_inner);
         match event {
-            watcher::Event::Apply(object) | watcher::Event::InitApply(object) => index.apply(watched(object), now),
-            watcher::Event::Delete(object) => index.delete(watched(object), now),
+            watcher::Event::Apply(object) | watcher::Event::InitApply(object) => index.apply(watched(object)),
+            watcher::Event::Delete(object) => index.delete(watched(object)),
             watcher::Event::Init => index.relist_started(kind),
             watcher::Event::InitDone => {
-                index.relist_done(kind, now);
+                index.relist_done(kind);
                 self.listed.notify_waiters();
             }
         }
+    }
+
+    /// Judges the agents every second from now on ([`ClusterIndex::judge_agents`]), on this
+    /// controller's monotonic clock.
+    pub fn judge_agents_every_second(&self) {
+        let index = self.index.clone();
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                ticks.tick().await;
+                let mut index = index.write().unwrap_or_else(PoisonError::into_inner);
+                index.judge_agents(Instant::now(), Timestamp::now());
+            }
+        });
     }
 
     /// Waits until every kind of `kinds` has been listed once.

@@ -74,13 +74,12 @@ mod test {
     #[test]
     fn a_statefulset_claim_stays_while_its_ordinal_is_wanted() {
         let c = claim("u1", true, Some(("StatefulSet", "web")));
-        let now = Timestamp::now();
         let mut index = ClusterIndex::default();
-        index.apply(Watched::StatefulSet(&statefulset(2)), now);
+        index.apply(Watched::StatefulSet(&statefulset(2)));
         assert!(!gone_for_good(&index, "ns", "web-1", &c), "ordinal 1 of 2 is wanted");
-        index.apply(Watched::StatefulSet(&statefulset(1)), now);
+        index.apply(Watched::StatefulSet(&statefulset(1)));
         assert!(gone_for_good(&index, "ns", "web-1", &c), "scaled down below the ordinal");
-        index.delete(Watched::StatefulSet(&statefulset(1)), now);
+        index.delete(Watched::StatefulSet(&statefulset(1)));
         assert!(gone_for_good(&index, "ns", "web-1", &c), "StatefulSet deleted");
     }
 
@@ -96,19 +95,18 @@ mod test {
             meta
         };
         let watched = |instance: Option<bool>, vm: Option<bool>| {
-            let now = Timestamp::now();
             let mut index = ClusterIndex::default();
             for kind in [Kind::VirtualMachine, Kind::VirtualMachineInstance] {
                 index.relist_started(kind);
             }
             if let Some(deleting) = instance {
-                index.apply(Watched::VirtualMachineInstance(&object(deleting)), now);
+                index.apply(Watched::VirtualMachineInstance(&object(deleting)));
             }
             if let Some(deleting) = vm {
-                index.apply(Watched::VirtualMachine(&object(deleting)), now);
+                index.apply(Watched::VirtualMachine(&object(deleting)));
             }
             for kind in [Kind::VirtualMachine, Kind::VirtualMachineInstance] {
-                index.relist_done(kind, now);
+                index.relist_done(kind);
             }
             index
         };

@@ -8,9 +8,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use jiff::{SignedDuration, Timestamp};
+use jiff::Timestamp;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -18,6 +18,7 @@ use kube::ResourceExt;
 use kube::api::DynamicObject;
 use kube::core::PartialObjectMeta;
 
+use super::agents::{AgentLease, Observations, stale_agents};
 use super::handshake::{TakeoverStep, controller_takeover_step};
 use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleSettings, Verdict, decide};
 use crate::crd::{Allocation, IPBlock, IPClaim, IPPool, OwnerRef, PodRef};
@@ -114,19 +115,6 @@ pub struct Holder {
     pub node: String,
     /// Its controller, which a repair writes into the record it adopts.
     pub owner: Option<OwnerRef>,
-}
-
-/// A node's agent Lease as this controller last saw it change: the one staleness rule of
-/// [`crate::lease::expired_for`], measured between two readings of this controller's own
-/// clock, never against the Lease's renewTime.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct AgentObservation {
-    /// The Lease's resourceVersion (any renewal changes it); `None` while there is none.
-    version: Option<String>,
-    /// Its `spec.leaseDurationSeconds`.
-    duration: Option<Duration>,
-    /// When this version (or the absence) was first seen.
-    since: Timestamp,
 }
 
 /// The index's hash maps: foldhash (seeded per process, so names chosen by users cannot
@@ -299,9 +287,13 @@ pub struct ClusterIndex {
     kubevirt: KubeVirtIndex,
     /// Node states by name.
     nodes: Map<String, NodeState>,
-    /// Agent Lease observations by node (judged once the Leases are listed; until then every
-    /// agent counts as live).
-    agents: Map<String, AgentObservation>,
+    /// The agent Leases by node, as last seen.
+    leases: HashMap<String, AgentLease>,
+    /// When this controller last saw each node's agent Lease change, on its monotonic clock.
+    observed: Observations,
+    /// The nodes whose agent is gone, with when its Lease went stale, as last judged
+    /// ([`ClusterIndex::judge_agents`]); empty until the Leases are listed.
+    stale_agents: HashMap<String, Timestamp>,
     pools: BTreeMap<String, Arc<IPPool>>,
     blocks: BTreeMap<String, Arc<IPBlock>>,
     /// Block names by the pool they name.
@@ -330,15 +322,14 @@ impl ClusterIndex {
     /// VM's reservation is kept.
     pub fn from_objects<'a>(sticky_kinds: &[String], objects: impl IntoIterator<Item = Watched<'a>>) -> Self {
         let mut index = Self::new(sticky_kinds, crate::agent::heartbeat::DEFAULT_LEASE_DURATION);
-        let now = Timestamp::now();
         for object in objects {
-            index.apply(object, now);
+            index.apply(object);
         }
         index
     }
 
-    /// Applies an added or changed object, seen at `at`.
-    pub fn apply(&mut self, object: Watched<'_>, at: Timestamp) {
+    /// Applies an added or changed object.
+    pub fn apply(&mut self, object: Watched<'_>) {
         let Some(key) = object.key() else { return };
         if let Some(seen) = self.relisting.get_mut(&object.kind()) {
             seen.insert(key.clone());
@@ -346,9 +337,7 @@ impl ClusterIndex {
         match object {
             Watched::Pod(pod) => self.apply_pod(PodFacts::of(pod)),
             Watched::Node(node) => {
-                self.nodes.insert(key.name.clone(), node_state(node));
-                // A node without a Lease is observed from when it is first seen.
-                self.agents.entry(key.name).or_insert(AgentObservation { version: None, duration: None, since: at });
+                self.nodes.insert(key.name, node_state(node));
             }
             Watched::Claim(claim) => {
                 let facts = ClaimFacts {
@@ -374,7 +363,7 @@ impl ClusterIndex {
                     .and_then(|s| s.lease_duration_seconds)
                     .and_then(|s| u64::try_from(s).ok())
                     .map(Duration::from_secs);
-                self.observe_agent(key.name, version, duration, at);
+                self.leases.insert(key.name, AgentLease { version: version.unwrap_or_default(), duration });
             }
             Watched::VirtualMachine(vm) => {
                 insert(&mut self.kubevirt.vms, &key.namespace, &key.name, vm.metadata.deletion_timestamp.is_some());
@@ -386,10 +375,10 @@ impl ClusterIndex {
         }
     }
 
-    /// Applies a deleted object, seen at `at`.
-    pub fn delete(&mut self, object: Watched<'_>, at: Timestamp) {
+    /// Applies a deleted object.
+    pub fn delete(&mut self, object: Watched<'_>) {
         if let Some(key) = object.key() {
-            self.remove(object.kind(), &key, at);
+            self.remove(object.kind(), &key);
         }
     }
 
@@ -399,12 +388,12 @@ impl ClusterIndex {
         self.relisting.insert(kind, Set::default());
     }
 
-    /// Ends a relist of `kind` at `at`: removes what it did not list, and counts the kind as
+    /// Ends a relist of `kind`: removes what it did not list, and counts the kind as
     /// synced.
-    pub fn relist_done(&mut self, kind: Kind, at: Timestamp) {
+    pub fn relist_done(&mut self, kind: Kind) {
         if let Some(seen) = self.relisting.remove(&kind) {
             for key in self.keys(kind).into_iter().filter(|k| !seen.contains(k)) {
-                self.remove(kind, &key, at);
+                self.remove(kind, &key);
             }
         }
         self.synced.insert(kind);
@@ -428,13 +417,11 @@ impl ClusterIndex {
             Kind::Node => cluster(self.nodes.keys().collect()),
             Kind::Block => cluster(self.blocks.keys().collect()),
             Kind::Pool => cluster(self.pools.keys().collect()),
-            Kind::AgentLease => {
-                cluster(self.agents.iter().filter(|(_, o)| o.version.is_some()).map(|(n, _)| n).collect())
-            }
+            Kind::AgentLease => cluster(self.leases.keys().collect()),
         }
     }
 
-    fn remove(&mut self, kind: Kind, key: &ObjectKey, at: Timestamp) {
+    fn remove(&mut self, kind: Kind, key: &ObjectKey) {
         match kind {
             Kind::Pod => {
                 if let Some(old) = remove(&mut self.pods, &key.namespace, &key.name) {
@@ -443,7 +430,6 @@ impl ClusterIndex {
             }
             Kind::Node => {
                 self.nodes.remove(&key.name);
-                self.agents.remove(&key.name);
             }
             Kind::Claim => {
                 remove(&mut self.claims, &key.namespace, &key.name);
@@ -460,7 +446,9 @@ impl ClusterIndex {
                 self.pools.remove(&key.name);
                 self.judge_blocks_of(&key.name);
             }
-            Kind::AgentLease => self.observe_agent(key.name.clone(), None, None, at),
+            Kind::AgentLease => {
+                self.leases.remove(&key.name);
+            }
             Kind::VirtualMachine => {
                 remove(&mut self.kubevirt.vms, &key.namespace, &key.name);
             }
@@ -557,47 +545,36 @@ impl ClusterIndex {
         }
     }
 
-    fn observe_agent(&mut self, node: String, version: Option<String>, duration: Option<Duration>, at: Timestamp) {
-        match self.agents.get_mut(&node) {
-            Some(seen) if seen.version == version => seen.duration = duration,
-            _ => {
-                self.agents.insert(node, AgentObservation { version, duration, since: at });
-            }
-        }
-    }
-
-    /// When the agent of `node` went stale, at `now`: its Lease has been seen unchanged (or
-    /// missing) for a whole duration. `None` while it is live, or while agents are not
-    /// watched yet.
-    fn agent_stale_since(&self, node: &str, now: Timestamp) -> Option<Timestamp> {
+    /// Judges every node's agent at `now` (this controller's monotonic clock; `wall` read at
+    /// the same moment): an agent whose Lease this controller has seen unchanged (or missing)
+    /// for a whole Lease duration is gone ([`stale_agents`]). The controller calls it every
+    /// second once the Leases are listed; until then every agent counts as live.
+    pub fn judge_agents(&mut self, now: Instant, wall: Timestamp) {
         if !self.synced.contains(&Kind::AgentLease) {
-            return None;
+            return;
         }
-        let seen = self.agents.get(node)?;
-        let unchanged_for = Duration::try_from(now.duration_since(seen.since)).unwrap_or(Duration::ZERO);
-        let duration = seen.duration.unwrap_or(self.default_agent_lease);
-        let ago = crate::lease::expired_for(unchanged_for, duration)?;
-        Some(SignedDuration::try_from(ago).ok().and_then(|ago| now.checked_sub(ago).ok()).unwrap_or(now))
+        let nodes = self.nodes.keys().map(String::as_str);
+        self.stale_agents = stale_agents(nodes, &self.leases, &mut self.observed, self.default_agent_lease, now, wall);
     }
 
-    /// How many nodes have no live agent at `now`.
-    pub fn nodes_without_live_agent(&self, now: Timestamp) -> usize {
-        self.nodes.keys().filter(|n| self.agent_stale_since(n, now).is_some()).count()
+    /// How many nodes have no live agent, as last judged.
+    pub fn nodes_without_live_agent(&self) -> usize {
+        self.stale_agents.len()
     }
 
-    /// The state of node `name` at `now`: a Ready node whose agent Lease went stale counts as
-    /// NotReady since then, since its agent cannot answer the release handshake.
-    pub fn node(&self, name: &str, now: Timestamp) -> NodeState {
+    /// The state of node `name`: a Ready node whose agent is gone counts as NotReady since
+    /// its Lease went stale, since its agent cannot answer the release handshake.
+    pub fn node(&self, name: &str) -> NodeState {
         match self.nodes.get(name) {
             None => NodeState::Deleted,
-            Some(NodeState::Ready) => self.agent_stale_since(name, now).map_or(NodeState::Ready, NodeState::NotReady),
+            Some(NodeState::Ready) => self.stale_agents.get(name).map_or(NodeState::Ready, |t| NodeState::NotReady(*t)),
             Some(state) => *state,
         }
     }
 
     /// The state of the record's node (Ready when the record names none).
-    fn node_of(&self, record: &Allocation, now: Timestamp) -> NodeState {
-        if record.node.is_empty() { NodeState::Ready } else { self.node(&record.node, now) }
+    fn node_of(&self, record: &Allocation) -> NodeState {
+        if record.node.is_empty() { NodeState::Ready } else { self.node(&record.node) }
     }
 
     /// The facts of pod `namespace`/`name`.
@@ -709,11 +686,10 @@ impl ClusterIndex {
         workload::owner_wants(&owner.name, pod_name, facts)
     }
 
-    /// Whether the record's node has an agent that can answer the release handshake at
-    /// `now`: the record names a node, and that node exists, is Ready and has a live agent
-    /// Lease.
-    pub fn agent_can_answer(&self, record: &Allocation, now: Timestamp) -> bool {
-        !record.node.is_empty() && self.node(&record.node, now) == NodeState::Ready
+    /// Whether the record's node has an agent that can answer the release handshake: the
+    /// record names a node, and that node exists, is Ready and has a live agent Lease.
+    pub fn agent_can_answer(&self, record: &Allocation) -> bool {
+        !record.node.is_empty() && self.node(&record.node) == NodeState::Ready
     }
 
     /// The live pod reporting `ip`, as a repair writes it into the record it adopts.
@@ -735,7 +711,7 @@ impl ClusterIndex {
         let waiting = self
             .pod(&claimant.namespace, &claimant.name)
             .is_some_and(|p| p.uid == claimant.uid && !p.terminal() && p.ips.is_empty());
-        Some(controller_takeover_step(handshake.state, waiting, self.node_of(record, now), settings.not_ready, now))
+        Some(controller_takeover_step(handshake.state, waiting, self.node_of(record), settings.not_ready, now))
     }
 
     /// The verdict at `now` for the record of `ip` in block `block`. In a retired block a
@@ -765,7 +741,7 @@ impl ClusterIndex {
             }),
             claim_uid: claim_uid.map(|c| c.pod_uid.as_str()),
             owner_wants: sticky && self.owner_wants(record),
-            node: self.node_of(record, now),
+            node: self.node_of(record),
             // A live migration's target reporting the IP holds it for the record, as its source does.
             holder: self.live_holder(ip).map(|h| IpHolder {
                 uid: if crate::ipam::blocks::names_pod(record, &h.pod.uid) { &record.pod.uid } else { &h.pod.uid },
@@ -783,7 +759,7 @@ mod test {
     use crate::gc::rules::{KeepReason, NotReadyPolicy, ReleaseReason};
     use serde_json::json;
 
-    const SECOND: SignedDuration = SignedDuration::from_secs(1);
+    const SECOND: jiff::SignedDuration = jiff::SignedDuration::from_secs(1);
 
     fn at(seconds: i64) -> Timestamp {
         Timestamp::from_second(1_780_000_000 + seconds).expect("timestamp")
@@ -840,29 +816,39 @@ mod test {
     fn a_ready_node_whose_agent_is_gone_follows_the_not_ready_policy_from_when_its_lease_went_stale() {
         let mut index = ClusterIndex::new(&[], Duration::from_secs(20));
         for name in ["dead-agent", "live-agent", "no-lease"] {
-            index.apply(Watched::Node(&node(name, true)), at(0));
+            index.apply(Watched::Node(&node(name, true)));
         }
-        index.apply(Watched::Node(&node("not-ready", false)), at(0));
+        index.apply(Watched::Node(&node("not-ready", false)));
+        let start = Instant::now();
+        let judge = |index: &mut ClusterIndex, seconds: u64| {
+            index.judge_agents(start + Duration::from_secs(seconds), at(i64::try_from(seconds).expect("seconds")));
+        };
+        judge(&mut index, 100);
+        assert_eq!(index.node("dead-agent"), NodeState::Ready, "not judged before the Leases are listed");
         index.relist_started(Kind::AgentLease);
         for name in ["dead-agent", "live-agent", "not-ready"] {
-            index.apply(Watched::AgentLease(&lease(name, "1")), at(0));
+            index.apply(Watched::AgentLease(&lease(name, "1")));
         }
-        index.relist_done(Kind::AgentLease, at(0));
-        assert!(index.agent_can_answer(&record("gone", "u", "dead-agent"), at(19)), "live within its duration");
+        index.relist_done(Kind::AgentLease);
+        judge(&mut index, 0);
+        judge(&mut index, 19);
+        assert!(index.agent_can_answer(&record("gone", "u", "dead-agent")), "live within its duration");
         // A relist that lists the same version is no renewal; a new version is.
-        index.apply(Watched::AgentLease(&lease("dead-agent", "1")), at(10));
-        index.apply(Watched::AgentLease(&lease("live-agent", "2")), at(40));
-        let now = at(50);
+        index.apply(Watched::AgentLease(&lease("dead-agent", "1")));
+        index.apply(Watched::AgentLease(&lease("live-agent", "2")));
+        judge(&mut index, 40);
+        judge(&mut index, 50);
         let stale_since = at(20);
-        assert!(index.agent_can_answer(&record("gone", "u", "live-agent"), now));
-        assert!(!index.agent_can_answer(&record("gone", "u", "dead-agent"), now), "no handshake with a gone agent");
-        assert_eq!(index.node("dead-agent", now), NodeState::NotReady(stale_since));
-        assert_eq!(index.node("no-lease", now), NodeState::NotReady(stale_since), "never had one: gone too");
+        assert!(index.agent_can_answer(&record("gone", "u", "live-agent")));
+        assert!(!index.agent_can_answer(&record("gone", "u", "dead-agent")), "no handshake with a gone agent");
+        assert_eq!(index.node("dead-agent"), NodeState::NotReady(stale_since));
+        assert_eq!(index.node("no-lease"), NodeState::NotReady(stale_since), "never had one: gone too");
         let not_ready_since = Timestamp::from_second(1_767_225_600).expect("2026-01-01");
-        assert_eq!(index.node("not-ready", now), NodeState::NotReady(not_ready_since), "NotReady keeps its own since");
-        assert_eq!(index.node("deleted", now), NodeState::Deleted, "a deleted node stays deleted");
-        assert_eq!(index.nodes_without_live_agent(now), 3);
+        assert_eq!(index.node("not-ready"), NodeState::NotReady(not_ready_since), "NotReady keeps its own since");
+        assert_eq!(index.node("deleted"), NodeState::Deleted, "a deleted node stays deleted");
+        assert_eq!(index.nodes_without_live_agent(), 3);
 
+        let now = at(50);
         let keep = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
         let dead = record("gone", "u", "dead-agent");
         assert_eq!(index.evaluate("b", "10.0.0.1", &dead, now, &keep), Verdict::Keep(KeepReason::NodeNotReady));
@@ -873,16 +859,19 @@ mod test {
         let verdict = index.evaluate("b", "10.0.0.1", &dead, now, &release(60));
         assert_eq!(verdict, Verdict::TraceUntil(stale_since + 60 * SECOND));
 
-        index.delete(Watched::AgentLease(&lease("live-agent", "2")), at(60));
-        assert!(index.agent_can_answer(&record("gone", "u", "live-agent"), at(79)), "deleted: missing from then on");
-        assert!(!index.agent_can_answer(&record("gone", "u", "live-agent"), at(81)));
-    }
-
-    #[test]
-    fn before_the_agent_leases_are_listed_every_agent_counts_as_live() {
-        let mut index = ClusterIndex::new(&[], Duration::from_secs(20));
-        index.apply(Watched::Node(&node("n1", true)), at(0));
-        assert_eq!(index.node("n1", at(3600)), NodeState::Ready);
+        // A deleted Lease counts as missing from then on; a deleted node is forgotten, and
+        // one re-created under the same name is observed afresh.
+        index.delete(Watched::AgentLease(&lease("live-agent", "2")));
+        judge(&mut index, 60);
+        judge(&mut index, 79);
+        assert!(index.agent_can_answer(&record("gone", "u", "live-agent")), "missing for 19 s");
+        judge(&mut index, 81);
+        assert!(!index.agent_can_answer(&record("gone", "u", "live-agent")));
+        index.delete(Watched::Node(&node("dead-agent", true)));
+        judge(&mut index, 90);
+        index.apply(Watched::Node(&node("dead-agent", true)));
+        judge(&mut index, 91);
+        assert!(index.agent_can_answer(&record("gone", "u", "dead-agent")), "a new node starts live");
     }
 
     #[test]
@@ -899,22 +888,22 @@ mod test {
             meta
         };
         let mut index = ClusterIndex::new(&[KUBEVIRT_VMI_KIND.to_string()], Duration::from_secs(20));
-        index.apply(Watched::Node(&node("n", true)), at(0));
+        index.apply(Watched::Node(&node("n", true)));
         let kept = Verdict::Keep(KeepReason::StickyReservation);
         assert_eq!(index.evaluate("b", "10.0.0.1", &vm_record, at(0), &settings), kept, "KubeVirt not watched");
         for kind in [Kind::VirtualMachine, Kind::VirtualMachineInstance] {
             index.relist_started(kind);
         }
-        index.apply(Watched::VirtualMachine(&vm(false)), at(0));
+        index.apply(Watched::VirtualMachine(&vm(false)));
         assert_eq!(index.evaluate("b", "10.0.0.1", &vm_record, at(0), &settings), kept, "not yet synced");
         for kind in [Kind::VirtualMachine, Kind::VirtualMachineInstance] {
-            index.relist_done(kind, at(0));
+            index.relist_done(kind);
         }
         assert_eq!(index.evaluate("b", "10.0.0.1", &vm_record, at(0), &settings), kept, "a stopped VM");
-        index.apply(Watched::VirtualMachine(&vm(true)), at(1));
+        index.apply(Watched::VirtualMachine(&vm(true)));
         let verdict = index.evaluate("b", "10.0.0.1", &vm_record, at(1), &settings);
         assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "deleting: {verdict:?}");
-        index.delete(Watched::VirtualMachine(&vm(true)), at(2));
+        index.delete(Watched::VirtualMachine(&vm(true)));
         let verdict = index.evaluate("b", "10.0.0.1", &vm_record, at(2), &settings);
         assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "gone: {verdict:?}");
     }
@@ -922,15 +911,15 @@ mod test {
     #[test]
     fn pod_events_move_the_ip_holders_and_a_live_holder_wins_over_a_terminal_one() {
         let mut index = ClusterIndex::default();
-        index.apply(Watched::Pod(&pod("a", "ua", &["10.0.0.1"], "Running")), at(0));
+        index.apply(Watched::Pod(&pod("a", "ua", &["10.0.0.1"], "Running")));
         assert_eq!(index.live_holder("10.0.0.1").map(|h| h.pod.name.as_str()), Some("a"));
-        index.apply(Watched::Pod(&pod("a", "ua", &["10.0.0.2"], "Running")), at(1));
+        index.apply(Watched::Pod(&pod("a", "ua", &["10.0.0.2"], "Running")));
         assert!(index.holders("10.0.0.1").is_empty(), "the old IP is forgotten");
-        index.apply(Watched::Pod(&pod("done", "ud", &["10.0.0.2"], "Succeeded")), at(2));
-        index.apply(Watched::Pod(&pod("a", "ua", &["10.0.0.2"], "Running")), at(3));
+        index.apply(Watched::Pod(&pod("done", "ud", &["10.0.0.2"], "Succeeded")));
+        index.apply(Watched::Pod(&pod("a", "ua", &["10.0.0.2"], "Running")));
         assert_eq!(index.holders("10.0.0.2").len(), 2);
         assert_eq!(index.live_holder("10.0.0.2").map(|h| h.pod.name.as_str()), Some("a"), "live before terminal");
-        index.delete(Watched::Pod(&pod("a", "ua", &[], "Running")), at(4));
+        index.delete(Watched::Pod(&pod("a", "ua", &[], "Running")));
         assert_eq!(index.live_holder("10.0.0.2").map(|h| h.pod.name.as_str()), Some("done"));
         assert!(index.pod("ns", "a").is_none());
         assert_eq!(index.pod_count(), 1);
@@ -940,7 +929,7 @@ mod test {
     fn block_events_keep_the_records_of_each_uid() {
         let mut index = ClusterIndex::default();
         let one = block("p-a", "p", "10.0.0.0/24", &[("10.0.0.1", record("a", "ua", "n1"))]);
-        index.apply(Watched::Block(&one), at(0));
+        index.apply(Watched::Block(&one));
         let found = |index: &ClusterIndex, uid: &str| -> Vec<String> {
             index.records_of(uid).map(|(b, ip, _)| format!("{}:{ip}", b.name_any())).collect()
         };
@@ -951,10 +940,10 @@ mod test {
             "10.0.0.0/24",
             &[("10.0.0.2", record("a", "ua", "n1")), ("10.0.0.3", record("b", "ub", "n1"))],
         );
-        index.apply(Watched::Block(&moved), at(1));
+        index.apply(Watched::Block(&moved));
         assert_eq!(found(&index, "ua"), ["p-a:10.0.0.2"], "the edited block's old records are forgotten");
         assert_eq!(found(&index, "ub"), ["p-a:10.0.0.3"]);
-        index.delete(Watched::Block(&moved), at(2));
+        index.delete(Watched::Block(&moved));
         assert!(found(&index, "ua").is_empty() && found(&index, "ub").is_empty());
     }
 
@@ -962,26 +951,26 @@ mod test {
     fn a_block_is_retired_while_its_pool_is_gone_deleting_or_of_another_layout() {
         let mut index = ClusterIndex::default();
         let b = block("p-10-0-0-0-24", "p", "10.0.0.0/24", &[]);
-        index.apply(Watched::Block(&b), at(0));
+        index.apply(Watched::Block(&b));
         assert!(index.retired("p-10-0-0-0-24"), "no pool");
-        index.apply(Watched::Pool(&pool("p", "10.0.0.0/16", false)), at(1));
+        index.apply(Watched::Pool(&pool("p", "10.0.0.0/16", false)));
         assert!(!index.retired("p-10-0-0-0-24"), "its pool");
-        index.apply(Watched::Pool(&pool("p", "10.0.0.0/16", true)), at(2));
+        index.apply(Watched::Pool(&pool("p", "10.0.0.0/16", true)));
         assert!(index.retired("p-10-0-0-0-24"), "its pool is being deleted");
-        index.delete(Watched::Pool(&pool("p", "10.0.0.0/16", true)), at(3));
-        index.apply(Watched::Pool(&pool("p", "10.1.0.0/16", false)), at(4));
+        index.delete(Watched::Pool(&pool("p", "10.0.0.0/16", true)));
+        index.apply(Watched::Pool(&pool("p", "10.1.0.0/16", false)));
         assert!(index.retired("p-10-0-0-0-24"), "a pool of that name over other addresses");
     }
 
     #[test]
     fn a_relist_forgets_what_it_no_longer_lists() {
         let mut index = ClusterIndex::default();
-        index.apply(Watched::Pod(&pod("a", "ua", &["10.0.0.1"], "Running")), at(0));
-        index.apply(Watched::Pod(&pod("b", "ub", &["10.0.0.2"], "Running")), at(0));
+        index.apply(Watched::Pod(&pod("a", "ua", &["10.0.0.1"], "Running")));
+        index.apply(Watched::Pod(&pod("b", "ub", &["10.0.0.2"], "Running")));
         assert!(!index.synced(&[Kind::Pod]));
         index.relist_started(Kind::Pod);
-        index.apply(Watched::Pod(&pod("b", "ub", &["10.0.0.2"], "Running")), at(1));
-        index.relist_done(Kind::Pod, at(1));
+        index.apply(Watched::Pod(&pod("b", "ub", &["10.0.0.2"], "Running")));
+        index.relist_done(Kind::Pod);
         assert!(index.synced(&[Kind::Pod]));
         assert!(index.pod("ns", "a").is_none() && index.holders("10.0.0.1").is_empty(), "deleted while unwatched");
         assert!(index.pod("ns", "b").is_some());
@@ -999,12 +988,12 @@ mod test {
         let mut index =
             ClusterIndex::from_objects(&sticky, [Watched::StatefulSet(&web), Watched::Node(&node("n1", true))]);
         let b = block("p-10-0-0-0-24", "p", "10.0.0.0/24", &[("10.0.0.7", reservation.clone())]);
-        index.apply(Watched::Pool(&pool("p", "10.0.0.0/16", false)), at(0));
-        index.apply(Watched::Block(&b), at(0));
+        index.apply(Watched::Pool(&pool("p", "10.0.0.0/16", false)));
+        index.apply(Watched::Block(&b));
         let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
         let verdict = index.evaluate("p-10-0-0-0-24", "10.0.0.7", &reservation, at(0), &settings);
         assert_eq!(verdict, Verdict::Keep(KeepReason::StickyReservation));
-        index.apply(Watched::Pool(&pool("p", "10.0.0.0/16", true)), at(1));
+        index.apply(Watched::Pool(&pool("p", "10.0.0.0/16", true)));
         let verdict = index.evaluate("p-10-0-0-0-24", "10.0.0.7", &reservation, at(1), &settings);
         assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "{verdict:?}");
     }

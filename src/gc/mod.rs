@@ -2,6 +2,7 @@
 //! sweep plan and both sides of the release handshake. The controller's actors (src/actors/)
 //! and the agent feed it and carry its verdicts out.
 
+pub mod agents;
 pub mod check;
 pub mod claims;
 pub mod handshake;

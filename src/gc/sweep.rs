@@ -37,22 +37,15 @@ pub struct RecordChange {
 }
 
 impl RecordChange {
-    /// A change to `record`, the record of `ip` in `block`, decided at `now`.
-    pub fn of(
-        index: &ClusterIndex,
-        block: &IPBlock,
-        ip: &str,
-        record: &Allocation,
-        action: ChangeAction,
-        now: Timestamp,
-    ) -> Self {
+    /// A change to `record`, the record of `ip` in `block`.
+    pub fn of(index: &ClusterIndex, block: &IPBlock, ip: &str, record: &Allocation, action: ChangeAction) -> Self {
         let name = block.name_any();
         Self {
             pool: block.spec.pool.clone(),
             ip: ip.to_string(),
             pod: record.pod.clone(),
             claim: crate::ipam::workload::claim_name(&record.pod.name, record.owner.as_ref()),
-            via_agent: index.agent_can_answer(record, now),
+            via_agent: index.agent_can_answer(record),
             retired: index.retired(&name),
             block: name,
             action,
@@ -164,22 +157,22 @@ pub fn plan<'a>(
         for (ip, record) in &block.spec.allocations {
             plan.scanned += 1;
             let verdict = index.evaluate(&name, ip, record, now, settings);
-            let via_agent = index.agent_can_answer(record, now);
+            let via_agent = index.agent_can_answer(record);
             match next_step(verdict, record, via_agent, index.takeover_step(record, now, settings)) {
                 Planned::Keep(reason) => *plan.kept.entry(reason).or_default() += 1,
                 Planned::Trace(when) => {
                     let placeholder =
                         ChangeAction::Release { reason: ReleaseReason::TerminatingPastDeadline, delete_claim: false };
-                    plan.traced.push((RecordChange::of(index, block, ip, record, placeholder, now), when));
+                    plan.traced.push((RecordChange::of(index, block, ip, record, placeholder), when));
                 }
                 Planned::Repair => {
                     // The verdict came from this very index entry, so it is there.
                     if let Some(adopter) = index.adopter(ip) {
                         let repair = ChangeAction::Repair { adopter };
-                        plan.changes.push(RecordChange::of(index, block, ip, record, repair, now));
+                        plan.changes.push(RecordChange::of(index, block, ip, record, repair));
                     }
                 }
-                Planned::Change(action) => plan.changes.push(RecordChange::of(index, block, ip, record, action, now)),
+                Planned::Change(action) => plan.changes.push(RecordChange::of(index, block, ip, record, action)),
             }
         }
     }
@@ -355,11 +348,11 @@ mod test {
                 "metadata": {"name": "p"}, "spec": {"cidr": "10.0.0.0/16", "blockSize": 24}}))
             .expect("pool"),
         );
-        index.apply(Watched::Pool(&pool), Timestamp::now());
-        index.apply(Watched::Block(&blocks[0]), Timestamp::now());
+        index.apply(Watched::Pool(&pool));
+        index.apply(Watched::Block(&blocks[0]));
         let kept = plan(&index, &blocks, Timestamp::now(), &settings);
         assert_eq!(kept.kept.get("sticky_reservation"), Some(&1), "a live pool keeps the reservation");
-        index.delete(Watched::Pool(&pool), Timestamp::now());
+        index.delete(Watched::Pool(&pool));
         let released = plan(&index, &blocks, Timestamp::now(), &settings);
         assert!(
             matches!(released.changes[0].action, ChangeAction::Release { reason: ReleaseReason::PodGone, .. }),
