@@ -34,7 +34,7 @@ const MAX_CONFLICTS: usize = 40;
 pub struct CasError {
     /// The object's kind.
     pub kind: String,
-    /// The object's name.
+    /// The object's name (`namespace/name` for a namespaced kind).
     pub name: String,
     /// How many reads the update made before it failed.
     pub attempts: usize,
@@ -97,6 +97,12 @@ where
         Self { api, params, conflicts }
     }
 
+    /// `namespace/name` of object `name` of a namespaced store, `name` otherwise: how errors
+    /// name it.
+    fn path(&self, name: &str) -> String {
+        self.api.namespace().map_or_else(|| name.to_string(), |namespace| format!("{namespace}/{name}"))
+    }
+
     /// Applies `edit` to a fresh copy of object `name` and writes it with its
     /// resourceVersion; retried on conflict only, with a fresh read and edit each time. A
     /// missing object is created from `create` (then edited; it has no resourceVersion yet)
@@ -112,7 +118,7 @@ where
         let mut attempts = 0;
         loop {
             attempts += 1;
-            let failed = |cause| CasError { kind: K::kind(&()).to_string(), name: name.to_string(), attempts, cause };
+            let failed = |cause| CasError { kind: K::kind(&()).to_string(), name: self.path(name), attempts, cause };
             let current = self.api.get_opt(name).await.map_err(|e| failed(CasCause::Read(e)))?;
             let Some(mut object) = current.or_else(|| create.map(|create| create())) else {
                 return Ok(CasOutcome::Absent);

@@ -276,7 +276,10 @@ async fn an_add_whose_claim_write_is_forbidden_undoes_its_block_records() {
     statefulsets.create(&PostParams::default(), &statefulset("db")).await.expect("create db");
     wait_adds(&ipwarden, "error", 5.0).await;
     let log = std::fs::read_to_string(ipwarden.agents[0].log()).expect("agent log");
-    assert!(log.contains("writing IPClaim default/db-0") && log.contains("forbidden"), "the ADD failed on the claim");
+    assert!(
+        log.contains("IPClaim default/db-0: writing it failed") && log.contains("forbidden"),
+        "the ADD failed on the claim"
+    );
     let left = support::records(&client).await;
     assert!(left.is_empty(), "every failed ADD undid its block records, reservations included: {left:#?}");
 
