@@ -112,25 +112,49 @@ where
         &self,
         name: &str,
         create: Option<&dyn Fn() -> K>,
-        mut edit: impl FnMut(&mut K) -> Option<T>,
+        edit: impl FnMut(&mut K) -> Option<T>,
     ) -> Result<CasOutcome<T>, CasError> {
+        Ok(self.update_from(name, None, create, edit).await?.0)
+    }
+
+    /// [`CasStore::update`] whose first attempt edits `base` (a copy the caller holds, such
+    /// as the one its last write returned) instead of reading the object: a stale `base`
+    /// costs one conflict and a fresh read, never a lost write. Also returns the object as
+    /// stored after the update (written, or as read when nothing was to change), for the
+    /// caller's next `base`.
+    pub async fn update_from<T>(
+        &self,
+        name: &str,
+        mut base: Option<K>,
+        create: Option<&dyn Fn() -> K>,
+        mut edit: impl FnMut(&mut K) -> Option<T>,
+    ) -> Result<(CasOutcome<T>, Option<K>), CasError> {
         let mut delays = crate::retry::conflict_delays(MIN_DELAY, MAX_DELAY, MAX_CONFLICTS);
         let mut attempts = 0;
         loop {
             attempts += 1;
             let failed = |cause| CasError { kind: K::kind(&()).to_string(), name: self.path(name), attempts, cause };
-            let current = self.api.get_opt(name).await.map_err(|e| failed(CasCause::Read(e)))?;
-            let Some(mut object) = current.or_else(|| create.map(|create| create())) else {
-                return Ok(CasOutcome::Absent);
+            let held = base.is_some();
+            let current = match base.take() {
+                Some(held) => Some(held),
+                None => self.api.get_opt(name).await.map_err(|e| failed(CasCause::Read(e)))?,
             };
-            let Some(out) = edit(&mut object) else { return Ok(CasOutcome::Unchanged) };
+            let Some(mut object) = current.or_else(|| create.map(|create| create())) else {
+                return Ok((CasOutcome::Absent, None));
+            };
+            let Some(out) = edit(&mut object) else {
+                let stored = object.resource_version().is_some().then_some(object);
+                return Ok((CasOutcome::Unchanged, stored));
+            };
             let written = if object.resource_version().is_none() {
                 self.api.create(&self.params, &object).await
             } else {
                 self.api.replace(&object.name_any(), &self.params, &object).await
             };
             match written {
-                Ok(_) => return Ok(CasOutcome::Written(out)),
+                Ok(stored) => return Ok((CasOutcome::Written(out), Some(stored))),
+                // A create that finds the object made meanwhile is a lost race like a 409 on a
+                // replace (the apiserver answers it with 409 AlreadyExists).
                 Err(kube::Error::Api(status)) if status.code == 409 => {
                     if let Some(conflicts) = &self.conflicts {
                         conflicts.inc();
@@ -138,6 +162,8 @@ where
                     let Some(delay) = delays.next() else { return Err(failed(CasCause::Conflicts)) };
                     tokio::time::sleep(delay).await;
                 }
+                // The held copy's object is gone (deleted, or deleted and made anew): read.
+                Err(kube::Error::Api(status)) if status.code == 404 && held => {}
                 Err(e) => return Err(failed(CasCause::Write(e))),
             }
         }

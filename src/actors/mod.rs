@@ -4,13 +4,15 @@
 //! - [`tracer::PodTracer`] follows pod events and evaluates a pod's records at its deadline.
 //! - [`sweeper::Sweeper`] walks every record on a timer, on leadership gain and on request.
 //! - [`pool::PoolSupervisor`] runs one [`pool::PoolActor`] per IPPool, the only writer of
-//!   that pool's blocks.
+//!   that pool's records; on its timer the leader also keeps the pool finalizer
+//!   ([`finalizer`]) and releases the block affinities of nodes that are gone ([`affinity`]).
 //! - [`janitor::ClaimJanitor`] deletes claims whose workload is gone for good.
 //! - [`manual::ManualTrigger`] serves `ipwarden gc`.
 //!
 //! Decisions come from `crate::gc` (pure) over the one index [`watches::SharedIndex`] the
 //! watches keep; these actors read it and write.
 
+pub mod affinity;
 pub mod finalizer;
 pub mod janitor;
 pub mod kubevirt;

@@ -186,6 +186,7 @@ impl Actor for PoolSupervisor {
             if act.context.leading.is_leading() {
                 ctx.spawn(write_pool_counts(act.context.clone(), counts).into_actor(act));
                 ctx.spawn(super::finalizer::reconcile(act.context.clone()).into_actor(act));
+                ctx.spawn(super::affinity::reconcile(act.context.clone()).into_actor(act));
             }
         });
     }

@@ -7,9 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::Instant;
 
-use ipnet::IpNet;
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
@@ -24,6 +23,7 @@ use crate::crd::{
     POOL_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
 };
 use crate::gc::handshake::{ClaimedRecord, ReclaimStep, reclaim_step};
+use crate::ipam::affinity::{self, KnownBlock};
 use crate::ipam::blocks;
 use crate::ipam::pools::{self, PodPlacement, PoolSet};
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
@@ -123,11 +123,6 @@ fn fill_given_up<T>(slots: Vec<Result<T, bool>>, fresh: Vec<T>, v4: impl Fn(&T) 
         .collect()
 }
 
-/// A stable hash of the node name, so each node starts its block scan at its own offset.
-fn node_hash(node: &str) -> usize {
-    node.bytes().fold(0usize, |h, b| h.wrapping_mul(31).wrapping_add(usize::from(b)))
-}
-
 impl Core {
     /// CNI ADD: the sandbox's IPs, allocated once (idempotent for the same attachment).
     pub async fn add(&self, request: &AttachmentRequest) -> Result<IpamResult, Error> {
@@ -143,9 +138,10 @@ impl Core {
 
     async fn add_inner(&self, request: &AttachmentRequest) -> Result<IpamResult, Error> {
         let key = attachment_key(request);
-        let mut checkpoint = self.checkpoint.lock().await;
-        if let Some(entry) = checkpoint.get(&key) {
-            return Ok(result_of(&entry.ips));
+        // The pod's calls are serialised (module `serial`), so no other ADD of this sandbox
+        // can insert it between this check and the insert below.
+        if let Some(done) = self.checkpoint.lock().await.get(&key).map(|entry| result_of(&entry.ips)) {
+            return Ok(done);
         }
         let pod_ref = request.pod.as_ref().ok_or(Error::NoPodInRequest)?;
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &pod_ref.namespace);
@@ -176,7 +172,7 @@ impl Core {
         } else {
             let reclaimed = if sticky {
                 let held_here: BTreeSet<String> =
-                    checkpoint.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect();
+                    self.checkpoint.lock().await.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect();
                 self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request, &held_here).await?
             } else {
                 None
@@ -207,7 +203,8 @@ impl Core {
             pod: PodRef { namespace: pod_ref.namespace.clone(), name: pod_ref.name.clone(), uid: uid.clone() },
             ips: ips.clone(),
         };
-        if let Err(e) = checkpoint.insert(entry) {
+        let inserted = self.checkpoint.lock().await.insert(entry);
+        if let Err(e) = inserted {
             if let Some(claim) = claim.as_ref().filter(|_| !written.is_empty()) {
                 self.restore_claim(claim, &uid).await;
             }
@@ -450,18 +447,10 @@ impl Core {
         let pools_snapshot = self.pools.state();
         let pool_set = PoolSet::of(&pools_snapshot, &self.blocks.state());
         let views = pool_set.views();
-        let namespace = Api::<Namespace>::all(self.client.clone())
-            .get_opt(&namespace_name)
-            .await
-            .map_err(Error::api(format!("reading namespace {namespace_name}")))?;
+        let namespace = self.namespace(&namespace_name).await?;
         let namespace_labels = namespace.as_ref().map(|n| n.labels().clone()).unwrap_or_default();
         let node_labels = if pools_snapshot.iter().any(|p| p.spec.node_selector.is_some()) {
-            Api::<Node>::all(self.client.clone())
-                .get_opt(&self.settings.node)
-                .await
-                .map_err(Error::api(format!("reading node {}", self.settings.node)))?
-                .map(|n| n.labels().clone())
-                .unwrap_or_default()
+            self.node_labels().await?
         } else {
             BTreeMap::new()
         };
@@ -500,47 +489,45 @@ impl Core {
         Ok(written)
     }
 
+    /// One IP of `pool` for `record`: from this node's own blocks, else from a free block it
+    /// claims in the same write, else borrowed from another node's block
+    /// ([`affinity::plan`]). Every block is edited from the newest copy the agent holds, so
+    /// a block with no ready IP costs no request and a write costs one.
     async fn allocate_in_pool(&self, pool: &ResolvedPool, record: &Allocation) -> Result<Written, Error> {
-        let mut known: Vec<(String, IpNet)> = self
-            .blocks
-            .state()
+        let node = self.settings.node.as_str();
+        let blocks = self.newest_blocks_of(&pool.name);
+        let known: Vec<KnownBlock<'_>> = blocks
             .iter()
-            .filter(|b| b.spec.pool == pool.name)
-            .filter_map(|b| Some((b.name_any(), b.spec.cidr.parse().ok()?)))
-            // A block written under an earlier layout of a pool of this name is orphaned.
-            .filter(|(_, net)| pool.layout.is_block(*net))
+            .filter_map(|b| {
+                Some(KnownBlock {
+                    name: b.metadata.name.as_deref()?,
+                    net: b.spec.cidr.parse().ok()?,
+                    affinity: b.spec.affinity.as_deref(),
+                    records: b.spec.allocations.len(),
+                })
+            })
             .collect();
-        known.sort();
-        // Agents start at different blocks so they rarely write the same one.
-        if !known.is_empty() {
-            let offset = node_hash(&self.settings.node) % known.len();
-            known.rotate_left(offset);
-        }
-        let known_nets: BTreeSet<IpNet> = known.iter().map(|(_, net)| *net).collect();
-        let fresh = pool
-            .layout
-            .blocks()
-            .filter(|net| !known_nets.contains(net))
-            .take(NEW_BLOCK_PROBES)
-            .map(|net| (pools::block_name(&pool.name, net), net));
-        let candidates: Vec<(String, IpNet)> = known.into_iter().chain(fresh).collect();
+        let candidates = affinity::plan(node, &pool.name, &pool.layout, &known, NEW_BLOCK_PROBES);
         let mut cooling = 0usize;
         let mut next_free: Option<Timestamp> = None;
-        for (name, net) in candidates {
+        for candidate in candidates {
             let now = Timestamp::now();
+            let (name, net) = (candidate.name.as_str(), candidate.net);
             let chosen = self
-                .write_block(&name, &pool.name, net, |spec| {
+                .write_block(name, &pool.name, net, |spec| {
                     let (allocated, released) = blocks::usage(spec);
                     let usage = BlockUsage { allocated: &allocated, released: &released };
-                    match choose_ip(&pool.layout, net, usage, now, self.settings.cooldown) {
-                        Ok(ip) => Some((ip, blocks::allocate(spec, ip, record.clone()))),
+                    let ip = match choose_ip(&pool.layout, net, usage, now, self.settings.cooldown) {
+                        Ok(ip) => ip,
                         Err(ChooseError::Cooling { cooling: count, next_free_at, .. }) => {
                             cooling += count;
                             next_free = Some(next_free.map_or(next_free_at, |t| t.min(next_free_at)));
-                            None
+                            return None;
                         }
-                        Err(_) => None,
-                    }
+                        Err(_) => return None,
+                    };
+                    affinity::take_for(spec, node, candidate.how)
+                        .then(|| (ip, blocks::allocate(spec, ip, record.clone())))
                 })
                 .await?;
             if let Some((ip, prior)) = chosen {
@@ -549,7 +536,7 @@ impl Core {
                     prefix_len: pool.layout.cidr().prefix_len(),
                     gateway: pool.gateway.clone(),
                     pool: pool.name.clone(),
-                    block: name,
+                    block: candidate.name,
                 };
                 return Ok(Written { ip, prior });
             }

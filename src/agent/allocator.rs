@@ -1,14 +1,15 @@
-//! The node's one allocation actor: ADD, DEL, CHECK, GC, STATUS and the answers to the
-//! controller's release marks are messages to it and are served one at a time, so neither
-//! node-side GC nor a release answer ever interleaves with an allocation.
+//! The node's allocation actor: ADD, DEL, CHECK, GC, STATUS and the answers to the
+//! controller's release marks are messages to it. Calls of different pods run concurrently,
+//! those of one pod one at a time, and node-side GC and release answers alone (module
+//! `serial`), so neither ever interleaves with an allocation.
 
 use std::sync::Arc;
 
-use actix::{Actor, AtomicResponse, Context, Handler, Message, WrapFuture};
+use actix::{Actor, Context, Handler, Message, ResponseFuture};
 
 use super::core::Core;
 use super::error::Error;
-use crate::protocol::{AgentRequest, IpamResult};
+use crate::protocol::{AgentRequest, AttachmentRequest, IpamResult};
 
 /// The actor owning the node's allocation core.
 pub struct NodeAllocator {
@@ -32,44 +33,64 @@ impl Actor for NodeAllocator {
 #[rtype(result = "Result<Option<IpamResult>, Error>")]
 pub struct Call(pub AgentRequest);
 
-impl Handler<Call> for NodeAllocator {
-    // Atomic: the actor takes no other message until this one's future is done.
-    type Result = AtomicResponse<Self, Result<Option<IpamResult>, Error>>;
-
-    fn handle(&mut self, Call(request): Call, _ctx: &mut Context<Self>) -> Self::Result {
-        let core = self.core.clone();
-        AtomicResponse::new(Box::pin(
-            async move {
-                match &request {
-                    AgentRequest::Add(r) => core.add(r).await.map(Some),
-                    AgentRequest::Del(r) => core.del(r).await.map(|()| None),
-                    AgentRequest::Check(r) => core.check(r).await.map(|()| None),
-                    AgentRequest::Gc(r) => core.gc(r).await.map(|()| None),
-                    AgentRequest::Status(r) => core.status(r).await.map(|()| None),
-                }
-            }
-            .into_actor(self),
-        ))
+/// The key that serialises calls of one pod: `namespace/name`, or the sandbox when the
+/// runtime named no pod (the runtime itself never overlaps calls of one sandbox).
+fn pod_key(request: &AttachmentRequest) -> String {
+    match &request.pod {
+        Some(pod) => format!("{}/{}", pod.namespace, pod.name),
+        None => format!("sandbox {}", request.container_id),
     }
 }
 
-/// Answer the controller's release marks on this node's records, under the allocation lock.
+impl Handler<Call> for NodeAllocator {
+    // Not atomic: the actor takes the next message at once, and each call waits for its
+    // turn in `serial` instead.
+    type Result = ResponseFuture<Result<Option<IpamResult>, Error>>;
+
+    fn handle(&mut self, Call(request): Call, _ctx: &mut Context<Self>) -> Self::Result {
+        let core = self.core.clone();
+        Box::pin(async move {
+            match &request {
+                AgentRequest::Add(r) => {
+                    let _turn = core.serial.pod(&pod_key(r)).await;
+                    core.add(r).await.map(Some)
+                }
+                AgentRequest::Del(r) => {
+                    let _turn = core.serial.pod(&pod_key(r)).await;
+                    core.del(r).await.map(|()| None)
+                }
+                AgentRequest::Check(r) => {
+                    let _turn = core.serial.pod(&pod_key(r)).await;
+                    core.check(r).await.map(|()| None)
+                }
+                AgentRequest::Gc(r) => {
+                    let _alone = core.serial.alone().await;
+                    core.gc(r).await.map(|()| None)
+                }
+                AgentRequest::Status(r) => core.status(r).await.map(|()| None),
+            }
+        })
+    }
+}
+
+/// Answer the controller's release marks on this node's records, with no CNI call under way.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct AnswerMarks;
 
 impl Handler<AnswerMarks> for NodeAllocator {
-    type Result = AtomicResponse<Self, ()>;
+    type Result = ResponseFuture<()>;
 
     fn handle(&mut self, _msg: AnswerMarks, _ctx: &mut Context<Self>) -> Self::Result {
         let core = self.core.clone();
-        AtomicResponse::new(Box::pin(
-            async move {
-                if let Err(e) = core.answer_marks().await {
-                    tracing::warn!(error = %e, "answering release marks failed; retrying on the next pass");
-                }
+        Box::pin(async move {
+            if !core.has_marks_to_answer() {
+                return;
             }
-            .into_actor(self),
-        ))
+            let _alone = core.serial.alone().await;
+            if let Err(e) = core.answer_marks().await {
+                tracing::warn!(error = %e, "answering release marks failed; retrying on the next pass");
+            }
+        })
     }
 }

@@ -9,7 +9,7 @@ use kube::api::Api;
 use kube::runtime::reflector::ObjectRef;
 
 use super::checkpoint::CheckpointEntry;
-use super::core::Core;
+use super::core::{Base, Core};
 use super::error::Error;
 use crate::block_store::CasOutcome;
 use crate::crd::{Allocation, IPBlock, IPBlockSpec};
@@ -45,9 +45,9 @@ struct BoundClaim {
 }
 
 impl Core {
-    /// Applies `mutate` to a fresh copy of block `name` in one compare-and-swap (creating
-    /// the block, of `pool` and `cidr`, when it does not exist). `mutate` returning `None`
-    /// means nothing to write.
+    /// Applies `mutate` to the newest copy of block `name` this agent holds in one
+    /// compare-and-swap (creating the block, of `pool` and `cidr`, when it knows none).
+    /// `mutate` returning `None` means nothing to write.
     pub(super) async fn write_block<T>(
         &self,
         name: &str,
@@ -58,7 +58,7 @@ impl Core {
         let create = || {
             IPBlock::new(name, IPBlockSpec { pool: pool.to_string(), cidr: cidr.to_string(), ..IPBlockSpec::default() })
         };
-        Ok(self.store.update(name, Some(&create), |block| mutate(&mut block.spec)).await?.written())
+        Ok(self.cas_block(name, Base::Newest, Some(&create), |block| mutate(&mut block.spec)).await?.written())
     }
 
     pub(super) async fn release_attachment(
@@ -93,15 +93,21 @@ impl Core {
     ) -> ReleaseSummary {
         let mut summary = ReleaseSummary::default();
         for target in ips {
-            let found = match Api::<IPBlock>::all(self.client.clone()).get_opt(&target.block).await {
-                Ok(Some(block)) => {
-                    block.spec.allocations.get(&target.ip).cloned().map(|r| (r, self.retired(&block.spec)))
-                }
-                Ok(None) => None,
-                Err(e) => {
-                    tracing::warn!(block = %target.block, error = %e, "reading block for release failed");
-                    None
-                }
+            let record_in = |block: IPBlock| {
+                let record = block.spec.allocations.get(&target.ip).cloned();
+                record.map(|r| (r, self.retired(&block.spec)))
+            };
+            // The newest copy held, else (a record the cache does not show yet) a fresh read,
+            // which the write then starts from too.
+            let (found, base) = match self.newest_block(&target.block).and_then(record_in) {
+                Some(found) => (Some(found), Base::Newest),
+                None => match Api::<IPBlock>::all(self.client.clone()).get_opt(&target.block).await {
+                    Ok(block) => (block.and_then(record_in), Base::Fresh),
+                    Err(e) => {
+                        tracing::warn!(block = %target.block, error = %e, "reading block for release failed");
+                        (None, Base::Fresh)
+                    }
+                },
             };
             let Some((record, retired)) = found else { continue };
             // The records of a pool being deleted, or of an orphaned block, are released at
@@ -110,8 +116,7 @@ impl Core {
             let keep = record.sticky && !retired && crate::owners::record_owner_wants(&self.client, &record).await;
             let now = Timestamp::now();
             let outcome = self
-                .store
-                .update(&target.block, None, |block| {
+                .cas_block(&target.block, base, None, |block| {
                     let spec = &mut block.spec;
                     let claim = spec.allocations.get(&target.ip).map(|r| BoundClaim {
                         namespace: r.pod.namespace.clone(),

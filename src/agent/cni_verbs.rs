@@ -16,12 +16,11 @@ impl Core {
     /// sandboxes and repeated DELs succeed.
     pub async fn del(&self, request: &AttachmentRequest) -> Result<(), Error> {
         let key = attachment_key(request);
-        let mut checkpoint = self.checkpoint.lock().await;
-        let entry = checkpoint.get(&key).cloned();
+        let entry = self.checkpoint.lock().await.get(&key).cloned();
         let uid =
             request.pod.as_ref().and_then(|p| p.uid.clone()).or_else(|| entry.as_ref().map(|e| e.pod.uid.clone()));
         self.release_attachment(entry.as_ref(), &request.container_id, &request.ifname, uid.as_deref()).await?;
-        checkpoint.remove(&key)?;
+        self.checkpoint.lock().await.remove(&key)?;
         Ok(())
     }
 

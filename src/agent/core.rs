@@ -4,16 +4,20 @@
 //! release marks (`release_marks`) and the start-up recovery (`startup`). Decisions come from
 //! the pure modules (`ipam`, `gc`); these files read, write and retry.
 
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::api::Api;
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, ResourceExt};
 use tokio::sync::Mutex;
 
 use super::checkpoint::{AttachmentKey, Checkpoint, CheckpointIp};
+use super::error::Error;
 use super::metrics::AgentMetrics;
+use super::serial::{KeyedLocks, Serial};
 use crate::block_store::BlockStore;
 use crate::crd::{IPBlock, IPPool};
 use crate::ipam::PoolLayout;
@@ -35,15 +39,46 @@ pub struct Settings {
     pub sandbox_grace: Duration,
 }
 
+/// The agent's watch caches: what allocation reads instead of the apiserver.
+pub struct Caches {
+    /// Every IPPool.
+    pub pools: Store<IPPool>,
+    /// Every IPBlock.
+    pub blocks: Store<IPBlock>,
+    /// Every Namespace (their pool annotation and labels place pods).
+    pub namespaces: Store<Namespace>,
+    /// This node's Node object (its labels select pools).
+    pub node: Store<Node>,
+}
+
 /// The agent's state: caches, the checkpoint, and the client.
 pub struct Core {
     pub(super) client: Client,
     pub(super) settings: Settings,
     pub(super) pools: Store<IPPool>,
     pub(super) blocks: Store<IPBlock>,
+    pub(super) namespaces: Store<Namespace>,
+    pub(super) node: Store<Node>,
     pub(super) checkpoint: Mutex<Checkpoint>,
     pub(super) metrics: Arc<AgentMetrics>,
     pub(super) store: BlockStore,
+    /// Which calls wait for which (module `serial`).
+    pub(super) serial: Serial,
+    /// One writer per block on this node, so the node's own writes never conflict.
+    block_locks: KeyedLocks,
+    /// The copy of each block this agent's last write stored, until the watch cache has
+    /// caught up with it: the base of the next write, so consecutive writes need no read.
+    written: std::sync::Mutex<HashMap<String, IPBlock>>,
+}
+
+/// What a block write edits first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Base {
+    /// The newest copy the agent holds: no read, one conflict if it is stale. For ADDs,
+    /// whose decisions a later write may not undo without a retry anyway.
+    Newest,
+    /// A fresh read: for releases, which must not skip a record the cache does not show yet.
+    Fresh,
 }
 
 /// A pool resolved for allocation.
@@ -98,8 +133,7 @@ impl Core {
     pub fn new(
         client: Client,
         settings: Settings,
-        pools: Store<IPPool>,
-        blocks: Store<IPBlock>,
+        caches: Caches,
         checkpoint: Checkpoint,
         metrics: Arc<AgentMetrics>,
     ) -> Self {
@@ -108,7 +142,82 @@ impl Core {
             field_manager(&settings.node),
             Some(metrics.conflict_retries.clone()),
         );
-        Self { client, settings, pools, blocks, checkpoint: Mutex::new(checkpoint), metrics, store }
+        let Caches { pools, blocks, namespaces, node } = caches;
+        Self {
+            client,
+            settings,
+            pools,
+            blocks,
+            namespaces,
+            node,
+            checkpoint: Mutex::new(checkpoint),
+            metrics,
+            store,
+            serial: Serial::default(),
+            block_locks: KeyedLocks::default(),
+            written: std::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The newest copy of block `name` this agent knows: the watch cache's, or its own last
+    /// write's while the cache has not caught up (same object, higher generation).
+    pub(super) fn newest_block(&self, name: &str) -> Option<IPBlock> {
+        let cached = self.blocks.get(&ObjectRef::new(name));
+        let mut written = self.written.lock().unwrap_or_else(PoisonError::into_inner);
+        let own = written.get(name);
+        let own_is_newer = match (cached.as_deref(), own) {
+            (_, None) => false,
+            (None, Some(_)) => true,
+            (Some(cached), Some(own)) => {
+                cached.metadata.uid == own.metadata.uid
+                    && own.metadata.generation.unwrap_or(0) > cached.metadata.generation.unwrap_or(0)
+            }
+        };
+        if own_is_newer {
+            return own.cloned();
+        }
+        written.remove(name);
+        cached.map(|block| (*block).clone())
+    }
+
+    /// The newest copies ([`Core::newest_block`]) of the blocks of pool `pool`.
+    pub(super) fn newest_blocks_of(&self, pool: &str) -> Vec<IPBlock> {
+        let mut names: Vec<String> =
+            self.blocks.state().iter().filter(|b| b.spec.pool == pool).map(|b| b.name_any()).collect();
+        names.extend(
+            self.written
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .values()
+                .filter(|b| b.spec.pool == pool)
+                .map(|b| b.name_any()),
+        );
+        names.sort();
+        names.dedup();
+        names.iter().filter_map(|name| self.newest_block(name)).collect()
+    }
+
+    /// Holds block `name` for this node's one writer of it, edits it in one compare-and-swap
+    /// and remembers what the write stored. With [`Base::Newest`] the first attempt edits the
+    /// newest copy this agent knows (or, when it knows none, `create`'s object, created
+    /// without a read), taken under the writer's lock; with [`Base::Fresh`] it reads first.
+    pub(super) async fn cas_block<T>(
+        &self,
+        name: &str,
+        base: Base,
+        create: Option<&dyn Fn() -> IPBlock>,
+        edit: impl FnMut(&mut IPBlock) -> Option<T>,
+    ) -> Result<crate::block_store::CasOutcome<T>, crate::block_store::CasError> {
+        let _writer = self.block_locks.lock(name).await;
+        let base = match base {
+            Base::Newest => self.newest_block(name).or_else(|| create.map(|create| create())),
+            Base::Fresh => None,
+        };
+        let (outcome, stored) = self.store.update_from(name, base, create, edit).await?;
+        if let Some(stored) = stored {
+            self.written.lock().unwrap_or_else(PoisonError::into_inner).insert(name.to_string(), stored);
+        }
+        Ok(outcome)
     }
 
     pub(super) fn resolve_pool(&self, name: &str) -> Option<ResolvedPool> {
@@ -136,6 +245,44 @@ impl Core {
                 }
             })
             .collect()
+    }
+
+    /// Namespace `name` from the cache; read live only when the cache does not have it yet
+    /// (a namespace made moments before its first pod).
+    pub(super) async fn namespace(&self, name: &str) -> Result<Option<Arc<Namespace>>, Error> {
+        if let Some(cached) = self.namespaces.get(&ObjectRef::new(name)) {
+            return Ok(Some(cached));
+        }
+        let live = Api::<Namespace>::all(self.client.clone())
+            .get_opt(name)
+            .await
+            .map_err(Error::api(format!("reading namespace {name}")))?;
+        Ok(live.map(Arc::new))
+    }
+
+    /// This node's labels from the cache; read live only when the cache does not have the
+    /// Node yet.
+    pub(super) async fn node_labels(&self) -> Result<BTreeMap<String, String>, Error> {
+        let node = &self.settings.node;
+        if let Some(cached) = self.node.get(&ObjectRef::new(node)) {
+            return Ok(cached.labels().clone());
+        }
+        let live = Api::<Node>::all(self.client.clone())
+            .get_opt(node)
+            .await
+            .map_err(Error::api(format!("reading node {node}")))?;
+        Ok(live.map(|n| n.labels().clone()).unwrap_or_default())
+    }
+
+    /// Whether `record` carries a release mark this node's agent is to answer.
+    pub(super) fn is_mark_for_this_node(&self, record: &crate::crd::Allocation) -> bool {
+        record.node == self.settings.node && crate::gc::handshake::marked_for_release(record)
+    }
+
+    /// Whether the cache shows any mark for this node to answer: checked before the mark
+    /// answers take the node alone, so a pass with nothing to do never stalls an ADD.
+    pub fn has_marks_to_answer(&self) -> bool {
+        self.blocks.state().iter().any(|b| b.spec.allocations.values().any(|r| self.is_mark_for_this_node(r)))
     }
 
     /// (block name, ip, pool) of every record of this node's sandbox, from the cache.

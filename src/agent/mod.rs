@@ -14,6 +14,7 @@ pub mod lock;
 pub mod metrics;
 pub mod pool_status;
 mod release_marks;
+pub mod serial;
 pub mod server;
 mod startup;
 
@@ -30,6 +31,8 @@ use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
+
+use k8s_openapi::api::core::v1::{Namespace, Node};
 
 use crate::crd::{IPBlock, IPPool};
 use crate::ipam::workload::DEFAULT_STICKY_KINDS;
@@ -110,6 +113,19 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding the metrics address {}", args.metrics_address))?;
 
+    let (namespaces, namespaces_writer) = reflector::store::<Namespace>();
+    let (node_cache, node_writer) = reflector::store::<Node>();
+    let only_this_node = watcher::Config::default().fields(&format!("metadata.name={}", args.node_name));
+    tokio::spawn(
+        reflector(namespaces_writer, watcher(Api::<Namespace>::all(client.clone()), watcher::Config::default()))
+            .default_backoff()
+            .for_each(|_| async {}),
+    );
+    tokio::spawn(
+        reflector(node_writer, watcher(Api::<Node>::all(client.clone()), only_this_node))
+            .default_backoff()
+            .for_each(|_| async {}),
+    );
     let (pools, pools_writer) = reflector::store::<IPPool>();
     let (blocks, blocks_writer) = reflector::store::<IPBlock>();
     let pool_events = reflector(pools_writer, watcher(Api::<IPPool>::all(client.clone()), watcher::Config::default()));
@@ -139,11 +155,13 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     }));
     tokio::time::timeout(STARTUP_TIMEOUT, async {
         pools.wait_until_ready().await?;
-        blocks.wait_until_ready().await
+        blocks.wait_until_ready().await?;
+        namespaces.wait_until_ready().await?;
+        node_cache.wait_until_ready().await
     })
     .await
-    .context("IPPool and IPBlock caches did not sync in time (are the CRDs installed?)")?
-    .context("IPPool and IPBlock caches closed before syncing")?;
+    .context("the IPPool, IPBlock, Namespace and Node caches did not sync in time (are the CRDs installed?)")?
+    .context("the IPPool, IPBlock, Namespace and Node caches closed before syncing")?;
 
     let (checkpoint, restored) = Checkpoint::load(&args.checkpoint)?;
     let settings = core::Settings {
@@ -152,7 +170,8 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         sticky_kinds: args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect(),
         sandbox_grace: Duration::from_secs(args.release_sandbox_grace_seconds),
     };
-    let core = Arc::new(core::Core::new(client.clone(), settings, pools, blocks, checkpoint, metrics));
+    let caches = core::Caches { pools, blocks, namespaces, node: node_cache };
+    let core = Arc::new(core::Core::new(client.clone(), settings, caches, checkpoint, metrics));
     let path = args.checkpoint.display();
     if restored == Restored::Loaded {
         tracing::info!(%path, "checkpoint restored");

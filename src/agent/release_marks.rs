@@ -13,7 +13,7 @@ use super::checkpoint::AttachmentKey;
 use super::core::Core;
 use super::error::Error;
 use crate::crd::{Allocation, HandshakeState};
-use crate::gc::handshake::{AgentAnswer, PodOnNode, agent_answer, marked_for_release};
+use crate::gc::handshake::{AgentAnswer, PodOnNode, agent_answer};
 
 impl Core {
     /// Answers the controller's release marks on this node's records
@@ -22,7 +22,6 @@ impl Core {
     /// new record (which clears the mark) could hand it out again. Returns how many marks
     /// were answered; marks that must wait are left for the next pass.
     pub async fn answer_marks(&self) -> Result<usize, Error> {
-        let node = &self.settings.node;
         let marked: Vec<(String, String, IpNet, String, Allocation)> = self
             .blocks
             .state()
@@ -32,7 +31,7 @@ impl Core {
                 b.spec
                     .allocations
                     .iter()
-                    .filter(|(_, r)| r.node == *node && marked_for_release(r))
+                    .filter(|(_, r)| self.is_mark_for_this_node(r))
                     .map(move |(ip, r)| (b.name_any(), b.spec.pool.clone(), cidr, ip.clone(), r.clone()))
             })
             .collect();

@@ -1,5 +1,6 @@
 //! `ipwarden status`: per pool and node, how many IPs are used, sticky-reserved, cooling
-//! down and leak candidates; `-a` lists the IPs.
+//! down and leak candidates, and how many of the pool's blocks are affine to the node; `-a`
+//! lists the IPs.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -51,6 +52,8 @@ struct Counts {
     sticky_reserved: usize,
     cooling: usize,
     leak_candidates: usize,
+    /// Blocks of the pool affine to the node (its agent allocates from them first).
+    affine_blocks: usize,
 }
 
 /// Runs `ipwarden status`.
@@ -96,6 +99,14 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             _ => entry.leak_candidates += 1,
         }
     }
+    let shown = |b: &&std::sync::Arc<crate::crd::IPBlock>| args.pool.as_ref().is_none_or(|p| *p == b.spec.pool);
+    for block in blocks.iter().filter(shown) {
+        let Some(node) = block.spec.affinity.as_ref().filter(|n| args.node.as_ref().is_none_or(|want| want == *n))
+        else {
+            continue;
+        };
+        counts.entry((block.spec.pool.clone(), node.clone())).or_default().affine_blocks += 1;
+    }
     if args.output == Output::Json {
         let summary: Vec<serde_json::Value> = counts
             .iter()
@@ -116,10 +127,11 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
                 c.sticky_reserved.to_string(),
                 c.cooling.to_string(),
                 c.leak_candidates.to_string(),
+                c.affine_blocks.to_string(),
             ]
         })
         .collect();
-    print!("{}", table(&["POOL", "NODE", "USED", "STICKY", "COOLING", "LEAK CANDIDATES"], &summary));
+    print!("{}", table(&["POOL", "NODE", "USED", "STICKY", "COOLING", "LEAK CANDIDATES", "BLOCKS"], &summary));
     if args.all {
         println!();
         let list: Vec<Vec<String>> = rows

@@ -24,6 +24,7 @@ use super::{OwnerRef, PodRef};
     shortname = "ipb",
     printcolumn(name = "Pool", type_ = "string", json_path = ".spec.pool"),
     printcolumn(name = "CIDR", type_ = "string", json_path = ".spec.cidr"),
+    printcolumn(name = "Node", type_ = "string", json_path = ".spec.affinity"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
@@ -32,6 +33,12 @@ pub struct IPBlockSpec {
     pub pool: String,
     /// The block's CIDR, a sub-network of the pool's.
     pub cidr: String,
+    /// The node this block is affine to: that node's agent allocates from it first, and other
+    /// nodes borrow single IPs from it only when the pool has no free block left. Unset: a
+    /// block no node has claimed yet, or whose node is gone and left it empty (the controller
+    /// then clears it), which any node may claim while it holds no record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<String>,
     /// Allocation records by IP address.
     #[serde(default)]
     pub allocations: BTreeMap<String, Allocation>,

@@ -1,10 +1,12 @@
 //! The pure allocation domain: pool geometry and the choice of one IP within a block, which
-//! pool a pod uses and which blocks a pool owns (`pools`), the edits of a block's records
-//! (`blocks`), and what a workload's owner wants (`workload`).
+//! pool a pod uses and which blocks a pool owns (`pools`), which blocks a node tries first
+//! (`affinity`), the edits of a block's records (`blocks`), and what a workload's owner wants
+//! (`workload`).
 //!
 //! Nothing here does I/O: the node agent and the controller feed it what they read and
 //! write back what it returns.
 
+pub mod affinity;
 pub mod blocks;
 mod choose;
 mod layout;

@@ -1,0 +1,230 @@
+//! Block affinity: which blocks of a pool a node tries, and in which order, when it
+//! allocates. Each node allocates from the blocks affine to it, claims a free block of the
+//! pool when those have no ready IP, and borrows single IPs from other nodes' blocks only when
+//! the pool has no free block left, so that nodes rarely write the same block (no conflicts)
+//! and small pools still hand out every address.
+
+use ipnet::IpNet;
+
+use super::PoolLayout;
+use super::pools::block_name;
+use crate::crd::IPBlockSpec;
+
+/// One block of the pool as the node's cache shows it.
+#[derive(Clone, Copy, Debug)]
+pub struct KnownBlock<'a> {
+    /// The IPBlock's name.
+    pub name: &'a str,
+    /// Its CIDR.
+    pub net: IpNet,
+    /// The node it is affine to, if any.
+    pub affinity: Option<&'a str>,
+    /// How many records it holds.
+    pub records: usize,
+}
+
+/// How a node may use one block it tries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Use {
+    /// Affine to the node: allocate from it.
+    Own,
+    /// Free (no affinity, no record, or not created yet): claim it for the node and allocate
+    /// from it in the same write, if it is still free then.
+    Claim,
+    /// Another node's, or unclaimed but holding records: take one IP from it.
+    Borrow,
+}
+
+/// One block to try, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    /// The IPBlock's name.
+    pub name: String,
+    /// Its CIDR.
+    pub net: IpNet,
+    /// How the node may use it.
+    pub how: Use,
+}
+
+/// The blocks `node` tries for one IP of the pool laid out as `layout`, in order: its own
+/// blocks (by address), the free blocks the cache knows, at most `fresh` blocks not created
+/// yet (by address), then every other block, starting at an offset of the node's own so that
+/// borrowing nodes spread over the lenders. Blocks that are not blocks of `layout` (written
+/// under an earlier layout of a pool of this name) are never tried.
+pub fn plan(node: &str, pool: &str, layout: &PoolLayout, known: &[KnownBlock<'_>], fresh: usize) -> Vec<Candidate> {
+    let mut known: Vec<&KnownBlock<'_>> = known.iter().filter(|b| layout.is_block(b.net)).collect();
+    known.sort_by_key(|b| b.net);
+    let candidate = |b: &KnownBlock<'_>, how| Candidate { name: b.name.to_string(), net: b.net, how };
+    let own = known.iter().filter(|b| b.affinity == Some(node)).map(|b| candidate(b, Use::Own));
+    let free = known.iter().filter(|b| b.affinity.is_none() && b.records == 0).map(|b| candidate(b, Use::Claim));
+    let created: std::collections::BTreeSet<IpNet> = known.iter().map(|b| b.net).collect();
+    let fresh = layout.blocks().filter(|net| !created.contains(net)).take(fresh).map(|net| Candidate {
+        name: block_name(pool, net),
+        net,
+        how: Use::Claim,
+    });
+    let mut others: Vec<Candidate> = known
+        .iter()
+        .filter(|b| b.affinity.is_some_and(|a| a != node) || (b.affinity.is_none() && b.records > 0))
+        .map(|b| candidate(b, Use::Borrow))
+        .collect();
+    if !others.is_empty() {
+        let offset = node_hash(node) % others.len();
+        others.rotate_left(offset);
+    }
+    own.chain(free).chain(fresh).chain(others).collect()
+}
+
+/// Whether `node` may allocate in `block` as `how` says, as the block stands when the write
+/// is made; claims the block for `node` when `how` is [`Use::Claim`] and it is still free. A
+/// block claimed by another node in the meantime is left alone (it comes back as a lender
+/// only when no free block is left).
+pub fn take_for(block: &mut IPBlockSpec, node: &str, how: Use) -> bool {
+    match how {
+        Use::Own | Use::Borrow => true,
+        Use::Claim => match block.affinity.as_deref() {
+            Some(owner) => owner == node,
+            None if block.allocations.is_empty() => {
+                block.affinity = Some(node.to_string());
+                true
+            }
+            None => false,
+        },
+    }
+}
+
+/// Clears the affinity of `block` to `gone` (a node that no longer exists) if the block holds
+/// no record: the block is free for any node to claim. Says whether it changed.
+pub fn release(block: &mut IPBlockSpec, gone: &str) -> bool {
+    let releasable = block.affinity.as_deref() == Some(gone) && block.allocations.is_empty();
+    if releasable {
+        block.affinity = None;
+    }
+    releasable
+}
+
+/// A stable hash of the node name, so each node starts borrowing at its own offset.
+fn node_hash(node: &str) -> usize {
+    node.bytes().fold(0usize, |h, b| h.wrapping_mul(31).wrapping_add(usize::from(b)))
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    fn layout() -> PoolLayout {
+        // Four /28 blocks.
+        PoolLayout::new("10.0.0.0/26", &[], &[], None, Some(28)).unwrap()
+    }
+
+    fn net(text: &str) -> IpNet {
+        text.parse().unwrap()
+    }
+
+    fn known<'a>(name: &'a str, cidr: &str, affinity: Option<&'a str>, records: usize) -> KnownBlock<'a> {
+        KnownBlock { name, net: net(cidr), affinity, records }
+    }
+
+    fn order(candidates: &[Candidate]) -> Vec<(String, Use)> {
+        candidates.iter().map(|c| (c.net.to_string(), c.how)).collect()
+    }
+
+    #[test]
+    fn a_node_tries_its_own_blocks_then_free_ones_then_fresh_ones_then_borrows() {
+        let blocks = [
+            known("b3", "10.0.0.48/28", Some("a"), 3),
+            known("b1", "10.0.0.16/28", Some("b"), 5),
+            known("b0", "10.0.0.0/28", Some("a"), 14),
+            known("b2", "10.0.0.32/28", None, 0),
+        ];
+        let plan = plan("a", "p", &layout(), &blocks, 8);
+        assert_eq!(
+            order(&plan),
+            [
+                ("10.0.0.0/28".to_string(), Use::Own),
+                ("10.0.0.48/28".to_string(), Use::Own),
+                ("10.0.0.32/28".to_string(), Use::Claim),
+                ("10.0.0.16/28".to_string(), Use::Borrow),
+            ]
+        );
+    }
+
+    #[test]
+    fn blocks_not_yet_created_are_claimed_by_address_and_named_as_the_pool_names_them() {
+        let blocks = [known("p-10-0-0-0-28", "10.0.0.0/28", Some("b"), 1)];
+        let plan = plan("a", "p", &layout(), &blocks, 2);
+        assert_eq!(
+            order(&plan),
+            [
+                ("10.0.0.16/28".to_string(), Use::Claim),
+                ("10.0.0.32/28".to_string(), Use::Claim),
+                ("10.0.0.0/28".to_string(), Use::Borrow),
+            ]
+        );
+        assert_eq!(plan[0].name, block_name("p", net("10.0.0.16/28")));
+    }
+
+    #[test]
+    fn an_unclaimed_block_with_records_is_lent_not_claimed_and_a_foreign_layout_is_never_tried() {
+        let blocks = [known("old", "10.0.0.0/28", None, 2), known("orphan", "10.0.0.0/27", None, 0)];
+        let plan = plan("a", "p", &layout(), &blocks, 0);
+        assert_eq!(order(&plan), [("10.0.0.0/28".to_string(), Use::Borrow)]);
+    }
+
+    #[test]
+    fn borrowing_nodes_start_at_different_lenders() {
+        let blocks: Vec<KnownBlock<'_>> = ["10.0.0.0/28", "10.0.0.16/28", "10.0.0.32/28", "10.0.0.48/28"]
+            .iter()
+            .map(|cidr| known("x", cidr, Some("owner"), 16))
+            .collect();
+        let firsts: std::collections::BTreeSet<IpNet> = ["n1", "n2", "n3", "n4", "n5", "n6"]
+            .iter()
+            .map(|node| plan(node, "p", &layout(), &blocks, 0)[0].net)
+            .collect();
+        assert!(firsts.len() > 1, "every node starts borrowing at the same block: {firsts:?}");
+    }
+
+    #[test]
+    fn a_claim_takes_only_a_block_still_free_when_written() {
+        let spec = |affinity: Option<&str>, records: bool| {
+            let mut spec = IPBlockSpec { affinity: affinity.map(String::from), ..IPBlockSpec::default() };
+            if records {
+                spec.allocations.insert("10.0.0.1".into(), serde_json::from_value(record()).unwrap());
+            }
+            spec
+        };
+        // (affinity, has records, use, may allocate, affinity after)
+        let cases = [
+            (None, false, Use::Claim, true, Some("a")),
+            (Some("a"), true, Use::Claim, true, Some("a")),
+            (Some("b"), false, Use::Claim, false, Some("b")),
+            (None, true, Use::Claim, false, None),
+            (Some("b"), true, Use::Borrow, true, Some("b")),
+            (None, false, Use::Own, true, None),
+        ];
+        for (affinity, records, how, may, after) in cases {
+            let mut block = spec(affinity, records);
+            assert_eq!(take_for(&mut block, "a", how), may, "{affinity:?} {records} {how:?}");
+            assert_eq!(block.affinity.as_deref(), after, "{affinity:?} {records} {how:?}");
+        }
+    }
+
+    #[test]
+    fn only_an_empty_block_of_the_gone_node_is_released() {
+        let mut empty = IPBlockSpec { affinity: Some("gone".into()), ..IPBlockSpec::default() };
+        assert!(!release(&mut empty, "other"));
+        assert!(release(&mut empty, "gone"));
+        assert_eq!(empty.affinity, None);
+        let mut held = IPBlockSpec { affinity: Some("gone".into()), ..IPBlockSpec::default() };
+        held.allocations.insert("10.0.0.1".into(), serde_json::from_value(record()).unwrap());
+        assert!(!release(&mut held, "gone"));
+        assert_eq!(held.affinity.as_deref(), Some("gone"));
+    }
+
+    fn record() -> serde_json::Value {
+        serde_json::json!({
+            "pod": {"namespace": "ns", "name": "p", "uid": "u"},
+            "node": "gone", "containerId": "c", "interface": "eth0", "allocatedAt": "2026-01-01T00:00:00Z"
+        })
+    }
+}
