@@ -91,6 +91,7 @@ fn cluster() -> Cluster {
                 cidr: format!("10.{a}.{b}.0/24"),
                 allocations,
                 released: BTreeMap::new(),
+                affinity: None,
             },
         )));
     }

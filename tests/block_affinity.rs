@@ -93,11 +93,8 @@ async fn nodes_fill_their_own_blocks_claim_free_ones_borrow_when_none_is_left_an
 
     // node-2 leaves: the pods in its block go (with their DELs), then the node.
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
-    let in_node2_block: Vec<String> = all
-        .iter()
-        .filter(|(_, p)| block_of(&layout, &ip_of(p)) == node2_block)
-        .map(|(name, _)| name.clone())
-        .collect();
+    let in_node2_block: Vec<String> =
+        all.iter().filter(|(_, p)| block_of(&layout, &ip_of(p)) == node2_block).map(|(name, _)| name.clone()).collect();
     for name in &in_node2_block {
         pods.delete(name, &DeleteParams::default()).await.expect("delete");
     }

@@ -37,6 +37,7 @@ async fn check_and_status_report_a_consistent_cluster_and_an_injected_leak() {
     assert_eq!(status["summary"][0]["node"], "node-0");
     assert_eq!(status["summary"][0]["counts"]["used"], 2);
     assert_eq!(status["summary"][0]["counts"]["leakCandidates"], 0);
+    assert_eq!(status["summary"][0]["counts"]["affineBlocks"], 1, "node-0 claimed the pool's block: {status}");
 
     let leak = record_json("default", "ghost", "ghost-uid", "node-0", None, false);
     inject_record(&client, "pool", "pool-10-90-0-0-24", "10.90.0.0/24", "10.90.0.250", leak).await;
