@@ -90,6 +90,20 @@ pub(super) struct ResolvedPool {
     pub(super) deleting: bool,
 }
 
+/// Whether the agent's own copy of a block (what its last write stored) is newer than the
+/// watch cache's: the same object (UID) at a higher `metadata.generation`, which the apiserver
+/// raises on every change of a custom resource's spec; or the cache has not seen the block.
+fn own_copy_is_newer(cached: Option<&IPBlock>, own: Option<&IPBlock>) -> bool {
+    match (cached, own) {
+        (_, None) => false,
+        (None, Some(_)) => true,
+        (Some(cached), Some(own)) => {
+            cached.metadata.uid == own.metadata.uid
+                && own.metadata.generation.unwrap_or(0) > cached.metadata.generation.unwrap_or(0)
+        }
+    }
+}
+
 /// The field manager of this node's agent on the objects it writes.
 pub(super) fn field_manager(node: &str) -> String {
     format!("ipwarden-agent-{node}")
@@ -165,14 +179,7 @@ impl Core {
         let cached = self.blocks.get(&ObjectRef::new(name));
         let mut written = self.written.lock().unwrap_or_else(PoisonError::into_inner);
         let own = written.get(name);
-        let own_is_newer = match (cached.as_deref(), own) {
-            (_, None) => false,
-            (None, Some(_)) => true,
-            (Some(cached), Some(own)) => {
-                cached.metadata.uid == own.metadata.uid
-                    && own.metadata.generation.unwrap_or(0) > cached.metadata.generation.unwrap_or(0)
-            }
-        };
+        let own_is_newer = own_copy_is_newer(cached.as_deref(), own);
         if own_is_newer {
             return own.cloned();
         }
@@ -317,6 +324,30 @@ mod test {
             gateway: gateway.map(Into::into),
             pool: "p".into(),
             block: "b".into(),
+        }
+    }
+
+    #[test]
+    fn the_own_copy_of_a_block_wins_only_while_the_cache_has_not_caught_up_with_it() {
+        let block = |uid: &str, generation: i64| {
+            let mut block = IPBlock::new("b", crate::crd::IPBlockSpec::default());
+            block.metadata.uid = Some(uid.into());
+            block.metadata.generation = Some(generation);
+            block
+        };
+        // (cached, own, own is newer)
+        let cases = [
+            (None, None, false),
+            (Some(block("u", 3)), None, false),
+            (None, Some(block("u", 3)), true),
+            (Some(block("u", 3)), Some(block("u", 4)), true),
+            (Some(block("u", 4)), Some(block("u", 4)), false),
+            (Some(block("u", 5)), Some(block("u", 4)), false),
+            // Deleted and made anew: the cache's object is another one.
+            (Some(block("v", 1)), Some(block("u", 4)), false),
+        ];
+        for (cached, own, want) in cases {
+            assert_eq!(own_copy_is_newer(cached.as_ref(), own.as_ref()), want, "{cached:?} vs {own:?}");
         }
     }
 
