@@ -30,11 +30,13 @@ demo: controlplane
 	cargo build --quiet --locked --workspace --bins
 	target/debug/ipwarden-e2e up --demo --ipwarden target/debug/ipwarden --kubeconfig .e2e/kubeconfig
 
-# The churn benchmark (docs/benchmarks.md): release binaries, defaults, a report at the end.
-# Not part of `make test`.
+# The churn benchmark (docs/benchmarks.md): release binaries, defaults (CHURN_ARGS to change
+# them, e.g. CHURN_ARGS="--nodes 4 --burst 50 --bursts 5" for the allocation speed bursts), a
+# report at the end. Not part of `make test`.
+CHURN_ARGS ?=
 churn-bench: controlplane
 	cargo build --release --locked --workspace --bins
-	$(TARGET_DIR)/release/ipwarden-e2e churn --ipwarden $(TARGET_DIR)/release/ipwarden
+	$(TARGET_DIR)/release/ipwarden-e2e churn --ipwarden $(TARGET_DIR)/release/ipwarden $(CHURN_ARGS)
 
 # The scale benchmark (docs/benchmarks.md, "Scale"): release binaries, 1,000 nodes, 30,000 pods
 # in 300 pools by default (SCALE_FLAGS to change them), a report at the end and in

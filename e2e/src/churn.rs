@@ -185,6 +185,11 @@ pub struct Writes {
     pub total: u64,
     /// `total / pods created`.
     pub per_pod_life: Option<f64>,
+    /// Writes on the objects holding the records ([`Ipam::records`]; ipwarden: IPBlocks) per
+    /// pod created.
+    pub record_writes_per_pod_life: Option<f64>,
+    /// Of those writes, the 409 Conflict answers per pod whose record was released.
+    pub record_conflicts_per_release: Option<f64>,
     /// Successful allocations by ipwarden's agents (0 for a peer: no such counter).
     pub allocations: u64,
     /// IPs released by ipwarden's agents (CNI DEL, CNI GC, start-up GC).
@@ -285,13 +290,13 @@ pub struct Report {
 }
 
 /// The metrics and resource use of everything measured, at one moment.
-struct Snapshot {
-    agents: Vec<Scrape>,
-    controllers: Vec<Scrape>,
-    apiserver: Scrape,
-    usage: Vec<Usage>,
+pub(crate) struct Snapshot {
+    pub(crate) agents: Vec<Scrape>,
+    pub(crate) controllers: Vec<Scrape>,
+    pub(crate) apiserver: Scrape,
+    pub(crate) usage: Vec<Usage>,
     /// Lease updates seen so far by the lease watch.
-    lease_updates: u64,
+    pub(crate) lease_updates: u64,
 }
 
 pub(crate) async fn scrape_port(port: u16, what: &str) -> Result<Scrape> {
@@ -299,7 +304,7 @@ pub(crate) async fn scrape_port(port: u16, what: &str) -> Result<Scrape> {
     Scrape::parse(&text).map_err(|source| Error::Scrape { what: what.to_string(), source })
 }
 
-async fn snapshot(client: &Client, installed: &Installed, lease_updates: &AtomicU64) -> Result<Snapshot> {
+pub(crate) async fn snapshot(client: &Client, installed: &Installed, lease_updates: &AtomicU64) -> Result<Snapshot> {
     let scrape_all = async |processes: &[Measured<'_>]| -> Result<Vec<Scrape>> {
         let mut scrapes = Vec::new();
         for process in processes {
@@ -336,13 +341,13 @@ pub(crate) async fn scrape_apiserver(client: &Client) -> Result<Scrape> {
 
 /// What the watches and the pod workers saw, keyed by pod UID.
 #[derive(Default)]
-struct Timeline {
+pub(crate) struct Timeline {
     /// Pods created, with their fate and when they were created and deleted.
     pods: HashMap<String, PodTimes>,
     /// When each pod's status first showed an IP.
-    ip_seen: HashMap<String, Instant>,
+    pub(crate) ip_seen: HashMap<String, Instant>,
     /// When each pod's (`namespace/name`) last record left the IPAM's records.
-    released: HashMap<String, Instant>,
+    pub(crate) released: HashMap<String, Instant>,
     api_failures: u64,
 }
 
@@ -390,6 +395,28 @@ async fn watch_releases(client: Client, ipam: Ipam, timeline: Shared<Timeline>) 
             }
         });
     }
+}
+
+/// What the benchmarks' watches feed.
+pub(crate) struct Watched {
+    /// When pods got their IPs and when their records were released.
+    pub(crate) timeline: Shared<Timeline>,
+    /// Every pod of the cluster.
+    pub(crate) pods: Store<Pod>,
+    /// What the conflict checks saw: the conflicts and the number of checks.
+    pub(crate) conflicts: Shared<(BTreeSet<String>, u64)>,
+}
+
+/// Starts on `background` the watches of the pods (IP times, conflict checks) and of the
+/// IPAM's records (release times); returns once the pods are listed (`what` names the
+/// pod watch in the timeout error).
+pub(crate) async fn watch(client: &Client, ipam: Ipam, background: &mut JoinSet<()>, what: &str) -> Result<Watched> {
+    let timeline: Shared<Timeline> = Arc::default();
+    let (pods, writer) = reflector::store::<Pod>();
+    background.spawn(watch_pods(client.clone(), writer, timeline.clone()));
+    background.spawn(watch_releases(client.clone(), ipam, timeline.clone()));
+    let conflicts = watch_conflicts(pods.clone(), background, what).await?;
+    Ok(Watched { timeline, pods, conflicts })
 }
 
 /// Counts updates of Leases outside kube-node-lease (after the initial list).
@@ -499,7 +526,8 @@ async fn poll_conflicts(store: Store<Pod>, seen: Shared<(BTreeSet<String>, u64)>
     }
 }
 
-fn manifest(name: &str, node: &str, fate: Fate) -> Result<Pod> {
+/// A churn pod `name` bound to `node`, annotated to lose its CNI DEL when it is to leak.
+pub(crate) fn manifest(name: &str, node: &str, fate: Fate) -> Result<Pod> {
     let mut annotations = serde_json::Map::new();
     if fate == Fate::Leaked {
         annotations.insert(SKIP_DEL_ANNOTATION.into(), json!("true"));
@@ -561,14 +589,11 @@ pub async fn run(cluster: &Cluster, installed: &Installed, options: &ChurnOption
         Error::Churn(format!("the rate must be a positive number of pods per second, not {}", options.rate))
     })?;
     let client = cluster.client();
-    let timeline: Shared<Timeline> = Arc::default();
-    let (store, writer) = reflector::store::<Pod>();
     let mut background = JoinSet::new();
-    background.spawn(watch_pods(client.clone(), writer, timeline.clone()));
-    background.spawn(watch_releases(client.clone(), ipam, timeline.clone()));
+    let Watched { timeline, conflicts: seen, .. } =
+        watch(&client, ipam, &mut background, "the churn's pod watch").await?;
     let lease_updates: Arc<AtomicU64> = Arc::default();
     background.spawn(watch_leases(client.clone(), lease_updates.clone()));
-    let seen = watch_conflicts(store, &mut background, "the churn's pod watch").await?;
 
     let before = snapshot(&client, installed, &lease_updates).await?;
     let started = Instant::now();
@@ -656,7 +681,8 @@ fn counter(scrapes: &[Scrape], name: &str, select: impl Fn(&Labels) -> bool + Co
     scrapes.iter().map(|s| s.sum_where(name, select)).sum()
 }
 
-fn histogram(scrapes: &[Scrape], name: &str) -> Histogram {
+/// Histogram `name` of all `scrapes`, added bucket by bucket.
+pub(crate) fn histogram(scrapes: &[Scrape], name: &str) -> Histogram {
     let mut total = Histogram::default();
     for scrape in scrapes {
         total.merge(&scrape.histogram(name));
@@ -665,7 +691,7 @@ fn histogram(scrapes: &[Scrape], name: &str) -> Histogram {
 }
 
 /// Counter `name` summed over `select`ed label sets, after minus before.
-fn grown(before: &[Scrape], after: &[Scrape], name: &str, select: impl Fn(&Labels) -> bool + Copy) -> u64 {
+pub(crate) fn grown(before: &[Scrape], after: &[Scrape], name: &str, select: impl Fn(&Labels) -> bool + Copy) -> u64 {
     (counter(after, name, select) - counter(before, name, select)).max(0.0).round() as u64
 }
 
@@ -684,7 +710,25 @@ pub(crate) fn grown_by(before: &[Scrape], after: &[Scrape], name: &str, label: &
         .collect()
 }
 
-fn per(numerator: u64, denominator: u64) -> Option<f64> {
+/// Writes on `resource` (as `apiserver_request_total` labels it) between two scrapes of the
+/// apiserver, whatever their answer, with the 409 Conflict answers among them.
+pub(crate) fn resource_writes(before: &Scrape, after: &Scrape, resource: &str) -> ResourceWrites {
+    let writes_on = |conflicts_only: bool| {
+        move |labels: &Labels| {
+            labels.get("resource").is_some_and(|r| r == resource)
+                && labels.get("verb").is_some_and(|v| WRITE_VERBS.contains(&v.as_str()))
+                && (!conflicts_only || labels.get("code").is_some_and(|c| c == "409"))
+        }
+    };
+    let (before, after) = (std::slice::from_ref(before), std::slice::from_ref(after));
+    ResourceWrites {
+        writes: grown(before, after, "apiserver_request_total", writes_on(false)),
+        conflicts: grown(before, after, "apiserver_request_total", writes_on(true)),
+    }
+}
+
+/// `numerator / denominator`, none when nothing was divided by.
+pub(crate) fn per(numerator: u64, denominator: u64) -> Option<f64> {
     (denominator > 0).then(|| numerator as f64 / denominator as f64)
 }
 
@@ -698,21 +742,6 @@ fn measure(
     (conflicts, polls): (Vec<String>, u64),
 ) -> Report {
     let any = |_: &Labels| true;
-    let writes_on = |resource: &'static str, conflicts_only: bool| {
-        move |labels: &Labels| {
-            labels.get("resource").is_some_and(|r| r == resource)
-                && labels.get("verb").is_some_and(|v| WRITE_VERBS.contains(&v.as_str()))
-                && (!conflicts_only || labels.get("code").is_some_and(|c| c == "409"))
-        }
-    };
-    let apiserver = |select| {
-        grown(
-            std::slice::from_ref(&before.apiserver),
-            std::slice::from_ref(&after.apiserver),
-            "apiserver_request_total",
-            select,
-        )
-    };
     let agent_releases = grown(&before.agents, &after.agents, "ipwarden_agent_releases_total", |l| {
         l.get("result").is_some_and(|r| r == "released")
     });
@@ -720,21 +749,19 @@ fn measure(
     let by_resource: BTreeMap<String, ResourceWrites> = ipam
         .write_resources()
         .iter()
-        .map(|resource| {
-            let counted = ResourceWrites {
-                writes: apiserver(writes_on(resource, false)),
-                conflicts: apiserver(writes_on(resource, true)),
-            };
-            (resource.to_string(), counted)
-        })
+        .map(|resource| (resource.to_string(), resource_writes(&before.apiserver, &after.apiserver, resource)))
         .collect();
     let lease_updates = after.lease_updates.saturating_sub(before.lease_updates);
     let total = by_resource.values().map(|r| r.writes).sum::<u64>() + lease_updates;
+    let records = resource_writes(&before.apiserver, &after.apiserver, &ipam.records().plural);
+    let released_pods = timeline.pods.values().filter(|pod| timeline.released.contains_key(&pod.key)).count();
     let writes = Writes {
         by_resource,
         lease_updates,
         total,
         per_pod_life: per(total, timeline.pods.len() as u64),
+        record_writes_per_pod_life: per(records.writes, timeline.pods.len() as u64),
+        record_conflicts_per_release: per(records.conflicts, released_pods as u64),
         allocations: grown(&before.agents, &after.agents, "ipwarden_agent_allocations_total", |l| {
             l.get("result").is_some_and(|r| r == "success")
         }),
@@ -821,7 +848,7 @@ fn measure(
 }
 
 /// Seconds for people: milliseconds below one second, `-` without a value.
-fn seconds(value: Option<f64>) -> String {
+pub(crate) fn seconds(value: Option<f64>) -> String {
     match value {
         None => "-".to_string(),
         Some(s) if s < 1.0 => format!("{:.1} ms", s * 1000.0),
@@ -829,7 +856,8 @@ fn seconds(value: Option<f64>) -> String {
     }
 }
 
-fn ratio(value: Option<f64>) -> String {
+/// A ratio with two decimals, `-` without a value.
+pub(crate) fn ratio(value: Option<f64>) -> String {
     value.map_or_else(|| "-".to_string(), |v| format!("{v:.2}"))
 }
 
@@ -874,6 +902,12 @@ impl std::fmt::Display for Report {
         }
         writeln!(f, "{:<52} {:>8} {:>12}", "lease updates (outside kube-node-lease)", w.lease_updates, "-")?;
         writeln!(f, "{:<52} {:>8} {:>12}", "all, per pod life", w.total, ratio(w.per_pod_life))?;
+        writeln!(
+            f,
+            "record objects' writes per pod life: {}; their 409s per release: {}",
+            ratio(w.record_writes_per_pod_life),
+            ratio(w.record_conflicts_per_release)
+        )?;
         writeln!(
             f,
             "releases: {} (agents {}, controller {}); allocations: {}",
@@ -937,7 +971,7 @@ impl std::fmt::Display for Report {
 type Figure = (&'static str, fn(&Report) -> Option<f64>);
 
 /// The figures [`compare`] puts side by side; all lower-is-better.
-const FIGURES: [Figure; 14] = [
+const FIGURES: [Figure; 16] = [
     ("allocation end to end p50 (s)", |r| r.allocation_end_to_end.p50_seconds),
     ("allocation end to end p99 (s)", |r| r.allocation_end_to_end.p99_seconds),
     ("release after delete p50 (s)", |r| r.release_deleted.p50_seconds),
@@ -947,6 +981,8 @@ const FIGURES: [Figure; 14] = [
     ("leak reclaim p50 (s)", |r| r.reclaim_leaked.p50_seconds),
     ("leak reclaim p99 (s)", |r| r.reclaim_leaked.p99_seconds),
     ("apiserver writes per pod life", |r| r.writes.per_pod_life),
+    ("record objects' writes per pod life", |r| r.writes.record_writes_per_pod_life),
+    ("record objects' 409s per release", |r| r.writes.record_conflicts_per_release),
     ("409 Conflict answers", |r| Some(r.writes.by_resource.values().map(|w| w.conflicts).sum::<u64>() as f64)),
     ("controller CPU seconds (all replicas)", |r| Some(r.controllers.iter().map(|c| c.cpu_seconds).sum())),
     ("controller peak RSS MiB (all replicas)", |r| Some(r.controllers.iter().map(|c| c.peak_rss_mib).sum())),
@@ -1110,6 +1146,8 @@ mod test {
                 PodTimes { key: format!("default/p{n}"), fate: Fate::Deleted, created: Instant::now(), deleted: None };
             timeline.pods.insert(format!("u{n}"), times);
         }
+        // Half the pods' records are gone: the 409s count per release, the writes per pod.
+        timeline.released.extend((0..5).map(|n| (format!("default/p{n}"), Instant::now())));
         let report = measure(Ipam::Ipwarden, &before, &after, &timeline, &identities, (Vec::new(), 7));
         let w = report.writes;
         assert_eq!((w.agent_releases, w.controller_releases), (8, 2));
@@ -1120,6 +1158,7 @@ mod test {
         assert_eq!(w.lease_updates, 4);
         assert_eq!(w.total, 25 + 2 + 4);
         assert_eq!(w.per_pod_life, Some(3.1));
+        assert_eq!((w.record_writes_per_pod_life, w.record_conflicts_per_release), (Some(2.5), Some(0.6)));
         // A peer's resources only: ipwarden's writes are none of Whereabouts'.
         let peer = measure(Ipam::Whereabouts, &before, &after, &timeline, &identities, (Vec::new(), 7));
         assert_eq!(peer.writes.by_resource["ippools"], ResourceWrites::default());

@@ -9,6 +9,7 @@
 
 pub mod accounts;
 pub mod binaries;
+pub mod burst;
 pub mod churn;
 pub mod cluster;
 pub mod cni;

@@ -3,7 +3,8 @@
 //! `make cluster-up` / `make cluster-down` and `make demo` drive it.
 //!
 //! `ipwarden-e2e churn`: the churn benchmark (`make churn-bench`, docs/benchmarks.md), of
-//! ipwarden or of a peer IPAM (`--ipam`, `make peer-bench`).
+//! ipwarden or of a peer IPAM (`--ipam`, `make peer-bench`); with `--burst`, the allocation
+//! speed benchmark instead (pods created at once on each node).
 //!
 //! `ipwarden-e2e scale`: the scale benchmark (`make scale-bench`, docs/benchmarks.md).
 
@@ -82,6 +83,22 @@ enum Command {
         /// of its own whose pool has 5 IPs (two StatefulSets of 5 take turns); 0: no storm.
         #[arg(long, default_value_t = 10)]
         storm_cycles: u32,
+        /// Instead of the steady rate: create this many pods at once on each node, wait until
+        /// all run with their IPs, delete them all at once, wait (--settle-timeout-seconds) until
+        /// every record of theirs is released, and report the allocation speed. No leaks, no
+        /// force deletes, no storm.
+        #[arg(
+            long,
+            value_parser = clap::value_parser!(u64).range(1..=10_000),
+            conflicts_with_all = ["rate", "duration_seconds", "lifetime_seconds", "leak_percent", "force_percent", "storm_cycles"],
+        )]
+        burst: Option<u64>,
+        /// With --burst: how many bursts, one after the other on the same cluster.
+        #[arg(long, default_value_t = 1, requires = "burst", value_parser = clap::value_parser!(u32).range(1..))]
+        bursts: u32,
+        /// With --burst: how long the pods of one burst may take to all run with their IPs.
+        #[arg(long, default_value_t = 120, requires = "burst")]
+        burst_timeout_seconds: u64,
         /// `table` for people, `json` for scripts.
         #[arg(long, value_enum, default_value_t = Output::Table)]
         output: Output,
@@ -157,8 +174,21 @@ async fn main() -> anyhow::Result<()> {
             force_percent,
             settle_timeout_seconds,
             storm_cycles,
+            burst,
+            bursts,
+            burst_timeout_seconds,
             output,
         } => {
+            let nodes = usize::try_from(nodes)?;
+            if let Some(per_node) = burst {
+                let options = e2e::burst::BurstOptions {
+                    per_node: usize::try_from(per_node)?,
+                    bursts,
+                    running_timeout: Duration::from_secs(burst_timeout_seconds),
+                    release_timeout: Duration::from_secs(settle_timeout_seconds),
+                };
+                return burst_each(nodes, &ipam, ipwarden.as_deref(), &options, output).await;
+            }
             anyhow::ensure!(
                 rate > 0.0 && rate <= 1000.0,
                 "--rate must be more than 0 and at most 1000 pods per second"
@@ -172,7 +202,6 @@ async fn main() -> anyhow::Result<()> {
                 force_percent,
                 settle_timeout: Duration::from_secs(settle_timeout_seconds),
             };
-            let nodes = usize::try_from(nodes)?;
             let storm = e2e::storm::StormOptions { cycles: storm_cycles, handover_timeout: STORM_HANDOVER_TIMEOUT };
             let mut reports = Vec::new();
             for ipam in ipam {
@@ -399,8 +428,6 @@ async fn churn(
     options: &e2e::churn::ChurnOptions,
     storm: &e2e::storm::StormOptions,
 ) -> anyhow::Result<e2e::churn::Report> {
-    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let measured = async {
         let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, Pool::Churn).await?;
         eprintln!(
@@ -428,17 +455,65 @@ async fn churn(
         cluster.stop();
         anyhow::Ok(report)
     };
-    let report = tokio::select! {
-        report = measured => report?,
-        _ = terminate.recv() => anyhow::bail!("churn: stopped by SIGTERM"),
-        _ = interrupt.recv() => anyhow::bail!("churn: stopped by SIGINT"),
-    };
-    Ok(report)
+    stoppable("churn", measured).await
+}
+
+/// Runs `work` unless SIGTERM or SIGINT comes first, which stops `what` with an error.
+async fn stoppable<T>(what: &str, work: impl Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    tokio::select! {
+        result = work => result,
+        _ = terminate.recv() => anyhow::bail!("{what}: stopped by SIGTERM"),
+        _ = interrupt.recv() => anyhow::bail!("{what}: stopped by SIGINT"),
+    }
+}
+
+/// The burst benchmark of each of `ipams` in turn, each on a cluster of its own that is
+/// stopped afterwards; prints the reports, and fails when ipwarden put an IP on two live pods
+/// or a burst's pods did not all run and get released within the bounds.
+async fn burst_each(
+    nodes: usize,
+    ipams: &[e2e::peers::Ipam],
+    ipwarden: Option<&Path>,
+    options: &e2e::burst::BurstOptions,
+    output: Output,
+) -> anyhow::Result<()> {
+    let mut reports = Vec::new();
+    for &ipam in ipams {
+        let measured = async {
+            let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, Pool::Churn).await?;
+            eprintln!(
+                "burst: {ipam} on a cluster ready ({nodes} nodes, run dir {}); {} bursts of {} pods on each node",
+                cluster.dir().display(),
+                options.bursts,
+                options.per_node
+            );
+            let report = e2e::burst::run(&cluster, &installation, options).await.context("running the bursts")?;
+            drop(installation);
+            cluster.stop();
+            anyhow::Ok(report)
+        };
+        reports.push(stoppable("burst", measured).await?);
+    }
+    for report in &reports {
+        match output {
+            Output::Table => println!("{report}"),
+            Output::Json => println!("{}", serde_json::to_string_pretty(report)?),
+        }
+    }
+    for report in &reports {
+        anyhow::ensure!(
+            report.ip_conflicts == 0 || report.ipam != "ipwarden",
+            "burst: {} IPs were held by two live pods at once",
+            report.ip_conflicts
+        );
+        anyhow::ensure!(report.completed, "burst of {}: {}", report.ipam, report.failure);
+    }
+    Ok(())
 }
 
 async fn scale(ipwarden: &Path, options: &e2e::scale::ScaleOptions, file: &Path, output: Output) -> anyhow::Result<()> {
-    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     e2e::scale::plan(options)?;
     let binary = std::fs::canonicalize(ipwarden).with_context(|| format!("finding {}", ipwarden.display()))?;
     let measured = async {
@@ -455,11 +530,7 @@ async fn scale(ipwarden: &Path, options: &e2e::scale::ScaleOptions, file: &Path,
         cluster.stop();
         anyhow::Ok(report)
     };
-    let report = tokio::select! {
-        report = measured => report?,
-        _ = terminate.recv() => anyhow::bail!("scale: stopped by SIGTERM"),
-        _ = interrupt.recv() => anyhow::bail!("scale: stopped by SIGINT"),
-    };
+    let report = stoppable("scale", measured).await?;
     let json = serde_json::to_string_pretty(&report)?;
     if let Some(dir) = file.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
