@@ -13,6 +13,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
 
+use super::batch::{self, Taken, Wish};
 use super::checkpoint::{CheckpointEntry, CheckpointIp};
 use super::core::{Core, ResolvedPool, attachment_key, field_manager, result_of};
 use super::error::Error;
@@ -27,7 +28,6 @@ use crate::ipam::affinity::{self, KnownBlock};
 use crate::ipam::blocks;
 use crate::ipam::pools::{self, PodPlacement, PoolSet};
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
-use crate::ipam::{BlockUsage, ChooseError, choose_ip};
 use crate::protocol::{AttachmentRequest, IpamResult};
 
 /// How many not-yet-created blocks of a pool one ADD may try.
@@ -492,7 +492,8 @@ impl Core {
     /// One IP of `pool` for `record`: from this node's own blocks, else from a free block it
     /// claims in the same write, else borrowed from another node's block
     /// ([`affinity::plan`]). Every block is edited from the newest copy the agent holds, so
-    /// a block with no ready IP costs no request and a write costs one.
+    /// a block with no ready IP costs no request, and the ADDs of the node waiting for the
+    /// same block share one write (module `batch`).
     async fn allocate_in_pool(&self, pool: &ResolvedPool, record: &Allocation) -> Result<Written, Error> {
         let node = self.settings.node.as_str();
         let blocks = self.newest_blocks_of(&pool.name);
@@ -511,34 +512,40 @@ impl Core {
         let mut cooling = 0usize;
         let mut next_free: Option<Timestamp> = None;
         for candidate in candidates {
-            let now = Timestamp::now();
-            let (name, net) = (candidate.name.as_str(), candidate.net);
-            let chosen = self
-                .write_block(name, &pool.name, net, |spec| {
-                    let (allocated, released) = blocks::usage(spec);
-                    let usage = BlockUsage { allocated: &allocated, released: &released };
-                    let ip = match choose_ip(&pool.layout, net, usage, now, self.settings.cooldown) {
-                        Ok(ip) => ip,
-                        Err(ChooseError::Cooling { cooling: count, next_free_at, .. }) => {
-                            cooling += count;
-                            next_free = Some(next_free.map_or(next_free_at, |t| t.min(next_free_at)));
-                            return None;
-                        }
-                        Err(_) => return None,
+            let wish =
+                Wish { layout: pool.layout.clone(), net: candidate.net, how: candidate.how, record: record.clone() };
+            let taken = match self.take_from_block(&candidate.name, &pool.name, wish).await {
+                // The batch's write failed: write alone, for this ADD's own error.
+                Taken::Retry => {
+                    let (name, net) = (candidate.name.as_str(), candidate.net);
+                    let alone = self
+                        .write_block(name, &pool.name, net, |spec| {
+                            let wish =
+                                Wish { layout: pool.layout.clone(), net, how: candidate.how, record: record.clone() };
+                            let taken = batch::grant(spec, node, &[&wish], Timestamp::now(), self.settings.cooldown);
+                            taken.into_iter().next().filter(|t| matches!(t, Taken::Ip(..)))
+                        })
+                        .await?;
+                    alone.unwrap_or(Taken::Nothing)
+                }
+                taken => taken,
+            };
+            match taken {
+                Taken::Ip(ip, prior) => {
+                    let ip = CheckpointIp {
+                        ip: ip.to_string(),
+                        prefix_len: pool.layout.cidr().prefix_len(),
+                        gateway: pool.gateway.clone(),
+                        pool: pool.name.clone(),
+                        block: candidate.name,
                     };
-                    affinity::take_for(spec, node, candidate.how)
-                        .then(|| (ip, blocks::allocate(spec, ip, record.clone())))
-                })
-                .await?;
-            if let Some((ip, prior)) = chosen {
-                let ip = CheckpointIp {
-                    ip: ip.to_string(),
-                    prefix_len: pool.layout.cidr().prefix_len(),
-                    gateway: pool.gateway.clone(),
-                    pool: pool.name.clone(),
-                    block: candidate.name,
-                };
-                return Ok(Written { ip, prior });
+                    return Ok(Written { ip, prior });
+                }
+                Taken::Cooling { cooling: count, next_free_at } => {
+                    cooling += count;
+                    next_free = Some(next_free.map_or(next_free_at, |t| t.min(next_free_at)));
+                }
+                Taken::Nothing | Taken::Retry => {}
             }
         }
         self.metrics.pool_exhausted.get_or_create(&PoolLabels { pool: pool.name.clone() }).inc();

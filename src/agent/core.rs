@@ -14,10 +14,11 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, ResourceExt};
 use tokio::sync::Mutex;
 
+use super::batch::Batches;
 use super::checkpoint::{AttachmentKey, Checkpoint, CheckpointIp};
 use super::error::Error;
 use super::metrics::AgentMetrics;
-use super::serial::{KeyedLocks, Serial};
+use super::serial::{KeyGuard, KeyedLocks, Serial};
 use crate::block_store::BlockStore;
 use crate::crd::{IPBlock, IPPool};
 use crate::ipam::PoolLayout;
@@ -66,6 +67,8 @@ pub struct Core {
     pub(super) serial: Serial,
     /// One writer per block on this node, so the node's own writes never conflict.
     block_locks: KeyedLocks,
+    /// The ADDs waiting for an IP of a block, served together by its next write.
+    pub(super) batches: Batches,
     /// The copy of each block this agent's last write stored, until the watch cache has
     /// caught up with it: the base of the next write, so consecutive writes need no read.
     written: std::sync::Mutex<HashMap<String, IPBlock>>,
@@ -169,6 +172,7 @@ impl Core {
             store,
             serial: Serial::default(),
             block_locks: KeyedLocks::default(),
+            batches: Batches::default(),
             written: std::sync::Mutex::new(HashMap::new()),
         }
     }
@@ -205,9 +209,7 @@ impl Core {
     }
 
     /// Holds block `name` for this node's one writer of it, edits it in one compare-and-swap
-    /// and remembers what the write stored. With [`Base::Newest`] the first attempt edits the
-    /// newest copy this agent knows (or, when it knows none, `create`'s object, created
-    /// without a read), taken under the writer's lock; with [`Base::Fresh`] it reads first.
+    /// and remembers what the write stored ([`Core::cas_block_held`]).
     pub(super) async fn cas_block<T>(
         &self,
         name: &str,
@@ -215,7 +217,27 @@ impl Core {
         create: Option<&dyn Fn() -> IPBlock>,
         edit: impl FnMut(&mut IPBlock) -> Option<T>,
     ) -> Result<crate::block_store::CasOutcome<T>, crate::block_store::CasError> {
-        let _writer = self.block_locks.lock(name).await;
+        let writer = self.block_writer(name).await;
+        self.cas_block_held(&writer, name, base, create, edit).await
+    }
+
+    /// Waits to be this node's one writer of block `name`.
+    pub(super) async fn block_writer(&self, name: &str) -> KeyGuard<'_> {
+        self.block_locks.lock(name).await
+    }
+
+    /// Edits block `name`, whose writer the caller is (`_writer`), in one compare-and-swap and
+    /// remembers what the write stored. With [`Base::Newest`] the first attempt edits the
+    /// newest copy this agent knows (or, when it knows none, `create`'s object, created
+    /// without a read); with [`Base::Fresh`] it reads first.
+    pub(super) async fn cas_block_held<T>(
+        &self,
+        _writer: &KeyGuard<'_>,
+        name: &str,
+        base: Base,
+        create: Option<&dyn Fn() -> IPBlock>,
+        edit: impl FnMut(&mut IPBlock) -> Option<T>,
+    ) -> Result<crate::block_store::CasOutcome<T>, crate::block_store::CasError> {
         let base = match base {
             Base::Newest => self.newest_block(name).or_else(|| create.map(|create| create())),
             Base::Fresh => None,

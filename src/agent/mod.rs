@@ -4,6 +4,7 @@
 
 mod add;
 pub mod allocator;
+mod batch;
 mod block_writes;
 pub mod checkpoint;
 mod cni_verbs;
