@@ -3,7 +3,8 @@
 //! `ready-for-release` frees the IP. Covers the race the handshake exists for (the IP
 //! still used on the node while the controller decided to free it), restarts of the
 //! controller and of the agent, an aborted handshake, and a NotReady node handled by the
-//! NotReady policy instead.
+//! NotReady policy instead; the runtime's CNI GC deciding a lost DEL's fate; and the reuse
+//! cooldown counted from a leaked pod's end.
 
 mod support;
 
@@ -211,4 +212,113 @@ async fn a_mark_waits_for_a_dead_agent_is_aborted_when_wanted_again_and_a_not_re
     assert_eq!(metric_sum(&text, "ipwarden_gc_releases_total", &["reason=\"node_not_ready\""]), 1.0);
     let marks_after = metric_sum(&text, "ipwarden_gc_release_handshakes_total", &["step=\"marked\""]);
     assert_eq!(marks_after, marks_before, "no handshake with a node whose agent cannot answer");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_del_is_reclaimed_once_the_runtime_stops_listing_its_sandbox_and_never_while_it_lists_it() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    // Without the runtime's word, a sandbox still in the checkpoint counts as lost GRACE
+    // seconds after the mark.
+    const GRACE: u64 = 3;
+    let grace = format!("--release-sandbox-grace-seconds={GRACE}");
+    let agent_args = [grace.as_str(), "--reuse-cooldown-seconds=0"];
+    let mut ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let client = ipwarden.client();
+    let controller =
+        ipwarden.start_controller("gc", &["--full-scan-interval-seconds=2", "--additional-grace-seconds=0"]);
+    ipwarden.wait_leader(controller).await;
+
+    // Both pods' DELs are lost. The test is their runtime: it still has `listed`'s sandbox
+    // (its teardown is stuck), `dropped`'s is gone.
+    let node = &ipwarden.cluster.nodes()[0];
+    node.faults().set_skip_del(true);
+    create_pod(&client, NS, "listed", "node-0", json!({"app": "gc"})).await;
+    create_pod(&client, NS, "dropped", "node-0", json!({"app": "gc"})).await;
+    let pods = wait_pods_with_ips(&client, NS, "app=gc", 2).await;
+    let sandbox = |name: &str| node.sandboxes().remove(&pods[name].uid().unwrap_or_default()).expect("sandbox");
+    let listed = sandbox("listed");
+    let (listed_ip, listed_uid) = (ip_of(&pods["listed"]), pods["listed"].uid().unwrap_or_default());
+    let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+    for name in ["listed", "dropped"] {
+        Api::<Pod>::namespaced(client.clone(), NS).delete(name, &force).await.expect("force delete");
+    }
+
+    // The runtime's GC no longer lists `dropped`: its IP is free by the time the call returns.
+    support::runtime_gc(&ipwarden, 0, &[&listed]).await;
+    assert_eq!(record_state(&client, &ip_of(&pods["dropped"])).await, None, "the GC freed the unlisted sandbox's IP");
+
+    // While the runtime keeps listing `listed` (every second, as a runtime's GC timer would),
+    // its DEL is late, not lost: the mark stays unanswered far past the sandbox grace.
+    let started = std::time::Instant::now();
+    let mut marked: Option<std::time::Instant> = None;
+    while marked.is_none_or(|at| at.elapsed() < std::time::Duration::from_secs(3 * GRACE)) {
+        assert!(started.elapsed() < TIMEOUT, "the controller never marked the record of {listed_ip}");
+        support::runtime_gc(&ipwarden, 0, &[&listed]).await;
+        match record_state(&client, &listed_ip).await {
+            Some((uid, Some(HandshakeState::MarkedForRelease))) if uid == listed_uid => {
+                marked.get_or_insert_with(std::time::Instant::now);
+            }
+            Some((uid, None)) if uid == listed_uid && marked.is_none() => {}
+            other => panic!(
+                "the record of {listed_ip}, whose sandbox the runtime still lists, is {other:?} {:?} after its mark",
+                marked.map(|at| at.elapsed())
+            ),
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+
+    // The runtime lets go of the sandbox: its next GC frees the IP.
+    support::runtime_gc(&ipwarden, 0, &[]).await;
+    assert_eq!(record_state(&client, &listed_ip).await, None, "the GC freed the IP once the sandbox was gone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaked_ip_whose_pod_ended_a_cooldown_ago_is_reused_as_soon_as_it_is_released() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    // The cooldown runs out while the agent still waits for the lost DELs (GRACE after the
+    // mark), so the IPs are ready for reuse the moment they are released.
+    const COOLDOWN: u64 = 10;
+    const GRACE: u64 = 12;
+    let (cooldown, grace) =
+        (format!("--reuse-cooldown-seconds={COOLDOWN}"), format!("--release-sandbox-grace-seconds={GRACE}"));
+    let pool = json!({"cidr": CIDR, "default": true, "ranges": [{"start": "10.72.0.10", "end": "10.72.0.12"}]});
+    let mut ipwarden = Ipwarden::start(1, &[(POOL, pool)], &[cooldown.as_str(), grace.as_str()]).await;
+    let client = ipwarden.client();
+    // Leaks are found by the tracer (which knows when each pod ended), not by a sweep.
+    let controller =
+        ipwarden.start_controller("gc", &["--full-scan-interval-seconds=3600", "--additional-grace-seconds=0"]);
+    ipwarden.wait_leader(controller).await;
+
+    // The pool's three IPs leak: their pods are deleted and the runtime loses every DEL.
+    ipwarden.cluster.nodes()[0].faults().set_skip_del(true);
+    for i in 0..3 {
+        create_pod(&client, NS, &format!("leak-{i}"), "node-0", json!({"app": "leak"})).await;
+    }
+    let leaked = wait_pods_with_ips(&client, NS, "app=leak", 3).await;
+    let leaked_ips: Vec<String> = leaked.values().map(ip_of).collect();
+    let leaked_uids: Vec<String> = leaked.values().filter_map(|p| p.uid()).collect();
+    for i in 0..3 {
+        Api::<Pod>::namespaced(client.clone(), NS)
+            .delete(&format!("leak-{i}"), &DeleteParams::default())
+            .await
+            .expect("delete");
+    }
+    create_pod(&client, NS, "pending", "node-0", json!({"app": "pending"})).await;
+
+    wait::until("the controller releasing a leaked IP", TIMEOUT, || async {
+        let held = records(&client).await;
+        let left = held.values().filter(|r| leaked_uids.contains(&r.pod.uid)).count();
+        Ok(if left < 3 { Probe::Done(()) } else { Probe::Pending(format!("{left} leaked records")) })
+    })
+    .await
+    .expect("a leak released");
+    let released = std::time::Instant::now();
+    let pending = wait_pods_with_ips(&client, NS, "app=pending", 1).await.remove("pending").expect("pending");
+    let waited = released.elapsed();
+    assert!(leaked_ips.contains(&ip_of(&pending)), "the pending pod got a leaked IP: {}", ip_of(&pending));
+    assert!(
+        waited < std::time::Duration::from_secs(COOLDOWN / 2),
+        "the pending pod waited {waited:?} after the release, though the leaked pods ended more than the \
+         {COOLDOWN} s cooldown before it"
+    );
 }

@@ -657,10 +657,9 @@ fn apply_one(
                 });
                 return ChangeOutcome::Marked;
             }
-            let ended = record.release_handshake.as_ref().and_then(|h| h.pod_ended_at.as_ref()).map(|t| t.0);
-            spec.allocations.remove(&change.ip);
-            spec.released.insert(change.ip.clone(), Time(now));
-            ChangeOutcome::Released(ended)
+            let marked = record.release_handshake.as_ref().and_then(|h| h.pod_ended_at.as_ref()).map(|t| t.0);
+            crate::ipam::blocks::free(spec, &change.ip, marked.or(ended), now);
+            ChangeOutcome::Released(marked)
         }
         ChangeAction::Repair { adopter } => {
             if holders.get(&change.ip) != Some(&adopter.pod.uid) {

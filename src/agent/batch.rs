@@ -50,10 +50,13 @@ pub(super) struct Wish {
     pub(super) record: Allocation,
 }
 
+/// A queued wish and where its answer goes.
+type Queued = (Wish, oneshot::Sender<Taken>);
+
 /// The wishes queued per block.
 #[derive(Default)]
 pub(super) struct Batches {
-    queued: Mutex<HashMap<String, Vec<(Wish, oneshot::Sender<Taken>)>>>,
+    queued: Mutex<HashMap<String, Vec<Queued>>>,
 }
 
 impl Batches {
@@ -68,7 +71,7 @@ impl Batches {
         answer
     }
 
-    fn take(&self, block: &str) -> Vec<(Wish, oneshot::Sender<Taken>)> {
+    fn take(&self, block: &str) -> Vec<Queued> {
         self.queued.lock().unwrap_or_else(PoisonError::into_inner).remove(block).unwrap_or_default()
     }
 }

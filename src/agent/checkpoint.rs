@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
@@ -94,6 +95,9 @@ struct File {
 pub struct Checkpoint {
     path: PathBuf,
     entries: BTreeMap<AttachmentKey, CheckpointEntry>,
+    /// When the runtime's CNI GC last listed each recorded attachment as valid. In memory
+    /// only: after a restart, the runtime's next GC call says it again.
+    listed: BTreeMap<AttachmentKey, Instant>,
 }
 
 /// How the checkpoint was found at start.
@@ -110,7 +114,7 @@ pub enum Restored {
 impl Checkpoint {
     /// Restores the checkpoint from `path`.
     pub fn load(path: &Path) -> Result<(Self, Restored), CheckpointError> {
-        let mut checkpoint = Self { path: path.to_path_buf(), entries: BTreeMap::new() };
+        let mut checkpoint = Self { path: path.to_path_buf(), entries: BTreeMap::new(), listed: BTreeMap::new() };
         let bytes = match std::fs::read(path) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((checkpoint, Restored::Fresh)),
@@ -155,6 +159,7 @@ impl Checkpoint {
     /// in memory either, so a failed ADD is never answered from the checkpoint later.
     pub fn insert(&mut self, entry: CheckpointEntry) -> Result<(), CheckpointError> {
         let key = entry.key.clone();
+        self.listed.remove(&key);
         let replaced = self.entries.insert(key.clone(), entry);
         self.save().inspect_err(|_| match replaced {
             Some(previous) => {
@@ -169,6 +174,7 @@ impl Checkpoint {
     /// Forgets an attachment and saves (saving nothing when it was unknown).
     pub fn remove(&mut self, key: &AttachmentKey) -> Result<Option<CheckpointEntry>, CheckpointError> {
         let removed = self.entries.remove(key);
+        self.listed.remove(key);
         if removed.is_some() {
             self.save()?;
         }
@@ -185,6 +191,7 @@ impl Checkpoint {
     ) -> Result<Vec<CheckpointEntry>, CheckpointError> {
         let (kept, dropped) = std::mem::take(&mut self.entries).into_iter().partition(|(k, _)| recorded.contains(k));
         self.entries = kept;
+        self.listed.retain(|k, _| recorded.contains(k));
         let dropped: BTreeMap<AttachmentKey, CheckpointEntry> = dropped;
         if !dropped.is_empty() {
             self.save()?;
@@ -195,7 +202,22 @@ impl Checkpoint {
     /// Replaces every entry (after rebuilding from the apiserver) and saves.
     pub fn replace_all(&mut self, entries: Vec<CheckpointEntry>) -> Result<(), CheckpointError> {
         self.entries = entries.into_iter().map(|e| (e.key.clone(), e)).collect();
+        self.listed.clear();
         self.save()
+    }
+
+    /// Notes that the runtime's CNI GC listed `keys` as valid attachments at `at` (keys
+    /// not recorded are ignored): the runtime still has those sandboxes.
+    pub fn note_listed<'a>(&mut self, keys: impl IntoIterator<Item = &'a AttachmentKey>, at: Instant) {
+        for key in keys.into_iter().filter(|k| self.entries.contains_key(*k)) {
+            self.listed.insert(key.clone(), at);
+        }
+    }
+
+    /// When the runtime's CNI GC last listed a recorded attachment, if it has since the
+    /// attachment was recorded (and since this agent started).
+    pub fn listed_at(&self, key: &AttachmentKey) -> Option<Instant> {
+        self.listed.get(key).copied()
     }
 
     /// Writes the file atomically: a crash leaves either the old or the new checkpoint.
@@ -264,6 +286,22 @@ mod test {
         assert_eq!(dropped, vec![entry("released")]);
         let (reloaded, _) = Checkpoint::load(&path).expect("reload");
         assert_eq!(reloaded.entries().cloned().collect::<Vec<_>>(), vec![entry("recorded")], "saved");
+    }
+
+    #[test]
+    fn a_runtime_listing_lasts_as_long_as_the_attachment_it_names() {
+        let (mut checkpoint, _) = Checkpoint::load(&scratch("listed")).expect("load");
+        checkpoint.insert(entry("c1")).expect("insert");
+        checkpoint.insert(entry("c2")).expect("insert");
+        let at = Instant::now();
+        checkpoint.note_listed([&entry("c1").key, &entry("c2").key, &entry("unknown").key], at);
+        assert_eq!(checkpoint.listed_at(&entry("c1").key), Some(at));
+        assert_eq!(checkpoint.listed_at(&entry("unknown").key), None, "an unrecorded attachment is not noted");
+        checkpoint.remove(&entry("c1").key).expect("remove");
+        checkpoint.insert(entry("c1")).expect("insert");
+        assert_eq!(checkpoint.listed_at(&entry("c1").key), None, "a new record of the attachment was not listed yet");
+        checkpoint.retain_recorded(&std::collections::BTreeSet::new()).expect("retain");
+        assert_eq!(checkpoint.listed_at(&entry("c2").key), None, "a dropped attachment's listing goes with it");
     }
 
     #[test]

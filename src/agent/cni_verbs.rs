@@ -1,10 +1,11 @@
 //! CNI DEL, CHECK, GC and STATUS (ADD has its own file, `add`).
 
 use std::collections::BTreeSet;
+use std::time::Instant;
 
 use kube::api::Api;
 
-use super::checkpoint::CheckpointEntry;
+use super::checkpoint::{AttachmentKey, CheckpointEntry};
 use super::core::{Core, attachment_key};
 use super::error::Error;
 use crate::crd::IPBlock;
@@ -67,11 +68,23 @@ impl Core {
         Ok(())
     }
 
-    /// CNI GC: releases every attachment of the network that the runtime no longer lists.
+    /// CNI GC: releases every attachment of the network that the runtime no longer lists,
+    /// and notes when it listed the others: a release mark waits for a sandbox the runtime
+    /// still has, however long its DEL takes (`release_marks`).
     pub async fn gc(&self, request: &GcRequest) -> Result<(), Error> {
         let valid: BTreeSet<(&str, &str)> =
             request.valid_attachments.iter().map(|a| (a.container_id.as_str(), a.ifname.as_str())).collect();
         let mut checkpoint = self.checkpoint.lock().await;
+        let listed: Vec<AttachmentKey> = request
+            .valid_attachments
+            .iter()
+            .map(|a| AttachmentKey {
+                network: request.network.clone(),
+                container_id: a.container_id.clone(),
+                ifname: a.ifname.clone(),
+            })
+            .collect();
+        checkpoint.note_listed(&listed, Instant::now());
         let stale: Vec<CheckpointEntry> = checkpoint
             .entries()
             .filter(|e| e.key.network == request.network)

@@ -13,7 +13,7 @@ use super::checkpoint::AttachmentKey;
 use super::core::Core;
 use super::error::Error;
 use crate::crd::{Allocation, HandshakeState};
-use crate::gc::handshake::{AgentAnswer, PodOnNode, agent_answer};
+use crate::gc::handshake::{AgentAnswer, PodOnNode, SandboxOnNode, agent_answer};
 
 impl Core {
     /// Answers the controller's release marks on this node's records
@@ -46,12 +46,15 @@ impl Core {
                 checkpoint.entries().filter(|e| e.ips.iter().any(|i| i.ip == ip)).map(|e| e.key.clone()).collect();
             let marked_at = record.release_handshake.as_ref().map_or(Timestamp::UNIX_EPOCH, |h| h.marked_at.0);
             let marked_for = Duration::try_from(Timestamp::now().duration_since(marked_at)).unwrap_or(Duration::ZERO);
-            let answer = agent_answer(pod, !attached.is_empty(), marked_for, self.settings.sandbox_grace);
+            let listed_ago = attached.iter().filter_map(|k| checkpoint.listed_at(k)).max().map(|at| at.elapsed());
+            let grace = self.settings.sandbox_grace;
+            let sandbox = SandboxOnNode::of(!attached.is_empty(), listed_ago, grace);
+            let answer = agent_answer(pod, sandbox, marked_for, grace);
             let Some(state) = answer.state() else { continue };
-            let detail = match (answer, attached.is_empty()) {
+            let detail = match (answer, sandbox) {
                 (AgentAnswer::DoNotRelease, _) => "the pod is running on this node".to_string(),
-                (_, true) => "no sandbox on this node holds the IP".to_string(),
-                (_, false) => format!(
+                (_, SandboxOnNode::Detached) => "no sandbox on this node holds the IP".to_string(),
+                (_, _) => format!(
                     "its sandbox got no DEL within {} s of the mark; counted as lost",
                     self.settings.sandbox_grace.as_secs()
                 ),

@@ -42,8 +42,8 @@ pub struct IPBlockSpec {
     /// Allocation records by IP address.
     #[serde(default)]
     pub allocations: BTreeMap<String, Allocation>,
-    /// When each free IP was last released, so the longest-released is reused first and a
-    /// just-released one cools down before reuse.
+    /// When each free IP's last use ended (its pod's end where known, else its release), so
+    /// the longest-free is reused first and the reuse cooldown counts from there.
     #[serde(default)]
     pub released: BTreeMap<String, Time>,
 }

@@ -113,17 +113,45 @@ impl AgentAnswer {
     }
 }
 
-/// The agent's answer to a mark that has stood for `marked_for`. `sandbox_attached` is
-/// whether the agent's checkpoint holds a sandbox with the IP (an ADD without its DEL).
+/// The sandboxes of the node that hold a marked record's IP, as its agent knows them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SandboxOnNode {
+    /// None: its DEL came, or the runtime's CNI GC no longer listed it and dropped it.
+    Detached,
+    /// One is in the agent's checkpoint (an ADD without its DEL), and the runtime's CNI GC
+    /// has not listed it within the sandbox grace: after the grace its DEL counts as lost.
+    Attached,
+    /// One is in the checkpoint and the runtime's CNI GC listed it within the sandbox grace:
+    /// the runtime still has it, so its DEL is late, not lost.
+    ListedByRuntime,
+}
+
+impl SandboxOnNode {
+    /// From whether a checkpoint entry holds the IP and how long ago the runtime's CNI GC
+    /// last listed such an entry (`None`: not since the agent started or the entry was
+    /// written).
+    pub fn of(attached: bool, listed_ago: Option<Duration>, sandbox_grace: Duration) -> Self {
+        match (attached, listed_ago) {
+            (false, _) => Self::Detached,
+            (true, Some(ago)) if ago < sandbox_grace => Self::ListedByRuntime,
+            (true, _) => Self::Attached,
+        }
+    }
+}
+
+/// The agent's answer to a mark that has stood for `marked_for`, given the sandboxes on the
+/// node that hold the IP. Only the runtime can say a sandbox is gone: one it still lists is
+/// never counted as a lost DEL, however long the mark has stood.
 pub fn agent_answer(
     pod: PodOnNode,
-    sandbox_attached: bool,
+    sandbox: SandboxOnNode,
     marked_for: Duration,
     sandbox_grace: Duration,
 ) -> AgentAnswer {
-    match pod {
-        PodOnNode::Active => AgentAnswer::DoNotRelease,
-        _ if sandbox_attached && marked_for < sandbox_grace => AgentAnswer::NotYet,
+    match (pod, sandbox) {
+        (PodOnNode::Active, _) => AgentAnswer::DoNotRelease,
+        (_, SandboxOnNode::ListedByRuntime) => AgentAnswer::NotYet,
+        (_, SandboxOnNode::Attached) if marked_for < sandbox_grace => AgentAnswer::NotYet,
         _ => AgentAnswer::Ready,
     }
 }
@@ -255,21 +283,38 @@ mod test {
         let grace = Duration::from_secs(60);
         let early = Duration::from_secs(5);
         let late = Duration::from_secs(61);
+        use SandboxOnNode::{Attached, Detached, ListedByRuntime};
         let table = [
-            (PodOnNode::Active, false, early, AgentAnswer::DoNotRelease),
-            (PodOnNode::Active, true, late, AgentAnswer::DoNotRelease),
-            (PodOnNode::Gone, false, early, AgentAnswer::Ready),
-            (PodOnNode::Gone, true, early, AgentAnswer::NotYet),
-            (PodOnNode::Gone, true, late, AgentAnswer::Ready),
-            (PodOnNode::Ending, true, early, AgentAnswer::NotYet),
-            (PodOnNode::Ending, false, early, AgentAnswer::Ready),
+            (PodOnNode::Active, Detached, early, AgentAnswer::DoNotRelease),
+            (PodOnNode::Active, Attached, late, AgentAnswer::DoNotRelease),
+            (PodOnNode::Gone, Detached, early, AgentAnswer::Ready),
+            (PodOnNode::Gone, Attached, early, AgentAnswer::NotYet),
+            (PodOnNode::Gone, Attached, late, AgentAnswer::Ready),
+            (PodOnNode::Gone, ListedByRuntime, late, AgentAnswer::NotYet),
+            (PodOnNode::Ending, Attached, early, AgentAnswer::NotYet),
+            (PodOnNode::Ending, ListedByRuntime, late, AgentAnswer::NotYet),
+            (PodOnNode::Ending, Detached, early, AgentAnswer::Ready),
         ];
-        for (pod, attached, marked_for, answer) in table {
-            assert_eq!(
-                agent_answer(pod, attached, marked_for, grace),
-                answer,
-                "{pod:?} attached={attached} {marked_for:?}"
-            );
+        for (pod, sandbox, marked_for, answer) in table {
+            assert_eq!(agent_answer(pod, sandbox, marked_for, grace), answer, "{pod:?} {sandbox:?} {marked_for:?}");
+        }
+    }
+
+    #[test]
+    fn a_sandbox_counts_as_listed_by_the_runtime_only_within_the_grace_of_its_listing() {
+        let grace = Duration::from_secs(60);
+        let secs = |s| Some(Duration::from_secs(s));
+        let table = [
+            (false, None, SandboxOnNode::Detached),
+            (false, secs(1), SandboxOnNode::Detached),
+            (true, None, SandboxOnNode::Attached),
+            (true, secs(0), SandboxOnNode::ListedByRuntime),
+            (true, secs(59), SandboxOnNode::ListedByRuntime),
+            (true, secs(60), SandboxOnNode::Attached),
+            (true, secs(3_600), SandboxOnNode::Attached),
+        ];
+        for (attached, listed_ago, sandbox) in table {
+            assert_eq!(SandboxOnNode::of(attached, listed_ago, grace), sandbox, "attached={attached} {listed_ago:?}");
         }
     }
 
@@ -327,17 +372,31 @@ mod test {
         }
     }
 
+    fn pods() -> impl Strategy<Value = PodOnNode> {
+        prop_oneof![Just(PodOnNode::Gone), Just(PodOnNode::Ending), Just(PodOnNode::Active)]
+    }
+
+    fn sandboxes() -> impl Strategy<Value = SandboxOnNode> {
+        prop_oneof![Just(SandboxOnNode::Detached), Just(SandboxOnNode::Attached), Just(SandboxOnNode::ListedByRuntime)]
+    }
+
     proptest! {
         #[test]
-        fn an_active_pod_is_never_ready_for_release(attached: bool, marked_secs in 0u64..10_000, grace_secs in 0u64..10_000) {
-            let answer = agent_answer(PodOnNode::Active, attached, Duration::from_secs(marked_secs), Duration::from_secs(grace_secs));
+        fn an_active_pod_is_never_ready_for_release(sandbox in sandboxes(), marked_secs in 0u64..10_000, grace_secs in 0u64..10_000) {
+            let answer = agent_answer(PodOnNode::Active, sandbox, Duration::from_secs(marked_secs), Duration::from_secs(grace_secs));
             prop_assert_eq!(answer, AgentAnswer::DoNotRelease);
         }
 
         #[test]
         fn an_attached_sandbox_holds_the_ip_for_the_whole_grace(marked_secs in 0u64..10_000, grace_secs in 0u64..10_000) {
-            let answer = agent_answer(PodOnNode::Gone, true, Duration::from_secs(marked_secs), Duration::from_secs(grace_secs));
+            let answer = agent_answer(PodOnNode::Gone, SandboxOnNode::Attached, Duration::from_secs(marked_secs), Duration::from_secs(grace_secs));
             prop_assert_eq!(answer == AgentAnswer::Ready, marked_secs >= grace_secs);
+        }
+
+        #[test]
+        fn a_sandbox_the_runtime_still_lists_is_never_ready_for_release(pod in pods(), marked_secs in 0u64..10_000, grace_secs in 0u64..10_000) {
+            let answer = agent_answer(pod, SandboxOnNode::ListedByRuntime, Duration::from_secs(marked_secs), Duration::from_secs(grace_secs));
+            prop_assert_ne!(answer, AgentAnswer::Ready);
         }
     }
 }

@@ -212,9 +212,27 @@ pub fn release_attachment(
         record.repaired_at = None;
         return ReleaseOutcome::Reserved;
     }
-    spec.allocations.remove(ip);
-    spec.released.insert(ip.to_string(), Time(now));
+    let ended = record.release_handshake.as_ref().and_then(|h| h.pod_ended_at.as_ref()).map(|t| t.0);
+    free(spec, ip, ended, now);
     ReleaseOutcome::Released
+}
+
+/// When the last use of an IP ended, which its release stamps into `spec.released` and the
+/// reuse cooldown counts from: the cooldown keeps peers' conntrack and ARP caches from
+/// sending the old pod's traffic to a new one, and that traffic stops when the pod stops.
+/// So: when its pod ended (its deletion, or its end), where known; never before its record
+/// was written (the IP was in use from then) nor after the release (`now`); the release
+/// otherwise.
+pub fn last_use(pod_ended: Option<Timestamp>, allocated_at: Timestamp, now: Timestamp) -> Timestamp {
+    pod_ended.map_or(now, |ended| ended.max(allocated_at).min(now))
+}
+
+/// Frees `ip`: removes its record and stamps its release with the end of its last use
+/// ([`last_use`]; `pod_ended` is when the record's pod ended, if known). Returns the record.
+pub fn free(spec: &mut IPBlockSpec, ip: &str, pod_ended: Option<Timestamp>, now: Timestamp) -> Option<Allocation> {
+    let record = spec.allocations.remove(ip)?;
+    spec.released.insert(ip.to_string(), Time(last_use(pod_ended, record.allocated_at.0, now)));
+    Some(record)
 }
 
 /// A fingerprint of a pool's blocks as they are now: their names and resourceVersions.
@@ -282,6 +300,47 @@ pub(crate) mod test {
         let mut spec = IPBlockSpec { pool: "p".into(), cidr: "10.0.0.0/24".into(), ..IPBlockSpec::default() };
         spec.allocations.insert(ip.into(), allocation);
         spec
+    }
+
+    #[test]
+    fn the_last_use_of_an_ip_ends_when_its_pod_ended_but_within_its_record_and_never_in_the_future() {
+        let at = |s| Timestamp::from_second(s).expect("ts");
+        // (pod ended, allocated at, now (the release), last use)
+        let table = [
+            (Some(at(1_040)), at(1_000), at(1_100), at(1_040)),
+            (None, at(1_000), at(1_100), at(1_100)),
+            (Some(at(1_200)), at(1_000), at(1_100), at(1_100)),
+            (Some(at(900)), at(1_000), at(1_100), at(1_000)),
+            (Some(at(1_100)), at(1_000), at(1_100), at(1_100)),
+        ];
+        for (ended, allocated, now, last) in table {
+            assert_eq!(last_use(ended, allocated, now), last, "ended {ended:?}, allocated {allocated}, now {now}");
+        }
+    }
+
+    #[test]
+    fn a_release_under_a_mark_counts_the_cooldown_from_the_pods_end() {
+        let (allocated, ended, now) =
+            (Timestamp::from_second(1_000), Timestamp::from_second(1_010), Timestamp::from_second(1_070));
+        let (allocated, ended, now) = (allocated.expect("ts"), ended.expect("ts"), now.expect("ts"));
+        let mut marked = record("u1", "c1");
+        marked.allocated_at = Time(allocated);
+        marked.release_handshake = Some(crate::crd::ReleaseHandshake {
+            state: crate::crd::HandshakeState::MarkedForRelease,
+            marked_at: Time(ended),
+            reason: "pod_gone".into(),
+            detail: None,
+            pod_ended_at: Some(Time(ended)),
+            takeover: None,
+        });
+        let mut unmarked = record("u1", "c1");
+        unmarked.allocated_at = Time(allocated);
+        for (record, stamp) in [(marked, ended), (unmarked, now)] {
+            let mut spec = block_with("10.0.0.5", record);
+            let outcome = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), false, now);
+            assert_eq!(outcome, ReleaseOutcome::Released);
+            assert_eq!(spec.released["10.0.0.5"], Time(stamp));
+        }
     }
 
     #[test]

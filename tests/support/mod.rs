@@ -269,6 +269,21 @@ pub async fn late_del(ipwarden: &Ipwarden, index: usize, namespace: &str, name: 
     network.invoke(&del).await.expect("the late DEL succeeds");
 }
 
+/// Calls CNI GC on node `index` as its runtime does, listing `valid` as the sandboxes it
+/// still has (`cni.dev/valid-attachments`), through the real plugin.
+pub async fn runtime_gc(ipwarden: &Ipwarden, index: usize, valid: &[&Sandbox]) {
+    let node = &ipwarden.cluster.nodes()[index];
+    let info = NodeInfo { name: node.name().to_string(), index, dir: node.dir().to_path_buf() };
+    let network = network();
+    let valid: Vec<e2e::cni::Attachment> = valid
+        .iter()
+        .map(|s| e2e::cni::Attachment { container_id: s.container_id.clone(), ifname: s.ifname.clone() })
+        .collect();
+    let netconf = e2e::cni::with_valid_attachments(&(network.netconf)(&info), &valid);
+    let gc = Invocation { command: "GC", container_id: "", ifname: "", pod: None, netconf: &netconf };
+    network.invoke(&gc).await.expect("the runtime's GC succeeds");
+}
+
 /// A record as the agent writes it.
 pub fn record_json(
     namespace: &str,

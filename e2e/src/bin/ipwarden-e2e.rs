@@ -260,8 +260,9 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// A cluster as `up` starts it: the control plane and `nodes` simulated nodes; with
-/// `ipwarden`, its CNI plugin (linked into `plugin_dir`) on every node, an agent per node, two
-/// controller replicas and the default pool.
+/// `ipwarden`, its CNI plugin (linked into `plugin_dir`) on every node, called with CNI GC
+/// every [`RUNTIME_GC_INTERVAL`], an agent per node, two controller replicas and the default
+/// pool.
 async fn start(
     nodes: usize,
     ipwarden: Option<&Path>,
@@ -272,7 +273,10 @@ async fn start(
         None => None,
     };
     let network = match &binary {
-        Some(binary) => Some(e2e::ipwarden::network(binary, plugin_dir)?),
+        Some(binary) => Some(e2e::CniNetwork {
+            gc_interval: Some(RUNTIME_GC_INTERVAL),
+            ..e2e::ipwarden::network(binary, plugin_dir)?
+        }),
         None => None,
     };
     let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
@@ -351,6 +355,11 @@ const STORM_HANDOVER_TIMEOUT: Duration = Duration::from_secs(300);
 /// as in the storm test (tests/rbac_scale_storm.rs); with 5 IPs handed over at once, the
 /// default cooldown would be most of every handover.
 const STORM_AGENT_ARGS: [&str; 1] = ["--reuse-cooldown-seconds=1"];
+
+/// How often each simulated node's runtime calls CNI GC with its live sandboxes in the
+/// clusters `up` and the churn benchmark start for ipwarden, as a runtime does on a timer: a
+/// sandbox whose DEL was lost is then reported gone by the runtime, as on a real node.
+const RUNTIME_GC_INTERVAL: Duration = Duration::from_secs(5);
 
 /// The pool a benchmark cluster's IPAM hands out.
 #[derive(Clone, Copy)]
