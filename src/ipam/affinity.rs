@@ -4,6 +4,8 @@
 //! the pool has no free block left, so that nodes rarely write the same block (no conflicts)
 //! and small pools still hand out every address.
 
+use std::collections::BTreeSet;
+
 use ipnet::IpNet;
 
 use super::PoolLayout;
@@ -48,7 +50,7 @@ pub struct Candidate {
 
 /// The blocks `node` tries for one IP of the pool laid out as `layout`, in order: its own
 /// blocks (by address), the free blocks the cache knows, at most `fresh` blocks not created
-/// yet (by address), then every other block, starting at an offset of the node's own so that
+/// yet ([`fresh_blocks`]), then every other block, starting at an offset of the node's own so that
 /// borrowing nodes spread over the lenders. Blocks that are not blocks of `layout` (written
 /// under an earlier layout of a pool of this name) are never tried.
 pub fn plan(node: &str, pool: &str, layout: &PoolLayout, known: &[KnownBlock<'_>], fresh: usize) -> Vec<Candidate> {
@@ -57,8 +59,8 @@ pub fn plan(node: &str, pool: &str, layout: &PoolLayout, known: &[KnownBlock<'_>
     let candidate = |b: &KnownBlock<'_>, how| Candidate { name: b.name.to_string(), net: b.net, how };
     let own = known.iter().filter(|b| b.affinity == Some(node)).map(|b| candidate(b, Use::Own));
     let free = known.iter().filter(|b| b.affinity.is_none() && b.records == 0).map(|b| candidate(b, Use::Claim));
-    let created: std::collections::BTreeSet<IpNet> = known.iter().map(|b| b.net).collect();
-    let fresh = layout.blocks().filter(|net| !created.contains(net)).take(fresh).map(|net| Candidate {
+    let created: BTreeSet<IpNet> = known.iter().map(|b| b.net).collect();
+    let fresh = fresh_blocks(node, layout, &created, fresh).into_iter().map(|net| Candidate {
         name: block_name(pool, net),
         net,
         how: Use::Claim,
@@ -73,6 +75,30 @@ pub fn plan(node: &str, pool: &str, layout: &PoolLayout, known: &[KnownBlock<'_>
         others.rotate_left(offset);
     }
     own.chain(free).chain(fresh).chain(others).collect()
+}
+
+/// How many blocks a node looks at from its own starting block for ones not created yet,
+/// before it looks from the pool's first block.
+const FRESH_SCAN: u128 = 4096;
+
+/// At most `count` blocks of the pool with an allocatable address that are not `created`:
+/// from a starting block of the node's own (so that nodes claiming at the same time rarely
+/// race for one block), wrapping around, then from the pool's first block (a pool whose
+/// `ranges` leave most blocks empty).
+fn fresh_blocks(node: &str, layout: &PoolLayout, created: &BTreeSet<IpNet>, count: usize) -> Vec<IpNet> {
+    let blocks = layout.block_count();
+    let start = (node_hash(node) as u128) % blocks;
+    let from_start = (0..blocks.min(FRESH_SCAN)).filter_map(|k| layout.block_at(start.wrapping_add(k) % blocks));
+    let mut fresh: Vec<IpNet> = Vec::new();
+    for net in from_start.chain(layout.blocks()) {
+        if fresh.len() == count {
+            break;
+        }
+        if !created.contains(&net) && !fresh.contains(&net) && layout.allocatable_in(net).next().is_some() {
+            fresh.push(net);
+        }
+    }
+    fresh
 }
 
 /// Whether `node` may allocate in `block` as `how` says, as the block stands when the write
@@ -150,18 +176,39 @@ mod test {
     }
 
     #[test]
-    fn blocks_not_yet_created_are_claimed_by_address_and_named_as_the_pool_names_them() {
+    fn blocks_not_yet_created_are_claimed_from_the_nodes_own_start_and_named_as_the_pool_names_them() {
         let blocks = [known("p-10-0-0-0-28", "10.0.0.0/28", Some("b"), 1)];
-        let plan = plan("a", "p", &layout(), &blocks, 2);
-        assert_eq!(
-            order(&plan),
-            [
-                ("10.0.0.16/28".to_string(), Use::Claim),
-                ("10.0.0.32/28".to_string(), Use::Claim),
-                ("10.0.0.0/28".to_string(), Use::Borrow),
-            ]
-        );
-        assert_eq!(plan[0].name, block_name("p", net("10.0.0.16/28")));
+        let plan = plan("a", "p", &layout(), &blocks, 3);
+        let claims: Vec<&Candidate> = plan.iter().filter(|c| c.how == Use::Claim).collect();
+        let nets: BTreeSet<String> = claims.iter().map(|c| c.net.to_string()).collect();
+        assert_eq!(nets, BTreeSet::from(["10.0.0.16/28", "10.0.0.32/28", "10.0.0.48/28"].map(String::from)));
+        assert_eq!(plan.last().map(|c| (c.net.to_string(), c.how)), Some(("10.0.0.0/28".to_string(), Use::Borrow)));
+        for claim in claims {
+            assert_eq!(claim.name, block_name("p", claim.net));
+        }
+    }
+
+    #[test]
+    fn nodes_claiming_at_once_start_at_different_blocks_and_still_find_the_last_free_one() {
+        let firsts: BTreeSet<IpNet> =
+            ["n1", "n2", "n3", "n4", "n5", "n6"].iter().map(|node| plan(node, "p", &layout(), &[], 1)[0].net).collect();
+        assert!(firsts.len() > 1, "every node claims the same block first: {firsts:?}");
+        let taken: Vec<KnownBlock<'_>> = ["10.0.0.0/28", "10.0.0.16/28", "10.0.0.48/28"]
+            .iter()
+            .map(|cidr| known("x", cidr, Some("owner"), 1))
+            .collect();
+        for node in ["n1", "n2", "n3", "n4"] {
+            let claims: Vec<String> = plan(node, "p", &layout(), &taken, 8)
+                .into_iter()
+                .filter(|c| c.how == Use::Claim)
+                .map(|c| c.net.to_string())
+                .collect();
+            assert_eq!(claims, ["10.0.0.32/28"], "{node}");
+        }
+        // A pool whose ranges leave the blocks near a node's start empty still offers the rest.
+        let sparse = PoolLayout::new("10.0.0.0/16", &[("10.0.200.1", "10.0.200.9")], &[], None, Some(28)).unwrap();
+        let claims = plan("n1", "p", &sparse, &[], 2);
+        assert_eq!(claims.iter().map(|c| c.net.to_string()).collect::<Vec<_>>(), ["10.0.200.0/28"]);
     }
 
     #[test]
