@@ -592,15 +592,20 @@ impl Core {
         };
         let api = Api::<IPClaim>::namespaced(self.client.clone(), &namespace);
         let store = CasStore::new(api, field_manager(&self.settings.node), None);
+        // A new pod of a workload that keeps no IPs has no claim yet: create it without a read
+        // (one that exists answers 409, then it is read and replaced). A sticky pod's claim
+        // usually exists: read it first.
+        let base = (!sticky).then(create);
         // `None`: the ADD created the claim (an object not yet stored has no resourceVersion).
         let before = store
-            .update(&name, Some(&create), |claim| {
+            .update_from(&name, base, Some(&create), |claim| {
                 let stored = claim.metadata.resource_version.is_some();
                 let spec = spec_over(stored.then_some(&claim.spec));
                 let before = std::mem::replace(&mut claim.spec, spec);
                 Some(stored.then_some(before))
             })
             .await?
+            .0
             .written()
             .flatten();
         Ok(ClaimWrite { namespace, name, before })
