@@ -13,9 +13,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
 
-use super::batch::{self, Taken, Wish};
+use super::batch::{Taken, Wish};
 use super::checkpoint::{CheckpointEntry, CheckpointIp};
-use super::core::{Core, ResolvedPool, attachment_key, field_manager, result_of};
+use super::core::{Base, Core, ResolvedPool, attachment_key, field_manager, result_of};
 use super::error::Error;
 use super::metrics::PoolLabels;
 use crate::block_store::CasStore;
@@ -81,6 +81,7 @@ fn takeover_mark(claimant: &Allocation) -> ReleaseHandshake {
         detail: None,
         pod_ended_at: None,
         takeover: Some(Takeover { pod: claimant.pod.clone(), node: claimant.node.clone() }),
+        sandbox_lost: false,
     }
 }
 
@@ -162,6 +163,15 @@ impl Core {
         }
         let owner = workload::controller_of(&pod);
         let sticky = workload::is_sticky(owner.as_ref(), &self.settings.sticky_kinds);
+        // Two pods of one sticky workload (a VM's launcher pods) may share its IPs: their ADDs
+        // on this node take turns, so neither decides on a checkpoint the other is changing.
+        let _workload = match sticky {
+            true => {
+                let claim = workload::claim_name(&pod_ref.name, owner.as_ref());
+                Some(self.serial.workload(&format!("{}/{claim}", pod_ref.namespace)).await)
+            }
+            false => None,
+        };
         let found = self.records_of_sandbox(&request.container_id, &request.ifname);
         let migration = if sticky { self.active_migration(&pod, owner.as_ref()).await? } else { None };
         let (ips, written, shares) = if !found.is_empty() {
@@ -509,43 +519,43 @@ impl Core {
             })
             .collect();
         let candidates = affinity::plan(node, &pool.name, &pool.layout, &known, NEW_BLOCK_PROBES);
-        let mut cooling = 0usize;
-        let mut next_free: Option<Timestamp> = None;
-        for candidate in candidates {
-            let wish =
-                Wish { layout: pool.layout.clone(), net: candidate.net, how: candidate.how, record: record.clone() };
-            let taken = match self.take_from_block(&candidate.name, &pool.name, wish).await {
-                // The batch's write failed: write alone, for this ADD's own error.
-                Taken::Retry => {
-                    let (name, net) = (candidate.name.as_str(), candidate.net);
-                    let alone = self
-                        .write_block(name, &pool.name, net, |spec| {
-                            let wish =
-                                Wish { layout: pool.layout.clone(), net, how: candidate.how, record: record.clone() };
-                            let taken = batch::grant(spec, node, &[&wish], Timestamp::now(), self.settings.cooldown);
-                            taken.into_iter().next().filter(|t| matches!(t, Taken::Ip(..)))
-                        })
-                        .await?;
-                    alone.unwrap_or(Taken::Nothing)
+        let (mut cooling, mut next_free) = (0usize, None::<Timestamp>);
+        // First from the copies held (batched with the node's other ADDs); before saying the
+        // pool has nothing, once more from fresh reads: a held copy may be behind a release.
+        for fresh in [false, true] {
+            (cooling, next_free) = (0, None);
+            for candidate in &candidates {
+                let wish = Wish {
+                    layout: pool.layout.clone(),
+                    net: candidate.net,
+                    how: candidate.how,
+                    record: record.clone(),
+                };
+                let taken = match fresh {
+                    false => match self.take_from_block(&candidate.name, &pool.name, wish.clone()).await {
+                        // The batch's write failed: write alone, for this ADD's own error.
+                        Taken::Retry => self.take_alone(&candidate.name, &pool.name, &wish, Base::Newest).await?,
+                        taken => taken,
+                    },
+                    true => self.take_alone(&candidate.name, &pool.name, &wish, Base::Fresh).await?,
+                };
+                match taken {
+                    Taken::Ip(ip, prior) => {
+                        let ip = CheckpointIp {
+                            ip: ip.to_string(),
+                            prefix_len: pool.layout.cidr().prefix_len(),
+                            gateway: pool.gateway.clone(),
+                            pool: pool.name.clone(),
+                            block: candidate.name.clone(),
+                        };
+                        return Ok(Written { ip, prior });
+                    }
+                    Taken::Cooling { cooling: count, next_free_at } => {
+                        cooling += count;
+                        next_free = Some(next_free.map_or(next_free_at, |t| t.min(next_free_at)));
+                    }
+                    Taken::Nothing | Taken::Retry => {}
                 }
-                taken => taken,
-            };
-            match taken {
-                Taken::Ip(ip, prior) => {
-                    let ip = CheckpointIp {
-                        ip: ip.to_string(),
-                        prefix_len: pool.layout.cidr().prefix_len(),
-                        gateway: pool.gateway.clone(),
-                        pool: pool.name.clone(),
-                        block: candidate.name,
-                    };
-                    return Ok(Written { ip, prior });
-                }
-                Taken::Cooling { cooling: count, next_free_at } => {
-                    cooling += count;
-                    next_free = Some(next_free.map_or(next_free_at, |t| t.min(next_free_at)));
-                }
-                Taken::Nothing | Taken::Retry => {}
             }
         }
         self.metrics.pool_exhausted.get_or_create(&PoolLabels { pool: pool.name.clone() }).inc();

@@ -87,6 +87,16 @@ impl Handler<AnswerMarks> for NodeAllocator {
             if !core.has_marks_to_answer() {
                 return;
             }
+            // Decided first without the node to itself: marks that must wait (a sandbox the
+            // runtime still lists) would otherwise stall every CNI call on each pass.
+            match core.answers_due().await {
+                Ok(due) if due.is_empty() => return,
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "deciding the answers to release marks failed; retrying on the next pass");
+                    return;
+                }
+            }
             let _alone = core.serial.alone().await;
             if let Err(e) = core.answer_marks().await {
                 tracing::warn!(error = %e, "answering release marks failed; retrying on the next pass");

@@ -15,7 +15,8 @@ use ipnet::IpNet;
 use jiff::Timestamp;
 use tokio::sync::oneshot;
 
-use super::core::Core;
+use super::core::{Base, Core};
+use super::error::Error;
 use crate::crd::{Allocation, IPBlock, IPBlockSpec};
 use crate::ipam::affinity::{self, Use};
 use crate::ipam::{BlockUsage, ChooseError, PoolLayout, blocks, choose_ip};
@@ -39,6 +40,7 @@ pub(super) enum Taken {
 }
 
 /// One ADD's wish for an IP of a block.
+#[derive(Clone)]
 pub(super) struct Wish {
     /// The pool's layout.
     pub(super) layout: PoolLayout,
@@ -87,6 +89,15 @@ pub(super) fn grant(
     wishes
         .iter()
         .map(|wish| {
+            // A write whose answer was lost (a timeout after the apiserver stored it) is
+            // found again, not doubled: the sandbox keeps the IP it already has here.
+            let record = &wish.record;
+            let mine = blocks::find_attachment(spec, &record.container_id, &record.interface)
+                .into_iter()
+                .find(|ip| spec.allocations.get(ip).is_some_and(|r| r.pod.uid == record.pod.uid));
+            if let Some(ip) = mine.and_then(|ip| ip.parse().ok()) {
+                return Taken::Ip(ip, blocks::Prior::Free(None));
+            }
             let (allocated, released) = blocks::usage(spec);
             let usage = BlockUsage { allocated: &allocated, released: &released };
             match choose_ip(&wish.layout, wish.net, usage, now, cooldown) {
@@ -118,7 +129,7 @@ impl Core {
         let wishes: Vec<&Wish> = batch.iter().map(|(wish, _)| wish).collect();
         let mut granted = Vec::new();
         let written = self
-            .cas_block_held(&writer, name, super::core::Base::Newest, Some(&create), |block| {
+            .cas_block_held(&writer, name, Base::Newest, Some(&create), |block| {
                 granted =
                     grant(&mut block.spec, &self.settings.node, &wishes, Timestamp::now(), self.settings.cooldown);
                 granted.iter().any(|t| matches!(t, Taken::Ip(..))).then_some(())
@@ -136,6 +147,26 @@ impl Core {
         }
         drop(writer);
         answer.try_recv().unwrap_or(Taken::Retry)
+    }
+}
+
+impl Core {
+    /// An IP of block `name` (of `pool`) for `wish` in a write of its own, starting from
+    /// `base`: after a batch failed, and for the last look with fresh reads before an ADD
+    /// says the pool has nothing.
+    pub(super) async fn take_alone(&self, name: &str, pool: &str, wish: &Wish, base: Base) -> Result<Taken, Error> {
+        let net = wish.net;
+        let create = || {
+            IPBlock::new(name, IPBlockSpec { pool: pool.to_string(), cidr: net.to_string(), ..IPBlockSpec::default() })
+        };
+        let mut got = Taken::Nothing;
+        self.cas_block(name, base, Some(&create), |block| {
+            let taken = grant(&mut block.spec, &self.settings.node, &[wish], Timestamp::now(), self.settings.cooldown);
+            got = taken.into_iter().next().unwrap_or(Taken::Nothing);
+            matches!(got, Taken::Ip(..)).then_some(())
+        })
+        .await?;
+        Ok(got)
     }
 }
 
@@ -180,6 +211,21 @@ mod test {
         assert!(matches!(granted[6], Taken::Nothing) && matches!(granted[7], Taken::Nothing));
         assert_eq!(spec.allocations.len(), 6);
         assert_eq!(spec.affinity.as_deref(), Some("a"), "the first grant claimed the block");
+    }
+
+    #[test]
+    fn a_sandbox_whose_record_is_already_in_the_block_gets_the_same_ip_again() {
+        let layout = PoolLayout::new("10.0.0.0/29", &[], &[], None, None).unwrap();
+        let mut spec = IPBlockSpec::default();
+        let first =
+            grant(&mut spec, "a", &[&wish(&layout, "10.0.0.0/29", Use::Claim, "p")], Timestamp::now(), Duration::ZERO);
+        let again =
+            grant(&mut spec, "a", &[&wish(&layout, "10.0.0.0/29", Use::Claim, "p")], Timestamp::now(), Duration::ZERO);
+        match (&first[0], &again[0]) {
+            (Taken::Ip(a, _), Taken::Ip(b, blocks::Prior::Free(None))) => assert_eq!(a, b),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(spec.allocations.len(), 1, "one record for the sandbox");
     }
 
     #[test]

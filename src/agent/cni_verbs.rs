@@ -85,6 +85,7 @@ impl Core {
             })
             .collect();
         checkpoint.note_listed(&listed, Instant::now());
+        self.runtime_gc_called();
         let stale: Vec<CheckpointEntry> = checkpoint
             .entries()
             .filter(|e| e.key.network == request.network)

@@ -69,6 +69,10 @@ pub struct Core {
     block_locks: KeyedLocks,
     /// The ADDs waiting for an IP of a block, served together by its next write.
     pub(super) batches: Batches,
+    /// When this agent started, and whether the runtime has called CNI GC since: until it
+    /// has, no sandbox of the checkpoint counts as gone for lack of a listing.
+    pub(super) started: std::time::Instant,
+    runtime_gc_seen: std::sync::atomic::AtomicBool,
     /// The copy of each block this agent's last write stored, until the watch cache has
     /// caught up with it: the base of the next write, so consecutive writes need no read.
     written: std::sync::Mutex<HashMap<String, IPBlock>>,
@@ -173,6 +177,8 @@ impl Core {
             serial: Serial::default(),
             block_locks: KeyedLocks::default(),
             batches: Batches::default(),
+            started: std::time::Instant::now(),
+            runtime_gc_seen: std::sync::atomic::AtomicBool::new(false),
             written: std::sync::Mutex::new(HashMap::new()),
         }
     }
@@ -243,9 +249,12 @@ impl Core {
             Base::Fresh => None,
         };
         let (outcome, stored) = self.store.update_from(name, base, create, edit).await?;
-        if let Some(stored) = stored {
-            self.written.lock().unwrap_or_else(PoisonError::into_inner).insert(name.to_string(), stored);
-        }
+        let mut written = self.written.lock().unwrap_or_else(PoisonError::into_inner);
+        match stored {
+            Some(stored) => written.insert(name.to_string(), stored),
+            // Gone (a deleted block, whose copy must not be edited again), or nothing stored.
+            None => written.remove(name),
+        };
         Ok(outcome)
     }
 
@@ -301,6 +310,16 @@ impl Core {
             .await
             .map_err(Error::api(format!("reading node {node}")))?;
         Ok(live.map(|n| n.labels().clone()).unwrap_or_default())
+    }
+
+    /// Whether the runtime has not called CNI GC since this agent started.
+    pub(super) fn runtime_gc_pending(&self) -> bool {
+        !self.runtime_gc_seen.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Notes that the runtime called CNI GC.
+    pub(super) fn runtime_gc_called(&self) {
+        self.runtime_gc_seen.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether `record` carries a release mark this node's agent is to answer.

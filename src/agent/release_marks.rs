@@ -15,13 +15,27 @@ use super::error::Error;
 use crate::crd::{Allocation, HandshakeState};
 use crate::gc::handshake::{AgentAnswer, PodOnNode, SandboxOnNode, agent_answer};
 
+/// A release mark on this node's record and the answer decided for it.
+pub struct Due {
+    block: String,
+    pool: String,
+    cidr: IpNet,
+    ip: String,
+    record: Allocation,
+    answer: AgentAnswer,
+    state: HandshakeState,
+    sandbox: SandboxOnNode,
+    /// The checkpoint entries holding the IP (dropped with a `ready-for-release`).
+    attached: Vec<AttachmentKey>,
+}
+
 impl Core {
-    /// Answers the controller's release marks on this node's records
-    /// ([`crate::gc::handshake`]). Runs inside the allocation actor, so no ADD, DEL or GC
-    /// interleaves: after `ready-for-release` the IP is in no checkpoint entry, and only a
-    /// new record (which clears the mark) could hand it out again. Returns how many marks
-    /// were answered; marks that must wait are left for the next pass.
-    pub async fn answer_marks(&self) -> Result<usize, Error> {
+    /// The marks on this node's records that have an answer to write now
+    /// ([`crate::gc::handshake`]), decided from the cache, the checkpoint and a live read of
+    /// each record's pod; marks that must wait are left out. Read without the node to itself
+    /// first, so a pass with nothing to write never stalls an ADD, and again by
+    /// [`Core::answer_marks`] with the node to itself.
+    pub async fn answers_due(&self) -> Result<Vec<Due>, Error> {
         let marked: Vec<(String, String, IpNet, String, Allocation)> = self
             .blocks
             .state()
@@ -35,22 +49,39 @@ impl Core {
                     .map(move |(ip, r)| (b.name_any(), b.spec.pool.clone(), cidr, ip.clone(), r.clone()))
             })
             .collect();
-        if marked.is_empty() {
-            return Ok(0);
-        }
-        let mut checkpoint = self.checkpoint.lock().await;
-        let mut answered = 0;
+        let mut due = Vec::new();
         for (block, pool, cidr, ip, record) in marked {
             let pod = self.pod_on_node(&record).await?;
-            let attached: Vec<AttachmentKey> =
-                checkpoint.entries().filter(|e| e.ips.iter().any(|i| i.ip == ip)).map(|e| e.key.clone()).collect();
+            let (attached, listed_ago) = {
+                let checkpoint = self.checkpoint.lock().await;
+                let attached: Vec<AttachmentKey> =
+                    checkpoint.entries().filter(|e| e.ips.iter().any(|i| i.ip == ip)).map(|e| e.key.clone()).collect();
+                let listed = attached.iter().filter_map(|k| checkpoint.listed_at(k)).max();
+                (attached, listed.map(|at| at.elapsed()))
+            };
+            // Until the runtime's first CNI GC since the agent started, the runtime has not
+            // said which sandboxes it still has: count them as listed at the start.
+            let listed_ago = listed_ago.or_else(|| self.runtime_gc_pending().then(|| self.started.elapsed()));
             let marked_at = record.release_handshake.as_ref().map_or(Timestamp::UNIX_EPOCH, |h| h.marked_at.0);
             let marked_for = Duration::try_from(Timestamp::now().duration_since(marked_at)).unwrap_or(Duration::ZERO);
-            let listed_ago = attached.iter().filter_map(|k| checkpoint.listed_at(k)).max().map(|at| at.elapsed());
             let grace = self.settings.sandbox_grace;
             let sandbox = SandboxOnNode::of(!attached.is_empty(), listed_ago, grace);
             let answer = agent_answer(pod, sandbox, marked_for, grace);
             let Some(state) = answer.state() else { continue };
+            due.push(Due { block, pool, cidr, ip, record, answer, state, sandbox, attached });
+        }
+        Ok(due)
+    }
+
+    /// Answers the controller's release marks on this node's records that have an answer
+    /// now ([`Core::answers_due`]). Runs with the node to itself (module `serial`), so no
+    /// ADD, DEL or GC interleaves: after `ready-for-release` the IP is in no checkpoint entry,
+    /// and only a new record (which clears the mark) could hand it out again. Returns how
+    /// many marks were answered; marks that must wait are left for the next pass.
+    pub async fn answer_marks(&self) -> Result<usize, Error> {
+        let mut answered = 0;
+        for due in self.answers_due().await? {
+            let Due { block, pool, cidr, ip, record, answer, state, sandbox, attached } = due;
             let detail = match (answer, sandbox) {
                 (AgentAnswer::DoNotRelease, _) => "the pod is running on this node".to_string(),
                 (_, SandboxOnNode::Detached) => "no sandbox on this node holds the IP".to_string(),
@@ -59,6 +90,7 @@ impl Core {
                     self.settings.sandbox_grace.as_secs()
                 ),
             };
+            let lost = answer == AgentAnswer::Ready && sandbox != SandboxOnNode::Detached;
             let written = self
                 .write_block(&block, &pool, cidr, |spec| {
                     let current = spec.allocations.get_mut(&ip).filter(|r| r.pod.uid == record.pod.uid)?;
@@ -66,6 +98,7 @@ impl Core {
                         current.release_handshake.as_mut().filter(|h| h.state == HandshakeState::MarkedForRelease)?;
                     handshake.state = state;
                     handshake.detail = Some(detail.clone());
+                    handshake.sandbox_lost = lost;
                     Some(())
                 })
                 .await?;
@@ -73,6 +106,7 @@ impl Core {
                 continue;
             }
             if answer == AgentAnswer::Ready {
+                let mut checkpoint = self.checkpoint.lock().await;
                 for key in &attached {
                     checkpoint.remove(key)?;
                 }

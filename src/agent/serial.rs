@@ -1,6 +1,6 @@
 //! What the agent serialises, and on what: ADDs and DELs of different pods run concurrently,
-//! those of one pod one at a time, writes to one IPBlock one at a time, and node GC and the
-//! answers to release marks alone (docs/decisions/0011-concurrent-adds.md says which
+//! those of one pod (and the ADDs of one sticky workload) one at a time, writes to one IPBlock
+//! one at a time, and node GC and the answers to release marks alone (docs/decisions/0011-concurrent-adds.md says which
 //! interleavings each lock rules out).
 
 use std::collections::HashMap;
@@ -51,11 +51,12 @@ impl Drop for KeyGuard<'_> {
 }
 
 /// The node's locks: the gate that node GC and release-mark answers take alone and the CNI
-/// verbs share, and one lock per pod.
+/// verbs share, one lock per pod, and one per sticky workload (taken after the pod's).
 #[derive(Default)]
 pub struct Serial {
     gate: RwLock<()>,
     pods: KeyedLocks,
+    workloads: KeyedLocks,
 }
 
 /// A pod's turn: the shared gate and the pod's own lock.
@@ -71,6 +72,13 @@ impl Serial {
     pub async fn pod(&self, pod: &str) -> PodTurn<'_> {
         let gate = self.gate.read().await;
         PodTurn { _gate: gate, _pod: self.pods.lock(pod).await }
+    }
+
+    /// Within a pod's turn, waits until no other ADD of sticky workload `workload`
+    /// (`namespace/claim name`) is under way: two launcher pods of one VM have different
+    /// names but share the VM's IPs.
+    pub async fn workload(&self, workload: &str) -> KeyGuard<'_> {
+        self.workloads.lock(workload).await
     }
 
     /// Waits until no CNI verb runs, and keeps them out until dropped.

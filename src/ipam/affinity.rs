@@ -102,13 +102,15 @@ fn fresh_blocks(node: &str, layout: &PoolLayout, created: &BTreeSet<IpNet>, coun
 }
 
 /// Whether `node` may allocate in `block` as `how` says, as the block stands when the write
-/// is made; claims the block for `node` when `how` is [`Use::Claim`] and it is still free. A
-/// block claimed by another node in the meantime is left alone (it comes back as a lender
-/// only when no free block is left).
+/// is made; claims the block for `node` when it meant to use the block as its own or to claim
+/// it and the block is free. A block another node holds in the meantime is left alone (it
+/// comes back as a lender only when no free block is left).
 pub fn take_for(block: &mut IPBlockSpec, node: &str, how: Use) -> bool {
     match how {
-        Use::Own | Use::Borrow => true,
-        Use::Claim => match block.affinity.as_deref() {
+        Use::Borrow => true,
+        // A node's own block that it finds free (its affinity released or never written, as
+        // after the block was deleted and made anew) is claimed again.
+        Use::Own | Use::Claim => match block.affinity.as_deref() {
             Some(owner) => owner == node,
             None if block.allocations.is_empty() => {
                 block.affinity = Some(node.to_string());
@@ -247,7 +249,8 @@ mod test {
             (Some("b"), false, Use::Claim, false, Some("b")),
             (None, true, Use::Claim, false, None),
             (Some("b"), true, Use::Borrow, true, Some("b")),
-            (None, false, Use::Own, true, None),
+            (None, false, Use::Own, true, Some("a")),
+            (Some("b"), true, Use::Own, false, Some("b")),
         ];
         for (affinity, records, how, may, after) in cases {
             let mut block = spec(affinity, records);
