@@ -79,6 +79,9 @@ pub struct Burst {
     pub adds_per_second: Option<f64>,
     /// From the burst's start to each pod Running: nearest-rank quantiles.
     pub running_latency: Latency,
+    /// The same seconds, ascending, which [`summarize`] puts together.
+    #[serde(skip)]
+    pub running_times: Vec<f64>,
     /// Successful ADDs counted by the agents (ipwarden only).
     pub allocations: u64,
     /// ADDs the agents answered with an error (ipwarden only).
@@ -113,6 +116,8 @@ pub struct BurstSummary {
     pub adds_per_second: Option<f64>,
     /// The shortest and the longest time to a burst's last pod Running.
     pub last_running_range: Option<(f64, f64)>,
+    /// From its burst's start to each pod Running, over all bursts.
+    pub running_latency: Latency,
     /// The agents' allocation histogram over every burst's ADDs (ipwarden only).
     pub allocation_agent: Latency,
     /// Record objects' writes while pods were being added, with their 409s.
@@ -193,7 +198,8 @@ pub(crate) fn measure_burst(
         last_running_by_node,
         last_running_seconds,
         adds_per_second: last_running_seconds.filter(|s| *s > 0.0).map(|s| running.len() as f64 / s),
-        running_latency: Latency::of_samples(running),
+        running_latency: Latency::of_samples(running.clone()),
+        running_times: running,
         allocations: grown(&before.agents, &added.agents, "ipwarden_agent_allocations_total", success),
         allocation_failures: grown(&before.agents, &added.agents, "ipwarden_agent_allocations_total", |l| !success(l)),
         allocation_agent: Latency::of_histogram(&allocation_histogram),
@@ -213,9 +219,11 @@ fn plus(a: ResourceWrites, b: ResourceWrites) -> ResourceWrites {
 /// The sustained figures of `bursts`.
 pub fn summarize(bursts: &[Burst]) -> BurstSummary {
     let mut allocations = Histogram::default();
+    let mut running = Vec::new();
     let mut summary = BurstSummary::default();
     for burst in bursts {
         allocations.merge(&burst.allocation_histogram);
+        running.extend(&burst.running_times);
         summary.pods += burst.pods;
         summary.running += burst.running;
         summary.released += burst.released;
@@ -228,6 +236,7 @@ pub fn summarize(bursts: &[Burst]) -> BurstSummary {
     BurstSummary {
         adds_per_second: ratio(summary.running, summary.running_seconds),
         last_running_range: times.first().zip(times.last()).map(|(min, max)| (*min, *max)),
+        running_latency: Latency::of_samples(running),
         allocation_agent: Latency::of_histogram(&allocations),
         writes_per_add: per(summary.add_writes.writes, summary.running),
         conflicts_per_add: per(summary.add_writes.conflicts, summary.running),
@@ -455,7 +464,12 @@ impl std::fmt::Display for BurstReport {
         for (n, b) in self.bursts.iter().enumerate() {
             let nodes: Vec<String> =
                 b.last_running_by_node.iter().map(|(node, s)| format!("{node} {}", seconds(Some(*s)))).collect();
-            writeln!(f, "burst {n}, last pod Running per node: {}", nodes.join(", "))?;
+            let (p50, p99) = (seconds(b.running_latency.p50_seconds), seconds(b.running_latency.p99_seconds));
+            writeln!(
+                f,
+                "burst {n}: start to Running p50 {p50}, p99 {p99}; last pod Running per node: {}",
+                nodes.join(", ")
+            )?;
         }
         let s = &self.summary;
         writeln!(f)?;
@@ -465,6 +479,12 @@ impl std::fmt::Display for BurstReport {
             .map_or_else(|| "-".to_string(), |(min, max)| format!("{} to {}", seconds(Some(min)), seconds(Some(max))));
         writeln!(f, "sustained ADD/s (pods run / bursts' times to their last Running): {}", ratio(s.adds_per_second))?;
         writeln!(f, "time to a burst's last pod Running: {range}")?;
+        writeln!(
+            f,
+            "from a burst's start to each pod Running: p50 {}, p99 {}",
+            seconds(s.running_latency.p50_seconds),
+            seconds(s.running_latency.p99_seconds)
+        )?;
         writeln!(
             f,
             "allocation in the agent (agents' histogram, {} ADDs): p50 {}, p99 {}",
@@ -545,6 +565,7 @@ mod test {
         assert_eq!(burst.last_running_seconds, Some(2.0));
         assert_eq!(burst.adds_per_second, Some(1.5));
         assert_eq!(burst.running_latency.p50_seconds, Some(1.0));
+        assert_eq!(burst.running_times, vec![0.5, 1.0, 2.0]);
         assert_eq!((burst.allocations, burst.allocation_failures), (3, 1));
         // 1 of the 3 ADDs within 1 ms, 2 in (1 ms, 64 ms].
         assert_eq!(burst.allocation_agent.samples, 3);
@@ -572,6 +593,7 @@ mod test {
             running,
             released: 4,
             last_running_seconds: Some(seconds),
+            running_times: vec![seconds / 4.0, seconds],
             allocation_histogram: Histogram { buckets: vec![(0.001, fast), (0.064, 4.0), (f64::INFINITY, 4.0)] },
             add_writes: ResourceWrites { writes: 4, conflicts: 1 },
             release_writes: ResourceWrites { writes: 5, conflicts: 2 },
@@ -581,6 +603,9 @@ mod test {
         assert_eq!((summary.pods, summary.running, summary.released), (8, 8, 8));
         assert_eq!(summary.adds_per_second, Some(2.0));
         assert_eq!(summary.last_running_range, Some((1.0, 3.0)));
+        // Pods of both bursts, each timed from its own burst's start: 0.25, 0.75, 1 and 3 s.
+        assert_eq!(summary.running_latency.samples, 4);
+        assert_eq!(summary.running_latency.p50_seconds, Some(0.75));
         // Half the 8 ADDs within 1 ms: the median is the first bucket's bound.
         assert_eq!((summary.allocation_agent.samples, summary.allocation_agent.p50_seconds), (8, Some(0.001)));
         assert_eq!((summary.writes_per_add, summary.conflicts_per_add), (Some(1.0), Some(0.25)));
@@ -614,7 +639,7 @@ mod test {
         let row = table.lines().find(|l| l.trim_start().starts_with("0 ")).unwrap_or_default();
         assert!(row.contains("200/200") && row.contains("2.50 s") && row.contains("80.00"), "{table}");
         assert!(row.contains("210 (8)"), "{table}");
-        assert!(table.contains("burst 0, last pod Running per node: node-0 2.50 s, node-1 750.0 ms"), "{table}");
+        assert!(table.contains("last pod Running per node: node-0 2.50 s, node-1 750.0 ms"), "{table}");
         assert!(table.contains("completed: NO: burst 1: every pod"), "{table}");
         assert!(table.contains("sustained ADD/s (pods run / bursts' times to their last Running): 80.00"), "{table}");
         assert!(table.contains("ipblocks writes: 1.05 per ADD (0.04 409s per ADD)"), "{table}");
