@@ -265,7 +265,8 @@ pub struct Report {
     pub release_deleted: Latency,
     /// The same for force-deleted pods.
     pub release_force_deleted: Latency,
-    /// The same for leaked pods (released by the IPAM's controller).
+    /// The same for leaked pods (released by the runtime's CNI GC through the agent, or by the
+    /// IPAM's controller).
     pub reclaim_leaked: Latency,
     /// ipwarden controllers' reclaim latency histogram: from a traced pod's end to its IP free.
     pub reclaim_controller: Latency,
