@@ -654,15 +654,11 @@ fn apply_one(
                     detail: None,
                     pod_ended_at: ended.map(Time),
                     takeover: None,
-                    sandbox_lost: false,
                 });
                 return ChangeOutcome::Marked;
             }
             let marked = record.release_handshake.as_ref().and_then(|h| h.pod_ended_at.as_ref()).map(|t| t.0);
-            // A sandbox whose DEL counted as lost may have carried traffic until now.
-            let lost = record.release_handshake.as_ref().is_some_and(|h| h.sandbox_lost);
-            let last_use = if lost { None } else { marked.or(ended) };
-            crate::ipam::blocks::free(spec, &change.ip, last_use, now);
+            crate::ipam::blocks::free(spec, &change.ip, marked.or(ended), now);
             ChangeOutcome::Released(marked)
         }
         ChangeAction::Repair { adopter } => {
@@ -738,7 +734,6 @@ mod test {
             detail: None,
             pod_ended_at: None,
             takeover: Some(Takeover { pod: record("u2").pod, node: "m".into() }),
-            sandbox_lost: false,
         };
         let with_takeover = Allocation { release_handshake: Some(takeover), ..record("u1") };
         let holder: HashMap<String, String> = [(IP.to_string(), "u3".to_string())].into();

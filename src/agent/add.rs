@@ -81,7 +81,6 @@ fn takeover_mark(claimant: &Allocation) -> ReleaseHandshake {
         detail: None,
         pod_ended_at: None,
         takeover: Some(Takeover { pod: claimant.pod.clone(), node: claimant.node.clone() }),
-        sandbox_lost: false,
     }
 }
 

@@ -90,7 +90,6 @@ impl Core {
                     self.settings.sandbox_grace.as_secs()
                 ),
             };
-            let lost = answer == AgentAnswer::Ready && sandbox != SandboxOnNode::Detached;
             let written = self
                 .write_block(&block, &pool, cidr, |spec| {
                     let current = spec.allocations.get_mut(&ip).filter(|r| r.pod.uid == record.pod.uid)?;
@@ -98,7 +97,6 @@ impl Core {
                         current.release_handshake.as_mut().filter(|h| h.state == HandshakeState::MarkedForRelease)?;
                     handshake.state = state;
                     handshake.detail = Some(detail.clone());
-                    handshake.sandbox_lost = lost;
                     Some(())
                 })
                 .await?;

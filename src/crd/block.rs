@@ -143,11 +143,6 @@ pub struct ReleaseHandshake {
     /// waits to take the record over once the record's node has let go of its sandbox.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub takeover: Option<Takeover>,
-    /// Set by an agent that answered `ready-for-release` because the sandbox's DEL counted
-    /// as lost (not because the sandbox was gone): the IP may have carried traffic until the
-    /// release, so its reuse cooldown counts from the release, not from the pod's end.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub sandbox_lost: bool,
 }
 
 /// The recreated sticky pod waiting to take a record over, and the node it runs on.

@@ -332,7 +332,6 @@ pub(crate) mod test {
             detail: None,
             pod_ended_at: Some(Time(ended)),
             takeover: None,
-            sandbox_lost: false,
         });
         let mut unmarked = record("u1", "c1");
         unmarked.allocated_at = Time(allocated);
