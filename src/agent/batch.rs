@@ -1,14 +1,14 @@
-//! Allocation batches: the ADDs of a node that want an IP of the same block while another
-//! write of that block is under way are served by one compare-and-swap together, so a burst
-//! of N pods on a node costs about two block writes, not N writes one after the other (group
-//! commit). Each ADD queues its wish, then waits for the block's writer; whoever gets it takes
-//! every wish queued so far, chooses an IP for each in one edit, writes once and answers all.
-//! A wish whose batch could not be written is answered [`Taken::Retry`] and its ADD writes
-//! alone, so each failure reaches its own ADD typed.
+//! Block write batches (group commit): the edits of a node's calls that want to write the
+//! same block while another write of it is under way are applied together and written in one
+//! compare-and-swap, so a burst of N pods (or N DELs after a drain) on a node costs about two
+//! writes of its block, not N writes one after the other. Each call queues its edit, then
+//! waits for the block's writer; whoever gets it takes every edit queued so far, applies them
+//! in queue order to one copy, writes once and tells each call. A call whose batch could not be
+//! written is told so and writes alone, so each failure reaches its own call typed.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use ipnet::IpNet;
@@ -17,6 +17,8 @@ use tokio::sync::oneshot;
 
 use super::core::{Base, Core};
 use super::error::Error;
+use super::serial::KeyGuard;
+use crate::block_store::CasOutcome;
 use crate::crd::{Allocation, IPBlock, IPBlockSpec};
 use crate::ipam::affinity::{self, Use};
 use crate::ipam::{BlockUsage, ChooseError, PoolLayout, blocks, choose_ip};
@@ -52,28 +54,43 @@ pub(super) struct Wish {
     pub(super) record: Allocation,
 }
 
-/// A queued wish and where its answer goes.
-type Queued = (Wish, oneshot::Sender<Taken>);
+/// A queued edit: applies itself to the batch's copy, keeps its own result, and says whether
+/// it changed the copy. Run again on a fresh copy after a conflict.
+type Edit = Box<dyn FnMut(&mut IPBlockSpec) -> bool + Send>;
 
-/// The wishes queued per block.
+/// What a batch's write did, as each of its calls is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Batched {
+    /// Written, or nothing to write: the edit's last result stands.
+    Done,
+    /// Not written (the read or the write failed): the call writes alone.
+    Failed,
+}
+
+/// The edits queued for one block, with the block to create if it does not exist.
+#[derive(Default)]
+struct Queue {
+    edits: Vec<(Edit, oneshot::Sender<Batched>)>,
+    create: Option<(String, IpNet)>,
+}
+
+/// The edits queued per block.
 #[derive(Default)]
 pub(super) struct Batches {
-    queued: Mutex<HashMap<String, Vec<Queued>>>,
+    queued: Mutex<HashMap<String, Queue>>,
 }
 
 impl Batches {
-    fn push(&self, block: &str, wish: Wish) -> oneshot::Receiver<Taken> {
+    fn push(&self, block: &str, edit: Edit, create: Option<(String, IpNet)>) -> oneshot::Receiver<Batched> {
         let (reply, answer) = oneshot::channel();
-        self.queued
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(block.to_string())
-            .or_default()
-            .push((wish, reply));
+        let mut queued = self.queued.lock().unwrap_or_else(PoisonError::into_inner);
+        let queue = queued.entry(block.to_string()).or_default();
+        queue.edits.push((edit, reply));
+        queue.create = queue.create.take().or(create);
         answer
     }
 
-    fn take(&self, block: &str) -> Vec<Queued> {
+    fn take(&self, block: &str) -> Queue {
         self.queued.lock().unwrap_or_else(PoisonError::into_inner).remove(block).unwrap_or_default()
     }
 }
@@ -113,40 +130,88 @@ pub(super) fn grant(
 }
 
 impl Core {
-    /// An IP of block `name` (of `pool`) for `wish`, written in one batch with the other
-    /// ADDs of this node that want one of the same block meanwhile.
-    pub(super) async fn take_from_block(&self, name: &str, pool: &str, wish: Wish) -> Taken {
-        let net = wish.net;
-        let mut answer = self.batches.push(name, wish);
+    /// Applies `edit` to block `name` in one write with the edits of the node's other calls
+    /// queued for the same block meanwhile, starting from the newest copy held; `create`
+    /// (pool, CIDR) makes the block when it does not exist. `edit` returns whether it changed
+    /// the block and its result, and may run more than once (on a fresh copy after a
+    /// conflict): its last result is returned. `None`: the batch was not written (or the block
+    /// does not exist and was not to be made); write alone to learn why.
+    pub(super) async fn edit_in_batch<T: Send + 'static>(
+        &self,
+        name: &str,
+        create: Option<(String, IpNet)>,
+        mut edit: impl FnMut(&mut IPBlockSpec) -> (bool, T) + Send + 'static,
+    ) -> Option<T> {
+        let result = Arc::new(Mutex::new(None));
+        let slot = result.clone();
+        let boxed: Edit = Box::new(move |spec| {
+            let (changed, out) = edit(spec);
+            *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(out);
+            changed
+        });
+        let mut answer = self.batches.push(name, boxed, create);
         let writer = self.block_writer(name).await;
-        if let Ok(taken) = answer.try_recv() {
-            return taken;
-        }
-        let batch = self.batches.take(name);
-        let create = || {
-            IPBlock::new(name, IPBlockSpec { pool: pool.to_string(), cidr: net.to_string(), ..IPBlockSpec::default() })
-        };
-        let wishes: Vec<&Wish> = batch.iter().map(|(wish, _)| wish).collect();
-        let mut granted = Vec::new();
-        let written = self
-            .cas_block_held(&writer, name, Base::Newest, Some(&create), |block| {
-                granted =
-                    grant(&mut block.spec, &self.settings.node, &wishes, Timestamp::now(), self.settings.cooldown);
-                granted.iter().any(|t| matches!(t, Taken::Ip(..))).then_some(())
-            })
-            .await;
-        if let Err(e) = &written {
-            tracing::debug!(block = %name, wishes = batch.len(), error = %e, "a batch of allocations was not written; each ADD writes alone");
-            granted.clear();
-        }
-        let mut granted = granted.into_iter();
-        for (_, reply) in batch {
-            // An ADD that is gone (its caller cancelled) leaves its IP to the rollback-free
-            // path of a lost answer: the sandbox's DEL, or the GC.
-            let _gone = reply.send(granted.next().unwrap_or(Taken::Retry));
+        if answer.try_recv().is_err() {
+            self.write_batch(&writer, name).await;
         }
         drop(writer);
-        answer.try_recv().unwrap_or(Taken::Retry)
+        let done = answer.try_recv().unwrap_or(Batched::Failed) == Batched::Done;
+        let out = result.lock().unwrap_or_else(PoisonError::into_inner).take();
+        out.filter(|_| done)
+    }
+
+    /// Writes every edit queued for block `name`, whose writer the caller is, in one
+    /// compare-and-swap, and tells each edit's call how it went.
+    async fn write_batch(&self, writer: &KeyGuard<'_>, name: &str) {
+        let Queue { mut edits, create } = self.take(name);
+        let create_block = create.map(|(pool, net)| {
+            move || {
+                IPBlock::new(name, IPBlockSpec { pool: pool.clone(), cidr: net.to_string(), ..IPBlockSpec::default() })
+            }
+        });
+        let create_ref: Option<&dyn Fn() -> IPBlock> = create_block.as_ref().map(|c| c as &dyn Fn() -> IPBlock);
+        let written = self
+            .cas_block_held(writer, name, Base::Newest, create_ref, |block| {
+                let mut changed = false;
+                for (edit, _) in edits.iter_mut() {
+                    changed |= edit(&mut block.spec);
+                }
+                changed.then_some(())
+            })
+            .await;
+        let told = match &written {
+            Ok(CasOutcome::Written(())) | Ok(CasOutcome::Unchanged) => Batched::Done,
+            Ok(CasOutcome::Absent) => Batched::Failed,
+            Err(e) => {
+                tracing::debug!(block = %name, edits = edits.len(), error = %e, "a batch of block edits was not written; each call writes alone");
+                Batched::Failed
+            }
+        };
+        for (_, reply) in edits {
+            // A call that is gone (never, today: the actor runs each call to its end) leaves
+            // its edit's effect to the sandbox's DEL or the GC.
+            let _gone = reply.send(told);
+        }
+    }
+
+    fn take(&self, name: &str) -> Queue {
+        self.batches.take(name)
+    }
+
+    /// An IP of block `name` (of `pool`) for `wish`, written in one batch with the other
+    /// edits of this node's calls for the same block meanwhile; [`Taken::Retry`] when the
+    /// batch was not written.
+    pub(super) async fn take_from_block(&self, name: &str, pool: &str, wish: Wish) -> Taken {
+        let (node, cooldown) = (self.settings.node.clone(), self.settings.cooldown);
+        let create = Some((pool.to_string(), wish.net));
+        let taken = self
+            .edit_in_batch(name, create, move |spec| {
+                let taken = grant(spec, &node, &[&wish], Timestamp::now(), cooldown).into_iter().next();
+                let taken = taken.unwrap_or(Taken::Nothing);
+                (matches!(taken, Taken::Ip(..)), taken)
+            })
+            .await;
+        taken.unwrap_or(Taken::Retry)
     }
 }
 

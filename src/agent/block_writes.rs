@@ -35,6 +35,7 @@ pub(super) struct RecordAt {
 }
 
 /// An IPClaim as bound to one pod: changed only while it still names that pod's UID.
+#[derive(Clone)]
 struct BoundClaim {
     /// The claim's namespace.
     namespace: String,
@@ -115,21 +116,41 @@ impl Core {
             // unknown answer counts as "wants" (keeping a reservation is safe, freeing is not).
             let keep = record.sticky && !retired && crate::owners::record_owner_wants(&self.client, &record).await;
             let now = Timestamp::now();
-            let outcome = self
-                .cas_block(&target.block, base, None, |block| {
-                    let spec = &mut block.spec;
-                    let claim = spec.allocations.get(&target.ip).map(|r| BoundClaim {
-                        namespace: r.pod.namespace.clone(),
-                        name: workload::claim_name(&r.pod.name, r.owner.as_ref()),
-                        uid: r.pod.uid.clone(),
-                    });
-                    match blocks::release_attachment(spec, &target.ip, container_id, ifname, uid, keep, now) {
-                        ReleaseOutcome::NotOurs => None,
-                        outcome => Some((outcome, claim, spec.allocations.get(&target.ip).cloned())),
-                    }
-                })
-                .await
-                .map(CasOutcome::written);
+            let (ip, sandbox, interface) = (target.ip.clone(), container_id.to_string(), ifname.to_string());
+            let pod_uid = uid.map(str::to_string);
+            let release = move |spec: &mut IPBlockSpec| {
+                let claim = spec.allocations.get(&ip).map(|r| BoundClaim {
+                    namespace: r.pod.namespace.clone(),
+                    name: workload::claim_name(&r.pod.name, r.owner.as_ref()),
+                    uid: r.pod.uid.clone(),
+                });
+                match blocks::release_attachment(spec, &ip, &sandbox, &interface, pod_uid.as_deref(), keep, now) {
+                    ReleaseOutcome::NotOurs => None,
+                    outcome => Some((outcome, claim, spec.allocations.get(&ip).cloned())),
+                }
+            };
+            // From the copy held, with the node's other writes of the block (a drain's DELs);
+            // alone from a fresh read when the copy did not show the record, or the batch was
+            // not written, or it found the record not this sandbox's on a copy not read.
+            let batched = match base {
+                Base::Newest => {
+                    let release = release.clone();
+                    self.edit_in_batch(&target.block, None, move |spec| {
+                        let out = release(spec);
+                        (out.is_some(), out)
+                    })
+                    .await
+                    .flatten()
+                }
+                Base::Fresh => None,
+            };
+            let outcome = match batched {
+                Some(done) => Ok(Some(done)),
+                None => self
+                    .cas_block(&target.block, Base::Fresh, None, |block| release.clone()(&mut block.spec))
+                    .await
+                    .map(CasOutcome::written),
+            };
             match outcome {
                 Ok(Some((ReleaseOutcome::Released, claim, _))) => {
                     summary.claim = claim;
