@@ -151,11 +151,16 @@ impl Core {
         });
         let mut answer = self.batches.push(name, boxed, create);
         let writer = self.block_writer(name).await;
-        if answer.try_recv().is_err() {
-            self.write_batch(&writer, name).await;
-        }
+        // Written by the writer before: its answer is here. Else this call writes the batch.
+        let told = match answer.try_recv() {
+            Ok(told) => told,
+            Err(_) => {
+                self.write_batch(&writer, name).await;
+                answer.try_recv().unwrap_or(Batched::Failed)
+            }
+        };
         drop(writer);
-        let done = answer.try_recv().unwrap_or(Batched::Failed) == Batched::Done;
+        let done = told == Batched::Done;
         let out = result.lock().unwrap_or_else(PoisonError::into_inner).take();
         out.filter(|_| done)
     }
