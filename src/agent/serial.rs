@@ -33,7 +33,8 @@ impl KeyedLocks {
     }
 
     /// How many keys are held or waited for.
-    pub fn in_use(&self) -> usize {
+    #[cfg(test)]
+    fn in_use(&self) -> usize {
         self.locks.lock().unwrap_or_else(PoisonError::into_inner).len()
     }
 }
