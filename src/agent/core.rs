@@ -67,7 +67,8 @@ pub struct Core {
     pub(super) serial: Serial,
     /// One writer per block on this node, so the node's own writes never conflict.
     block_locks: KeyedLocks,
-    /// The ADDs waiting for an IP of a block, served together by its next write.
+    /// The edits of the node's calls (ADDs, DELs) waiting for a block's writer, written
+    /// together by its next write (module `batch`).
     pub(super) batches: Batches,
     /// When this agent started, and whether the runtime has called CNI GC since: until it
     /// has, no sandbox of the checkpoint counts as gone for lack of a listing.
@@ -81,10 +82,11 @@ pub struct Core {
 /// What a block write edits first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Base {
-    /// The newest copy the agent holds: no read, one conflict if it is stale. For ADDs,
-    /// whose decisions a later write may not undo without a retry anyway.
+    /// The newest copy the agent holds: no read, one conflict if it is stale and leads to a
+    /// write. Callers that must not act on a copy showing nothing to do (a release whose record
+    /// the copy lacks, an ADD about to say a pool is full) look again with [`Base::Fresh`].
     Newest,
-    /// A fresh read: for releases, which must not skip a record the cache does not show yet.
+    /// A fresh read.
     Fresh,
 }
 
