@@ -15,7 +15,7 @@ use ipnet::IpNet;
 use jiff::Timestamp;
 use tokio::sync::oneshot;
 
-use super::core::{Base, Core};
+use super::core::{Base, Core, new_block};
 use super::error::Error;
 use super::serial::KeyGuard;
 use crate::block_store::CasOutcome;
@@ -168,12 +168,8 @@ impl Core {
     /// Writes every edit queued for block `name`, whose writer the caller is, in one
     /// compare-and-swap, and tells each edit's call how it went.
     async fn write_batch(&self, writer: &KeyGuard<'_>, name: &str) {
-        let Queue { mut edits, create } = self.take(name);
-        let create_block = create.map(|(pool, net)| {
-            move || {
-                IPBlock::new(name, IPBlockSpec { pool: pool.clone(), cidr: net.to_string(), ..IPBlockSpec::default() })
-            }
-        });
+        let Queue { mut edits, create } = self.batches.take(name);
+        let create_block = create.map(|(pool, net)| move || new_block(name, &pool, net));
         let create_ref: Option<&dyn Fn() -> IPBlock> = create_block.as_ref().map(|c| c as &dyn Fn() -> IPBlock);
         let written = self
             .cas_block_held(writer, name, Base::Newest, create_ref, |block| {
@@ -199,10 +195,6 @@ impl Core {
         }
     }
 
-    fn take(&self, name: &str) -> Queue {
-        self.batches.take(name)
-    }
-
     /// An IP of block `name` (of `pool`) for `wish`, written in one batch with the other
     /// edits of this node's calls for the same block meanwhile; [`Taken::Retry`] when the
     /// batch was not written.
@@ -225,10 +217,7 @@ impl Core {
     /// `base`: after a batch failed, and for the last look with fresh reads before an ADD
     /// says the pool has nothing.
     pub(super) async fn take_alone(&self, name: &str, pool: &str, wish: &Wish, base: Base) -> Result<Taken, Error> {
-        let net = wish.net;
-        let create = || {
-            IPBlock::new(name, IPBlockSpec { pool: pool.to_string(), cidr: net.to_string(), ..IPBlockSpec::default() })
-        };
+        let create = || new_block(name, pool, wish.net);
         let mut got = Taken::Nothing;
         self.cas_block(name, base, Some(&create), |block| {
             let taken = grant(&mut block.spec, &self.settings.node, &[wish], Timestamp::now(), self.settings.cooldown);

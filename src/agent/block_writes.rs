@@ -9,7 +9,7 @@ use kube::api::Api;
 use kube::runtime::reflector::ObjectRef;
 
 use super::checkpoint::CheckpointEntry;
-use super::core::{Base, Core};
+use super::core::{Base, Core, new_block};
 use super::error::Error;
 use crate::block_store::CasOutcome;
 use crate::crd::{Allocation, IPBlock, IPBlockSpec};
@@ -56,9 +56,7 @@ impl Core {
         cidr: IpNet,
         mut mutate: impl FnMut(&mut IPBlockSpec) -> Option<T>,
     ) -> Result<Option<T>, Error> {
-        let create = || {
-            IPBlock::new(name, IPBlockSpec { pool: pool.to_string(), cidr: cidr.to_string(), ..IPBlockSpec::default() })
-        };
+        let create = || new_block(name, pool, cidr);
         Ok(self.cas_block(name, Base::Newest, Some(&create), |block| mutate(&mut block.spec)).await?.written())
     }
 
