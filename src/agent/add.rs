@@ -140,7 +140,7 @@ impl Core {
         let key = attachment_key(request);
         // The pod's calls are serialised (module `serial`), so no other ADD of this sandbox
         // can insert it between this check and the insert below.
-        if let Some(done) = self.checkpoint.lock().await.get(&key).map(|entry| result_of(&entry.ips)) {
+        if let Some(done) = self.checkpoint.read(|c| c.get(&key).map(|entry| result_of(&entry.ips))) {
             return Ok(done);
         }
         let pod_ref = request.pod.as_ref().ok_or(Error::NoPodInRequest)?;
@@ -181,7 +181,7 @@ impl Core {
         } else {
             let reclaimed = if sticky {
                 let held_here: BTreeSet<String> =
-                    self.checkpoint.lock().await.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect();
+                    self.checkpoint.read(|c| c.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect());
                 self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request, &held_here).await?
             } else {
                 None
@@ -212,7 +212,7 @@ impl Core {
             pod: PodRef { namespace: pod_ref.namespace.clone(), name: pod_ref.name.clone(), uid: uid.clone() },
             ips: ips.clone(),
         };
-        let inserted = self.checkpoint.lock().await.insert(entry);
+        let inserted = self.checkpoint.insert(entry).await;
         if let Err(e) = inserted {
             if let Some(claim) = claim.as_ref().filter(|_| !written.is_empty()) {
                 self.restore_claim(claim, &uid).await;

@@ -2,11 +2,13 @@
 //! interface): written atomically (temp file, fsync, rename, fsync of the directory) after
 //! every change and restored at start. An unknown version refuses to start; a missing file
 //! is rebuilt from the apiserver, and so is a corrupt one after it is moved aside (kept for
-//! inspection).
+//! inspection). This module holds the data, its changes and the file; the agent saves
+//! changes through [`super::checkpoint_store`], which writes concurrent ones together.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -16,8 +18,9 @@ use crate::crd::PodRef;
 /// The checkpoint format this agent writes and reads.
 pub const VERSION: u32 = 1;
 
-/// Why the checkpoint could not be read or written.
-#[derive(Debug, thiserror::Error)]
+/// Why the checkpoint could not be read or written. Clone, because one failed write fails
+/// every change saved with it.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum CheckpointError {
     /// The file is of a format this agent does not know: refuse rather than guess.
     #[error(
@@ -38,8 +41,22 @@ pub enum CheckpointError {
         /// The file.
         path: PathBuf,
         /// The OS error.
-        source: std::io::Error,
+        source: Arc<std::io::Error>,
     },
+    /// The task writing the file ended without an answer (it panicked): the change may or may
+    /// not be in the file.
+    #[error("checkpoint {path}: the writer stopped before saving the change")]
+    WriterStopped {
+        /// The file.
+        path: PathBuf,
+    },
+}
+
+impl CheckpointError {
+    fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.to_path_buf();
+        move |source| Self::Io { what, path, source: Arc::new(source) }
+    }
 }
 
 /// Identifies one network attachment of one sandbox.
@@ -118,7 +135,7 @@ impl Checkpoint {
         let bytes = match std::fs::read(path) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((checkpoint, Restored::Fresh)),
-            Err(source) => return Err(CheckpointError::Io { what: "reading", path: path.to_path_buf(), source }),
+            Err(source) => return Err(CheckpointError::io("reading", path)(source)),
         };
         let version = serde_json::from_slice::<serde_json::Value>(&bytes)
             .ok()
@@ -135,11 +152,7 @@ impl Checkpoint {
             }
             Err(_) => {
                 let aside = moved_aside_path(path);
-                std::fs::rename(path, &aside).map_err(|source| CheckpointError::Io {
-                    what: "moving aside corrupt",
-                    path: path.to_path_buf(),
-                    source,
-                })?;
+                std::fs::rename(path, &aside).map_err(CheckpointError::io("moving aside corrupt", path))?;
                 Ok((checkpoint, Restored::MovedAside(aside)))
             }
         }
@@ -155,55 +168,29 @@ impl Checkpoint {
         self.entries.values()
     }
 
-    /// Records an attachment and saves; when saving fails the attachment is not recorded
-    /// in memory either, so a failed ADD is never answered from the checkpoint later.
-    pub fn insert(&mut self, entry: CheckpointEntry) -> Result<(), CheckpointError> {
-        let key = entry.key.clone();
-        self.listed.remove(&key);
-        let replaced = self.entries.insert(key.clone(), entry);
-        self.save().inspect_err(|_| match replaced {
-            Some(previous) => {
-                self.entries.insert(key, previous);
+    /// The file the checkpoint is saved to.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The entries as they stand, to apply changes to a copy before it is saved.
+    pub(super) fn entries_copy(&self) -> BTreeMap<AttachmentKey, CheckpointEntry> {
+        self.entries.clone()
+    }
+
+    /// Applies a change that is saved; a changed or forgotten attachment's listing goes with
+    /// it (a new record of the attachment was not listed yet).
+    pub(super) fn apply(&mut self, change: &Change) -> Applied {
+        let (applied, touched) = change.apply_to(&mut self.entries);
+        match touched {
+            Touched::Keys(keys) => {
+                for key in keys {
+                    self.listed.remove(&key);
+                }
             }
-            None => {
-                self.entries.remove(&key);
-            }
-        })
-    }
-
-    /// Forgets an attachment and saves (saving nothing when it was unknown).
-    pub fn remove(&mut self, key: &AttachmentKey) -> Result<Option<CheckpointEntry>, CheckpointError> {
-        let removed = self.entries.remove(key);
-        self.listed.remove(key);
-        if removed.is_some() {
-            self.save()?;
+            Touched::All => self.listed.retain(|k, _| self.entries.contains_key(k)),
         }
-        Ok(removed)
-    }
-
-    /// Forgets every attachment not in `recorded` (the attachments that records in the
-    /// blocks name) and saves; returns what it forgot. At start, an entry no record names
-    /// holds nothing any more (its records were released while the agent was down, or the
-    /// node was deleted and registered again), so it must not live on as a sandbox.
-    pub fn retain_recorded(
-        &mut self,
-        recorded: &std::collections::BTreeSet<AttachmentKey>,
-    ) -> Result<Vec<CheckpointEntry>, CheckpointError> {
-        let (kept, dropped) = std::mem::take(&mut self.entries).into_iter().partition(|(k, _)| recorded.contains(k));
-        self.entries = kept;
-        self.listed.retain(|k, _| recorded.contains(k));
-        let dropped: BTreeMap<AttachmentKey, CheckpointEntry> = dropped;
-        if !dropped.is_empty() {
-            self.save()?;
-        }
-        Ok(dropped.into_values().collect())
-    }
-
-    /// Replaces every entry (after rebuilding from the apiserver) and saves.
-    pub fn replace_all(&mut self, entries: Vec<CheckpointEntry>) -> Result<(), CheckpointError> {
-        self.entries = entries.into_iter().map(|e| (e.key.clone(), e)).collect();
-        self.listed.clear();
-        self.save()
+        applied
     }
 
     /// Notes that the runtime's CNI GC listed `keys` as valid attachments at `at` (keys
@@ -219,28 +206,95 @@ impl Checkpoint {
     pub fn listed_at(&self, key: &AttachmentKey) -> Option<Instant> {
         self.listed.get(key).copied()
     }
+}
 
-    /// Writes the file atomically: a crash leaves either the old or the new checkpoint.
-    fn save(&self) -> Result<(), CheckpointError> {
-        let io = |what: &'static str, path: &Path| {
-            let path = path.to_path_buf();
-            move |source| CheckpointError::Io { what, path, source }
-        };
-        let file = File { version: VERSION, entries: self.entries.values().cloned().collect() };
-        let bytes = serde_json::to_vec_pretty(&file).map_err(|e| CheckpointError::Io {
-            what: "encoding",
-            path: self.path.clone(),
-            source: e.into(),
-        })?;
-        let dir = self.path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        std::fs::create_dir_all(dir).map_err(io("creating the directory of", &self.path))?;
-        let temp = self.path.with_extension("tmp");
-        let mut out = std::fs::File::create(&temp).map_err(io("creating", &temp))?;
-        out.write_all(&bytes).map_err(io("writing", &temp))?;
-        out.sync_all().map_err(io("syncing", &temp))?;
-        std::fs::rename(&temp, &self.path).map_err(io("renaming into place", &self.path))?;
-        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io("syncing the directory of", &self.path))
+/// A change to the checkpoint, saved before its caller hears back.
+#[derive(Debug, Clone)]
+pub(super) enum Change {
+    /// Records an attachment (replacing its entry).
+    Insert(CheckpointEntry),
+    /// Forgets an attachment.
+    Remove(AttachmentKey),
+    /// Forgets every attachment not in the set (the attachments that records in the blocks
+    /// name). At start, an entry no record names holds nothing any more (its records were
+    /// released while the agent was down, or the node was deleted and registered again), so
+    /// it must not live on as a sandbox.
+    RetainRecorded(BTreeSet<AttachmentKey>),
+    /// Replaces every entry (after rebuilding from the apiserver).
+    ReplaceAll(Vec<CheckpointEntry>),
+}
+
+/// What a [`Change`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Applied {
+    /// `Insert` and `ReplaceAll` wrote their entries.
+    Written,
+    /// The entry `Remove` forgot, if it knew the attachment.
+    Removed(Option<CheckpointEntry>),
+    /// The entries `RetainRecorded` forgot.
+    Dropped(Vec<CheckpointEntry>),
+}
+
+/// Which attachments a change touched.
+enum Touched {
+    Keys(Vec<AttachmentKey>),
+    All,
+}
+
+impl Change {
+    /// Applies the change to `entries`: what it did, and which attachments it touched.
+    fn apply_to(&self, entries: &mut BTreeMap<AttachmentKey, CheckpointEntry>) -> (Applied, Touched) {
+        match self {
+            Change::Insert(entry) => {
+                entries.insert(entry.key.clone(), entry.clone());
+                (Applied::Written, Touched::Keys(vec![entry.key.clone()]))
+            }
+            Change::Remove(key) => (Applied::Removed(entries.remove(key)), Touched::Keys(vec![key.clone()])),
+            Change::RetainRecorded(recorded) => {
+                let (kept, dropped) = std::mem::take(entries).into_iter().partition(|(k, _)| recorded.contains(k));
+                *entries = kept;
+                let dropped: BTreeMap<AttachmentKey, CheckpointEntry> = dropped;
+                (Applied::Dropped(dropped.into_values().collect()), Touched::All)
+            }
+            Change::ReplaceAll(all) => {
+                *entries = all.iter().map(|e| (e.key.clone(), e.clone())).collect();
+                (Applied::Written, Touched::All)
+            }
+        }
     }
+
+    /// Applies the changes to `entries`; whether the file must be written (a change that
+    /// forgets nothing writes nothing, as before there were batches).
+    pub(super) fn apply_all(changes: &[&Change], entries: &mut BTreeMap<AttachmentKey, CheckpointEntry>) -> bool {
+        changes.iter().fold(false, |write, change| {
+            let (applied, _) = change.apply_to(entries);
+            write
+                || match applied {
+                    Applied::Written => true,
+                    Applied::Removed(removed) => removed.is_some(),
+                    Applied::Dropped(dropped) => !dropped.is_empty(),
+                }
+        })
+    }
+}
+
+/// Writes `entries` to `path` atomically: a crash leaves either the old or the new
+/// checkpoint. Blocking (fsync): call it off the async runtime's threads.
+pub(super) fn write_file(
+    path: &Path,
+    entries: &BTreeMap<AttachmentKey, CheckpointEntry>,
+) -> Result<(), CheckpointError> {
+    let io = CheckpointError::io;
+    let file = File { version: VERSION, entries: entries.values().cloned().collect() };
+    let bytes = serde_json::to_vec_pretty(&file).map_err(|e| io("encoding", path)(e.into()))?;
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io("creating the directory of", path))?;
+    let temp = path.with_extension("tmp");
+    let mut out = std::fs::File::create(&temp).map_err(io("creating", &temp))?;
+    out.write_all(&bytes).map_err(io("writing", &temp))?;
+    out.sync_all().map_err(io("syncing", &temp))?;
+    std::fs::rename(&temp, path).map_err(io("renaming into place", path))?;
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io("syncing the directory of", path))
 }
 
 fn moved_aside_path(path: &Path) -> PathBuf {
@@ -251,17 +305,19 @@ fn moved_aside_path(path: &Path) -> PathBuf {
 }
 
 #[cfg(test)]
-mod test {
+pub(super) mod test {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
+    /// A checkpoint path in a fresh scratch directory.
+    pub(in crate::agent) fn scratch(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("ipwarden-checkpoint-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("scratch dir");
         dir.join("checkpoint.json")
     }
 
-    fn entry(container: &str) -> CheckpointEntry {
+    /// An entry of sandbox `container`.
+    pub(in crate::agent) fn entry(container: &str) -> CheckpointEntry {
         CheckpointEntry {
             key: AttachmentKey { network: "ipwarden".into(), container_id: container.into(), ifname: "eth0".into() },
             pod: PodRef { namespace: "default".into(), name: "web-0".into(), uid: "u1".into() },
@@ -276,66 +332,10 @@ mod test {
     }
 
     #[test]
-    fn only_entries_that_a_record_names_are_retained() {
-        let path = scratch("retain");
-        let (mut checkpoint, _) = Checkpoint::load(&path).expect("load");
-        checkpoint.insert(entry("recorded")).expect("insert");
-        checkpoint.insert(entry("released")).expect("insert");
-        let recorded = std::collections::BTreeSet::from([entry("recorded").key]);
-        let dropped = checkpoint.retain_recorded(&recorded).expect("retain");
-        assert_eq!(dropped, vec![entry("released")]);
-        let (reloaded, _) = Checkpoint::load(&path).expect("reload");
-        assert_eq!(reloaded.entries().cloned().collect::<Vec<_>>(), vec![entry("recorded")], "saved");
-    }
-
-    #[test]
-    fn a_runtime_listing_lasts_as_long_as_the_attachment_it_names() {
-        let (mut checkpoint, _) = Checkpoint::load(&scratch("listed")).expect("load");
-        checkpoint.insert(entry("c1")).expect("insert");
-        checkpoint.insert(entry("c2")).expect("insert");
-        let at = Instant::now();
-        checkpoint.note_listed([&entry("c1").key, &entry("c2").key, &entry("unknown").key], at);
-        assert_eq!(checkpoint.listed_at(&entry("c1").key), Some(at));
-        assert_eq!(checkpoint.listed_at(&entry("unknown").key), None, "an unrecorded attachment is not noted");
-        checkpoint.remove(&entry("c1").key).expect("remove");
-        checkpoint.insert(entry("c1")).expect("insert");
-        assert_eq!(checkpoint.listed_at(&entry("c1").key), None, "a new record of the attachment was not listed yet");
-        checkpoint.retain_recorded(&std::collections::BTreeSet::new()).expect("retain");
-        assert_eq!(checkpoint.listed_at(&entry("c2").key), None, "a dropped attachment's listing goes with it");
-    }
-
-    #[test]
     fn a_missing_file_is_a_fresh_start() {
         let (checkpoint, restored) = Checkpoint::load(&scratch("fresh")).expect("load");
         assert_eq!(restored, Restored::Fresh);
         assert_eq!(checkpoint.entries().count(), 0);
-    }
-
-    #[test]
-    fn entries_survive_a_save_and_a_reload() {
-        let path = scratch("roundtrip");
-        let (mut checkpoint, _) = Checkpoint::load(&path).expect("load");
-        checkpoint.insert(entry("c1")).expect("insert");
-        checkpoint.insert(entry("c2")).expect("insert");
-        checkpoint.remove(&entry("c1").key).expect("remove");
-        let (reloaded, restored) = Checkpoint::load(&path).expect("reload");
-        assert_eq!(restored, Restored::Loaded);
-        assert_eq!(reloaded.entries().cloned().collect::<Vec<_>>(), vec![entry("c2")]);
-        assert!(!path.with_extension("tmp").exists(), "no temp file is left behind");
-    }
-
-    #[test]
-    fn an_insert_that_cannot_be_saved_is_not_kept_in_memory() {
-        let path = scratch("unsaved");
-        let (mut checkpoint, _) = Checkpoint::load(&path).expect("load");
-        checkpoint.insert(entry("c1")).expect("insert");
-        // A directory where the temp file goes: creating it fails, even for root.
-        std::fs::create_dir(path.with_extension("tmp")).expect("block the temp file");
-        let mut replacement = entry("c1");
-        replacement.ips.clear();
-        checkpoint.insert(entry("c2")).expect_err("the save fails");
-        checkpoint.insert(replacement).expect_err("the save fails");
-        assert_eq!(checkpoint.entries().cloned().collect::<Vec<_>>(), vec![entry("c1")], "memory matches the file");
     }
 
     #[test]

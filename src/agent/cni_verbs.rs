@@ -17,18 +17,18 @@ impl Core {
     /// sandboxes and repeated DELs succeed.
     pub async fn del(&self, request: &AttachmentRequest) -> Result<(), Error> {
         let key = attachment_key(request);
-        let entry = self.checkpoint.lock().await.get(&key).cloned();
+        let entry = self.checkpoint.read(|c| c.get(&key).cloned());
         let uid =
             request.pod.as_ref().and_then(|p| p.uid.clone()).or_else(|| entry.as_ref().map(|e| e.pod.uid.clone()));
         self.release_attachment(entry.as_ref(), &request.container_id, &request.ifname, uid.as_deref()).await?;
-        self.checkpoint.lock().await.remove(&key)?;
+        self.checkpoint.remove(&key).await?;
         Ok(())
     }
 
     /// CNI CHECK: the sandbox's records still exist (read fresh from the blocks) and hold
     /// the IPs the runtime has.
     pub async fn check(&self, request: &AttachmentRequest) -> Result<(), Error> {
-        let entry = self.checkpoint.lock().await.get(&attachment_key(request)).cloned();
+        let entry = self.checkpoint.read(|c| c.get(&attachment_key(request)).cloned());
         let mut targets: BTreeSet<(String, String)> =
             entry.iter().flat_map(|e| e.ips.iter()).map(|ip| (ip.block.clone(), ip.ip.clone())).collect();
         targets.extend(
@@ -74,7 +74,6 @@ impl Core {
     pub async fn gc(&self, request: &GcRequest) -> Result<(), Error> {
         let valid: BTreeSet<(&str, &str)> =
             request.valid_attachments.iter().map(|a| (a.container_id.as_str(), a.ifname.as_str())).collect();
-        let mut checkpoint = self.checkpoint.lock().await;
         let listed: Vec<AttachmentKey> = request
             .valid_attachments
             .iter()
@@ -84,19 +83,20 @@ impl Core {
                 ifname: a.ifname.clone(),
             })
             .collect();
-        checkpoint.note_listed(&listed, Instant::now());
+        self.checkpoint.note_listed(&listed, Instant::now());
         self.runtime_gc_called();
-        let stale: Vec<CheckpointEntry> = checkpoint
-            .entries()
-            .filter(|e| e.key.network == request.network)
-            .filter(|e| !valid.contains(&(e.key.container_id.as_str(), e.key.ifname.as_str())))
-            .cloned()
-            .collect();
+        let stale: Vec<CheckpointEntry> = self.checkpoint.read(|c| {
+            c.entries()
+                .filter(|e| e.key.network == request.network)
+                .filter(|e| !valid.contains(&(e.key.container_id.as_str(), e.key.ifname.as_str())))
+                .cloned()
+                .collect()
+        });
         for entry in stale {
             tracing::info!(container_id = %entry.key.container_id, pod = %entry.pod.name, "GC: releasing a stale attachment");
             self.release_attachment(Some(&entry), &entry.key.container_id, &entry.key.ifname, Some(&entry.pod.uid))
                 .await?;
-            checkpoint.remove(&entry.key)?;
+            self.checkpoint.remove(&entry.key).await?;
         }
         Ok(())
     }

@@ -12,10 +12,10 @@ use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::api::Api;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, ResourceExt};
-use tokio::sync::Mutex;
 
 use super::batch::Batches;
 use super::checkpoint::{AttachmentKey, Checkpoint, CheckpointIp};
+use super::checkpoint_store::CheckpointStore;
 use super::error::Error;
 use super::metrics::AgentMetrics;
 use super::serial::{KeyGuard, KeyedLocks, Serial};
@@ -60,7 +60,7 @@ pub struct Core {
     pub(super) blocks: Store<IPBlock>,
     pub(super) namespaces: Store<Namespace>,
     pub(super) node: Store<Node>,
-    pub(super) checkpoint: Mutex<Checkpoint>,
+    pub(super) checkpoint: CheckpointStore,
     pub(super) metrics: Arc<AgentMetrics>,
     pub(super) store: BlockStore,
     /// Which calls wait for which (module `serial`).
@@ -179,7 +179,7 @@ impl Core {
             blocks,
             namespaces,
             node,
-            checkpoint: Mutex::new(checkpoint),
+            checkpoint: CheckpointStore::new(checkpoint),
             metrics,
             store,
             serial: Serial::default(),

@@ -7,6 +7,7 @@ pub mod allocator;
 mod batch;
 mod block_writes;
 pub mod checkpoint;
+pub mod checkpoint_store;
 mod cni_verbs;
 pub mod core;
 pub mod error;

@@ -52,13 +52,12 @@ impl Core {
         let mut due = Vec::new();
         for (block, pool, cidr, ip, record) in marked {
             let pod = self.pod_on_node(&record).await?;
-            let (attached, listed_ago) = {
-                let checkpoint = self.checkpoint.lock().await;
+            let (attached, listed_ago) = self.checkpoint.read(|checkpoint| {
                 let attached: Vec<AttachmentKey> =
                     checkpoint.entries().filter(|e| e.ips.iter().any(|i| i.ip == ip)).map(|e| e.key.clone()).collect();
                 let listed = attached.iter().filter_map(|k| checkpoint.listed_at(k)).max();
                 (attached, listed.map(|at| at.elapsed()))
-            };
+            });
             // Until the runtime's first CNI GC since the agent started, the runtime has not
             // said which sandboxes it still has: count them as listed at the start.
             let listed_ago = listed_ago.or_else(|| self.runtime_gc_pending().then(|| self.started.elapsed()));
@@ -104,9 +103,8 @@ impl Core {
                 continue;
             }
             if answer == AgentAnswer::Ready {
-                let mut checkpoint = self.checkpoint.lock().await;
                 for key in &attached {
-                    checkpoint.remove(key)?;
+                    self.checkpoint.remove(key).await?;
                 }
             }
             self.metrics.handshake_answer(answer.label());

@@ -50,7 +50,6 @@ impl Core {
                 }
             }
         }
-        let mut checkpoint = self.checkpoint.lock().await;
         for (block, ip, record) in &stale {
             tracing::info!(%ip, pod = %format!("{}/{}", record.pod.namespace, record.pod.name), "start-up GC: no local pod holds it");
             let target = RecordAt { block: block.clone(), ip: ip.clone() };
@@ -60,7 +59,7 @@ impl Core {
                 container_id: record.container_id.clone(),
                 ifname: record.interface.clone(),
             };
-            checkpoint.remove(&key)?;
+            self.checkpoint.remove(&key).await?;
         }
         // The attachments that records name on this node: a record's own sandbox, a live
         // migration's target sandbox, and the sandboxes of a repaired record's pod that hold
@@ -72,11 +71,12 @@ impl Core {
             .filter(|(_, r)| r.node == *node && r.repaired_at.is_some() && lives_here(r))
             .map(|(ip, r)| (r.pod.uid.as_str(), ip.as_str()))
             .collect();
-        let mut recorded: BTreeSet<AttachmentKey> = checkpoint
-            .entries()
-            .filter(|e| e.ips.iter().any(|i| adopted.contains(&(e.pod.uid.as_str(), i.ip.as_str()))))
-            .map(|e| e.key.clone())
-            .collect();
+        let mut recorded: BTreeSet<AttachmentKey> = self.checkpoint.read(|c| {
+            c.entries()
+                .filter(|e| e.ips.iter().any(|i| adopted.contains(&(e.pod.uid.as_str(), i.ip.as_str()))))
+                .map(|e| e.key.clone())
+                .collect()
+        });
         recorded.extend(blocks.items.iter().flat_map(|b| b.spec.allocations.values()).flat_map(|r| {
             let own = (r.node == *node).then_some((&r.container_id, &r.interface));
             let target =
@@ -87,7 +87,7 @@ impl Core {
                 ifname: ifname.clone(),
             })
         }));
-        for entry in checkpoint.retain_recorded(&recorded)? {
+        for entry in self.checkpoint.retain_recorded(recorded).await? {
             tracing::info!(container_id = %entry.key.container_id, pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name), "start-up GC: no record names this checkpoint entry any more");
         }
         Ok(stale.len())
@@ -122,7 +122,7 @@ impl Core {
             }
         }
         let count = entries.len();
-        self.checkpoint.lock().await.replace_all(entries.into_values().collect())?;
+        self.checkpoint.replace_all(entries.into_values().collect()).await?;
         Ok(count)
     }
 }
