@@ -56,15 +56,20 @@ async fn two_hundred_concurrent_adds_from_four_agents_get_distinct_ips_that_reco
     // A loaded machine can make the plugin give up on a queued ADD that the agent then
     // serves; the runtime DELs that sandbox and retries. So count: allocations minus
     // releases is exactly one per pod.
-    let (mut successes, mut released) = (0.0, 0.0);
+    let (mut successes, mut released, mut from_cache, mut live) = (0.0, 0.0, 0.0, 0.0);
     for index in 0..4 {
         let text = ipwarden.scrape_agent(index).await;
         assert!(text.contains("ipwarden_agent_allocation_duration_seconds_bucket"), "latency histogram exposed");
         assert!(text.contains("ipwarden_agent_conflict_retries_total"), "conflict retries exposed");
         successes += metric(&text, r#"ipwarden_agent_allocations_total{result="success"}"#);
         released += metric(&text, r#"ipwarden_agent_releases_total{result="released"}"#);
+        from_cache += metric(&text, r#"ipwarden_agent_pod_reads_total{source="cache"}"#);
+        live += metric(&text, r#"ipwarden_agent_pod_reads_total{source="apiserver"}"#);
     }
     assert!(successes >= 200.0, "the agents counted at least 200 successful ADDs ({successes})");
+    // The kubelet sees a pod through the same kind of watch as its agent, so the agent's
+    // cache nearly always has the pod by the time its ADD comes.
+    assert!(from_cache >= 100.0, "most ADDs read their pod from the node's pod cache: {from_cache} cache, {live} live");
     assert_eq!(successes - released, 200.0, "every allocation beyond one per pod was released again");
 }
 

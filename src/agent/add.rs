@@ -144,11 +144,9 @@ impl Core {
             return Ok(done);
         }
         let pod_ref = request.pod.as_ref().ok_or(Error::NoPodInRequest)?;
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &pod_ref.namespace);
-        let pod = pods
-            .get_opt(&pod_ref.name)
-            .await
-            .map_err(Error::api(format!("reading pod {}/{}", pod_ref.namespace, pod_ref.name)))?
+        let pod = self
+            .pod(pod_ref)
+            .await?
             .ok_or_else(|| Error::PodMissing { pod: format!("{}/{}", pod_ref.namespace, pod_ref.name) })?;
         let uid = pod.uid().unwrap_or_default();
         if let Some(expected) = pod_ref.uid.as_deref()

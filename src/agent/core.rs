@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::Api;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, ResourceExt};
@@ -24,7 +24,7 @@ use crate::crd::{IPBlock, IPPool};
 use crate::ipam::PoolLayout;
 use crate::ipam::blocks;
 use crate::ipam::pools;
-use crate::protocol::{AttachmentRequest, IpConfig, IpamResult, Route};
+use crate::protocol::{AttachmentRequest, IpConfig, IpamResult, PodRef as RuntimePodRef, Route};
 
 /// The agent's settings that shape allocation.
 #[derive(Clone, Debug)]
@@ -50,6 +50,8 @@ pub struct Caches {
     pub namespaces: Store<Namespace>,
     /// This node's Node object (its labels select pools).
     pub node: Store<Node>,
+    /// This node's pods (`spec.nodeName`), without their managed fields: an ADD's pod.
+    pub pods: Store<Pod>,
 }
 
 /// The agent's state: caches, the checkpoint, and the client.
@@ -60,6 +62,7 @@ pub struct Core {
     pub(super) blocks: Store<IPBlock>,
     pub(super) namespaces: Store<Namespace>,
     pub(super) node: Store<Node>,
+    pub(super) pods: Store<Pod>,
     pub(super) checkpoint: CheckpointStore,
     pub(super) metrics: Arc<AgentMetrics>,
     pub(super) store: BlockStore,
@@ -171,7 +174,7 @@ impl Core {
             field_manager(&settings.node),
             Some(metrics.conflict_retries.clone()),
         );
-        let Caches { pools, blocks, namespaces, node } = caches;
+        let Caches { pools, blocks, namespaces, node, pods } = caches;
         Self {
             client,
             settings,
@@ -179,6 +182,7 @@ impl Core {
             blocks,
             namespaces,
             node,
+            pods,
             checkpoint: CheckpointStore::new(checkpoint),
             metrics,
             store,
@@ -303,6 +307,25 @@ impl Core {
             .get_opt(name)
             .await
             .map_err(Error::api(format!("reading namespace {name}")))?;
+        Ok(live.map(Arc::new))
+    }
+
+    /// The pod of an ADD from this node's pod cache when the cache has it with the UID the
+    /// runtime gave (`K8S_POD_UID`); read live otherwise: the cache has not seen it yet, or
+    /// the runtime gave no UID, so only a live read tells a recreated pod of the same name.
+    pub(super) async fn pod(&self, pod_ref: &RuntimePodRef) -> Result<Option<Arc<Pod>>, Error> {
+        let cached = self.pods.get(&ObjectRef::new(&pod_ref.name).within(&pod_ref.namespace));
+        if let (Some(cached), Some(uid)) = (cached, pod_ref.uid.as_deref())
+            && cached.metadata.uid.as_deref() == Some(uid)
+        {
+            self.metrics.pod_read("cache");
+            return Ok(Some(cached));
+        }
+        self.metrics.pod_read("apiserver");
+        let live = Api::<Pod>::namespaced(self.client.clone(), &pod_ref.namespace)
+            .get_opt(&pod_ref.name)
+            .await
+            .map_err(Error::api(format!("reading pod {}/{}", pod_ref.namespace, pod_ref.name)))?;
         Ok(live.map(Arc::new))
     }
 

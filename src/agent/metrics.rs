@@ -41,6 +41,15 @@ pub struct AgentMetrics {
     pub pool_exhausted: Family<PoolLabels, Counter>,
     /// Answers to the controller's release marks.
     pub handshake_answers: Family<AnswerLabels, Counter>,
+    /// Where ADDs read their pod: `cache` (the node's pod watch) or `apiserver`.
+    pub pod_reads: Family<SourceLabels, Counter>,
+}
+
+/// Labels of where a read was served from.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    /// `cache` or `apiserver`.
+    pub source: String,
 }
 
 impl AgentMetrics {
@@ -53,6 +62,7 @@ impl AgentMetrics {
             conflict_retries: Counter::default(),
             pool_exhausted: Family::default(),
             handshake_answers: Family::default(),
+            pod_reads: Family::default(),
         };
         let agent = registry.sub_registry_with_prefix("ipwarden_agent");
         agent.register("allocations", "CNI ADD requests by result", metrics.allocations.clone());
@@ -73,7 +83,13 @@ impl AgentMetrics {
             "Answers to the controller's release marks, by answer",
             metrics.handshake_answers.clone(),
         );
+        agent.register("pod_reads", "Pods read by CNI ADDs, by source (cache or apiserver)", metrics.pod_reads.clone());
         metrics
+    }
+
+    /// Counts one pod read of an ADD.
+    pub fn pod_read(&self, source: &str) {
+        self.pod_reads.get_or_create(&SourceLabels { source: source.to_string() }).inc();
     }
 
     /// Counts one ADD outcome.

@@ -30,11 +30,11 @@ use actix::Actor;
 use anyhow::Context;
 use futures::StreamExt;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
-use kube::{Api, Client};
+use kube::{Api, Client, ResourceExt};
 use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
 
-use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 
 use crate::crd::{IPBlock, IPPool};
 use crate::ipam::workload::DEFAULT_STICKY_KINDS;
@@ -117,7 +117,17 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
 
     let (namespaces, namespaces_writer) = reflector::store::<Namespace>();
     let (node_cache, node_writer) = reflector::store::<Node>();
+    let (pod_cache, pod_writer) = reflector::store::<Pod>();
     let only_this_node = watcher::Config::default().fields(&format!("metadata.name={}", args.node_name));
+    let pods_of_this_node = watcher::Config::default().fields(&format!("spec.nodeName={}", args.node_name));
+    tokio::spawn(
+        reflector(
+            pod_writer,
+            watcher(Api::<Pod>::all(client.clone()), pods_of_this_node).modify(|pod| pod.managed_fields_mut().clear()),
+        )
+        .default_backoff()
+        .for_each(|_| async {}),
+    );
     tokio::spawn(
         reflector(namespaces_writer, watcher(Api::<Namespace>::all(client.clone()), watcher::Config::default()))
             .default_backoff()
@@ -159,11 +169,12 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         pools.wait_until_ready().await?;
         blocks.wait_until_ready().await?;
         namespaces.wait_until_ready().await?;
-        node_cache.wait_until_ready().await
+        node_cache.wait_until_ready().await?;
+        pod_cache.wait_until_ready().await
     })
     .await
-    .context("the IPPool, IPBlock, Namespace and Node caches did not sync in time (are the CRDs installed?)")?
-    .context("the IPPool, IPBlock, Namespace and Node caches closed before syncing")?;
+    .context("the IPPool, IPBlock, Namespace, Node and Pod caches did not sync in time (are the CRDs installed?)")?
+    .context("the IPPool, IPBlock, Namespace, Node and Pod caches closed before syncing")?;
 
     let (checkpoint, restored) = Checkpoint::load(&args.checkpoint)?;
     let settings = core::Settings {
@@ -172,7 +183,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         sticky_kinds: args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect(),
         sandbox_grace: Duration::from_secs(args.release_sandbox_grace_seconds),
     };
-    let caches = core::Caches { pools, blocks, namespaces, node: node_cache };
+    let caches = core::Caches { pools, blocks, namespaces, node: node_cache, pods: pod_cache };
     let core = Arc::new(core::Core::new(client.clone(), settings, caches, checkpoint, metrics));
     let path = args.checkpoint.display();
     if restored == Restored::Loaded {
