@@ -1,8 +1,9 @@
 //! The `ipwarden` binary: one executable for every role, chosen by subcommand (or by being
-//! invoked as `ipwarden-cni`, the name container runtimes look plugins up by).
+//! invoked as `ipwarden-cni`, the name container runtimes look plugins up by, or as
+//! `kubectl-ipwarden`, the name kubectl looks its `ipwarden` plugin up by).
 
 use anyhow::Context;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 /// ipwarden: Kubernetes IPAM with a StatefulSet-aware IP garbage collector.
 #[derive(Parser)]
@@ -31,18 +32,18 @@ enum Command {
     Cni,
     /// Run the cluster garbage-collecting controller.
     Controller(ipwarden::actors::ControllerArgs),
-    /// Ask the leading controller for a full sweep (or, with --dry-run, list what it would do).
-    Gc(ipwarden::cli::gc::GcArgs),
-    /// Used, sticky-reserved, cooling and leak-candidate IPs per pool and node.
-    Status(ipwarden::cli::status::StatusArgs),
-    /// Consistency report; exit status 1 when a problem is found.
-    Check(ipwarden::cli::check::CheckArgs),
+    #[command(flatten)]
+    Operator(ipwarden::cli::Command),
 }
 
 fn main() -> anyhow::Result<()> {
     let invoked_as = std::env::args_os().next().map(std::path::PathBuf::from);
-    if invoked_as.as_deref().and_then(|p| p.file_name()).is_some_and(|n| n == "ipwarden-cni") {
+    let name = invoked_as.as_deref().and_then(|p| p.file_name());
+    if name.is_some_and(|n| n == "ipwarden-cni") {
         std::process::exit(ipwarden::cni::main_from_process());
+    }
+    if name.is_some_and(|n| n == "kubectl-ipwarden") {
+        return run_operator(kubectl_plugin_command()?);
     }
     let cli = Cli::parse();
     match cli.command {
@@ -59,16 +60,28 @@ fn main() -> anyhow::Result<()> {
             init_logging(cli.log_format);
             actor_system()?.block_on(ipwarden::actors::run(args))
         }
-        Command::Gc(args) => cli_runtime()?.block_on(ipwarden::cli::gc::run(args)),
-        Command::Status(args) => cli_runtime()?.block_on(ipwarden::cli::status::run(args)),
-        Command::Check(args) => {
-            let consistent = cli_runtime()?.block_on(ipwarden::cli::check::run(args))?;
-            if !consistent {
-                std::process::exit(1);
-            }
-            Ok(())
-        }
+        Command::Operator(command) => run_operator(command),
     }
+}
+
+/// `kubectl ipwarden`'s command line: the operator commands only, with the connection flags
+/// also accepted before the command's name (`kubectl ipwarden --context c status`), where
+/// kubectl users put them; clap hands them down to the command's own flags.
+fn kubectl_plugin_command() -> anyhow::Result<ipwarden::cli::Command> {
+    let plugin = clap::Command::new("kubectl-ipwarden").subcommand_required(true);
+    let plugin = ipwarden::cli::Command::augment_subcommands(ipwarden::cli::connect::ClusterArgs::augment_args(plugin))
+        .bin_name("kubectl ipwarden")
+        .version(env!("CARGO_PKG_VERSION"))
+        .about("ipwarden's operator commands as a kubectl plugin: status, check, gc.");
+    Ok(ipwarden::cli::Command::from_arg_matches(&plugin.get_matches())?)
+}
+
+/// Runs an operator command; exit status 1 when `check` finds a problem.
+fn run_operator(command: ipwarden::cli::Command) -> anyhow::Result<()> {
+    if !cli_runtime()?.block_on(command.run())? {
+        std::process::exit(1);
+    }
+    Ok(())
 }
 
 /// A single-threaded runtime for the short-lived CLI commands.

@@ -1,7 +1,8 @@
 //! The operator CLI against a real cluster: `ipwarden check` finds nothing on a consistent
 //! cluster and reports an injected leak with exit status 1; `ipwarden status` counts used
 //! IPs and leak candidates per pool and node; `ipwarden gc --dry-run` shows the leader's own
-//! plan.
+//! plan; `ipwarden status` lists IPs in numeric order and counts sticky records as `kubectl
+//! get ippools` does.
 
 mod support;
 
@@ -10,7 +11,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
-use support::{Ipwarden, TIMEOUT, create_pod, inject_record, record_json, wait_pods_with_ips};
+use support::{
+    Ipwarden, TIMEOUT, column, create_pod, create_statefulset, inject_record, record_json, wait_pods_with_ips,
+};
 
 fn ipwarden_cli(ipwarden: &Ipwarden, args: &[&str]) -> (bool, String) {
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_ipwarden"))
@@ -22,7 +25,7 @@ fn ipwarden_cli(ipwarden: &Ipwarden, args: &[&str]) -> (bool, String) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn check_and_status_report_a_consistent_cluster_and_an_injected_leak() {
+async fn check_and_status_report_a_consistent_cluster_and_injected_leaks_in_numeric_ip_order() {
     let ipwarden = Ipwarden::start(1, &[("pool", json!({"cidr": "10.90.0.0/24", "default": true}))], &[]).await;
     let client = ipwarden.client();
     create_pod(&client, "default", "a", "node-0", json!({"app": "cli"})).await;
@@ -48,6 +51,70 @@ async fn check_and_status_report_a_consistent_cluster_and_an_injected_leak() {
     assert_eq!(report["problems"][0]["subject"], "10.90.0.250");
     let (_, table) = ipwarden_cli(&ipwarden, &["status", "-a"]);
     assert!(table.contains("leak-candidate") && table.contains("10.90.0.250"), "status -a lists the leak: {table}");
+
+    for (ip, block, cidr) in [
+        ("10.90.0.9", "pool-10-90-0-0-24", "10.90.0.0/24"),
+        ("10.90.0.10", "pool-10-90-0-0-24", "10.90.0.0/24"),
+        ("fd00:90::9", "pool-fd00-90--120", "fd00:90::/120"),
+    ] {
+        let leak = record_json("default", &format!("ghost-{ip}"), &format!("uid-{ip}"), "node-0", None, false);
+        inject_record(&client, "pool", block, cidr, ip, leak).await;
+    }
+    let (_, table) = ipwarden_cli(&ipwarden, &["status", "-a"]);
+    let listed: Vec<&str> = table
+        .split("\n\n")
+        .nth(1)
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    let injected: Vec<&str> = listed
+        .iter()
+        .copied()
+        .filter(|ip| ["10.90.0.9", "10.90.0.10", "10.90.0.250", "fd00:90::9"].contains(ip))
+        .collect();
+    assert_eq!(
+        injected,
+        ["10.90.0.9", "10.90.0.10", "10.90.0.250", "fd00:90::9"],
+        "numeric order, IPv4 first: {table}"
+    );
+    let mut sorted: Vec<std::net::IpAddr> = listed.iter().map(|ip| ip.parse().expect("an IP")).collect();
+    sorted.sort();
+    let sorted: Vec<String> = sorted.iter().map(ToString::to_string).collect();
+    assert_eq!(listed, sorted, "every IP in numeric order: {table}");
+}
+
+/// `kubectl get ippools` and `ipwarden status` both have a STICKY column; both count the
+/// records of sticky workloads (StatefulSet, KubeVirt), held by a pod now or not. A running
+/// StatefulSet pod's record showed as 1 in the first and 0 in the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_kubectl_get_ippools_count_the_same_sticky_records() {
+    let mut ipwarden = Ipwarden::start(1, &[("pool", json!({"cidr": "10.96.0.0/24", "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    let controller = ipwarden.start_controller("sticky", &[]);
+    ipwarden.wait_leader(controller).await;
+    create_statefulset(&client, "default", "web", json!({})).await;
+    create_pod(&client, "default", "plain", "node-0", json!({"app": "plain"})).await;
+    wait_pods_with_ips(&client, "default", "app=web", 1).await;
+    wait_pods_with_ips(&client, "default", "app=plain", 1).await;
+    let kubectl_args =
+        vec![format!("--kubeconfig={}", ipwarden.cluster.kubeconfig().display()), "get".into(), "ippools".into()];
+    let kubectl = wait::until("kubectl get ippools counting 2 allocated IPs", TIMEOUT, || async {
+        let table = e2e::process::run_tool(&ipwarden.cluster.kubectl(), &kubectl_args, None).await?;
+        let allocated = column(&table, "pool", "ALLOCATED");
+        Ok(if allocated.as_deref() == Some("2") { Probe::Done(table) } else { Probe::Pending(table) })
+    })
+    .await
+    .expect("the controller writes the pool's counts");
+    assert_eq!(column(&kubectl, "pool", "STICKY").as_deref(), Some("1"), "the StatefulSet pod's record: {kubectl}");
+    let (ok, status) = ipwarden_cli(&ipwarden, &["status"]);
+    assert!(ok, "status: {status}");
+    assert_eq!(
+        column(&status, "pool", "STICKY"),
+        column(&kubectl, "pool", "STICKY"),
+        "one meaning:\n{status}\n{kubectl}"
+    );
 }
 
 /// A controller run with an hour of additional grace keeps tracing a pod stuck Terminating;

@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::{Value, json};
-use support::{Ipwarden, TIMEOUT, create_pod, ip_of, metric, metric_sum, records, wait_pods_with_ips};
+use support::{Ipwarden, TIMEOUT, column, create_pod, ip_of, metric, metric_sum, records, wait_pods_with_ips};
 
 use ipwarden::crd::IPPool;
 
@@ -37,16 +37,6 @@ async fn kubectl_get_ippools(ipwarden: &Ipwarden) -> String {
     let args =
         vec![format!("--kubeconfig={}", ipwarden.cluster.kubeconfig().display()), "get".into(), "ippools".into()];
     e2e::process::run_tool(&ipwarden.cluster.kubectl(), &args, None).await.expect("kubectl get ippools")
-}
-
-/// The column `header` of pool `pool`'s row in `kubectl get ippools` output.
-fn column(table: &str, pool: &str, header: &str) -> Option<String> {
-    let mut lines = table.lines();
-    let headers: Vec<&str> = lines.next()?.split_whitespace().collect();
-    let at = headers.iter().position(|h| *h == header)?;
-    let row: Vec<&str> = lines.find(|l| l.split_whitespace().next() == Some(pool))?.split_whitespace().collect();
-    // An empty cell (e.g. no deletionTimestamp) shows as <none> or nothing at the row's end.
-    Some(row.get(at).copied().unwrap_or("<none>").to_string())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -243,7 +243,7 @@ impl PoolSupervisor {
             let entry = allocated.entry(block.spec.pool.clone()).or_default();
             let records = block.spec.allocations.values();
             entry.0 += count(records.len());
-            entry.1 += count(records.clone().filter(|a| a.sticky).count());
+            entry.1 += count(records.clone().filter(|a| crate::ipam::blocks::counts_as_sticky(a)).count());
             entry.2 += count(records.filter(|a| a.release_handshake.is_some()).count());
         }
         // Only pools that still exist: a deleted pool's series must not stay at 1.

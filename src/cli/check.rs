@@ -2,10 +2,10 @@
 
 use std::time::Duration;
 
-use anyhow::Context;
 use jiff::Timestamp;
 use kube::Client;
 
+use super::connect::{ClusterArgs, connect};
 use super::{Output, list_cluster, table};
 use crate::gc::check::{Problem, Snapshot, check};
 use crate::gc::rules::{NotReadyPolicy, RuleSettings};
@@ -13,6 +13,9 @@ use crate::gc::rules::{NotReadyPolicy, RuleSettings};
 /// `ipwarden check` flags.
 #[derive(clap::Args, Debug, Clone)]
 pub struct CheckArgs {
+    /// How to reach the cluster.
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
     /// Output format.
     #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
     pub output: Output,
@@ -35,8 +38,7 @@ pub async fn problems(client: &Client) -> anyhow::Result<Vec<Problem>> {
 
 /// Runs `ipwarden check`; returns whether the cluster is consistent.
 pub async fn run(args: CheckArgs) -> anyhow::Result<bool> {
-    let client = Client::try_default().await.context("building the Kubernetes client from the kubeconfig")?;
-    let problems = problems(&client).await?;
+    let problems = problems(&connect(&args.cluster).await?.client).await?;
     match args.output {
         Output::Json => println!("{}", serde_json::to_string_pretty(&serde_json::json!({"problems": problems}))?),
         Output::Table if problems.is_empty() => println!("no problem found"),

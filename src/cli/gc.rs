@@ -10,6 +10,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 
+use super::connect::{ClusterArgs, connect};
 use super::{Output, table};
 use crate::gc::manual::{
     DryRunPlan, ERROR_KEY, HANDLED_KEY, MODE_KEY, Mode, REQUEST_KEY, RESULT_KEY, SweepReport, TRIGGER_CONFIGMAP,
@@ -18,12 +19,16 @@ use crate::gc::manual::{
 /// `ipwarden gc` flags.
 #[derive(clap::Args, Debug, Clone)]
 pub struct GcArgs {
+    /// How to reach the cluster.
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
     /// Only list what a sweep would release or repair, and by which rule; change nothing.
     #[arg(long)]
     pub dry_run: bool,
-    /// The controller's namespace (where its Lease and the trigger ConfigMap live).
-    #[arg(long, short = 'n', env = "IPWARDEN_NAMESPACE", default_value = "default")]
-    pub namespace: String,
+    /// The controller's namespace (where its Lease and the trigger ConfigMap live)
+    /// [default: the kubeconfig context's namespace, else `default`].
+    #[arg(long, short = 'n', env = "IPWARDEN_NAMESPACE")]
+    pub namespace: Option<String>,
     /// Seconds to wait for the leader's report.
     #[arg(long, default_value_t = 120)]
     pub timeout_seconds: u64,
@@ -65,16 +70,17 @@ pub struct HostLocalArgs {
 
 /// Runs `ipwarden gc`.
 pub async fn run(args: GcArgs) -> anyhow::Result<()> {
-    let client = Client::try_default().await.context("building the Kubernetes client from the kubeconfig")?;
+    let connection = connect(&args.cluster).await?;
+    let (client, namespace) = (connection.client, args.namespace.clone().unwrap_or(connection.namespace));
     match &args.target {
         Some(GcTarget::HostLocal(host_local)) => collect_host_local(&client, host_local, args.output).await,
         None if args.dry_run => {
-            let plan = serde_json::from_str(&ask_leader(&client, &args, Mode::DryRun).await?)
+            let plan = serde_json::from_str(&ask_leader(&client, &namespace, &args, Mode::DryRun).await?)
                 .context("decoding the dry-run plan")?;
             print_plan(&plan, args.output)
         }
         None => {
-            let report = serde_json::from_str(&ask_leader(&client, &args, Mode::Sweep).await?)
+            let report = serde_json::from_str(&ask_leader(&client, &namespace, &args, Mode::Sweep).await?)
                 .context("decoding the sweep report")?;
             print_report(&report, args.output)
         }
@@ -125,10 +131,10 @@ fn print_plan(plan: &DryRunPlan, output: Output) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Writes a request of `mode` into the trigger ConfigMap and returns the leader's answer
-/// (the JSON under [`RESULT_KEY`]) once it has one.
-async fn ask_leader(client: &Client, args: &GcArgs, mode: Mode) -> anyhow::Result<String> {
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), &args.namespace);
+/// Writes a request of `mode` into the trigger ConfigMap in `namespace` and returns the
+/// leader's answer (the JSON under [`RESULT_KEY`]) once it has one.
+async fn ask_leader(client: &Client, namespace: &str, args: &GcArgs, mode: Mode) -> anyhow::Result<String> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
     let request = format!("{}", Timestamp::now().as_nanosecond());
     let data = serde_json::json!({REQUEST_KEY: request, MODE_KEY: mode.value()});
     let patch = serde_json::json!({"data": data});
@@ -136,11 +142,13 @@ async fn ask_leader(client: &Client, args: &GcArgs, mode: Mode) -> anyhow::Resul
         Ok(_) => {}
         Err(kube::Error::Api(status)) if status.code == 404 => {
             let map: ConfigMap = serde_json::from_value(serde_json::json!({
-                "metadata": {"name": TRIGGER_CONFIGMAP, "namespace": args.namespace}, "data": data,
+                "metadata": {"name": TRIGGER_CONFIGMAP, "namespace": namespace}, "data": data,
             }))?;
-            api.create(&PostParams::default(), &map).await.context("creating the GC trigger ConfigMap")?;
+            api.create(&PostParams::default(), &map)
+                .await
+                .with_context(|| format!("creating the GC trigger ConfigMap {namespace}/{TRIGGER_CONFIGMAP}"))?;
         }
-        Err(e) => return Err(e).context(format!("writing the GC request into {}/{TRIGGER_CONFIGMAP}", args.namespace)),
+        Err(e) => return Err(e).context(format!("writing the GC request into {namespace}/{TRIGGER_CONFIGMAP}")),
     }
     let deadline = std::time::Instant::now() + Duration::from_secs(args.timeout_seconds);
     loop {
@@ -155,7 +163,7 @@ async fn ask_leader(client: &Client, args: &GcArgs, mode: Mode) -> anyhow::Resul
             bail!(
                 "no report within {} s: is an ipwarden controller leading in namespace {}?",
                 args.timeout_seconds,
-                args.namespace
+                namespace
             );
         }
         tokio::time::sleep(Duration::from_millis(500)).await;

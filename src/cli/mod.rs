@@ -2,6 +2,7 @@
 //! cluster with the user's kubeconfig. Tables for people, `-o json` for scripts.
 
 pub mod check;
+pub mod connect;
 pub mod gc;
 pub mod status;
 
@@ -57,6 +58,29 @@ pub async fn list_cluster(client: &Client) -> anyhow::Result<Listed> {
         .chain(blocks.iter().map(Watched::Block));
     let index = ClusterIndex::from_objects(&sticky, objects);
     Ok(Listed { pods, claims, pools, blocks, index })
+}
+
+/// The operator commands, the same under `ipwarden` and `kubectl ipwarden`.
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum Command {
+    /// Ask the leading controller for a full sweep (or, with --dry-run, list what it would do).
+    Gc(gc::GcArgs),
+    /// Used, reserved, sticky, cooling and leak-candidate IPs per pool and node.
+    Status(status::StatusArgs),
+    /// Consistency report; exit status 1 when a problem is found.
+    Check(check::CheckArgs),
+}
+
+impl Command {
+    /// Runs the command; returns whether it found the cluster consistent (only `check` can
+    /// say it did not).
+    pub async fn run(self) -> anyhow::Result<bool> {
+        match self {
+            Command::Gc(args) => gc::run(args).await.map(|()| true),
+            Command::Status(args) => status::run(args).await.map(|()| true),
+            Command::Check(args) => check::run(args).await,
+        }
+    }
 }
 
 /// Output format of CLI commands.

@@ -112,6 +112,14 @@ pub fn may_be_attached(record: &Allocation) -> bool {
     !record.container_id.is_empty() || record.repaired_at.is_some()
 }
 
+/// Whether `record` counts in the STICKY columns of `kubectl get ippools` (the pool's
+/// `status.stickyReserved`) and `ipwarden status`: it was written for a sticky workload
+/// (StatefulSet ordinal, KubeVirt VM), whether a pod holds it now or it waits between two
+/// pods. One definition, so that the two columns agree.
+pub fn counts_as_sticky(record: &Allocation) -> bool {
+    record.sticky
+}
+
 /// Whether `record` was repaired for pod `pod_uid`: the IP is held by a sandbox of that pod
 /// on the record's node, the one its agent's checkpoint pairs with the IP.
 pub fn adopted_by(record: &Allocation, pod_uid: Option<&str>) -> bool {

@@ -299,6 +299,23 @@ pub fn record_json(
            "allocatedAt": "2026-01-01T00:00:00Z"})
 }
 
+/// The column `header` of the row starting with `key` in a table as kubectl (or `ipwarden
+/// status`) prints it: the cell starting where the header starts (columns are left-aligned,
+/// and a cell may be empty, which kubectl shows as nothing or `<none>`; both read `<none>`).
+pub fn column(table: &str, key: &str, header: &str) -> Option<String> {
+    let mut lines = table.lines();
+    let headers = lines.next()?;
+    let at = headers.match_indices(header).map(|(at, _)| at).find(|&at| {
+        let before = headers[..at].chars().next_back().is_none_or(char::is_whitespace);
+        let after = headers[at + header.len()..].chars().next().is_none_or(char::is_whitespace);
+        before && after
+    })?;
+    let row = lines.find(|l| l.split_whitespace().next() == Some(key))?;
+    let cell = row.get(at..).unwrap_or_default().split_whitespace().next().unwrap_or_default();
+    let starts_here = row[..at.min(row.len())].chars().next_back().is_none_or(char::is_whitespace);
+    Some(if cell.is_empty() || !starts_here { "<none>".to_string() } else { cell.to_string() })
+}
+
 /// Creates StatefulSet `name` in `namespace` with one replica whose pods are labelled
 /// `app=<name>`, their spec extended by `extra` (see [`pod_template`]).
 pub async fn create_statefulset(client: &Client, namespace: &str, name: &str, extra: serde_json::Value) {
