@@ -1,0 +1,170 @@
+//! `ipwarden-e2e up` (`make demo`, `make cluster-up`): a test cluster for a person to look at,
+//! running ipwarden (or, bare, Debian's host-local) and optionally the demo workload, with
+//! progress while it starts, a short summary once it is ready, and the demo's events after.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+
+use crate::cluster::{Cluster, ClusterOptions};
+use crate::error::{Error, Result};
+use crate::ipwarden::Installation;
+
+/// What `up` starts.
+#[derive(Clone, Debug)]
+pub struct UpOptions {
+    /// How many simulated nodes to register.
+    pub nodes: usize,
+    /// Where the admin kubeconfig is copied once the cluster is ready; the CNI plugin is linked
+    /// into `cni-bin` beside it.
+    pub kubeconfig: PathBuf,
+    /// The ipwarden binary to run: its CNI plugin on every node, an agent per node, two
+    /// controller replicas and a default pool. `None`: a bare cluster on Debian's host-local.
+    pub ipwarden: Option<PathBuf>,
+    /// Flags added to every agent's command line (e.g. a shorter sandbox grace).
+    pub agent_args: Vec<String>,
+    /// Flags added to every controller replica's command line (e.g. a 5 s sweep).
+    pub controller_args: Vec<String>,
+    /// With the demo workload: how long between two pod deletions.
+    pub demo: Option<Duration>,
+}
+
+/// Where `up` writes what a person reads, one line per call: progress, the summary, the
+/// demo's events. The binary prints them; a test keeps them.
+pub type Say = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// A cluster `up` started. [`Up::stop`] (or dropping it) stops everything and removes the
+/// kubeconfig copy.
+pub struct Up {
+    cluster: Option<Cluster>,
+    installation: Option<Installation>,
+    tasks: Vec<JoinHandle<()>>,
+    kubeconfig: PathBuf,
+}
+
+impl Up {
+    /// The cluster.
+    pub fn cluster(&self) -> Option<&Cluster> {
+        self.cluster.as_ref()
+    }
+
+    /// ipwarden's processes, unless the cluster is bare.
+    pub fn installation(&self) -> Option<&Installation> {
+        self.installation.as_ref()
+    }
+
+    /// Stops the demo, ipwarden and the cluster.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+        drop(self.installation.take());
+        if let Some(cluster) = self.cluster.take() {
+            let _already_gone = std::fs::remove_file(&self.kubeconfig);
+            cluster.stop();
+        }
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A cluster of `nodes` nodes; with `ipwarden`, its CNI plugin (linked into `plugin_dir`) on
+/// every node, called with CNI GC every [`RUNTIME_GC_INTERVAL`], an agent per node (with
+/// `agent_args`), the default pool and two controller replicas (with `controller_args`).
+/// `up` and the churn benchmark start their clusters with it.
+pub async fn start_cluster(
+    nodes: usize,
+    ipwarden: Option<&Path>,
+    plugin_dir: &Path,
+    agent_args: &[&str],
+    controller_args: &[&str],
+) -> Result<(Cluster, Option<Installation>)> {
+    let binary = match ipwarden {
+        Some(binary) => Some(std::fs::canonicalize(binary).map_err(Error::io("finding the ipwarden binary", binary))?),
+        None => None,
+    };
+    let network = match &binary {
+        Some(binary) => Some(crate::CniNetwork {
+            gc_interval: Some(RUNTIME_GC_INTERVAL),
+            ..crate::ipwarden::network(binary, plugin_dir)?
+        }),
+        None => None,
+    };
+    let cluster = Cluster::start(ClusterOptions { nodes, network, ..ClusterOptions::default() }).await?;
+    let installation = match &binary {
+        Some(binary) => Some(
+            crate::ipwarden::install_with(
+                &cluster,
+                binary,
+                crate::ipwarden::default_pool(),
+                agent_args,
+                controller_args,
+            )
+            .await?,
+        ),
+        None => None,
+    };
+    Ok((cluster, installation))
+}
+
+/// How often each simulated node's runtime calls CNI GC with its live sandboxes in the
+/// clusters `up` and the churn benchmark start for ipwarden, as a runtime does on a timer: a
+/// sandbox whose DEL was lost is then reported gone by the runtime, as on a real node.
+pub const RUNTIME_GC_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Starts what `options` asks for, saying what it does, copies the kubeconfig, says the
+/// summary and starts the demo; returns once the cluster (and the demo's pods) are ready.
+pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
+    let state_dir = options.kubeconfig.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let plugin_dir = state_dir.join("cni-bin");
+    say(&format!("starting the control plane and {} simulated nodes", options.nodes));
+    if options.ipwarden.is_some() {
+        say("then ipwarden: an agent per node, the default pool 10.244.0.0/16, 2 controller replicas");
+    }
+    let agent_args: Vec<&str> = options.agent_args.iter().map(String::as_str).collect();
+    let controller_args: Vec<&str> = options.controller_args.iter().map(String::as_str).collect();
+    let (cluster, installation) =
+        start_cluster(options.nodes, options.ipwarden.as_deref(), &plugin_dir, &agent_args, &controller_args).await?;
+    std::fs::create_dir_all(state_dir).map_err(Error::io("creating the state directory", state_dir))?;
+    std::fs::copy(cluster.kubeconfig(), &options.kubeconfig)
+        .map_err(Error::io("copying the kubeconfig", &options.kubeconfig))?;
+    let mut tasks = Vec::new();
+    if options.demo.is_some() {
+        say("creating the demo workload: StatefulSet default/web and Deployment default/api, 3 pods each");
+        crate::demo::create(&cluster.client()).await?;
+    }
+    summary(options, &cluster, installation.as_ref(), &say);
+    if let Some(interval) = options.demo {
+        say(&format!("demo: a pod deleted every {interval:?}"));
+        tasks.push(tokio::spawn(crate::demo::churn(cluster.client(), interval)));
+    }
+    Ok(Up { cluster: Some(cluster), installation, tasks, kubeconfig: options.kubeconfig.clone() })
+}
+
+/// The lines a person needs to look at the cluster.
+fn summary(options: &UpOptions, cluster: &Cluster, installation: Option<&Installation>, say: &Say) {
+    let kubeconfig = options.kubeconfig.display();
+    say(&format!("cluster ready: {} simulated nodes", cluster.nodes().len()));
+    say(&format!("  kubeconfig: {kubeconfig}"));
+    say(&format!("  kubectl:    {} --kubeconfig {kubeconfig} get nodes", cluster.kubectl().display()));
+    say(&format!("  run dir:    {}", cluster.dir().display()));
+    if let (Some(installation), Some(binary)) = (installation, &options.ipwarden) {
+        for daemon in installation.agents.iter().chain(&installation.controllers) {
+            say(&format!("  metrics:    http://127.0.0.1:{}/metrics ({})", daemon.metrics_port, daemon.name));
+        }
+        say(&format!("  status:     KUBECONFIG={kubeconfig} {} status", binary.display()));
+        say(&format!("  check:      KUBECONFIG={kubeconfig} {} check", binary.display()));
+        say(&format!("  GC preview: KUBECONFIG={kubeconfig} {} gc --dry-run", binary.display()));
+        say("  pools:      kubectl ... get ippools,ipblocks; kubectl ... get ipclaims -A");
+    }
+}
