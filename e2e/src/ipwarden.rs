@@ -167,7 +167,7 @@ pub async fn wait_ready(component: &mut Component, port: u16, timeout: Duration)
         let running = component.ensure_running();
         async move {
             running?;
-            Ok(match get(port, "/readyz").await {
+            Ok(match wait::quietly(get(port, "/readyz")).await {
                 Ok(body) if body == "ok" => Probe::Done(()),
                 Ok(body) => Probe::Pending(body),
                 Err(e) => Probe::Pending(e.to_string()),

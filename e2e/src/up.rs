@@ -122,6 +122,9 @@ pub async fn start_cluster(
 /// sandbox whose DEL was lost is then reported gone by the runtime, as on a real node.
 pub const RUNTIME_GC_INTERVAL: Duration = Duration::from_secs(5);
 
+/// How long the demo's pods may take to run, and its narration to list the IPBlocks.
+const DEMO_READY_TIMEOUT: Duration = Duration::from_secs(180);
+
 /// Starts what `options` asks for, saying what it does, copies the kubeconfig, says the
 /// summary and starts the demo; returns once the cluster (and the demo's pods) are ready.
 pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
@@ -140,13 +143,26 @@ pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
         .map_err(Error::io("copying the kubeconfig", &options.kubeconfig))?;
     let mut tasks = Vec::new();
     if options.demo.is_some() {
-        say("creating the demo workload: StatefulSet default/web and Deployment default/api, 3 pods each");
+        say("creating the demo workload (StatefulSet default/web, Deployment default/api, 3 pods each)");
         crate::demo::create(&cluster.client()).await?;
+        crate::demo::wait_running(&cluster.client(), DEMO_READY_TIMEOUT).await?;
+        if installation.is_some() {
+            let (synced, listed) = tokio::sync::oneshot::channel();
+            tasks.push(tokio::spawn(crate::demo::narrate(cluster.client(), say.clone(), synced)));
+            let listing = tokio::time::timeout(DEMO_READY_TIMEOUT, listed).await;
+            if !matches!(listing, Ok(Ok(()))) {
+                return Err(Error::Timeout {
+                    what: "the demo's first listing of the IPBlocks".to_string(),
+                    timeout: DEMO_READY_TIMEOUT,
+                    last: format!("{listing:?}"),
+                });
+            }
+        }
     }
     summary(options, &cluster, installation.as_ref(), &say);
     if let Some(interval) = options.demo {
-        say(&format!("demo: a pod deleted every {interval:?}"));
-        tasks.push(tokio::spawn(crate::demo::churn(cluster.client(), interval)));
+        say(&format!("demo: a pod deleted every {interval:?}; what happens to its IP follows"));
+        tasks.push(tokio::spawn(crate::demo::churn(cluster.client(), interval, say.clone())));
     }
     Ok(Up { cluster: Some(cluster), installation, tasks, kubeconfig: options.kubeconfig.clone() })
 }
@@ -154,17 +170,29 @@ pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
 /// The lines a person needs to look at the cluster.
 fn summary(options: &UpOptions, cluster: &Cluster, installation: Option<&Installation>, say: &Say) {
     let kubeconfig = options.kubeconfig.display();
-    say(&format!("cluster ready: {} simulated nodes", cluster.nodes().len()));
-    say(&format!("  kubeconfig: {kubeconfig}"));
-    say(&format!("  kubectl:    {} --kubeconfig {kubeconfig} get nodes", cluster.kubectl().display()));
-    say(&format!("  run dir:    {}", cluster.dir().display()));
-    if let (Some(installation), Some(binary)) = (installation, &options.ipwarden) {
-        for daemon in installation.agents.iter().chain(&installation.controllers) {
-            say(&format!("  metrics:    http://127.0.0.1:{}/metrics ({})", daemon.metrics_port, daemon.name));
-        }
-        say(&format!("  status:     KUBECONFIG={kubeconfig} {} status", binary.display()));
-        say(&format!("  check:      KUBECONFIG={kubeconfig} {} check", binary.display()));
-        say(&format!("  GC preview: KUBECONFIG={kubeconfig} {} gc --dry-run", binary.display()));
-        say("  pools:      kubectl ... get ippools,ipblocks; kubectl ... get ipclaims -A");
+    let kubectl = format!("{} --kubeconfig {kubeconfig}", cluster.kubectl().display());
+    match installation {
+        Some(installation) => say(&format!(
+            "cluster ready: {} simulated nodes running ipwarden ({} agents, {} controller replicas)",
+            cluster.nodes().len(),
+            installation.agents.len(),
+            installation.controllers.len()
+        )),
+        None => say(&format!("cluster ready: {} simulated nodes on host-local, no ipwarden", cluster.nodes().len())),
     }
+    say(&format!("  kubeconfig: {kubeconfig}"));
+    say(&format!("  kubectl:    {kubectl} get pods -A -o wide"));
+    if let (Some(installation), Some(binary)) = (installation, &options.ipwarden) {
+        say(&format!("              {kubectl} get ippools,ipblocks; ... get ipclaims -A"));
+        say(&format!("  ipwarden:   KUBECONFIG={kubeconfig} {} status (also: check; gc --dry-run)", binary.display()));
+        let ports = |daemons: &[crate::ipwarden::Daemon]| {
+            daemons.iter().map(|d| format!(":{}", d.metrics_port)).collect::<Vec<_>>().join(" ")
+        };
+        say(&format!(
+            "  metrics:    http://127.0.0.1<port>/metrics; agents (node order) {}, controllers {}",
+            ports(&installation.agents),
+            ports(&installation.controllers)
+        ));
+    }
+    say(&format!("  logs:       {}", cluster.dir().display()));
 }

@@ -163,11 +163,17 @@ enum Output {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // `up` speaks for itself on stdout; its log shows only what went wrong unless RUST_LOG
+    // asks for more. The benchmarks log their progress.
+    let default_filter = if matches!(cli.command, Command::Up { .. }) { "warn" } else { "info" };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()),
+        )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    match cli.command {
         Command::Up { nodes, kubeconfig, demo, churn_seconds, ipwarden, agent_args, controller_args } => {
             let demo = demo.then(|| Duration::from_secs(churn_seconds));
             up(e2e::up::UpOptions { nodes, kubeconfig, ipwarden, agent_args, controller_args, demo }).await
