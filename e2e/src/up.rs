@@ -80,14 +80,16 @@ impl Drop for Up {
 
 /// A cluster of `nodes` nodes; with `ipwarden`, its CNI plugin (linked into `plugin_dir`) on
 /// every node, called with CNI GC every [`RUNTIME_GC_INTERVAL`], an agent per node (with
-/// `agent_args`), the default pool and two controller replicas (with `controller_args`).
-/// `up` and the churn benchmark start their clusters with it.
+/// `agent_args`), the default pool and two controller replicas (with `controller_args`),
+/// saying `progress` when ipwarden starts. `up` and the churn benchmark start their clusters
+/// with it.
 pub async fn start_cluster(
     nodes: usize,
     ipwarden: Option<&Path>,
     plugin_dir: &Path,
     agent_args: &[&str],
     controller_args: &[&str],
+    progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<(Cluster, Option<Installation>)> {
     let binary = match ipwarden {
         Some(binary) => Some(std::fs::canonicalize(binary).map_err(Error::io("finding the ipwarden binary", binary))?),
@@ -101,20 +103,16 @@ pub async fn start_cluster(
         None => None,
     };
     let cluster = Cluster::start(ClusterOptions { nodes, network, ..ClusterOptions::default() }).await?;
-    let installation = match &binary {
-        Some(binary) => Some(
-            crate::ipwarden::install_with(
-                &cluster,
-                binary,
-                crate::ipwarden::default_pool(),
-                agent_args,
-                controller_args,
-            )
-            .await?,
-        ),
-        None => None,
-    };
-    Ok((cluster, installation))
+    let Some(binary) = binary else { return Ok((cluster, None)) };
+    progress("starting ipwarden: an agent per node, the default pool 10.244.0.0/16, 2 controller replicas");
+    let pool = crate::ipwarden::default_pool();
+    match crate::ipwarden::install_with(&cluster, &binary, pool, agent_args, controller_args).await {
+        Ok(installation) => Ok((cluster, Some(installation))),
+        Err(e) => {
+            cluster.stop_after_failure();
+            Err(e)
+        }
+    }
 }
 
 /// How often each simulated node's runtime calls CNI GC with its live sandboxes in the
@@ -131,13 +129,30 @@ pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
     let state_dir = options.kubeconfig.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let plugin_dir = state_dir.join("cni-bin");
     say(&format!("starting the control plane and {} simulated nodes", options.nodes));
-    if options.ipwarden.is_some() {
-        say("then ipwarden: an agent per node, the default pool 10.244.0.0/16, 2 controller replicas");
-    }
     let agent_args: Vec<&str> = options.agent_args.iter().map(String::as_str).collect();
     let controller_args: Vec<&str> = options.controller_args.iter().map(String::as_str).collect();
+    let ipwarden = options.ipwarden.as_deref();
     let (cluster, installation) =
-        start_cluster(options.nodes, options.ipwarden.as_deref(), &plugin_dir, &agent_args, &controller_args).await?;
+        start_cluster(options.nodes, ipwarden, &plugin_dir, &agent_args, &controller_args, say.as_ref()).await?;
+    match demo_and_summary(options, state_dir, &cluster, installation.as_ref(), &say).await {
+        Ok(tasks) => Ok(Up { cluster: Some(cluster), installation, tasks, kubeconfig: options.kubeconfig.clone() }),
+        Err(e) => {
+            drop(installation);
+            cluster.stop_after_failure();
+            Err(e)
+        }
+    }
+}
+
+/// What [`start`] does once ipwarden runs: the kubeconfig copy, the demo workload and its
+/// narration (started once its pods run), the summary, then the demo's churn.
+async fn demo_and_summary(
+    options: &UpOptions,
+    state_dir: &Path,
+    cluster: &Cluster,
+    installation: Option<&Installation>,
+    say: &Say,
+) -> Result<Vec<JoinHandle<()>>> {
     std::fs::create_dir_all(state_dir).map_err(Error::io("creating the state directory", state_dir))?;
     std::fs::copy(cluster.kubeconfig(), &options.kubeconfig)
         .map_err(Error::io("copying the kubeconfig", &options.kubeconfig))?;
@@ -159,12 +174,12 @@ pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
             }
         }
     }
-    summary(options, &cluster, installation.as_ref(), &say);
+    summary(options, cluster, installation, say);
     if let Some(interval) = options.demo {
         say(&format!("demo: a pod deleted every {interval:?}; what happens to its IP follows"));
         tasks.push(tokio::spawn(crate::demo::churn(cluster.client(), interval, say.clone())));
     }
-    Ok(Up { cluster: Some(cluster), installation, tasks, kubeconfig: options.kubeconfig.clone() })
+    Ok(tasks)
 }
 
 /// The lines a person needs to look at the cluster.
@@ -186,10 +201,10 @@ fn summary(options: &UpOptions, cluster: &Cluster, installation: Option<&Install
         say(&format!("              {kubectl} get ippools,ipblocks; ... get ipclaims -A"));
         say(&format!("  ipwarden:   KUBECONFIG={kubeconfig} {} status (also: check; gc --dry-run)", binary.display()));
         let ports = |daemons: &[crate::ipwarden::Daemon]| {
-            daemons.iter().map(|d| format!(":{}", d.metrics_port)).collect::<Vec<_>>().join(" ")
+            daemons.iter().map(|d| d.metrics_port.to_string()).collect::<Vec<_>>().join(" ")
         };
         say(&format!(
-            "  metrics:    http://127.0.0.1<port>/metrics; agents (node order) {}, controllers {}",
+            "  metrics:    http://127.0.0.1:<port>/metrics; agents (node order) {}, controllers {}",
             ports(&installation.agents),
             ports(&installation.controllers)
         ));

@@ -49,7 +49,7 @@ enum Command {
         #[arg(long = "agent-arg", value_name = "FLAG", allow_hyphen_values = true, requires = "ipwarden")]
         agent_args: Vec<String>,
         /// With --ipwarden: a flag added to every controller replica's command line, e.g.
-        /// `--controller-arg=--sweep-interval-seconds=5`; repeat for more.
+        /// `--controller-arg=--full-scan-interval-seconds=5`; repeat for more.
         #[arg(long = "controller-arg", value_name = "FLAG", allow_hyphen_values = true, requires = "ipwarden")]
         controller_args: Vec<String>,
     },
@@ -329,7 +329,10 @@ async fn start_ipam(
             let binary = ipwarden.context("--ipam ipwarden needs --ipwarden <binary>")?;
             if let Pool::Churn = pool {
                 let (cluster, installation) =
-                    e2e::up::start_cluster(nodes, Some(binary), Path::new(CHURN_PLUGIN_DIR), &[], &[]).await?;
+                    e2e::up::start_cluster(nodes, Some(binary), Path::new(CHURN_PLUGIN_DIR), &[], &[], &|line| {
+                        tracing::info!("{line}")
+                    })
+                    .await?;
                 return Ok((cluster, Installed::Ipwarden(installation.context("ipwarden was not started")?)));
             }
             let binary = std::fs::canonicalize(binary).with_context(|| format!("finding {}", binary.display()))?;
@@ -501,4 +504,33 @@ async fn scale(ipwarden: &Path, options: &e2e::scale::ScaleOptions, file: &Path,
         report.leaks.unreclaimed
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn up_takes_repeated_agent_and_controller_flags_in_either_spelling() {
+        let cli = Cli::try_parse_from([
+            "ipwarden-e2e",
+            "up",
+            "--ipwarden=target/debug/ipwarden",
+            "--controller-arg=--full-scan-interval-seconds=5",
+            "--controller-arg",
+            "--additional-grace-seconds=2",
+            "--agent-arg",
+            "--release-sandbox-grace-seconds=5",
+        ])
+        .expect("the command line parses");
+        let Command::Up { agent_args, controller_args, .. } = cli.command else { panic!("not up") };
+        assert_eq!(controller_args, ["--full-scan-interval-seconds=5", "--additional-grace-seconds=2"]);
+        assert_eq!(agent_args, ["--release-sandbox-grace-seconds=5"]);
+    }
+
+    #[test]
+    fn up_refuses_process_flags_for_a_bare_cluster() {
+        let parsed = Cli::try_parse_from(["ipwarden-e2e", "up", "--agent-arg=--reuse-cooldown-seconds=1"]);
+        assert!(parsed.is_err(), "--agent-arg without --ipwarden was accepted");
+    }
 }
