@@ -100,7 +100,7 @@ async fn up_passes_agent_and_controller_flags_to_every_agent_and_controller() {
         ..options("flags")
     };
     let up = e2e::up::start(&options, say).await.expect("the cluster starts");
-    let cluster = up.cluster().expect("the cluster runs");
+    let cluster = up.cluster();
     let leases: Api<Lease> = Api::namespaced(cluster.client(), "default");
     let mut names: Vec<String> = cluster.nodes().iter().map(|n| format!("ipwarden-agent-{}", n.name())).collect();
     names.push("ipwarden-controller".to_string());

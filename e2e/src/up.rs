@@ -38,43 +38,33 @@ pub type Say = Arc<dyn Fn(&str) + Send + Sync>;
 /// A cluster `up` started. [`Up::stop`] (or dropping it) stops everything and removes the
 /// kubeconfig copy.
 pub struct Up {
-    cluster: Option<Cluster>,
-    installation: Option<Installation>,
+    // Dropped in this order after `drop`: the demo's tasks, ipwarden (held only to be
+    // stopped then), then the cluster.
     tasks: Vec<JoinHandle<()>>,
+    _installation: Option<Installation>,
+    cluster: Cluster,
     kubeconfig: PathBuf,
 }
 
 impl Up {
     /// The cluster.
-    pub fn cluster(&self) -> Option<&Cluster> {
-        self.cluster.as_ref()
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
     }
 
-    /// ipwarden's processes, unless the cluster is bare.
-    pub fn installation(&self) -> Option<&Installation> {
-        self.installation.as_ref()
-    }
-
-    /// Stops the demo, ipwarden and the cluster.
-    pub fn stop(mut self) {
-        self.shutdown();
-    }
-
-    fn shutdown(&mut self) {
-        for task in self.tasks.drain(..) {
-            task.abort();
-        }
-        drop(self.installation.take());
-        if let Some(cluster) = self.cluster.take() {
-            let _already_gone = std::fs::remove_file(&self.kubeconfig);
-            cluster.stop();
-        }
+    /// Stops the demo, ipwarden and the cluster, and removes the kubeconfig copy and the run
+    /// directory.
+    pub fn stop(self) {
+        drop(self);
     }
 }
 
 impl Drop for Up {
     fn drop(&mut self) {
-        self.shutdown();
+        for task in &self.tasks {
+            task.abort();
+        }
+        let _already_gone = std::fs::remove_file(&self.kubeconfig);
     }
 }
 
@@ -135,7 +125,7 @@ pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
     let (cluster, installation) =
         start_cluster(options.nodes, ipwarden, &plugin_dir, &agent_args, &controller_args, say.as_ref()).await?;
     match demo_and_summary(options, state_dir, &cluster, installation.as_ref(), &say).await {
-        Ok(tasks) => Ok(Up { cluster: Some(cluster), installation, tasks, kubeconfig: options.kubeconfig.clone() }),
+        Ok(tasks) => Ok(Up { tasks, _installation: installation, cluster, kubeconfig: options.kubeconfig.clone() }),
         Err(e) => {
             drop(installation);
             cluster.stop_after_failure();
