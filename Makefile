@@ -9,6 +9,7 @@ deps:
 	bash e2e/cluster/install-deps.sh
 
 controlplane: deps
+	@echo "controlplane: Kubernetes from its Go modules (cached; a cold build takes about 8 minutes on 2 cores)"
 	bash e2e/cluster/build-controlplane.sh >/dev/null
 
 # Helm and KubeVirt's CRDs, built from their pinned Go modules like the control plane (the
@@ -26,9 +27,11 @@ test: controlplane tools
 soak: controlplane
 	IPWARDEN_CHAOS_ROUNDS=40 cargo test --locked --test chaos
 
+# The demo runs the binaries this build just made (never an older copy), where cargo put them.
 demo: controlplane
+	@echo "demo: building ipwarden and the test harness (cargo build; a few minutes the first time)"
 	cargo build --quiet --locked --workspace --bins
-	target/debug/ipwarden-e2e up --demo --ipwarden target/debug/ipwarden --kubeconfig .e2e/kubeconfig
+	$(TARGET_DIR)/debug/ipwarden-e2e up --demo --ipwarden $(TARGET_DIR)/debug/ipwarden --kubeconfig .e2e/kubeconfig
 
 # The churn benchmark (docs/benchmarks.md): release binaries, defaults (CHURN_ARGS to change
 # them, e.g. CHURN_ARGS="--nodes 4 --burst 50 --bursts 5" for the allocation speed bursts), a
@@ -56,8 +59,12 @@ peer-bench: controlplane
 	$(TARGET_DIR)/release/ipwarden-e2e churn --ipam ipwarden,whereabouts,whereabouts-nodeslices \
 		--ipwarden $(TARGET_DIR)/release/ipwarden $(PEER_BENCH_ARGS)
 
+# A cluster running ipwarden in the background (docs/testing.md, "A cluster to poke at").
+# CLUSTER_ARGS: --bare for nodes on host-local without ipwarden; any `ipwarden-e2e up` flag, e.g.
+# CLUSTER_ARGS="--controller-arg=--full-scan-interval-seconds=5 --agent-arg=--release-sandbox-grace-seconds=5".
+CLUSTER_ARGS ?=
 cluster-up:
-	bash e2e/cluster/cluster-up.sh
+	bash e2e/cluster/cluster-up.sh $(CLUSTER_ARGS)
 
 cluster-down:
 	bash e2e/cluster/cluster-down.sh

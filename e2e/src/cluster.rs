@@ -237,6 +237,13 @@ impl Cluster {
         self.shutdown(false);
     }
 
+    /// Like [`Cluster::stop`], but keeps the run directory and names its logs: for a start-up
+    /// that failed after the cluster was up (an ipwarden process exited), so the log its error
+    /// names is still there to read.
+    pub fn stop_after_failure(mut self) {
+        self.shutdown(true);
+    }
+
     fn shutdown(&mut self, failed: bool) {
         if std::mem::replace(&mut self.stopped, true) {
             return;

@@ -280,7 +280,7 @@ impl ControlPlane {
             let client = client.clone();
             async move {
                 running?;
-                Ok(match client.request_text(get("/readyz")).await {
+                Ok(match wait::quietly(client.request_text(get("/readyz"))).await {
                     Ok(body) if body.trim() == "ok" => Probe::Done(()),
                     Ok(body) => Probe::Pending(body),
                     Err(e) => Probe::Pending(e.to_string()),
@@ -294,8 +294,12 @@ impl ControlPlane {
     async fn wait_healthz(&mut self, name: ComponentName, port: u16) -> Result<()> {
         let mut config = kube::Config::new(local_uri(port)?);
         config.accept_invalid_certs = true;
-        let client = Client::try_from(config)
-            .map_err(Error::kube(format!("building a /healthz client for {}", name.binary())))?;
+        // Quiet: the client warns that it skips certificate checks, which a probe of a
+        // component's self-signed /healthz means to do.
+        let client = tracing::subscriber::with_default(tracing::subscriber::NoSubscriber::default(), || {
+            Client::try_from(config)
+        })
+        .map_err(Error::kube(format!("building a /healthz client for {}", name.binary())))?;
         let log = self.component(name)?.log().to_path_buf();
         let (components, timeout) = (&mut self.components, self.ready_timeout);
         let what = format!("{} /healthz", name.binary());
@@ -304,7 +308,7 @@ impl ControlPlane {
             let client = client.clone();
             async move {
                 running?;
-                Ok(match client.request_text(get("/healthz")).await {
+                Ok(match wait::quietly(client.request_text(get("/healthz"))).await {
                     Ok(body) if body.trim() == "ok" => Probe::Done(()),
                     Ok(body) => Probe::Pending(body),
                     Err(e) => Probe::Pending(e.to_string()),

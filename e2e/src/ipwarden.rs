@@ -167,7 +167,7 @@ pub async fn wait_ready(component: &mut Component, port: u16, timeout: Duration)
         let running = component.ensure_running();
         async move {
             running?;
-            Ok(match get(port, "/readyz").await {
+            Ok(match wait::quietly(get(port, "/readyz")).await {
                 Ok(body) if body == "ok" => Probe::Done(()),
                 Ok(body) => Probe::Pending(body),
                 Err(e) => Probe::Pending(e.to_string()),
@@ -203,16 +203,23 @@ pub struct Installation {
 /// per node (the first installs the CRDs), the default pool, then two controller replicas,
 /// each waited on until ready.
 pub async fn install(cluster: &Cluster, binary: &Path) -> Result<Installation> {
-    install_with(cluster, binary, json!({"cidr": "10.244.0.0/16", "default": true}), &[]).await
+    install_with(cluster, binary, default_pool(), &[], &[]).await
 }
 
-/// [`install`] with `pool` as the default pool's spec and `agent_args` added to every agent's
-/// command line (the benchmark's StatefulSet storm runs on a pool of a few IPs).
+/// The spec of the default pool [`install`] creates: 10.244.0.0/16.
+pub fn default_pool() -> serde_json::Value {
+    json!({"cidr": "10.244.0.0/16", "default": true})
+}
+
+/// [`install`] with `pool` as the default pool's spec, `agent_args` added to every agent's
+/// command line and `controller_args` to every controller's (the benchmark's StatefulSet storm
+/// runs on a pool of a few IPs; `ipwarden-e2e up` passes a user's flags through).
 pub async fn install_with(
     cluster: &Cluster,
     binary: &Path,
     pool: serde_json::Value,
     agent_args: &[&str],
+    controller_args: &[&str],
 ) -> Result<Installation> {
     let mut installed = Installation { agents: Vec::new(), controllers: Vec::new() };
     for node in 0..cluster.nodes().len() {
@@ -229,7 +236,7 @@ pub async fn install_with(
     create_pool(&cluster.client(), "default", pool).await?;
     for identity in ["controller-a", "controller-b"] {
         let port = crate::process::free_port()?;
-        let mut controller = start_controller(cluster, binary, identity, port, &[])?;
+        let mut controller = start_controller(cluster, binary, identity, port, controller_args)?;
         wait_ready(&mut controller, port, READY_TIMEOUT).await?;
         installed.controllers.push(Daemon { name: identity.to_string(), metrics_port: port, component: controller });
     }

@@ -28,6 +28,7 @@ pub mod procstat;
 pub mod prometheus;
 pub mod scale;
 pub mod storm;
+pub mod up;
 pub mod wait;
 
 pub use cluster::{Cluster, ClusterOptions};

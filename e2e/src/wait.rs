@@ -3,6 +3,8 @@
 use std::future::Future;
 use std::time::Duration;
 
+use tracing::instrument::WithSubscriber;
+
 use crate::error::{Error, Result};
 
 /// How often a condition is probed.
@@ -29,9 +31,18 @@ where
             Probe::Done(value) => return Ok(value),
             Probe::Pending(last) => last,
         };
+        tracing::debug!(what, last = %last, "waiting");
         if tokio::time::Instant::now() >= deadline {
             return Err(Error::Timeout { what: what.to_string(), timeout, last });
         }
         tokio::time::sleep(PROBE_INTERVAL).await;
     }
+}
+
+/// Runs `probe` (one request of a readiness wait) with tracing off. The Kubernetes client logs
+/// every refused connection and every 5xx answer as an error, but while a component starts
+/// those are the expected answers, not errors: the probe reports them as pending, [`until`]
+/// logs them at debug, and its timeout names the last one.
+pub async fn quietly<F: Future>(probe: F) -> F::Output {
+    probe.with_subscriber(tracing::subscriber::NoSubscriber::default()).await
 }

@@ -44,6 +44,14 @@ enum Command {
         /// controller replicas and a default pool. Without it, nodes use Debian's host-local.
         #[arg(long)]
         ipwarden: Option<PathBuf>,
+        /// With --ipwarden: a flag added to every agent's command line, e.g.
+        /// `--agent-arg=--release-sandbox-grace-seconds=5`; repeat for more.
+        #[arg(long = "agent-arg", value_name = "FLAG", allow_hyphen_values = true, requires = "ipwarden")]
+        agent_args: Vec<String>,
+        /// With --ipwarden: a flag added to every controller replica's command line, e.g.
+        /// `--controller-arg=--full-scan-interval-seconds=5`; repeat for more.
+        #[arg(long = "controller-arg", value_name = "FLAG", allow_hyphen_values = true, requires = "ipwarden")]
+        controller_args: Vec<String>,
     },
     /// Measure an IPAM under pod churn: start a cluster running it (ipwarden as `up
     /// --ipwarden` does), create bare pods at a set rate round robin over the nodes, delete
@@ -155,13 +163,20 @@ enum Output {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // `up` speaks for itself on stdout; its log shows only what went wrong unless RUST_LOG
+    // asks for more. The benchmarks log their progress.
+    let default_filter = if matches!(cli.command, Command::Up { .. }) { "warn" } else { "info" };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()),
+        )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
-        Command::Up { nodes, kubeconfig, demo, churn_seconds, ipwarden } => {
-            up(nodes, kubeconfig, demo.then(|| Duration::from_secs(churn_seconds)), ipwarden).await
+    match cli.command {
+        Command::Up { nodes, kubeconfig, demo, churn_seconds, ipwarden, agent_args, controller_args } => {
+            let demo = demo.then(|| Duration::from_secs(churn_seconds));
+            up(e2e::up::UpOptions { nodes, kubeconfig, ipwarden, agent_args, controller_args, demo }).await
         }
         Command::Churn {
             ipam,
@@ -259,88 +274,23 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-/// A cluster as `up` starts it: the control plane and `nodes` simulated nodes; with
-/// `ipwarden`, its CNI plugin (linked into `plugin_dir`) on every node, called with CNI GC
-/// every [`RUNTIME_GC_INTERVAL`], an agent per node, two controller replicas and the default
-/// pool.
-async fn start(
-    nodes: usize,
-    ipwarden: Option<&Path>,
-    plugin_dir: &Path,
-) -> anyhow::Result<(e2e::Cluster, Option<e2e::ipwarden::Installation>)> {
-    let binary = match ipwarden {
-        Some(binary) => Some(std::fs::canonicalize(binary).with_context(|| format!("finding {}", binary.display()))?),
-        None => None,
-    };
-    let network = match &binary {
-        Some(binary) => Some(e2e::CniNetwork {
-            gc_interval: Some(RUNTIME_GC_INTERVAL),
-            ..e2e::ipwarden::network(binary, plugin_dir)?
-        }),
-        None => None,
-    };
-    let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
-    let cluster = e2e::Cluster::start(options).await.context("starting the test cluster")?;
-    let installation = match &binary {
-        Some(binary) => {
-            Some(e2e::ipwarden::install(&cluster, binary).await.context("starting ipwarden's agents and controllers")?)
-        }
-        None => None,
-    };
-    Ok((cluster, installation))
-}
-
-async fn up(
-    nodes: usize,
-    kubeconfig: PathBuf,
-    churn: Option<Duration>,
-    ipwarden: Option<PathBuf>,
-) -> anyhow::Result<()> {
+/// Runs `up` until SIGINT or SIGTERM, printing what it says.
+async fn up(options: e2e::up::UpOptions) -> anyhow::Result<()> {
     let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let state_dir = kubeconfig.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let plugin_dir = state_dir.join("cni-bin");
-    let (cluster, running) = tokio::select! {
-        started = start(nodes, ipwarden.as_deref(), &plugin_dir) => started?,
+    let say: e2e::up::Say = std::sync::Arc::new(|line: &str| println!("{line}"));
+    let running = tokio::select! {
+        started = e2e::up::start(&options, say) => started?,
         _ = terminate.recv() => return Ok(()),
         _ = interrupt.recv() => return Ok(()),
-    };
-    std::fs::create_dir_all(state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
-    std::fs::copy(cluster.kubeconfig(), &kubeconfig)
-        .with_context(|| format!("copying the kubeconfig to {}", kubeconfig.display()))?;
-    println!("cluster ready: {} simulated nodes", cluster.nodes().len());
-    println!("  kubeconfig: {}", kubeconfig.display());
-    println!("  kubectl:    {} --kubeconfig {} get nodes", cluster.kubectl().display(), kubeconfig.display());
-    println!("  run dir:    {}", cluster.dir().display());
-    if let (Some(running), Some(binary)) = (&running, &ipwarden) {
-        for daemon in running.agents.iter().chain(&running.controllers) {
-            println!("  metrics:    http://127.0.0.1:{}/metrics ({})", daemon.metrics_port, daemon.name);
-        }
-        println!("  status:     KUBECONFIG={} {} status", kubeconfig.display(), binary.display());
-        println!("  check:      KUBECONFIG={} {} check", kubeconfig.display(), binary.display());
-        println!("  GC preview: KUBECONFIG={} {} gc --dry-run", kubeconfig.display(), binary.display());
-        println!("  pools:      kubectl ... get ippools,ipblocks; kubectl ... get ipclaims -A");
-    }
-    let churning = match churn {
-        Some(interval) => {
-            e2e::demo::create(&cluster.client()).await.context("creating the demo workload")?;
-            println!(
-                "  demo:       StatefulSet default/web and Deployment default/api, a pod deleted every {interval:?}"
-            );
-            tokio::spawn(e2e::demo::churn(cluster.client(), interval))
-        }
-        None => tokio::spawn(std::future::pending()),
     };
     println!("press Ctrl-C to stop");
     tokio::select! {
         _ = terminate.recv() => {}
         _ = interrupt.recv() => {}
     }
-    churning.abort();
     println!("stopping the cluster");
-    let _removed = std::fs::remove_file(&kubeconfig);
-    drop(running);
-    cluster.stop();
+    running.stop();
     Ok(())
 }
 
@@ -355,11 +305,6 @@ const STORM_HANDOVER_TIMEOUT: Duration = Duration::from_secs(300);
 /// as in the storm test (tests/rbac_scale_storm.rs); with 5 IPs handed over at once, the
 /// default cooldown would be most of every handover.
 const STORM_AGENT_ARGS: [&str; 1] = ["--reuse-cooldown-seconds=1"];
-
-/// How often each simulated node's runtime calls CNI GC with its live sandboxes in the
-/// clusters `up` and the churn benchmark start for ipwarden, as a runtime does on a timer: a
-/// sandbox whose DEL was lost is then reported gone by the runtime, as on a real node.
-const RUNTIME_GC_INTERVAL: Duration = Duration::from_secs(5);
 
 /// The pool a benchmark cluster's IPAM hands out.
 #[derive(Clone, Copy)]
@@ -383,7 +328,11 @@ async fn start_ipam(
         Ipam::Ipwarden => {
             let binary = ipwarden.context("--ipam ipwarden needs --ipwarden <binary>")?;
             if let Pool::Churn = pool {
-                let (cluster, installation) = start(nodes, Some(binary), Path::new(CHURN_PLUGIN_DIR)).await?;
+                let (cluster, installation) =
+                    e2e::up::start_cluster(nodes, Some(binary), Path::new(CHURN_PLUGIN_DIR), &[], &[], &|line| {
+                        tracing::info!("{line}")
+                    })
+                    .await?;
                 return Ok((cluster, Installed::Ipwarden(installation.context("ipwarden was not started")?)));
             }
             let binary = std::fs::canonicalize(binary).with_context(|| format!("finding {}", binary.display()))?;
@@ -392,7 +341,7 @@ async fn start_ipam(
             let cluster = e2e::Cluster::start(options).await.context("starting the test cluster")?;
             let spec =
                 serde_json::json!({"cidr": CIDR, "ranges": [{"start": FIRST_IP, "end": LAST_IP}], "default": true});
-            let installation = e2e::ipwarden::install_with(&cluster, &binary, spec, &STORM_AGENT_ARGS)
+            let installation = e2e::ipwarden::install_with(&cluster, &binary, spec, &STORM_AGENT_ARGS, &[])
                 .await
                 .context("starting ipwarden's agents and controllers")?;
             Ok((cluster, Installed::Ipwarden(installation)))
@@ -555,4 +504,33 @@ async fn scale(ipwarden: &Path, options: &e2e::scale::ScaleOptions, file: &Path,
         report.leaks.unreclaimed
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn up_takes_repeated_agent_and_controller_flags_in_either_spelling() {
+        let cli = Cli::try_parse_from([
+            "ipwarden-e2e",
+            "up",
+            "--ipwarden=target/debug/ipwarden",
+            "--controller-arg=--full-scan-interval-seconds=5",
+            "--controller-arg",
+            "--additional-grace-seconds=2",
+            "--agent-arg",
+            "--release-sandbox-grace-seconds=5",
+        ])
+        .expect("the command line parses");
+        let Command::Up { agent_args, controller_args, .. } = cli.command else { panic!("not up") };
+        assert_eq!(controller_args, ["--full-scan-interval-seconds=5", "--additional-grace-seconds=2"]);
+        assert_eq!(agent_args, ["--release-sandbox-grace-seconds=5"]);
+    }
+
+    #[test]
+    fn up_refuses_process_flags_for_a_bare_cluster() {
+        let parsed = Cli::try_parse_from(["ipwarden-e2e", "up", "--agent-arg=--reuse-cooldown-seconds=1"]);
+        assert!(parsed.is_err(), "--agent-arg without --ipwarden was accepted");
+    }
 }

@@ -115,9 +115,12 @@ impl NodeRuntime {
         tasks.spawn(self.clone().work(uid, receiver));
     }
 
-    /// Calls the CNI GC verb every `interval` with the node's live attachments.
+    /// Calls the CNI GC verb every `interval` with the node's live attachments. Until a call
+    /// first succeeds the plugin's IPAM may not serve yet (the node registers before its agent
+    /// starts), so failures until then are logged at debug, later ones as warnings.
     pub(super) async fn gc_loop(self, interval: Duration) {
         let mut alive = self.alive.clone();
+        let mut served = false;
         loop {
             tokio::time::sleep(interval).await;
             if alive.wait_for(|up| *up).await.is_err() {
@@ -140,8 +143,10 @@ impl NodeRuntime {
             }));
             let netconf = cni::with_valid_attachments(&(self.network.netconf)(&self.node), &valid);
             let call = Invocation { command: "GC", container_id: "", ifname: "", pod: None, netconf: &netconf };
-            if let Err(e) = self.network.invoke_on(&self.node, &call).await {
-                tracing::warn!(node = %self.node.name, error = %e, "CNI GC failed");
+            match self.network.invoke_on(&self.node, &call).await {
+                Ok(_) => served = true,
+                Err(e) if served => tracing::warn!(node = %self.node.name, error = %e, "CNI GC failed"),
+                Err(e) => tracing::debug!(node = %self.node.name, error = %e, "CNI GC failed; not served yet"),
             }
         }
     }

@@ -1,0 +1,203 @@
+//! `ipwarden-e2e up` (`make demo`, `make cluster-up`): a test cluster for a person to look at,
+//! running ipwarden (or, bare, Debian's host-local) and optionally the demo workload, with
+//! progress while it starts, a short summary once it is ready, and the demo's events after.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+
+use crate::cluster::{Cluster, ClusterOptions};
+use crate::error::{Error, Result};
+use crate::ipwarden::Installation;
+
+/// What `up` starts.
+#[derive(Clone, Debug)]
+pub struct UpOptions {
+    /// How many simulated nodes to register.
+    pub nodes: usize,
+    /// Where the admin kubeconfig is copied once the cluster is ready; the CNI plugin is linked
+    /// into `cni-bin` beside it.
+    pub kubeconfig: PathBuf,
+    /// The ipwarden binary to run: its CNI plugin on every node, an agent per node, two
+    /// controller replicas and a default pool. `None`: a bare cluster on Debian's host-local.
+    pub ipwarden: Option<PathBuf>,
+    /// Flags added to every agent's command line (e.g. a shorter sandbox grace).
+    pub agent_args: Vec<String>,
+    /// Flags added to every controller replica's command line (e.g. a 5 s sweep).
+    pub controller_args: Vec<String>,
+    /// With the demo workload: how long between two pod deletions.
+    pub demo: Option<Duration>,
+}
+
+/// Where `up` writes what a person reads, one line per call: progress, the summary, the
+/// demo's events. The binary prints them; a test keeps them.
+pub type Say = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// A cluster `up` started. [`Up::stop`] (or dropping it) stops everything and removes the
+/// kubeconfig copy.
+pub struct Up {
+    // Dropped in this order after `drop`: the demo's tasks, ipwarden (held only to be
+    // stopped then), then the cluster.
+    tasks: Vec<JoinHandle<()>>,
+    _installation: Option<Installation>,
+    cluster: Cluster,
+    kubeconfig: PathBuf,
+}
+
+impl Up {
+    /// The cluster.
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+
+    /// Stops the demo, ipwarden and the cluster, and removes the kubeconfig copy and the run
+    /// directory.
+    pub fn stop(self) {
+        drop(self);
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        let _already_gone = std::fs::remove_file(&self.kubeconfig);
+    }
+}
+
+/// A cluster of `nodes` nodes; with `ipwarden`, its CNI plugin (linked into `plugin_dir`) on
+/// every node, called with CNI GC every [`RUNTIME_GC_INTERVAL`], an agent per node (with
+/// `agent_args`), the default pool and two controller replicas (with `controller_args`),
+/// saying `progress` when ipwarden starts. `up` and the churn benchmark start their clusters
+/// with it.
+pub async fn start_cluster(
+    nodes: usize,
+    ipwarden: Option<&Path>,
+    plugin_dir: &Path,
+    agent_args: &[&str],
+    controller_args: &[&str],
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<(Cluster, Option<Installation>)> {
+    let binary = match ipwarden {
+        Some(binary) => Some(std::fs::canonicalize(binary).map_err(Error::io("finding the ipwarden binary", binary))?),
+        None => None,
+    };
+    let network = match &binary {
+        Some(binary) => Some(crate::CniNetwork {
+            gc_interval: Some(RUNTIME_GC_INTERVAL),
+            ..crate::ipwarden::network(binary, plugin_dir)?
+        }),
+        None => None,
+    };
+    let cluster = Cluster::start(ClusterOptions { nodes, network, ..ClusterOptions::default() }).await?;
+    let Some(binary) = binary else { return Ok((cluster, None)) };
+    progress("starting ipwarden: an agent per node, the default pool 10.244.0.0/16, 2 controller replicas");
+    let pool = crate::ipwarden::default_pool();
+    match crate::ipwarden::install_with(&cluster, &binary, pool, agent_args, controller_args).await {
+        Ok(installation) => Ok((cluster, Some(installation))),
+        Err(e) => {
+            cluster.stop_after_failure();
+            Err(e)
+        }
+    }
+}
+
+/// How often each simulated node's runtime calls CNI GC with its live sandboxes in the
+/// clusters `up` and the churn benchmark start for ipwarden, as a runtime does on a timer: a
+/// sandbox whose DEL was lost is then reported gone by the runtime, as on a real node.
+pub const RUNTIME_GC_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How long the demo's pods may take to run, and its narration to list the IPBlocks.
+const DEMO_READY_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// Starts what `options` asks for, saying what it does, copies the kubeconfig, says the
+/// summary and starts the demo; returns once the cluster (and the demo's pods) are ready.
+pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
+    let state_dir = options.kubeconfig.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let plugin_dir = state_dir.join("cni-bin");
+    say(&format!("starting the control plane and {} simulated nodes", options.nodes));
+    let agent_args: Vec<&str> = options.agent_args.iter().map(String::as_str).collect();
+    let controller_args: Vec<&str> = options.controller_args.iter().map(String::as_str).collect();
+    let ipwarden = options.ipwarden.as_deref();
+    let (cluster, installation) =
+        start_cluster(options.nodes, ipwarden, &plugin_dir, &agent_args, &controller_args, say.as_ref()).await?;
+    match demo_and_summary(options, state_dir, &cluster, installation.as_ref(), &say).await {
+        Ok(tasks) => Ok(Up { tasks, _installation: installation, cluster, kubeconfig: options.kubeconfig.clone() }),
+        Err(e) => {
+            drop(installation);
+            cluster.stop_after_failure();
+            Err(e)
+        }
+    }
+}
+
+/// What [`start`] does once ipwarden runs: the kubeconfig copy, the demo workload and its
+/// narration (started once its pods run), the summary, then the demo's churn.
+async fn demo_and_summary(
+    options: &UpOptions,
+    state_dir: &Path,
+    cluster: &Cluster,
+    installation: Option<&Installation>,
+    say: &Say,
+) -> Result<Vec<JoinHandle<()>>> {
+    std::fs::create_dir_all(state_dir).map_err(Error::io("creating the state directory", state_dir))?;
+    std::fs::copy(cluster.kubeconfig(), &options.kubeconfig)
+        .map_err(Error::io("copying the kubeconfig", &options.kubeconfig))?;
+    let mut tasks = Vec::new();
+    if options.demo.is_some() {
+        say("creating the demo workload (StatefulSet default/web, Deployment default/api, 3 pods each)");
+        crate::demo::create(&cluster.client()).await?;
+        crate::demo::wait_running(&cluster.client(), DEMO_READY_TIMEOUT).await?;
+        if installation.is_some() {
+            let (synced, listed) = tokio::sync::oneshot::channel();
+            tasks.push(tokio::spawn(crate::demo::narrate(cluster.client(), say.clone(), synced)));
+            let listing = tokio::time::timeout(DEMO_READY_TIMEOUT, listed).await;
+            if !matches!(listing, Ok(Ok(()))) {
+                return Err(Error::Timeout {
+                    what: "the demo's first listing of the IPBlocks".to_string(),
+                    timeout: DEMO_READY_TIMEOUT,
+                    last: format!("{listing:?}"),
+                });
+            }
+        }
+    }
+    summary(options, cluster, installation, say);
+    if let Some(interval) = options.demo {
+        say(&format!("demo: a pod deleted every {interval:?}; what happens to its IP follows"));
+        tasks.push(tokio::spawn(crate::demo::churn(cluster.client(), interval, say.clone())));
+    }
+    Ok(tasks)
+}
+
+/// The lines a person needs to look at the cluster.
+fn summary(options: &UpOptions, cluster: &Cluster, installation: Option<&Installation>, say: &Say) {
+    let kubeconfig = options.kubeconfig.display();
+    let kubectl = format!("{} --kubeconfig {kubeconfig}", cluster.kubectl().display());
+    match installation {
+        Some(installation) => say(&format!(
+            "cluster ready: {} simulated nodes running ipwarden ({} agents, {} controller replicas)",
+            cluster.nodes().len(),
+            installation.agents.len(),
+            installation.controllers.len()
+        )),
+        None => say(&format!("cluster ready: {} simulated nodes on host-local, no ipwarden", cluster.nodes().len())),
+    }
+    say(&format!("  kubeconfig: {kubeconfig}"));
+    say(&format!("  kubectl:    {kubectl} get pods -A -o wide"));
+    if let (Some(installation), Some(binary)) = (installation, &options.ipwarden) {
+        say(&format!("              {kubectl} get ippools,ipblocks; ... get ipclaims -A"));
+        say(&format!("  ipwarden:   KUBECONFIG={kubeconfig} {} status (also: check; gc --dry-run)", binary.display()));
+        let ports = |daemons: &[crate::ipwarden::Daemon]| {
+            daemons.iter().map(|d| d.metrics_port.to_string()).collect::<Vec<_>>().join(" ")
+        };
+        say(&format!(
+            "  metrics:    http://127.0.0.1:<port>/metrics; agents (node order) {}, controllers {}",
+            ports(&installation.agents),
+            ports(&installation.controllers)
+        ));
+    }
+    say(&format!("  logs:       {}", cluster.dir().display()));
+}
