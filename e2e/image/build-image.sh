@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the chart's image from the repository's Dockerfile with podman, without pulling
-# anything from a container registry, then checks it by running it (docs/install.md, "The
-# image"; docs/decisions/0012-image-from-debian-packages.md):
+# anything from a container registry, then checks it by running it (docs/install.md, "Building
+# the image"; docs/decisions/0012-image-from-debian-packages.md):
 #
 #   1. a Debian bookworm base built from Debian's packages with debootstrap (minbase, security
 #      updates applied, documentation left out), cached outside the repo and imported as
@@ -78,6 +78,14 @@ limits=(--ulimit "nofile=$nofile:$nofile" --ulimit "nproc=$nproc:$nproc")
 
 lock_cache build-image.lock
 
+# drop_others REPOSITORY KEEP: removes REPOSITORY's other tags (older recipes or toolchains),
+# so podman's store keeps one base and one builder.
+drop_others() {
+  local others
+  mapfile -t others < <(podman images --filter "reference=$1" --format '{{.Repository}}:{{.Tag}}' | grep -vxF "$2")
+  ((${#others[@]} == 0)) || podman rmi "${others[@]}" >/dev/null || say "could not remove ${others[*]}"
+}
+
 # 1. The base.
 base_dir=$(cache_entry image-base bookworm "$RECIPE" /dev/null)
 base_image=localhost/ipwarden-base:bookworm-${base_dir##*-}
@@ -125,13 +133,19 @@ EOF
 fi
 if ! podman image exists "$base_image"; then
   podman import --quiet --change 'CMD ["bash"]' "$base_dir/rootfs.tar" "$base_image" >/dev/null
+  drop_others localhost/ipwarden-base "$base_image"
 fi
 say "base: $base_image"
 
 # 2. The builder.
 sysroot=$(rustc --print sysroot)
+# Certificate authorities this machine trusts beyond Debian's (a TLS-inspecting proxy's, say):
+# the builder trusts them too, so cargo reaches crates.io as the host does. Only the builder
+# image carries them, never the image the Dockerfile builds.
+local_ca=/usr/local/share/ca-certificates
+local_ca_id=$(find "$local_ca" -type f -name '*.crt' 2>/dev/null | sort | xargs -r cat | sha256sum | cut -c1-12)
 rust_id=$(rustc -vV | sha256sum | cut -c1-12)
-rust_image=localhost/ipwarden-rust:$host_rust-bookworm-$(echo "$base_image $rust_id recipe $RECIPE" | sha256sum | cut -c1-12)
+rust_image=localhost/ipwarden-rust:$host_rust-bookworm-$(echo "$base_image $rust_id $local_ca_id recipe $RECIPE" | sha256sum | cut -c1-12)
 if ! podman image exists "$rust_image"; then
   say "building the Rust $host_rust builder image $rust_image from $sysroot"
   start=$SECONDS
@@ -142,9 +156,12 @@ if ! podman image exists "$rust_image"; then
   cp -al "$sysroot/bin/cargo" "$sysroot/bin/rustc" "$sysroot/lib" "$context/rust/bin/" 2>/dev/null ||
     cp -a "$sysroot/bin/cargo" "$sysroot/bin/rustc" "$sysroot/lib" "$context/rust/bin/"
   mv "$context/rust/bin/lib" "$context/rust/lib"
+  mkdir -p "$context/local-ca"
+  [[ ! -d $local_ca ]] || cp -a "$local_ca/." "$context/local-ca/"
   cat >"$context/Containerfile" <<'EOF'
 ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
+COPY local-ca/ /usr/local/share/ca-certificates/
 RUN apt-get update -qq \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends ca-certificates gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -155,6 +172,7 @@ EOF
     -t "$rust_image" "$context" >&2
   rm -rf "$context"
   trap - EXIT
+  drop_others localhost/ipwarden-rust "$rust_image"
   say "builder built in $((SECONDS - start))s"
 fi
 say "builder: $rust_image"
@@ -165,7 +183,7 @@ start=$SECONDS
 "${podman[@]}" build --pull=never --network=host "${limits[@]}" \
   --build-arg "RUST_IMAGE=$rust_image" --build-arg "BASE_IMAGE=$base_image" --build-arg "VERSION=$version" \
   -t "$image" -f "$repo/Dockerfile" "$repo" >&2
-say "image built in $((SECONDS - start))s: $image, $(podman image inspect --format '{{.Size}}' "$image") bytes"
+say "image built in $((SECONDS - start))s: $image, $(podman images --format '{{.Size}}' "$image")"
 
 # 4. Checks, each a real run of the image.
 failed=0
@@ -186,6 +204,7 @@ cni_out=$(run -e CNI_COMMAND=VERSION --entrypoint /usr/local/bin/ipwarden-cni "$
 check "ipwarden-cni VERSION answers for 1.0.0" '^\{"cniVersion":"1\.0\.0","supportedVersions":\[' "$cni_out"
 check "ipwarden-cni supports the chart's cniVersion $chart_cni" "\"supportedVersions\":\[[^]]*\"$chart_cni\"" "$cni_out"
 check "ipwarden-cni is a link to ipwarden" '^ipwarden$' "$(run --entrypoint readlink "$image" /usr/local/bin/ipwarden-cni)"
+# shellcheck disable=SC2016 # expanded by the container's shell
 check "runs as 65532:65532" '^65532:65532$' "$(run --entrypoint /bin/sh "$image" -c 'echo "$(id -u):$(id -g)"')"
 check "image config: user and entrypoint" '^65532:65532 \[/usr/local/bin/ipwarden\]$' \
   "$(podman image inspect --format '{{.Config.User}} {{.Config.Entrypoint}}' "$image")"
@@ -195,8 +214,9 @@ if grep -q 'not found' <<<"$ldd_out"; then
   say "FAILED: unresolved libraries: $ldd_out"
   failed=1
 fi
+# shellcheck disable=SC2016 # expanded by the container's shell
 check "the agent's init container has /bin/sh, cp and mv" '^(/usr)?/bin/cp (/usr)?/bin/mv$' \
-  "$(run --entrypoint /bin/sh "$image" -c 'echo $(command -v cp mv)')"
+  "$(run --entrypoint /bin/sh "$image" -c 'echo $(command -v cp) $(command -v mv)')"
 
 if ((failed)); then
   die "image $image failed its checks"
