@@ -1,6 +1,6 @@
 # The project's entry points. `make test` is the test command CI runs (.ci/run); `make demo`
 # is the main job on the local default. Both install what they need themselves.
-.PHONY: test demo soak churn-bench scale-bench peer-bench cluster-up cluster-down controlplane tools deps
+.PHONY: test demo soak churn-bench scale-bench peer-bench cluster-up cluster-down controlplane tools deps image
 
 # Where cargo puts what it builds (CARGO_TARGET_DIR when set).
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
@@ -58,6 +58,13 @@ peer-bench: controlplane
 	cargo build --release --locked --workspace --bins
 	$(TARGET_DIR)/release/ipwarden-e2e churn --ipam ipwarden,whereabouts,whereabouts-nodeslices \
 		--ipwarden $(TARGET_DIR)/release/ipwarden $(PEER_BENCH_ARGS)
+
+# The chart's image, built from the Dockerfile with podman on a Debian base made from Debian's
+# packages (nothing is pulled from a registry), then checked by running it (docs/install.md,
+# "Building the image"). Needs root. IMAGE=<registry>/ipwarden:<tag> to name it. Not part of
+# `make test`.
+image:
+	bash e2e/image/build-image.sh
 
 # A cluster running ipwarden in the background (docs/testing.md, "A cluster to poke at").
 # CLUSTER_ARGS: --bare for nodes on host-local without ipwarden; any `ipwarden-e2e up` flag, e.g.
