@@ -35,6 +35,19 @@ const NAMESPACE: &str = "default";
 /// The agents' allocation latency histogram.
 const ALLOCATION_HISTOGRAM: &str = "ipwarden_agent_allocation_duration_seconds";
 
+/// The apiserver's own latency histogram of the requests it served.
+const APISERVER_HISTOGRAM: &str = "apiserver_request_duration_seconds";
+
+/// The apiserver's time for the write requests (any resource) it served between two scrapes:
+/// the queue every write of the burst waits in, the IPAM's among them.
+fn apiserver_writes(before: &Snapshot, after: &Snapshot) -> Histogram {
+    let writes = |l: &Labels| l.get("verb").is_some_and(|v| crate::churn::WRITE_VERBS.contains(&v.as_str()));
+    after
+        .apiserver
+        .histogram_where(APISERVER_HISTOGRAM, writes)
+        .since(&before.apiserver.histogram_where(APISERVER_HISTOGRAM, writes))
+}
+
 /// What load to apply.
 #[derive(Clone, Debug)]
 pub struct BurstOptions {
@@ -91,6 +104,12 @@ pub struct Burst {
     /// The same histogram's buckets, which [`summarize`] adds up.
     #[serde(skip)]
     pub allocation_histogram: Histogram,
+    /// The apiserver's own time for every write request (any resource: pod creates, status
+    /// patches, the IPAM's writes) from the burst's start to its last pod Running.
+    pub apiserver_writes: Latency,
+    /// The same histogram's buckets, which [`summarize`] adds up.
+    #[serde(skip)]
+    pub apiserver_write_histogram: Histogram,
     /// Writes on the IPAM's record objects from the burst's start to its last pod Running.
     pub add_writes: ResourceWrites,
     /// Of the pods, how many had their record released within the bound.
@@ -120,6 +139,8 @@ pub struct BurstSummary {
     pub running_latency: Latency,
     /// The agents' allocation histogram over every burst's ADDs (ipwarden only).
     pub allocation_agent: Latency,
+    /// The apiserver's own time for the write requests while pods were being added.
+    pub apiserver_writes: Latency,
     /// Record objects' writes while pods were being added, with their 409s.
     pub add_writes: ResourceWrites,
     /// Record objects' writes while pods were being released, with their 409s.
@@ -191,6 +212,7 @@ pub(crate) fn measure_burst(
     let allocation_histogram =
         histogram(&added.agents, ALLOCATION_HISTOGRAM).since(&histogram(&before.agents, ALLOCATION_HISTOGRAM));
     let releases = sorted(pods.iter().filter_map(|p| p.released));
+    let apiserver_write_histogram = apiserver_writes(before, added);
     Burst {
         pods: pods.len() as u64,
         api_failures,
@@ -204,6 +226,8 @@ pub(crate) fn measure_burst(
         allocation_failures: grown(&before.agents, &added.agents, "ipwarden_agent_allocations_total", |l| !success(l)),
         allocation_agent: Latency::of_histogram(&allocation_histogram),
         allocation_histogram,
+        apiserver_writes: Latency::of_histogram(&apiserver_write_histogram),
+        apiserver_write_histogram,
         add_writes: resource_writes(&before.apiserver, &added.apiserver, &records),
         released: releases.len() as u64,
         release_latency: Latency::of_samples(releases),
@@ -219,10 +243,12 @@ fn plus(a: ResourceWrites, b: ResourceWrites) -> ResourceWrites {
 /// The sustained figures of `bursts`.
 pub fn summarize(bursts: &[Burst]) -> BurstSummary {
     let mut allocations = Histogram::default();
+    let mut apiserver = Histogram::default();
     let mut running = Vec::new();
     let mut summary = BurstSummary::default();
     for burst in bursts {
         allocations.merge(&burst.allocation_histogram);
+        apiserver.merge(&burst.apiserver_write_histogram);
         running.extend(&burst.running_times);
         summary.pods += burst.pods;
         summary.running += burst.running;
@@ -238,6 +264,7 @@ pub fn summarize(bursts: &[Burst]) -> BurstSummary {
         last_running_range: times.first().zip(times.last()).map(|(min, max)| (*min, *max)),
         running_latency: Latency::of_samples(running),
         allocation_agent: Latency::of_histogram(&allocations),
+        apiserver_writes: Latency::of_histogram(&apiserver),
         writes_per_add: per(summary.add_writes.writes, summary.running),
         conflicts_per_add: per(summary.add_writes.conflicts, summary.running),
         writes_per_release: per(summary.release_writes.writes, summary.released),
@@ -494,6 +521,13 @@ impl std::fmt::Display for BurstReport {
         )?;
         writeln!(
             f,
+            "the apiserver's own time for write requests while adding (any resource, {} requests): p50 {}, p99 {}",
+            s.apiserver_writes.samples,
+            seconds(s.apiserver_writes.p50_seconds),
+            seconds(s.apiserver_writes.p99_seconds)
+        )?;
+        writeln!(
+            f,
             "{} writes: {} per ADD ({} 409s per ADD), {} per release ({} 409s per release), {} per pod life",
             self.records,
             ratio(s.writes_per_add),
@@ -539,8 +573,14 @@ mod test {
             "apiserver_request_total{{code=\"200\",resource=\"ipblocks\",verb=\"PUT\"}} {}\n\
              apiserver_request_total{{code=\"409\",resource=\"ipblocks\",verb=\"PUT\"}} {conflicts}\n\
              apiserver_request_total{{code=\"200\",resource=\"ipblocks\",verb=\"GET\"}} 1000\n\
-             apiserver_request_total{{code=\"201\",resource=\"ipclaims\",verb=\"POST\"}} 77\n",
-            puts - conflicts
+             apiserver_request_total{{code=\"201\",resource=\"ipclaims\",verb=\"POST\"}} 77\n\
+             apiserver_request_duration_seconds_bucket{{resource=\"ipblocks\",verb=\"PUT\",le=\"0.025\"}} {puts}\n\
+             apiserver_request_duration_seconds_bucket{{resource=\"ipblocks\",verb=\"PUT\",le=\"+Inf\"}} {puts}\n\
+             apiserver_request_duration_seconds_bucket{{resource=\"ipblocks\",verb=\"GET\",le=\"0.025\"}} {}\n\
+             apiserver_request_duration_seconds_bucket{{resource=\"ipblocks\",verb=\"GET\",le=\"+Inf\"}} {}\n",
+            puts - conflicts,
+            puts * 100,
+            puts * 100
         ));
         Snapshot { agents: vec![agent], controllers: Vec::new(), apiserver, usage: Vec::new(), lease_updates: 0 }
     }
@@ -567,6 +607,8 @@ mod test {
         assert_eq!(burst.running_latency.p50_seconds, Some(1.0));
         assert_eq!(burst.running_times, vec![0.5, 1.0, 2.0]);
         assert_eq!((burst.allocations, burst.allocation_failures), (3, 1));
+        assert_eq!(burst.apiserver_writes.samples, 6, "the apiserver's write requests while adding, reads left out");
+        assert!(burst.apiserver_writes.p99_seconds.is_some_and(|s| s <= 0.025));
         // 1 of the 3 ADDs within 1 ms, 2 in (1 ms, 64 ms].
         assert_eq!(burst.allocation_agent.samples, 3);
         let p50 = burst.allocation_agent.p50_seconds.unwrap_or_default();

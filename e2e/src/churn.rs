@@ -52,7 +52,7 @@ const WATCH_SYNC_TIMEOUT: Duration = Duration::from_secs(60);
 const NODE_LEASE_NAMESPACE: &str = "kube-node-lease";
 
 /// The apiserver request verbs that write.
-const WRITE_VERBS: [&str; 6] = ["POST", "PUT", "PATCH", "APPLY", "DELETE", "DELETECOLLECTION"];
+pub(crate) const WRITE_VERBS: [&str; 6] = ["POST", "PUT", "PATCH", "APPLY", "DELETE", "DELETECOLLECTION"];
 
 /// What load to apply.
 #[derive(Clone, Debug)]

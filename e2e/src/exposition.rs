@@ -62,9 +62,14 @@ impl Scrape {
     /// The histogram `name` (its `name_bucket` samples), with the buckets of all label sets
     /// other than `le` added together.
     pub fn histogram(&self, name: &str) -> Histogram {
+        self.histogram_where(name, |_| true)
+    }
+
+    /// The histogram `name` over the label sets `select` accepts, their buckets added.
+    pub fn histogram_where(&self, name: &str, select: impl Fn(&Labels) -> bool) -> Histogram {
         let bucket = format!("{name}_bucket");
         let mut histogram = Histogram::default();
-        for sample in self.samples.iter().filter(|s| s.name == bucket) {
+        for sample in self.samples.iter().filter(|s| s.name == bucket && select(&s.labels)) {
             let Some(le) = sample.labels.get("le").and_then(|le| parse_value(le).ok()) else { continue };
             histogram.add_bucket(le, sample.value);
         }
