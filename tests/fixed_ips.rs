@@ -58,7 +58,8 @@ async fn a_pod_gets_its_annotated_ip_and_another_pod_asking_for_it_fails_naming_
     let args = pod_args(&client, "second").await;
     let (network, conf) = (support::network(), netconf(&ipwarden, json!({})));
     let add = || {
-        let call = Invocation { command: "ADD", container_id: "second", ifname: "eth0", pod: Some(&args), netconf: &conf };
+        let call =
+            Invocation { command: "ADD", container_id: "second", ifname: "eth0", pod: Some(&args), netconf: &conf };
         let network = network.clone();
         async move { network.invoke(&call).await }
     };
@@ -97,7 +98,10 @@ async fn a_pod_gets_its_annotated_ip_and_another_pod_asking_for_it_fails_naming_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn runtime_config_ips_win_over_cni_args_ip_over_the_annotation_and_an_ip_that_cannot_be_had_fails_naming_why() {
     let pools = [
-        ("main", json!({"cidr": "10.72.0.0/24", "gateway": "10.72.0.1", "exclude": ["10.72.0.64/28"], "default": true})),
+        (
+            "main",
+            json!({"cidr": "10.72.0.0/24", "gateway": "10.72.0.1", "exclude": ["10.72.0.64/28"], "default": true}),
+        ),
         ("off", json!({"cidr": "10.73.0.0/24", "disabled": true})),
     ];
     let ipwarden = Ipwarden::start(1, &pools, &["--reuse-cooldown-seconds=0"]).await;
@@ -125,7 +129,11 @@ async fn runtime_config_ips_win_over_cni_args_ip_over_the_annotation_and_an_ip_t
     }
 
     let refused = [
-        ("IP=192.168.9.9", "code 103", "fixed IP 192.168.9.9 lies in no pool (pools: main (10.72.0.0/24), off (10.73.0.0/24))"),
+        (
+            "IP=192.168.9.9",
+            "code 103",
+            "fixed IP 192.168.9.9 lies in no pool (pools: main (10.72.0.0/24), off (10.73.0.0/24))",
+        ),
         ("IP=10.72.0.1", "code 103", "fixed IP 10.72.0.1 of pool main is never handed out: it is the pool's gateway"),
         ("IP=10.72.0.70", "code 103", "it is excluded by spec.exclude entry 10.72.0.64/28"),
         ("IP=10.73.0.7", "code 103", "fixed IP 10.73.0.7 is in pool off, which cannot be used: it is disabled"),

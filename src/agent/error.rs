@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 
 use super::checkpoint::CheckpointError;
+use crate::ipam::fixed::FixedError;
 use crate::ipam::pools::{ForeignBlock, SelectError};
 
 /// Why a CNI call, the start-up recovery or a release-mark answer failed.
@@ -86,6 +87,15 @@ pub enum Error {
         /// The holder's node.
         node: String,
     },
+    /// The pod's fixed IPs cannot be had (`ipam::fixed`): no fallback to another IP.
+    #[error("fixed IP for pod {pod} refused: {cause}")]
+    FixedIp {
+        /// `namespace/name`.
+        pod: String,
+        /// Why.
+        #[source]
+        cause: FixedError,
+    },
     /// An apiserver call failed.
     #[error("{what}: {source}")]
     Api {
@@ -139,7 +149,9 @@ impl Error {
             Self::NoPoolFits { .. } => "no_pool",
             Self::InvalidClaim { .. } => "invalid_claim",
             Self::AwaitingTakeover { .. } => "awaiting_takeover",
-            Self::Cooling { .. } => "cooling",
+            Self::Cooling { .. } | Self::FixedIp { cause: FixedError::Cooling { .. }, .. } => "cooling",
+            Self::FixedIp { cause: FixedError::Held { .. }, .. } => "fixed_ip_in_use",
+            Self::FixedIp { .. } => "fixed_ip_refused",
             _ => "error",
         }
     }
