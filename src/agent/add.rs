@@ -200,6 +200,7 @@ impl Core {
             request.runtime_config_ips.as_deref(),
             request.args_ips.as_deref(),
             pod.annotations().get(fixed::IPS_ANNOTATION).map(String::as_str),
+            pod.annotations().get(fixed::IP_LIST_ANNOTATION).map(String::as_str),
         )
         .map_err(|cause| Error::FixedIp { pod: format!("{}/{}", pod_ref.namespace, pod_ref.name), cause })?;
         let found = self.records_of_sandbox(&request.container_id, &request.ifname);
@@ -538,8 +539,9 @@ impl Core {
     }
 
     /// Allocates exactly the `fixed` IPs, each in the pool holding it ([`fixed::pool_of`]),
-    /// all or none, written like any other allocation (module `batch`); an IP that cannot be
-    /// had fails the ADD saying why.
+    /// all or none, written like any other allocation (module `batch`): of each group of
+    /// [`fixed::Requested::choices`], the first IP that can be had; a group none of whose IPs
+    /// can be had fails the ADD saying why for each.
     async fn allocate_fixed(
         &self,
         pod: &Pod,
@@ -555,17 +557,29 @@ impl Core {
         let facts = self.placement_facts(pod, &pools_snapshot).await?;
         let record = self.record_for(pod, owner, sticky, request);
         let mut written = Vec::new();
-        for &ip in &fixed.ips {
-            let taken = match fixed::pool_of(&views, pool_set.orphans(), &facts.placement(), ip) {
-                Ok(place) => self.take_fixed(&place, &record, ip).await,
-                Err(cause) => Err(Error::FixedIp { pod: pod_name.clone(), cause }),
-            };
-            match taken {
-                Ok(ip) => written.push(ip),
-                Err(e) => {
-                    self.roll_back(&written, request, &record.pod.uid).await;
-                    return Err(e);
+        for choice in fixed.choices() {
+            let mut refused = Vec::new();
+            for &ip in &choice {
+                let taken = match fixed::pool_of(&views, pool_set.orphans(), &facts.placement(), ip) {
+                    Ok(place) => self.take_fixed(&place, &record, ip).await,
+                    Err(cause) => Ok(Err(cause)),
+                };
+                match taken {
+                    Ok(Ok(ip)) => {
+                        written.push(ip);
+                        break;
+                    }
+                    Ok(Err(cause)) => refused.push(cause),
+                    Err(e) => {
+                        self.roll_back(&written, request, &record.pod.uid).await;
+                        return Err(e);
+                    }
                 }
+            }
+            if refused.len() == choice.len() {
+                self.roll_back(&written, request, &record.pod.uid).await;
+                let v4 = choice.first().is_some_and(IpAddr::is_ipv4);
+                return Err(Error::FixedIp { pod: pod_name, cause: fixed::none_of(fixed.source, refused, v4) });
             }
         }
         Ok(written)
@@ -573,8 +587,14 @@ impl Core {
 
     /// Fixed IP `ip` of `place` for `record`: from the copy held, in one write with the
     /// node's other edits of the block; alone when that batch was not written; and, before
-    /// refusing, once more from a fresh read (a held copy may be behind a release).
-    async fn take_fixed(&self, place: &fixed::FixedIn<'_>, record: &Allocation, ip: IpAddr) -> Result<Written, Error> {
+    /// refusing, once more from a fresh read (a held copy may be behind a release). The inner
+    /// error says why the IP cannot be had; the outer one, that a write failed.
+    async fn take_fixed(
+        &self,
+        place: &fixed::FixedIn<'_>,
+        record: &Allocation,
+        ip: IpAddr,
+    ) -> Result<Result<Written, fixed::FixedError>, Error> {
         let (pool, net) = (place.pool.name.to_string(), place.block);
         let block = pools::block_name(&pool, net);
         let (node, cooldown, owned) = (self.settings.node.clone(), self.settings.cooldown, record.clone());
@@ -589,8 +609,10 @@ impl Core {
         if taken.is_err() {
             taken = self.take_fixed_alone(&block, &pool, net, Base::Fresh, &take).await?;
         }
-        let pod = || format!("{}/{}", record.pod.namespace, record.pod.name);
-        let prior = taken.map_err(|cause| Error::FixedIp { pod: pod(), cause })?;
+        let prior = match taken {
+            Ok(prior) => prior,
+            Err(cause) => return Ok(Err(cause)),
+        };
         let ip = CheckpointIp {
             ip: ip.to_string(),
             prefix_len: place.layout.cidr().prefix_len(),
@@ -598,7 +620,7 @@ impl Core {
             pool,
             block,
         };
-        Ok(Written { ip, prior: prior.unwrap_or(blocks::Prior::Free(None)) })
+        Ok(Ok(Written { ip, prior: prior.unwrap_or(blocks::Prior::Free(None)) }))
     }
 
     /// [`Core::take_fixed`]'s write of its own, starting from `base`.

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 
 use super::checkpoint::CheckpointError;
-use crate::ipam::fixed::FixedError;
+use crate::ipam::fixed::{FixedError, Refusal};
 use crate::ipam::pools::{ForeignBlock, SelectError};
 
 /// Why a CNI call, the start-up recovery or a release-mark answer failed.
@@ -149,9 +149,12 @@ impl Error {
             Self::NoPoolFits { .. } => "no_pool",
             Self::InvalidClaim { .. } => "invalid_claim",
             Self::AwaitingTakeover { .. } => "awaiting_takeover",
-            Self::Cooling { .. } | Self::FixedIp { cause: FixedError::Cooling { .. }, .. } => "cooling",
-            Self::FixedIp { cause: FixedError::Held { .. }, .. } => "fixed_ip_in_use",
-            Self::FixedIp { .. } => "fixed_ip_refused",
+            Self::Cooling { .. } => "cooling",
+            Self::FixedIp { cause, .. } => match cause.refusal() {
+                Refusal::Cooling => "cooling",
+                Refusal::InUse => "fixed_ip_in_use",
+                Refusal::Never => "fixed_ip_refused",
+            },
             _ => "error",
         }
     }

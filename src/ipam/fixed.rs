@@ -1,7 +1,9 @@
 //! Fixed IPs: a pod, or the runtime on its behalf, names the IPs it must get (one per IP
-//! family) instead of letting the agent choose. Three sources, the first that says anything
+//! family) instead of letting the agent choose. Four sources, the first that says anything
 //! wins: the netconf's `runtimeConfig.ips` (the CNI "ips" capability), then `IP=` in
-//! `CNI_ARGS`, then the pod annotation `ipwarden.io/ips`. Each entry is an address or a CIDR
+//! `CNI_ARGS`, then the pod annotation `ipwarden.io/ips`, then the pod annotation
+//! `ipwarden.io/ip-list` (set on a workload's pod template: a list its pods draw from, any
+//! number per family, one free IP of each family taken). Each entry is an address or a CIDR
 //! (only its address counts: the prefix length is the pool's). The pool of each IP is the pool
 //! whose CIDR holds it, default or not; it must be usable by the pod as any pool is
 //! ([`pools::select`]'s rules). An IP that cannot be had fails the ADD with the reason: no
@@ -23,6 +25,10 @@ use crate::crd::{Allocation, IPBlockSpec, IPPoolSpec};
 /// Pod annotation naming the pod's fixed IPs (comma-separated, at most one per IP family).
 pub const IPS_ANNOTATION: &str = "ipwarden.io/ips";
 
+/// Pod annotation (on a workload's pod template) listing the IPs its pods draw from
+/// (comma-separated): each pod takes the first free one of each family listed.
+pub const IP_LIST_ANNOTATION: &str = "ipwarden.io/ip-list";
+
 /// Where a fixed-IP request came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Source {
@@ -32,6 +38,8 @@ pub enum Source {
     CniArgs,
     /// The pod annotation [`IPS_ANNOTATION`].
     Annotation,
+    /// The pod annotation [`IP_LIST_ANNOTATION`].
+    List,
 }
 
 impl fmt::Display for Source {
@@ -40,6 +48,7 @@ impl fmt::Display for Source {
             Self::RuntimeConfig => "runtimeConfig.ips",
             Self::CniArgs => "CNI_ARGS IP",
             Self::Annotation => "annotation ipwarden.io/ips",
+            Self::List => "annotation ipwarden.io/ip-list",
         })
     }
 }
@@ -50,8 +59,31 @@ impl fmt::Display for Source {
 pub struct Requested {
     /// Which source named them.
     pub source: Source,
-    /// One per family named.
+    /// One per family named; any number for a [`Source::List`], in its order per family.
     pub ips: Vec<IpAddr>,
+}
+
+impl Requested {
+    /// What to allocate: one IP of each group, the first that can be had. Each named IP is a
+    /// group of its own; a list's IPs are grouped by family (IPv4 first).
+    pub fn choices(&self) -> Vec<Vec<IpAddr>> {
+        if self.source != Source::List {
+            return self.ips.iter().map(|ip| vec![*ip]).collect();
+        }
+        let (v4, v6): (Vec<IpAddr>, Vec<IpAddr>) = self.ips.iter().partition(|ip| ip.is_ipv4());
+        [v4, v6].into_iter().filter(|group| !group.is_empty()).collect()
+    }
+}
+
+/// What a refusal lets the runtime do, which its CNI code and metric label say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Refusal {
+    /// Never possible as asked: fix the request or the pools.
+    Never,
+    /// Possible once the IP has cooled down.
+    Cooling,
+    /// Possible once the pod holding the IP is gone.
+    InUse,
 }
 
 /// Why a fixed IP cannot be allocated.
@@ -113,6 +145,41 @@ pub enum FixedError {
         /// When it is free.
         until: Timestamp,
     },
+    /// No IP of one family of a list can be had.
+    #[error("no {family} address of {from} can be had: {}", reasons_text(.reasons))]
+    ListTaken {
+        /// The list's source.
+        from: Source,
+        /// IPv4 or IPv6.
+        family: &'static str,
+        /// Why each IP of the family was refused, in the list's order.
+        reasons: Vec<FixedError>,
+    },
+}
+
+impl FixedError {
+    /// What the refusal lets the runtime do: a list refuses as its most hopeful IP does.
+    pub fn refusal(&self) -> Refusal {
+        match self {
+            Self::Held { .. } => Refusal::InUse,
+            Self::Cooling { .. } => Refusal::Cooling,
+            Self::ListTaken { reasons, .. } => reasons.iter().map(Self::refusal).max().unwrap_or(Refusal::Never),
+            _ => Refusal::Never,
+        }
+    }
+}
+
+/// The error for a group of [`Requested::choices`] none of which could be had (`reasons`,
+/// one per IP tried): a named IP's own reason, or, for a list, every IP's.
+pub fn none_of(from: Source, mut reasons: Vec<FixedError>, v4: bool) -> FixedError {
+    match (from, reasons.len()) {
+        (Source::List, _) | (_, 0) => FixedError::ListTaken { from, family: if v4 { "IPv4" } else { "IPv6" }, reasons },
+        _ => reasons.swap_remove(0),
+    }
+}
+
+fn reasons_text(reasons: &[FixedError]) -> String {
+    reasons.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
 }
 
 fn list_or_none(items: &[String]) -> String {
@@ -125,13 +192,16 @@ pub fn requested(
     runtime_config: Option<&[String]>,
     cni_args: Option<&str>,
     annotation: Option<&str>,
+    list: Option<&str>,
 ) -> Result<Option<Requested>, FixedError> {
     let runtime_config = runtime_config.filter(|ips| !ips.is_empty()).map(|ips| (Source::RuntimeConfig, ips.to_vec()));
     let split = |from: Source, text: Option<&str>| {
         text.filter(|t| !t.trim().is_empty()).map(|t| (from, t.split(',').map(str::to_string).collect::<Vec<_>>()))
     };
-    let chosen =
-        runtime_config.or_else(|| split(Source::CniArgs, cni_args)).or_else(|| split(Source::Annotation, annotation));
+    let chosen = runtime_config
+        .or_else(|| split(Source::CniArgs, cni_args))
+        .or_else(|| split(Source::Annotation, annotation))
+        .or_else(|| split(Source::List, list));
     let Some((from, entries)) = chosen else { return Ok(None) };
     let malformed = |reason: String| FixedError::Malformed { from, value: entries.join(","), reason };
     let mut ips: Vec<IpAddr> = Vec::new();
@@ -141,6 +211,12 @@ pub fn requested(
             (_, Ok(net)) => net.addr(),
             _ => return Err(malformed(format!("{entry:?} is neither an IP address nor a CIDR"))),
         };
+        if from == Source::List {
+            if !ips.contains(&ip) {
+                ips.push(ip);
+            }
+            continue;
+        }
         if let Some(other) = ips.iter().find(|other| other.is_ipv4() == ip.is_ipv4()) {
             let family = if ip.is_ipv4() { "IPv4" } else { "IPv6" };
             return Err(malformed(format!("{other} and {ip} are both {family}; a pod gets at most one IP per family")));
@@ -286,15 +362,15 @@ mod test {
         /// runtimeConfig.ips, CNI_ARGS IP, the annotation, and what they ask for.
         type Case<'a> = (Option<&'a [String]>, Option<&'a str>, Option<&'a str>, Option<(Source, Vec<&'a str>)>);
         let cases: Vec<Case<'_>> = vec![
-            (None, None, None, None),
-            (Some(&[]), Some(" "), Some(""), None),
+            (None, None, None, Some((Source::List, vec!["10.0.0.99"]))),
+            (Some(&[]), Some(" "), Some(""), Some((Source::List, vec!["10.0.0.99"]))),
             (Some(&rc), Some("10.0.0.8"), Some("10.0.0.9"), Some((Source::RuntimeConfig, vec!["10.0.0.7", "fd00::7"]))),
             (Some(&[]), Some("10.0.0.8"), Some("10.0.0.9"), Some((Source::CniArgs, vec!["10.0.0.8"]))),
             (None, None, Some("fd00::9, 10.0.0.9"), Some((Source::Annotation, vec!["10.0.0.9", "fd00::9"]))),
             (None, Some("10.0.0.8/24,"), None, Some((Source::CniArgs, vec!["10.0.0.8"]))),
         ];
         for (rc, args, annotation, want) in cases {
-            let got = requested(rc, args, annotation).unwrap();
+            let got = requested(rc, args, annotation, Some("10.0.0.99")).unwrap();
             let want = want.map(|(source, ips)| Requested { source, ips: ips.into_iter().map(ip).collect() });
             assert_eq!(got, want, "{rc:?} {args:?} {annotation:?}");
         }
@@ -309,12 +385,34 @@ mod test {
             (Some(",,"), "it names no IP"),
         ];
         for (annotation, want) in cases {
-            let err = requested(None, None, annotation).unwrap_err();
+            let err = requested(None, None, annotation, None).unwrap_err();
             assert!(matches!(err, FixedError::Malformed { from: Source::Annotation, .. }), "{err}");
             assert!(err.to_string().contains(want), "{annotation:?}: {err}");
         }
-        let err = requested(None, Some("x"), None).unwrap_err();
+        let err = requested(None, Some("x"), None, None).unwrap_err();
         assert!(err.to_string().starts_with("CNI_ARGS IP \"x\""), "{err}");
+    }
+
+    #[test]
+    fn a_list_draws_one_ip_per_family_in_its_order_and_refuses_as_its_most_hopeful_ip() {
+        let list = requested(None, None, None, Some("10.0.0.8, fd00::8, 10.0.0.7, 10.0.0.8")).unwrap().unwrap();
+        assert_eq!(list.choices(), vec![vec![ip("10.0.0.8"), ip("10.0.0.7")], vec![ip("fd00::8")]]);
+        let named = requested(None, None, Some("fd00::8,10.0.0.8"), None).unwrap().unwrap();
+        assert_eq!(named.choices(), vec![vec![ip("10.0.0.8")], vec![ip("fd00::8")]]);
+
+        let held = FixedError::Held { ip: ip("10.0.0.8"), pod: "ns/a".into(), node: "n".into() };
+        let cooling = FixedError::Cooling { ip: ip("10.0.0.7"), until: Timestamp::UNIX_EPOCH };
+        let never = FixedError::NotInAnyPool { ip: ip("10.9.0.1"), pools: vec![] };
+        let taken = none_of(Source::List, vec![held.clone(), cooling.clone()], true);
+        assert_eq!(taken.refusal(), Refusal::InUse);
+        assert_eq!(
+            taken.to_string(),
+            "no IPv4 address of annotation ipwarden.io/ip-list can be had: fixed IP 10.0.0.8 is held by pod ns/a on node n; \
+             fixed IP 10.0.0.7 was released lately and cools down before reuse until 1970-01-01T00:00:00Z"
+        );
+        assert_eq!(none_of(Source::List, vec![never.clone(), cooling.clone()], true).refusal(), Refusal::Cooling);
+        assert_eq!(none_of(Source::List, vec![never.clone()], true).refusal(), Refusal::Never);
+        assert_eq!(none_of(Source::Annotation, vec![held.clone()], true), held, "a named IP's own reason");
     }
 
     fn pool(name: &str, spec: serde_json::Value) -> Arc<crate::crd::IPPool> {
