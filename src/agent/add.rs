@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ipnet::IpNet;
-
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -211,15 +210,22 @@ impl Core {
             let ips = self.checkpoint_ips(found.into_iter().map(|(block, ip, pool)| (pool, block, ip)).collect());
             (ips, Vec::new(), migration.is_some())
         } else {
-            // Fixed IPs win over a sticky claim's: the fixed path takes the pod's own
-            // reservation over (`fixed::check_free`).
-            let reclaimed = if sticky && fixed.is_none() {
+            let mut reclaimed = if sticky {
                 let held_here: BTreeSet<String> =
                     self.checkpoint.read(|c| c.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect());
                 self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request, &held_here).await?
             } else {
                 None
             };
+            // Fixed IPs win over a sticky claim's other IPs (a changed annotation): those go
+            // back, and the fixed path takes the pod's own reservation (`fixed::check_free`).
+            if let (Some(fixed), Some(back)) = (&fixed, &reclaimed) {
+                let claimed: Vec<IpAddr> = back.ips.iter().filter_map(|i| i.ip.parse().ok()).collect();
+                if !fixed.satisfied_by(&claimed) {
+                    self.roll_back(&back.written, request, &uid).await;
+                    reclaimed = None;
+                }
+            }
             match reclaimed {
                 Some(reclaimed) => (reclaimed.ips, reclaimed.written, reclaimed.shared),
                 None => {

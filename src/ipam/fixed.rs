@@ -73,6 +73,14 @@ impl Requested {
         let (v4, v6): (Vec<IpAddr>, Vec<IpAddr>) = self.ips.iter().partition(|ip| ip.is_ipv4());
         [v4, v6].into_iter().filter(|group| !group.is_empty()).collect()
     }
+
+    /// Whether `ips` (a sticky pod's claimed IPs, taken back) are what this request asks
+    /// for: exactly one IP of each group of [`Requested::choices`] and no other.
+    pub fn satisfied_by(&self, ips: &[IpAddr]) -> bool {
+        let choices = self.choices();
+        ips.len() == choices.len()
+            && choices.iter().all(|group| ips.iter().filter(|ip| group.contains(ip)).count() == 1)
+    }
 }
 
 /// What a refusal lets the runtime do, which its CNI code and metric label say.
@@ -399,6 +407,19 @@ mod test {
         assert_eq!(list.choices(), vec![vec![ip("10.0.0.8"), ip("10.0.0.7")], vec![ip("fd00::8")]]);
         let named = requested(None, None, Some("fd00::8,10.0.0.8"), None).unwrap().unwrap();
         assert_eq!(named.choices(), vec![vec![ip("10.0.0.8")], vec![ip("fd00::8")]]);
+        let ips = |list: &[&str]| list.iter().map(|t| ip(t)).collect::<Vec<_>>();
+        let satisfied = [
+            (&named, ips(&["fd00::8", "10.0.0.8"]), true),
+            (&named, ips(&["10.0.0.8"]), false),
+            (&named, ips(&["10.0.0.9", "fd00::8"]), false),
+            (&list, ips(&["10.0.0.7", "fd00::8"]), true),
+            (&list, ips(&["10.0.0.7"]), false),
+            (&list, ips(&["10.0.0.7", "10.0.0.8"]), false),
+            (&list, ips(&["10.0.0.6", "fd00::8"]), false),
+        ];
+        for (request, claimed, want) in satisfied {
+            assert_eq!(request.satisfied_by(&claimed), want, "{request:?} by {claimed:?}");
+        }
 
         let held = FixedError::Held { ip: ip("10.0.0.8"), pod: "ns/a".into(), node: "n".into() };
         let cooling = FixedError::Cooling { ip: ip("10.0.0.7"), until: Timestamp::UNIX_EPOCH };
