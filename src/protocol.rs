@@ -50,6 +50,12 @@ pub struct AttachmentRequest {
     /// The `prevResult` of the configuration, passed through untouched (required for `CHECK`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prev_result: Option<serde_json::Value>,
+    /// The fixed IPs of the netconf's `runtimeConfig.ips` (the CNI "ips" capability), as given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_config_ips: Option<Vec<String>>,
+    /// The fixed IPs of `IP=` in `CNI_ARGS` (comma-separated), as given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args_ips: Option<String>,
 }
 
 /// The Kubernetes pod an attachment belongs to, so the agent can tie IPs to pod identity.
@@ -280,6 +286,8 @@ mod test {
             netns: Some("/var/run/netns/x".into()),
             pod: Some(PodRef { namespace: "default".into(), name: "web-0".into(), uid: Some("123".into()) }),
             prev_result: None,
+            runtime_config_ips: None,
+            args_ips: None,
         }
     }
 
@@ -304,6 +312,11 @@ mod test {
     fn every_request_round_trips_through_json() {
         let requests = [
             AgentRequest::Add(attachment_request()),
+            AgentRequest::Add(AttachmentRequest {
+                runtime_config_ips: Some(vec!["10.0.0.7/24".into()]),
+                args_ips: Some("10.0.0.8,fd00::8".into()),
+                ..attachment_request()
+            }),
             AgentRequest::Del(AttachmentRequest { netns: None, pod: None, ..attachment_request() }),
             AgentRequest::Check(AttachmentRequest {
                 prev_result: Some(json!({"ips": [{"address": "10.0.0.5/24"}]})),

@@ -314,6 +314,44 @@ async fn a_recreated_sticky_pod_waits_while_its_old_sandbox_is_attached_and_take
     assert_eq!(claims(&client, NS).await.get("web-0").map(|c| c.spec.pod_uid.clone()), Some(second_uid));
 }
 
+/// A StatefulSet pod pinned to a fixed IP (`ipwarden.io/ips`) is sticky as any: recreated
+/// while its old sandbox still holds the IP, it waits for the sticky takeover (the old
+/// record marked, code 11), not refused as if another pod held it (code 104), which would
+/// never end on a lost node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statefulset_pod_with_a_fixed_ip_takes_it_over_from_its_old_sandbox_like_any_sticky_ip() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
+    let ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let client = ipwarden.client();
+    cordon(&client, "node-1", true).await;
+    create_web(&client, json!({"ipwarden.io/ips": "10.74.0.77"}), json!({})).await;
+    let first = wait_web0(&client, "", "web-0 on node-0").await;
+    let first_uid = first.uid().unwrap_or_default();
+    assert_eq!(ip_of(&first), "10.74.0.77", "the fixed IP");
+
+    let sandbox = move_web0_to_node1_holding_del(&ipwarden, &first).await;
+    let second_uid = wait_new_web0(&client, &first_uid).await.uid().unwrap_or_default();
+    let refusals = |text: String| {
+        let waits = metric(&text, r#"ipwarden_agent_allocations_total{result="awaiting_takeover"}"#);
+        (waits, metric(&text, r#"ipwarden_agent_allocations_total{result="fixed_ip_in_use"}"#))
+    };
+    let (waits, in_use) = wait::until("node-1's ADDs of web-0 refused three times", TIMEOUT, || async {
+        let (waits, in_use) = refusals(ipwarden.scrape_agent(1).await);
+        Ok(if waits + in_use >= 3.0 { Probe::Done((waits, in_use)) } else { Probe::Pending(format!("{waits}")) })
+    })
+    .await
+    .expect("ADDs answered");
+    assert_eq!((in_use, waits >= 3.0), (0.0, true), "a sticky takeover, not a fixed IP held by another pod");
+    let held = record_of(&client, "10.74.0.77").await;
+    let marked = Some((first_uid.clone(), Some(HandshakeState::MarkedForRelease), Some(second_uid.clone())));
+    assert_eq!(held, marked, "the old sandbox's record is marked for web-0's takeover");
+
+    support::late_del(&ipwarden, 0, NS, "web-0", &first_uid, &sandbox).await;
+    let running = wait_web0(&client, &first_uid, "web-0 running on node-1").await;
+    assert_eq!(ip_of(&running), "10.74.0.77", "the fixed IP, once no other sandbox holds it");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sticky_pod_takes_its_ip_over_from_a_lost_node_only_under_the_not_ready_policy() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();

@@ -137,17 +137,28 @@ pub struct Invocation<'a> {
 impl CniNetwork {
     /// Runs the plugin named by `netconf.type`, returning its parsed stdout (if any).
     pub async fn invoke(&self, call: &Invocation<'_>) -> Result<Option<Value>> {
-        self.invoke_with_env(call, Vec::new()).await
+        self.invoke_with_env(call, Vec::new(), "").await
+    }
+
+    /// [`CniNetwork::invoke`] with `extra_args` (`KEY=VALUE;...`, such as `IP=10.0.0.7`)
+    /// appended to the pod's `CNI_ARGS`, as a runtime passing arguments to the plugin does.
+    pub async fn invoke_with_args(&self, call: &Invocation<'_>, extra_args: &str) -> Result<Option<Value>> {
+        self.invoke_with_env(call, Vec::new(), extra_args).await
     }
 
     /// [`CniNetwork::invoke`] as the runtime of `node` does it: with the plugin's
     /// [`CniNetwork::node_env`] of that node.
     pub async fn invoke_on(&self, node: &NodeInfo, call: &Invocation<'_>) -> Result<Option<Value>> {
         let env = self.node_env.as_ref().map(|env| env(node)).unwrap_or_default();
-        self.invoke_with_env(call, env).await
+        self.invoke_with_env(call, env, "").await
     }
 
-    async fn invoke_with_env(&self, call: &Invocation<'_>, env: Vec<(String, String)>) -> Result<Option<Value>> {
+    async fn invoke_with_env(
+        &self,
+        call: &Invocation<'_>,
+        env: Vec<(String, String)>,
+        extra_args: &str,
+    ) -> Result<Option<Value>> {
         let plugin = self.plugin_path(call)?;
         let fail = |reason: String| Error::Cni {
             command: call.command.to_string(),
@@ -177,8 +188,12 @@ impl CniNetwork {
             command.env(
                 "CNI_ARGS",
                 format!(
-                    "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={};K8S_POD_UID={}",
-                    pod.namespace, pod.name, call.container_id, pod.uid
+                    "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={};K8S_POD_UID={}{}{extra_args}",
+                    pod.namespace,
+                    pod.name,
+                    call.container_id,
+                    pod.uid,
+                    if extra_args.is_empty() { "" } else { ";" }
                 ),
             );
         }

@@ -5,8 +5,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Instant;
 
+use ipnet::IpNet;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -15,17 +17,18 @@ use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, P
 
 use super::batch::{Taken, Wish};
 use super::checkpoint::{CheckpointEntry, CheckpointIp};
-use super::core::{Base, Core, ResolvedPool, attachment_key, field_manager, result_of};
+use super::core::{Base, Core, ResolvedPool, attachment_key, field_manager, new_block, result_of};
 use super::error::Error;
 use super::metrics::PoolLabels;
 use crate::block_store::CasStore;
 use crate::crd::{
-    Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPClaim, IPClaimSpec, MigrationTarget, OwnerRef,
-    POOL_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
+    Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPBlockSpec, IPClaim, IPClaimSpec, IPPool,
+    MigrationTarget, OwnerRef, POOL_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
 };
 use crate::gc::handshake::{ClaimedRecord, ReclaimStep, reclaim_step};
 use crate::ipam::affinity::{self, KnownBlock};
 use crate::ipam::blocks;
+use crate::ipam::fixed;
 use crate::ipam::pools::{self, PodPlacement, PoolSet};
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
 use crate::protocol::{AttachmentRequest, IpamResult};
@@ -39,6 +42,29 @@ struct Written {
     ip: CheckpointIp,
     /// What the IP held before the write.
     prior: blocks::Prior,
+}
+
+/// What [`fixed::take`] answered: what the IP held before, `None` when the sandbox holds it
+/// already, or why it cannot be had.
+type FixedTake = Result<Option<blocks::Prior>, fixed::FixedError>;
+
+/// What pool selection reads about a pod besides the pools ([`Core::placement_facts`]).
+struct PlacementFacts {
+    pod_annotation: Option<String>,
+    namespace_annotation: Option<String>,
+    namespace_labels: BTreeMap<String, String>,
+    node_labels: BTreeMap<String, String>,
+}
+
+impl PlacementFacts {
+    fn placement(&self) -> PodPlacement<'_> {
+        PodPlacement {
+            pod_annotation: self.pod_annotation.as_deref(),
+            namespace_annotation: self.namespace_annotation.as_deref(),
+            namespace_labels: &self.namespace_labels,
+            node_labels: &self.node_labels,
+        }
+    }
 }
 
 /// What one claimed IP's compare-and-swap did in [`Core::reclaim_sticky`].
@@ -169,6 +195,13 @@ impl Core {
             }
             false => None,
         };
+        let fixed = fixed::requested(
+            request.runtime_config_ips.as_deref(),
+            request.args_ips.as_deref(),
+            pod.annotations().get(fixed::IPS_ANNOTATION).map(String::as_str),
+            pod.annotations().get(fixed::IP_LIST_ANNOTATION).map(String::as_str),
+        )
+        .map_err(|cause| Error::FixedIp { pod: format!("{}/{}", pod_ref.namespace, pod_ref.name), cause })?;
         let found = self.records_of_sandbox(&request.container_id, &request.ifname);
         let migration = if sticky { self.active_migration(&pod, owner.as_ref()).await? } else { None };
         let (ips, written, shares) = if !found.is_empty() {
@@ -177,17 +210,29 @@ impl Core {
             let ips = self.checkpoint_ips(found.into_iter().map(|(block, ip, pool)| (pool, block, ip)).collect());
             (ips, Vec::new(), migration.is_some())
         } else {
-            let reclaimed = if sticky {
+            let mut reclaimed = if sticky {
                 let held_here: BTreeSet<String> =
                     self.checkpoint.read(|c| c.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect());
                 self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request, &held_here).await?
             } else {
                 None
             };
+            // Fixed IPs win over a sticky claim's other IPs (a changed annotation): those go
+            // back, and the fixed path takes the pod's own reservation (`fixed::check_free`).
+            if let (Some(fixed), Some(back)) = (&fixed, &reclaimed) {
+                let claimed: Vec<IpAddr> = back.ips.iter().filter_map(|i| i.ip.parse().ok()).collect();
+                if !fixed.satisfied_by(&claimed) {
+                    self.roll_back(&back.written, request, &uid).await;
+                    reclaimed = None;
+                }
+            }
             match reclaimed {
                 Some(reclaimed) => (reclaimed.ips, reclaimed.written, reclaimed.shared),
                 None => {
-                    let written = self.allocate(&pod, owner.as_ref(), sticky, request, None).await?;
+                    let written = match &fixed {
+                        Some(fixed) => self.allocate_fixed(&pod, owner.as_ref(), sticky, request, fixed).await?,
+                        None => self.allocate(&pod, owner.as_ref(), sticky, request, None).await?,
+                    };
                     (written.iter().map(|w| w.ip.clone()).collect(), written, false)
                 }
             }
@@ -454,22 +499,8 @@ impl Core {
         let pools_snapshot = self.pools.state();
         let pool_set = PoolSet::of(&pools_snapshot, &self.blocks.state());
         let views = pool_set.views();
-        let namespace = self.namespace(&namespace_name).await?;
-        let namespace_labels = namespace.as_ref().map(|n| n.labels().clone()).unwrap_or_default();
-        let node_labels = if pools_snapshot.iter().any(|p| p.spec.node_selector.is_some()) {
-            self.node_labels().await?
-        } else {
-            BTreeMap::new()
-        };
-        let placement = PodPlacement {
-            pod_annotation: pod.annotations().get(POOL_ANNOTATION).map(String::as_str),
-            namespace_annotation: namespace
-                .as_ref()
-                .and_then(|n| n.annotations().get(POOL_ANNOTATION))
-                .map(String::as_str),
-            namespace_labels: &namespace_labels,
-            node_labels: &node_labels,
-        };
+        let facts = self.placement_facts(pod, &pools_snapshot).await?;
+        let placement = facts.placement();
         let chosen = pools::select(&views, pool_set.orphans(), &placement)
             .map_err(|cause| Error::NoPoolFits { pod: format!("{namespace_name}/{}", pod.name_any()), cause })?;
         let record = self.record_for(pod, owner, sticky, request);
@@ -494,6 +525,129 @@ impl Core {
             }
         }
         Ok(written)
+    }
+
+    /// What pool selection reads about `pod` besides the pools: its namespace's annotation
+    /// and labels, and the node's labels when a pool of `pools` selects nodes.
+    async fn placement_facts(&self, pod: &Pod, pools: &[Arc<IPPool>]) -> Result<PlacementFacts, Error> {
+        let namespace = self.namespace(&pod.namespace().unwrap_or_default()).await?;
+        let node_labels = if pools.iter().any(|p| p.spec.node_selector.is_some()) {
+            self.node_labels().await?
+        } else {
+            BTreeMap::new()
+        };
+        Ok(PlacementFacts {
+            pod_annotation: pod.annotations().get(POOL_ANNOTATION).cloned(),
+            namespace_annotation: namespace.as_ref().and_then(|n| n.annotations().get(POOL_ANNOTATION)).cloned(),
+            namespace_labels: namespace.as_ref().map(|n| n.labels().clone()).unwrap_or_default(),
+            node_labels,
+        })
+    }
+
+    /// Allocates exactly the `fixed` IPs, each in the pool holding it ([`fixed::pool_of`]),
+    /// all or none, written like any other allocation (module `batch`): of each group of
+    /// [`fixed::Requested::choices`], the first IP that can be had; a group none of whose IPs
+    /// can be had fails the ADD saying why for each.
+    async fn allocate_fixed(
+        &self,
+        pod: &Pod,
+        owner: Option<&OwnerRef>,
+        sticky: bool,
+        request: &AttachmentRequest,
+        fixed: &fixed::Requested,
+    ) -> Result<Vec<Written>, Error> {
+        let pod_name = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
+        let pools_snapshot = self.pools.state();
+        let pool_set = PoolSet::of(&pools_snapshot, &self.blocks.state());
+        let views = pool_set.views();
+        let facts = self.placement_facts(pod, &pools_snapshot).await?;
+        let record = self.record_for(pod, owner, sticky, request);
+        let mut written = Vec::new();
+        for choice in fixed.choices() {
+            let mut refused = Vec::new();
+            for &ip in &choice {
+                let taken = match fixed::pool_of(&views, pool_set.orphans(), &facts.placement(), ip) {
+                    Ok(place) => self.take_fixed(&place, &record, ip).await,
+                    Err(cause) => Ok(Err(cause)),
+                };
+                match taken {
+                    Ok(Ok(ip)) => {
+                        written.push(ip);
+                        break;
+                    }
+                    Ok(Err(cause)) => refused.push(cause),
+                    Err(e) => {
+                        self.roll_back(&written, request, &record.pod.uid).await;
+                        return Err(e);
+                    }
+                }
+            }
+            if refused.len() == choice.len() {
+                self.roll_back(&written, request, &record.pod.uid).await;
+                let v4 = choice.first().is_some_and(IpAddr::is_ipv4);
+                return Err(Error::FixedIp { pod: pod_name, cause: fixed::none_of(fixed.source, refused, v4) });
+            }
+        }
+        Ok(written)
+    }
+
+    /// Fixed IP `ip` of `place` for `record`: from the copy held, in one write with the
+    /// node's other edits of the block; alone when that batch was not written; and, before
+    /// refusing, once more from a fresh read (a held copy may be behind a release). The inner
+    /// error says why the IP cannot be had; the outer one, that a write failed.
+    async fn take_fixed(
+        &self,
+        place: &fixed::FixedIn<'_>,
+        record: &Allocation,
+        ip: IpAddr,
+    ) -> Result<Result<Written, fixed::FixedError>, Error> {
+        let (pool, net) = (place.pool.name.to_string(), place.block);
+        let block = pools::block_name(&pool, net);
+        let (node, cooldown, owned) = (self.settings.node.clone(), self.settings.cooldown, record.clone());
+        let take = move |spec: &mut IPBlockSpec| {
+            let taken = fixed::take(spec, &node, ip, &owned, Timestamp::now(), cooldown);
+            (matches!(taken, Ok(Some(_))), taken)
+        };
+        let mut taken = match self.edit_in_batch(&block, Some((pool.clone(), net)), take.clone()).await {
+            Some(taken) => taken,
+            None => self.take_fixed_alone(&block, &pool, net, Base::Newest, &take).await?,
+        };
+        if taken.is_err() {
+            taken = self.take_fixed_alone(&block, &pool, net, Base::Fresh, &take).await?;
+        }
+        let prior = match taken {
+            Ok(prior) => prior,
+            Err(cause) => return Ok(Err(cause)),
+        };
+        let ip = CheckpointIp {
+            ip: ip.to_string(),
+            prefix_len: place.layout.cidr().prefix_len(),
+            gateway: place.pool.spec.gateway.clone(),
+            pool,
+            block,
+        };
+        Ok(Ok(Written { ip, prior: prior.unwrap_or(blocks::Prior::Free(None)) }))
+    }
+
+    /// [`Core::take_fixed`]'s write of its own, starting from `base`.
+    async fn take_fixed_alone(
+        &self,
+        block: &str,
+        pool: &str,
+        net: IpNet,
+        base: Base,
+        take: &impl Fn(&mut IPBlockSpec) -> (bool, FixedTake),
+    ) -> Result<FixedTake, Error> {
+        let create = || new_block(block, pool, net);
+        // The edit always runs: the block is made when it does not exist.
+        let mut got = Ok(None);
+        self.cas_block(block, base, Some(&create), |b| {
+            let (changed, taken) = take(&mut b.spec);
+            got = taken;
+            changed.then_some(())
+        })
+        .await?;
+        Ok(got)
     }
 
     /// One IP of `pool` for `record`: from this node's own blocks, else from a free block it

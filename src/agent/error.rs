@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 
 use super::checkpoint::CheckpointError;
+use crate::ipam::fixed::{FixedError, Refusal};
 use crate::ipam::pools::{ForeignBlock, SelectError};
 
 /// Why a CNI call, the start-up recovery or a release-mark answer failed.
@@ -86,6 +87,15 @@ pub enum Error {
         /// The holder's node.
         node: String,
     },
+    /// The pod's fixed IPs cannot be had (`ipam::fixed`): no fallback to another IP.
+    #[error("fixed IP for pod {pod} refused: {cause}")]
+    FixedIp {
+        /// `namespace/name`.
+        pod: String,
+        /// Why.
+        #[source]
+        cause: FixedError,
+    },
     /// An apiserver call failed.
     #[error("{what}: {source}")]
     Api {
@@ -140,6 +150,11 @@ impl Error {
             Self::InvalidClaim { .. } => "invalid_claim",
             Self::AwaitingTakeover { .. } => "awaiting_takeover",
             Self::Cooling { .. } => "cooling",
+            Self::FixedIp { cause, .. } => match cause.refusal() {
+                Refusal::Cooling => "cooling",
+                Refusal::InUse => "fixed_ip_in_use",
+                Refusal::Never => "fixed_ip_refused",
+            },
             _ => "error",
         }
     }

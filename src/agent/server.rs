@@ -10,6 +10,7 @@ use tokio::net::{UnixListener, UnixStream};
 
 use super::allocator::{Call, NodeAllocator};
 use super::error::Error;
+use crate::ipam::fixed::Refusal;
 use crate::protocol::{AgentRequest, AgentResponse, CniError, MAX_REQUEST_BYTES};
 
 /// ipwarden's own CNI error code: no pool fits the pod.
@@ -22,6 +23,14 @@ pub const POOL_EXHAUSTED: u32 = 101;
 /// claimed IP's record (a hand-edited claim); the claim must be fixed or deleted.
 pub const INVALID_CLAIM: u32 = 102;
 
+/// ipwarden's own CNI error code: the pod's fixed IP can never be had as asked (malformed,
+/// in no pool, in a pool the pod may not use, or never handed out by its pool).
+pub const FIXED_IP_REFUSED: u32 = 103;
+
+/// ipwarden's own CNI error code: another pod holds the pod's fixed IP (for a list: one of
+/// its IPs of the family; the others held too or cooling down).
+pub const FIXED_IP_IN_USE: u32 = 104;
+
 /// The CNI error the plugin hands the runtime for `error`: the code says what the runtime
 /// may do (retry later, give up, fix the configuration), the message what failed.
 pub fn to_cni(error: &Error) -> CniError {
@@ -31,6 +40,11 @@ pub fn to_cni(error: &Error) -> CniError {
         Error::NoPoolFits { .. } => NO_POOL_FITS,
         Error::PoolExhausted { .. } => POOL_EXHAUSTED,
         Error::InvalidClaim { .. } => INVALID_CLAIM,
+        Error::FixedIp { cause, .. } => match cause.refusal() {
+            Refusal::Never => FIXED_IP_REFUSED,
+            Refusal::InUse => FIXED_IP_IN_USE,
+            Refusal::Cooling => CniError::TRY_AGAIN_LATER,
+        },
         Error::Checkpoint(_) => CniError::IO_FAILURE,
         Error::PrevResultMismatch { .. } => CniError::INVALID_NETWORK_CONFIG,
         Error::NoPool => CniError::PLUGIN_NOT_AVAILABLE,

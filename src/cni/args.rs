@@ -1,13 +1,14 @@
 //! Parser for `CNI_ARGS`, the runtime's `KEY=VALUE;KEY=VALUE` extra arguments.
 //!
 //! Kubernetes runtimes put the pod identity there (`K8S_POD_NAMESPACE`, `K8S_POD_NAME`,
-//! `K8S_POD_UID`, `K8S_POD_INFRA_CONTAINER_ID`). Rules, chosen where the spec leaves room:
+//! `K8S_POD_UID`, `K8S_POD_INFRA_CONTAINER_ID`); `IP` names fixed IPs (comma-separated, the
+//! agent parses them: `ipam::fixed`). Rules, chosen where the spec leaves room:
 //! - empty segments (`;;`, a leading or trailing `;`) are skipped;
 //! - a value is everything after the first `=`, so values may contain `=`;
 //! - unknown keys are ignored whether or not `IgnoreUnknown` is set: runtimes add keys for
-//!   other plugins, and ipwarden only reads the `K8S_*` ones;
-//! - a segment without `=`, with an empty key, or a `K8S_*` key given twice is code 4, since
-//!   the pod identity must not be guessed;
+//!   other plugins, and ipwarden only reads the `K8S_*` ones and `IP`;
+//! - a segment without `=`, with an empty key, or a `K8S_*` or `IP` key given twice is code 4,
+//!   since the pod identity must not be guessed;
 //! - an empty `K8S_*` value counts as absent, and a pod is only reported when both its
 //!   namespace and name are present (one without the other is code 4).
 
@@ -24,6 +25,8 @@ pub struct CniArgs {
     pub pod_uid: Option<String>,
     /// `K8S_POD_INFRA_CONTAINER_ID`: the sandbox container id as Kubernetes sees it.
     pub pod_infra_container_id: Option<String>,
+    /// `IP`: the fixed IPs the runtime asks for, as given.
+    pub ip: Option<String>,
 }
 
 impl CniArgs {
@@ -67,6 +70,7 @@ pub fn parse_args(raw: &str) -> Result<CniArgs, CniError> {
             "K8S_POD_NAME" => &mut args.pod_name,
             "K8S_POD_UID" => &mut args.pod_uid,
             "K8S_POD_INFRA_CONTAINER_ID" => &mut args.pod_infra_container_id,
+            "IP" => &mut args.ip,
             _ => continue,
         };
         if slot.is_some() {
@@ -91,7 +95,7 @@ mod test {
     #[test]
     fn kubernetes_args_are_parsed_into_a_pod() {
         let args = parse_args(
-            "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=abc;K8S_POD_UID=123",
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=abc;K8S_POD_UID=123;IP=10.0.0.7,fd00::7",
         )
         .unwrap();
         assert_eq!(
@@ -101,6 +105,7 @@ mod test {
                 pod_name: Some("web-0".into()),
                 pod_uid: Some("123".into()),
                 pod_infra_container_id: Some("abc".into()),
+                ip: Some("10.0.0.7,fd00::7".into()),
             }
         );
         assert_eq!(
@@ -143,6 +148,7 @@ mod test {
             "K8S_POD_NAME",
             "IgnoreUnknown=1;garbage",
             "K8S_POD_NAME=a;K8S_POD_NAME=b",
+            "IP=10.0.0.1;IP=10.0.0.2",
             "K8S_POD_NAME=only-name",
             "K8S_POD_NAMESPACE=only-namespace",
         ];

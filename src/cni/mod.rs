@@ -215,6 +215,8 @@ fn build_request(env: CniEnv, conf: &NetConf) -> Result<AgentRequest, CniError> 
                 netns: env.netns,
                 pod: cni_args.pod(),
                 prev_result: conf.prev_result.clone().map(Value::Object),
+                runtime_config_ips: conf.runtime_config_ips()?,
+                args_ips: cni_args.ip,
             };
             Ok(match command {
                 Command::Add => AgentRequest::Add(request),
@@ -431,6 +433,23 @@ mod test {
             );
             assert_eq!(request.prev_result, Some(prev));
         }
+    }
+
+    #[test]
+    fn add_forwards_the_fixed_ips_of_runtime_config_and_cni_args_as_given() {
+        let agent = FakeAgent::ok();
+        let args = format!("{POD_ARGS};IP=10.0.0.8,fd00::8");
+        let rc = json!({"runtimeConfig": {"ips": ["10.0.0.7/24"]}});
+        let outcome = run(&vars("ADD", &[], &[("CNI_ARGS", &args)]), &conf("1.1.0", rc), &agent);
+        assert_eq!(outcome.exit_code, 0, "{outcome:?}");
+        let AgentRequest::Add(request) = agent.only_request() else { panic!("not an ADD") };
+        assert_eq!(request.runtime_config_ips, Some(vec!["10.0.0.7/24".to_string()]));
+        assert_eq!(request.args_ips.as_deref(), Some("10.0.0.8,fd00::8"));
+
+        let agent = FakeAgent::ok();
+        let outcome = run(&vars("ADD", &[], &[]), &conf("1.1.0", json!({"runtimeConfig": {"ips": "x"}})), &agent);
+        assert_error(&outcome, 6, "1.1.0", "runtimeConfig.ips not a list");
+        assert!(agent.calls.borrow().is_empty());
     }
 
     #[test]

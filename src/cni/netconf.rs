@@ -55,6 +55,22 @@ pub struct NetConf {
     pub agent: AgentSettings,
 }
 
+impl NetConf {
+    /// The fixed IPs of `runtimeConfig.ips` (the CNI "ips" capability), as given: a list of
+    /// strings (addresses or CIDRs, which the agent parses), else code 6.
+    pub fn runtime_config_ips(&self) -> Result<Option<Vec<String>>, CniError> {
+        let Some(value) = self.runtime_config.as_ref().and_then(|rc| rc.get("ips")) else { return Ok(None) };
+        let ips = match value {
+            Value::Null => return Ok(None),
+            Value::Array(items) => items.iter().map(|item| item.as_str().map(str::to_string)).collect(),
+            _ => None,
+        };
+        ips.map(Some).ok_or_else(|| {
+            CniError::decoding_failure(format!("runtimeConfig.ips must be a list of strings, got {value}"))
+        })
+    }
+}
+
 /// ipwarden's own settings: how to reach the node agent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentSettings {
@@ -234,6 +250,26 @@ mod test {
 
     fn parse(value: Value) -> Result<NetConf, CniError> {
         parse_netconf(value.to_string().as_bytes())
+    }
+
+    #[test]
+    fn runtime_config_ips_are_a_list_of_strings_or_code_6() {
+        let ips = |rc: Value| {
+            parse(json!({"cniVersion": "1.1.0", "name": "pods", "type": "ipwarden", "runtimeConfig": rc}))
+                .unwrap()
+                .runtime_config_ips()
+        };
+        assert_eq!(
+            ips(json!({"ips": ["10.0.0.7/24", "fd00::7"]})).unwrap(),
+            Some(vec!["10.0.0.7/24".into(), "fd00::7".into()])
+        );
+        assert_eq!(ips(json!({"portMappings": []})).unwrap(), None);
+        assert_eq!(ips(json!({"ips": null})).unwrap(), None);
+        for bad in [json!({"ips": "10.0.0.7"}), json!({"ips": [7]})] {
+            let err = ips(bad.clone()).unwrap_err();
+            assert_eq!(err.code, 6, "{bad}");
+            assert!(err.msg.contains("runtimeConfig.ips"), "{}", err.msg);
+        }
     }
 
     #[test]

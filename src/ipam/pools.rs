@@ -343,7 +343,7 @@ fn family(layout: &PoolLayout) -> &'static str {
 }
 
 /// Why `pool` cannot serve the pod, or `None` when it can.
-fn unusable(
+pub(super) fn unusable(
     pool: &PoolView<'_>,
     placement: &PodPlacement<'_>,
     overlapping: &BTreeMap<String, BTreeSet<String>>,

@@ -1,0 +1,223 @@
+//! Fixed IPs: the pod annotation `ipwarden.io/ips`, the netconf's `runtimeConfig.ips` and
+//! `IP=` in `CNI_ARGS` pin the IPs an ADD allocates, through the real plugin binary and agent;
+//! a workload's `ipwarden.io/ip-list` keeps its pods to the listed IPs.
+//! An IP that cannot be had fails the ADD naming why (held by whom, in no pool, excluded,
+//! cooling down), and nothing else is allocated instead.
+
+mod support;
+
+use e2e::cni::{Invocation, PodArgs};
+use e2e::wait::{self, Probe};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, PostParams};
+use serde_json::{Value, json};
+use support::{Ipwarden, TIMEOUT, records};
+
+const NS: &str = "default";
+
+/// Creates pod `name` (label `app=<name>`) bound to `node`, with `annotations`.
+async fn create_annotated_pod(client: &kube::Client, name: &str, node: &str, annotations: Value) {
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": NS, "labels": {"app": name}, "annotations": annotations},
+        "spec": {"nodeName": node, "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "app", "image": "registry.invalid/ipwarden-test/app:1"}]},
+    }))
+    .expect("pod");
+    Api::<Pod>::namespaced(client.clone(), NS).create(&PostParams::default(), &pod).await.expect("create pod");
+}
+
+/// The `CNI_ARGS` pod of `name`, with its UID.
+async fn pod_args(client: &kube::Client, name: &str) -> PodArgs {
+    let pod = Api::<Pod>::namespaced(client.clone(), NS).get(name).await.expect("pod");
+    PodArgs { namespace: NS.into(), name: name.into(), uid: pod.uid().unwrap_or_default() }
+}
+
+fn netconf(ipwarden: &Ipwarden, extra: Value) -> Value {
+    let socket = ipwarden.cluster.nodes()[0].dir().join("agent.sock");
+    let mut conf = json!({"cniVersion": "1.1.0", "name": "ipwarden", "type": "ipwarden-cni", "socket": socket});
+    if let (Some(conf), Some(extra)) = (conf.as_object_mut(), extra.as_object()) {
+        conf.extend(extra.clone());
+    }
+    conf
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_gets_its_annotated_ip_and_another_pod_asking_for_it_fails_naming_the_holder_until_it_is_gone() {
+    let pools = [
+        ("main", json!({"cidr": "10.70.0.0/24", "gateway": "10.70.0.1", "default": true})),
+        ("pinned", json!({"cidr": "10.71.0.0/24", "gateway": "10.71.0.1"})),
+    ];
+    let ipwarden = Ipwarden::start(1, &pools, &["--reuse-cooldown-seconds=10"]).await;
+    let client = ipwarden.client();
+    create_annotated_pod(&client, "first", "node-0", json!({"ipwarden.io/ips": "10.71.0.7"})).await;
+    let pods = support::wait_pods_with_ips(&client, NS, "app=first", 1).await;
+    assert_eq!(support::ip_of(&pods["first"]), "10.71.0.7", "the annotated IP, from a pool that is not a default");
+
+    // A pod bound to a node no kubelet runs, so the test sees its ADD's answer.
+    create_annotated_pod(&client, "second", "elsewhere", json!({"ipwarden.io/ips": "10.71.0.7"})).await;
+    let args = pod_args(&client, "second").await;
+    let (network, conf) = (support::network(), netconf(&ipwarden, json!({})));
+    let add = || {
+        let call =
+            Invocation { command: "ADD", container_id: "second", ifname: "eth0", pod: Some(&args), netconf: &conf };
+        let network = network.clone();
+        async move { network.invoke(&call).await }
+    };
+    let err = add().await.expect_err("the IP is held by the first pod").to_string();
+    assert!(err.contains("code 104"), "{err}");
+    assert!(err.contains("fixed IP 10.71.0.7 is held by pod default/first on node node-0"), "{err}");
+    assert!(!records(&client).await.values().any(|r| r.pod.name == "second"), "no other IP instead");
+
+    Api::<Pod>::namespaced(client.clone(), NS).delete("first", &DeleteParams::default()).await.expect("delete");
+    wait::until("the first pod's IP released", TIMEOUT, || async {
+        let held = records(&client).await.contains_key("10.71.0.7");
+        Ok(if held { Probe::Pending("still recorded".into()) } else { Probe::Done(()) })
+    })
+    .await
+    .expect("the kubelet's DEL releases it");
+    let err = add().await.expect_err("the released IP cools down").to_string();
+    assert!(err.contains("code 11") && err.contains("cools down before reuse until"), "{err}");
+
+    let result = wait::until("the second pod taking the cooled-down IP", TIMEOUT, || async {
+        Ok(match add().await {
+            Ok(Some(result)) => Probe::Done(result),
+            Ok(None) => Probe::Pending("no result".into()),
+            Err(e) => Probe::Pending(e.to_string()),
+        })
+    })
+    .await
+    .expect("the IP is free after its cooldown");
+    assert_eq!(result["ips"], json!([{"address": "10.71.0.7/24", "gateway": "10.71.0.1"}]));
+    let again = add().await.expect("ADD again").expect("a result");
+    assert_eq!(again["ips"], result["ips"], "ADD is idempotent for the same sandbox");
+    let held: Vec<String> =
+        records(&client).await.into_iter().filter(|(_, r)| r.pod.name == "second").map(|(ip, _)| ip).collect();
+    assert_eq!(held, ["10.71.0.7"], "one record, the fixed IP");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runtime_config_ips_win_over_cni_args_ip_over_the_annotation_and_an_ip_that_cannot_be_had_fails_naming_why() {
+    let pools = [
+        (
+            "main",
+            json!({"cidr": "10.72.0.0/24", "gateway": "10.72.0.1", "exclude": ["10.72.0.64/28"], "default": true}),
+        ),
+        ("off", json!({"cidr": "10.73.0.0/24", "disabled": true})),
+    ];
+    let ipwarden = Ipwarden::start(1, &pools, &["--reuse-cooldown-seconds=0"]).await;
+    let client = ipwarden.client();
+    create_annotated_pod(&client, "pinned", "elsewhere", json!({"ipwarden.io/ips": "10.72.0.9"})).await;
+    let args = pod_args(&client, "pinned").await;
+    let network = support::network();
+    let call = |command: &'static str, extra: Value, cni_args: &'static str| {
+        let (network, args, conf) = (network.clone(), args.clone(), netconf(&ipwarden, extra));
+        async move {
+            let call = Invocation { command, container_id: "pinned", ifname: "eth0", pod: Some(&args), netconf: &conf };
+            network.invoke_with_args(&call, cni_args).await
+        }
+    };
+    let runtime_config = json!({"runtimeConfig": {"ips": ["10.72.0.7/24"]}});
+    let sources = [
+        (runtime_config, "IP=10.72.0.8", "10.72.0.7/24"),
+        (json!({}), "IP=10.72.0.8", "10.72.0.8/24"),
+        (json!({}), "", "10.72.0.9/24"),
+    ];
+    for (extra, cni_args, want) in sources {
+        let result = call("ADD", extra.clone(), cni_args).await.expect("ADD").expect("a result");
+        assert_eq!(result["ips"], json!([{"address": want, "gateway": "10.72.0.1"}]), "{extra} {cni_args:?}");
+        call("DEL", extra, cni_args).await.expect("DEL");
+    }
+
+    let refused = [
+        (
+            "IP=192.168.9.9",
+            "code 103",
+            "fixed IP 192.168.9.9 lies in no pool (pools: main (10.72.0.0/24), off (10.73.0.0/24))",
+        ),
+        ("IP=10.72.0.1", "code 103", "fixed IP 10.72.0.1 of pool main is never handed out: it is the pool's gateway"),
+        ("IP=10.72.0.70", "code 103", "it is excluded by spec.exclude entry 10.72.0.64/28"),
+        ("IP=10.73.0.7", "code 103", "fixed IP 10.73.0.7 is in pool off, which cannot be used: it is disabled"),
+        ("IP=10.72.0.x", "code 103", "CNI_ARGS IP \"10.72.0.x\" is malformed"),
+        ("IP=10.72.0.7,10.72.0.8", "code 103", "10.72.0.7 and 10.72.0.8 are both IPv4"),
+    ];
+    for (cni_args, code, why) in refused {
+        let err = call("ADD", json!({}), cni_args).await.expect_err(cni_args).to_string();
+        assert!(err.contains(code) && err.contains(why), "{cni_args}: {err}");
+    }
+    assert!(records(&client).await.is_empty(), "a refused fixed IP allocates nothing instead");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deployment_of_three_keeps_to_its_listed_ips_across_a_rollout_and_a_fourth_replica_is_refused_naming_the_list()
+ {
+    let pools = [
+        ("main", json!({"cidr": "10.74.0.0/24", "default": true})),
+        ("listed", json!({"cidr": "10.75.0.0/24", "gateway": "10.75.0.1"})),
+    ];
+    let ipwarden = Ipwarden::start(1, &pools, &["--reuse-cooldown-seconds=1"]).await;
+    let client = ipwarden.client();
+    let list = ["10.75.0.7", "10.75.0.8", "10.75.0.9"];
+    let mut template = support::pod_template("web", json!({}));
+    template["metadata"]["annotations"] = json!({"ipwarden.io/ip-list": list.join(",")});
+    let deployment: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "web"},
+        "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "web"}}, "template": template,
+                 "strategy": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}},
+    }))
+    .expect("deployment");
+    let deployments = Api::<Deployment>::namespaced(client.clone(), NS);
+    deployments.create(&PostParams::default(), &deployment).await.expect("create deployment");
+    let listed = |pods: &std::collections::BTreeMap<String, Pod>| {
+        let mut ips: Vec<String> = pods.values().map(support::ip_of).collect();
+        ips.sort();
+        ips
+    };
+    let first = support::wait_pods_with_ips(&client, NS, "app=web", 3).await;
+    assert_eq!(listed(&first), list, "the three pods hold the three listed IPs");
+
+    // Every pod deleted at once: the replacements draw from the list as their IPs come free.
+    let pods = Api::<Pod>::namespaced(client.clone(), NS);
+    for name in first.keys() {
+        pods.delete(name, &DeleteParams::default()).await.expect("delete pod");
+    }
+    let second = wait::until("three new pods with IPs", TIMEOUT, || async {
+        let now = support::pods_with_ips(&client, NS, "app=web").await?;
+        let fresh = now.len() == 3 && now.keys().all(|name| !first.contains_key(name));
+        Ok(if fresh { Probe::Done(now) } else { Probe::Pending(format!("{:?}", now.keys())) })
+    })
+    .await
+    .expect("the replacements get IPs");
+    assert_eq!(listed(&second), list, "the replacements hold the same three IPs");
+
+    // The replacements were refused while the IPs were held: count from here.
+    let in_use =
+        |text: String| support::metric_sum(&text, "ipwarden_agent_allocations_total", &["result=\"fixed_ip_in_use\""]);
+    let before = in_use(ipwarden.scrape_agent(0).await);
+    let scale = json!({"spec": {"replicas": 4}});
+    deployments
+        .patch("web", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&scale))
+        .await
+        .expect("scale");
+    wait::until("the fourth replica refused", TIMEOUT, || async {
+        let refused = in_use(ipwarden.scrape_agent(0).await);
+        Ok(if refused > before { Probe::Done(()) } else { Probe::Pending("no refusal yet".into()) })
+    })
+    .await
+    .expect("the agent refuses the fourth replica");
+    let now = support::pods_with_ips(&client, NS, "app=web").await.expect("pods");
+    assert_eq!(listed(&now), list, "no fourth IP, from the list or elsewhere");
+
+    // The refusal as the runtime sees it, through the plugin, for a pod of the same template.
+    create_annotated_pod(&client, "extra", "elsewhere", json!({"ipwarden.io/ip-list": list.join(",")})).await;
+    let args = pod_args(&client, "extra").await;
+    let conf = netconf(&ipwarden, json!({}));
+    let call = Invocation { command: "ADD", container_id: "extra", ifname: "eth0", pod: Some(&args), netconf: &conf };
+    let err = support::network().invoke(&call).await.expect_err("every listed IP is held").to_string();
+    assert!(err.contains("code 104"), "{err}");
+    assert!(err.contains("no IPv4 address of annotation ipwarden.io/ip-list can be had"), "{err}");
+    for ip in list {
+        assert!(err.contains(&format!("fixed IP {ip} is held by pod default/web-")), "{ip}: {err}");
+    }
+}
