@@ -95,6 +95,14 @@ async fn a_pod_gets_its_annotated_ip_and_another_pod_asking_for_it_fails_naming_
     let held: Vec<String> =
         records(&client).await.into_iter().filter(|(_, r)| r.pod.name == "second").map(|(ip, _)| ip).collect();
     assert_eq!(held, ["10.71.0.7"], "one record, the fixed IP");
+
+    // A second interface of the same sandbox (Multus' `net1`): the annotation speaks for the
+    // pod's own network (`eth0`) only, so `net1` gets an IP as any pod would.
+    let second_interface =
+        Invocation { command: "ADD", container_id: "second", ifname: "net1", pod: Some(&args), netconf: &conf };
+    let net1 = network.invoke(&second_interface).await.expect("net1 is not pinned").expect("a result");
+    let address = net1["ips"][0]["address"].as_str().unwrap_or_default().to_string();
+    assert!(address.starts_with("10.70.0."), "net1 draws from the default pool: {address}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

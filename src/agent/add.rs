@@ -195,11 +195,16 @@ impl Core {
             }
             false => None,
         };
+        let (ips_annotation, list_annotation) = fixed::annotations_for(
+            &request.ifname,
+            pod.annotations().get(fixed::IPS_ANNOTATION).map(String::as_str),
+            pod.annotations().get(fixed::IP_LIST_ANNOTATION).map(String::as_str),
+        );
         let fixed = fixed::requested(
             request.runtime_config_ips.as_deref(),
             request.args_ips.as_deref(),
-            pod.annotations().get(fixed::IPS_ANNOTATION).map(String::as_str),
-            pod.annotations().get(fixed::IP_LIST_ANNOTATION).map(String::as_str),
+            ips_annotation,
+            list_annotation,
         )
         .map_err(|cause| Error::FixedIp { pod: format!("{}/{}", pod_ref.namespace, pod_ref.name), cause })?;
         let found = self.records_of_sandbox(&request.container_id, &request.ifname);

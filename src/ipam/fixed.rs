@@ -194,6 +194,21 @@ fn list_or_none(items: &[String]) -> String {
     if items.is_empty() { "none".to_string() } else { items.join(", ") }
 }
 
+/// The interface the kubelet gives a pod's own network. The pod's annotations name the IPs
+/// of that interface only: another network's attachment of the same pod (Multus' `net1`, …)
+/// is not pinned by them (its own netconf's `runtimeConfig.ips` may pin it).
+pub const POD_INTERFACE: &str = "eth0";
+
+/// The pod's annotations `ipwarden.io/ips` and `ipwarden.io/ip-list` as they apply to the
+/// attachment of interface `ifname`: as they are for [`POD_INTERFACE`], absent for another.
+pub fn annotations_for<'a>(
+    ifname: &str,
+    ips: Option<&'a str>,
+    list: Option<&'a str>,
+) -> (Option<&'a str>, Option<&'a str>) {
+    if ifname == POD_INTERFACE { (ips, list) } else { (None, None) }
+}
+
 /// The fixed IPs named by the first source that names any (see the module docs), or `None`
 /// when none does. An empty list or blank string names nothing.
 pub fn requested(
@@ -362,6 +377,16 @@ mod test {
 
     fn ip(text: &str) -> IpAddr {
         text.parse().unwrap()
+    }
+
+    #[test]
+    fn the_pod_annotations_pin_the_pod_network_interface_only() {
+        assert_eq!(annotations_for("eth0", Some("10.0.0.7"), Some("10.0.0.8")), (Some("10.0.0.7"), Some("10.0.0.8")));
+        assert_eq!(
+            annotations_for("net1", Some("10.0.0.7"), Some("10.0.0.8")),
+            (None, None),
+            "another network's interface"
+        );
     }
 
     #[test]
