@@ -24,6 +24,7 @@ use crate::crd::{IPBlock, IPPool};
 use crate::ipam::PoolLayout;
 use crate::ipam::blocks;
 use crate::ipam::pools;
+use crate::ipam::workload;
 use crate::protocol::{AttachmentRequest, IpConfig, IpamResult, PodRef as RuntimePodRef, Route};
 
 /// The agent's settings that shape allocation.
@@ -100,6 +101,15 @@ pub(super) struct ResolvedPool {
     pub(super) gateway: Option<String>,
     /// Being deleted: it hands out nothing, and a sticky pod does not get its IP back.
     pub(super) deleting: bool,
+}
+
+/// Whether an ADD may take its pod from the node's pod cache: the cache holds the pod with the
+/// UID the runtime gave, and the pod's workload keeps no IPs. A sticky pod is read live: the
+/// cache may still hold a pod just deleted and recreated under the same name (a StatefulSet's),
+/// whose old sandbox's ADD would then take the claim's IPs back for a pod that is gone; the
+/// live read tells it is stale.
+fn cache_serves_add(cached_uid: Option<&str>, runtime_uid: Option<&str>, sticky: bool) -> bool {
+    !sticky && runtime_uid.is_some() && cached_uid == runtime_uid
 }
 
 /// Whether the agent's own copy of a block (what its last write stored) is newer than the
@@ -310,16 +320,17 @@ impl Core {
         Ok(live.map(Arc::new))
     }
 
-    /// The pod of an ADD from this node's pod cache when the cache has it with the UID the
-    /// runtime gave (`K8S_POD_UID`); read live otherwise: the cache has not seen it yet, or
-    /// the runtime gave no UID, so only a live read tells a recreated pod of the same name.
+    /// The pod of an ADD from this node's pod cache when [`cache_serves_add`]; read live
+    /// otherwise: the cache has not seen it yet, the runtime gave no UID (only a live read
+    /// tells a recreated pod of the same name), or the pod is sticky.
     pub(super) async fn pod(&self, pod_ref: &RuntimePodRef) -> Result<Option<Arc<Pod>>, Error> {
         let cached = self.pods.get(&ObjectRef::new(&pod_ref.name).within(&pod_ref.namespace));
-        if let (Some(cached), Some(uid)) = (cached, pod_ref.uid.as_deref())
-            && cached.metadata.uid.as_deref() == Some(uid)
-        {
-            self.metrics.pod_read("cache");
-            return Ok(Some(cached));
+        if let Some(cached) = cached {
+            let sticky = workload::is_sticky(workload::controller_of(&cached).as_ref(), &self.settings.sticky_kinds);
+            if cache_serves_add(cached.metadata.uid.as_deref(), pod_ref.uid.as_deref(), sticky) {
+                self.metrics.pod_read("cache");
+                return Ok(Some(cached));
+            }
         }
         self.metrics.pod_read("apiserver");
         let live = Api::<Pod>::namespaced(self.client.clone(), &pod_ref.namespace)
@@ -388,6 +399,20 @@ impl Core {
 #[cfg(test)]
 mod test {
     use super::*;
+
+    #[test]
+    fn an_add_takes_its_pod_from_the_cache_only_with_the_runtimes_uid_and_when_it_keeps_no_ips() {
+        let cases = [
+            (Some("u1"), Some("u1"), false, true),
+            (Some("u1"), Some("u1"), true, false),
+            (Some("old"), Some("new"), false, false),
+            (Some("u1"), None, false, false),
+            (None, None, false, false),
+        ];
+        for (cached, runtime, sticky, serves) in cases {
+            assert_eq!(cache_serves_add(cached, runtime, sticky), serves, "{cached:?} {runtime:?} sticky {sticky}");
+        }
+    }
 
     fn ip(ip: &str, gateway: Option<&str>) -> CheckpointIp {
         CheckpointIp {
