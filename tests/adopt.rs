@@ -34,6 +34,16 @@ fn switchable_network() -> (CniNetwork, Arc<AtomicBool>) {
     (network, switched)
 }
 
+/// A cluster of `nodes` nodes on host-local, with ipwarden's CRDs and a pool over the nodes'
+/// host-local ranges (10.244.<node>.0/24, one block each) but no agent yet; setting the flag
+/// returned switches the nodes to ipwarden.
+async fn host_local_cluster(nodes: usize) -> (Ipwarden, Arc<AtomicBool>) {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let (network, switched) = switchable_network();
+    let pool = json!({"cidr": "10.244.0.0/16", "blockSize": 24, "default": true});
+    (Ipwarden::without_agents(nodes, &[("pool", pool)], network).await, switched)
+}
+
 /// Runs `ipwarden adopt -o json` (with `--dry-run` when `dry`); returns its exit success and
 /// its JSON report.
 fn adopt(ipwarden: &Ipwarden, dry: bool) -> (bool, Value) {
@@ -70,11 +80,7 @@ async fn ghost_pod(ipwarden: &Ipwarden, name: &str, ip: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_their_ips_out_again() {
-    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let (network, switched) = switchable_network();
-    // The pool covers both nodes' host-local ranges (10.244.<node>.0/24), one block each.
-    let pool = json!({"cidr": "10.244.0.0/16", "blockSize": 24, "default": true});
-    let mut ipwarden = Ipwarden::without_agents(2, &[("pool", pool)], network).await;
+    let (mut ipwarden, switched) = host_local_cluster(2).await;
     let client = ipwarden.client();
     for index in 0..6 {
         create_pod(&client, NS, &format!("old-{index}"), &format!("node-{}", index % 2), json!({"app": "old"})).await;
@@ -154,4 +160,28 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
         assert!(!held.contains(&ip), "{} got {ip}, adopted for a live pod", pod.name_any());
         assert!(ip.starts_with("10.244."), "{} got {ip} from the pool", pod.name_any());
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_started_with_adopt_on_start_records_its_nodes_host_local_pods_before_serving() {
+    let (mut ipwarden, switched) = host_local_cluster(1).await;
+    let client = ipwarden.client();
+    for index in 0..3 {
+        create_pod(&client, NS, &format!("old-{index}"), "node-0", json!({"app": "old"})).await;
+    }
+    let old = wait_pods_with_ips(&client, NS, "app=old", 3).await;
+    switched.store(true, Ordering::SeqCst);
+
+    // Start-up adoption runs before the agent serves: once it serves, the records are there.
+    ipwarden.start_agents(&["--adopt-on-start"]).await;
+    let recorded = records(&client).await;
+    for pod in old.values() {
+        let record = recorded.get(&ip_of(pod)).unwrap_or_else(|| panic!("{} adopted: {recorded:?}", ip_of(pod)));
+        assert_eq!(record.pod.uid, pod.uid().unwrap_or_default(), "{} recorded for {}", ip_of(pod), pod.name_any());
+        assert_eq!(record.node, "node-0");
+    }
+    create_pod(&client, NS, "new-0", "node-0", json!({"app": "new"})).await;
+    let new = wait_pods_with_ips(&client, NS, "app=new", 1).await;
+    let ip = ip_of(&new["new-0"]);
+    assert!(old.values().all(|p| ip_of(p) != ip), "the new pod got {ip}, an adopted IP");
 }

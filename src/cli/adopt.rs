@@ -3,8 +3,6 @@
 //! restarting pods and ipwarden never hands those IPs out again. The plan is
 //! [`crate::gc::adopt::plan`]; each block is written through the one compare-and-swap path.
 
-use std::collections::BTreeMap;
-
 use anyhow::Context;
 use jiff::Timestamp;
 use kube::api::Api;
@@ -13,7 +11,7 @@ use super::connect::{ClusterArgs, connect};
 use super::{Output, list, table};
 use crate::block_store::BlockStore;
 use crate::crd::{IPBlock, IPPool};
-use crate::gc::adopt::{Adoption, Plan, apply, plan};
+use crate::gc::adopt::{Adoption, Plan, apply, by_block, plan};
 use crate::gc::index::PodFacts;
 use crate::ipam::blocks::new_block;
 
@@ -44,11 +42,7 @@ pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
     let mut written = Vec::new();
     if !args.dry_run {
         let store = BlockStore::new(Api::all(client.clone()), FIELD_MANAGER.to_string(), None);
-        let mut by_block: BTreeMap<&str, Vec<&Adoption>> = BTreeMap::new();
-        for adoption in &plan.adopt {
-            by_block.entry(adoption.block.as_str()).or_default().push(adoption);
-        }
-        for (name, adoptions) in by_block {
+        for (name, adoptions) in by_block(&plan.adopt) {
             let first = adoptions[0];
             let cidr = first.block_cidr.parse().with_context(|| format!("block CIDR {}", first.block_cidr))?;
             let create = || new_block(name, &first.pool, cidr);

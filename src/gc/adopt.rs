@@ -156,6 +156,15 @@ fn adoption(pod: &PodFacts, pool: &str, block: &str, net: IpNet, ip: String) -> 
     }
 }
 
+/// `adoptions` grouped by the block that holds their records: one compare-and-swap each.
+pub fn by_block<'a>(adoptions: impl IntoIterator<Item = &'a Adoption>) -> BTreeMap<&'a str, Vec<&'a Adoption>> {
+    let mut blocks: BTreeMap<&str, Vec<&Adoption>> = BTreeMap::new();
+    for adoption in adoptions {
+        blocks.entry(adoption.block.as_str()).or_default().push(adoption);
+    }
+    blocks
+}
+
 /// Writes `adoptions` (all of one block) into `spec` as repaired records
 /// ([`blocks::adopted_record`]), each only while its IP is still free there; gives the block
 /// the first adopter's node as affinity when it has none. Returns the IPs written.
