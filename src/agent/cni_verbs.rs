@@ -3,69 +3,26 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use kube::ResourceExt;
 use kube::api::Api;
 
-use super::block_writes::RecordAt;
 use super::checkpoint::{AttachmentKey, CheckpointEntry};
 use super::core::{Core, attachment_key};
 use super::error::Error;
 use crate::crd::IPBlock;
-use crate::gc::index::PodFacts;
-use crate::ipam::{blocks, pools};
+use crate::ipam::blocks;
 use crate::protocol::{AttachmentRequest, GcRequest, StatusRequest};
 
 impl Core {
-    /// CNI DEL: releases the sandbox's IPs (keeping a wanted sticky reservation), and for a
-    /// sandbox this agent does not know, the pod's IPs another IPAM attached
-    /// ([`Core::attached_by_another_ipam`]). Unknown sandboxes and repeated DELs succeed.
+    /// CNI DEL: releases the sandbox's IPs (keeping a wanted sticky reservation). Unknown
+    /// sandboxes and repeated DELs succeed.
     pub async fn del(&self, request: &AttachmentRequest) -> Result<(), Error> {
         let key = attachment_key(request);
         let entry = self.checkpoint.read(|c| c.get(&key).cloned());
         let uid =
             request.pod.as_ref().and_then(|p| p.uid.clone()).or_else(|| entry.as_ref().map(|e| e.pod.uid.clone()));
         self.release_attachment(entry.as_ref(), &request.container_id, &request.ifname, uid.as_deref()).await?;
-        if let (None, Some(uid)) = (&entry, &uid) {
-            match self.attached_by_another_ipam(request, uid).await {
-                Ok(adopted) => {
-                    self.release_ips(&adopted, &request.container_id, &request.ifname, Some(uid)).await;
-                }
-                // The controller releases them once the pod is gone.
-                Err(e) => tracing::warn!(error = %e, "DEL: looking up the records adopted for the pod failed"),
-            }
-        }
         self.checkpoint.remove(&key).await?;
         Ok(())
-    }
-
-    /// The records of this node adopted for the DEL's pod `uid` (`ipwarden adopt`,
-    /// [`blocks::adopted_by`]) whose IP no sandbox of this agent holds: another IPAM attached
-    /// them to a sandbox of the pod that this agent never saw, so a DEL of a sandbox of that
-    /// pod unknown here is theirs. A repaired record whose IP a checkpoint entry holds is left
-    /// to that sandbox's DEL. Read fresh (the pod's reported IPs, each in the block its pool
-    /// puts it in): the block cache may not show a record written moments ago.
-    async fn attached_by_another_ipam(&self, request: &AttachmentRequest, uid: &str) -> Result<Vec<RecordAt>, Error> {
-        let Some(pod_ref) = request.pod.as_ref() else { return Ok(Vec::new()) };
-        let Some(pod) = self.pod(pod_ref).await?.filter(|p| p.metadata.uid.as_deref() == Some(uid)) else {
-            return Ok(Vec::new());
-        };
-        let held: BTreeSet<String> =
-            self.checkpoint.read(|c| c.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect());
-        let api: Api<IPBlock> = Api::all(self.client.clone());
-        let mut found = Vec::new();
-        for ip in PodFacts::of(&pod).ips.into_iter().filter(|ip| !held.contains(ip)) {
-            let Ok(addr) = ip.parse() else { continue };
-            for pool in self.pools.state() {
-                let Some(net) = pools::layout(&pool.spec).ok().and_then(|l| l.block_of(addr)) else { continue };
-                let block = pools::block_name(&pool.name_any(), net);
-                let read = api.get_opt(&block).await.map_err(Error::api(format!("reading IPBlock {block}")))?;
-                let record = read.and_then(|b| b.spec.allocations.get(&ip).cloned());
-                if record.is_some_and(|r| r.node == self.settings.node && blocks::adopted_by(&r, Some(uid))) {
-                    found.push(RecordAt { block, ip: ip.clone() });
-                }
-            }
-        }
-        Ok(found)
     }
 
     /// CNI CHECK: the sandbox's records still exist (read fresh from the blocks) and hold
