@@ -135,14 +135,16 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
     for index in 0..3 {
         pods.delete(&format!("old-{index}"), &DeleteParams::default()).await.expect("delete old pod");
     }
-    // No controller runs: only the pods' DELs, on their nodes, can release these records.
-    wait::until("the adopted pods' DELs releasing their records", TIMEOUT, || async {
+    // The pods' DELs name the old IPAM's sandboxes, so the controller releases these records
+    // once the pods are gone, by the rule table.
+    ipwarden.start_controller("controller-a", &[]);
+    wait::until("the controller releasing the adopted records of the deleted pods", TIMEOUT, || async {
         let recorded = records(&client).await;
         let left: Vec<&String> = gone.iter().filter(|ip| recorded.contains_key(*ip)).collect();
         Ok(if left.is_empty() { Probe::Done(()) } else { Probe::Pending(format!("still recorded: {left:?}")) })
     })
     .await
-    .expect("an adopted pod's DEL releases its record");
+    .expect("the controller releases an adopted record once its pod is gone");
     for index in 10..20 {
         create_pod(&client, NS, &format!("new-{index}"), &format!("node-{}", index % 2), json!({"app": "new"})).await;
     }
