@@ -126,11 +126,7 @@ fn own_copy_is_newer(cached: Option<&IPBlock>, own: Option<&IPBlock>) -> bool {
     }
 }
 
-/// Block `name` of `pool` at `cidr` as an ADD creates it: no record yet, no affinity (the
-/// ADD's edit claims it).
-pub(super) fn new_block(name: &str, pool: &str, cidr: ipnet::IpNet) -> IPBlock {
-    IPBlock::new(name, crate::crd::IPBlockSpec { pool: pool.to_string(), cidr: cidr.to_string(), ..Default::default() })
-}
+pub(super) use crate::ipam::blocks::new_block;
 
 /// The field manager of this node's agent on the objects it writes.
 pub(super) fn field_manager(node: &str) -> String {

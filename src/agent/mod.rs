@@ -84,6 +84,10 @@ pub struct AgentArgs {
     /// answers ready-for-release.
     #[arg(long, env = "IPWARDEN_RELEASE_SANDBOX_GRACE_SECONDS", default_value_t = 60)]
     pub release_sandbox_grace_seconds: u64,
+    /// At start, before serving CNI, record the IPs that this node's running pods got from
+    /// another IPAM inside ipwarden's pools, as `ipwarden adopt` does for the whole cluster.
+    #[arg(long, env = "IPWARDEN_ADOPT_ON_START")]
+    pub adopt_on_start: bool,
     /// Apply ipwarden's CRDs at start (off when the chart installs them).
     #[arg(long, env = "IPWARDEN_INSTALL_CRDS")]
     pub install_crds: bool,
@@ -211,6 +215,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             .context("listing the node's pods for host-local GC")?;
         let freed = crate::hostlocal::collect(data_dir, network, &live, HOST_LOCAL_MIN_AGE, false)?;
         tracing::info!(released = freed.len(), %network, "host-local start-up GC done");
+    }
+    if args.adopt_on_start {
+        let adopted = core.adopt_local_pods().await.context("adopting the IPs of this node's pods")?;
+        tracing::info!(adopted, "start-up adoption done");
     }
     let heartbeat = heartbeat::Heartbeat {
         leases: Api::namespaced(client.clone(), &args.namespace),

@@ -12,6 +12,8 @@ use super::checkpoint::{AttachmentKey, CheckpointEntry, CheckpointIp};
 use super::core::Core;
 use super::error::Error;
 use crate::crd::{Allocation, IPBlock};
+use crate::gc::adopt::by_block;
+use crate::gc::index::PodFacts;
 use crate::ipam::blocks;
 
 impl Core {
@@ -91,6 +93,42 @@ impl Core {
             tracing::info!(container_id = %entry.key.container_id, pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name), "start-up GC: no record names this checkpoint entry any more");
         }
         Ok(stale.len())
+    }
+
+    /// `--adopt-on-start`: the plan of `ipwarden adopt` ([`crate::gc::adopt::plan`]) over
+    /// every pod (so that a pod of another node reporting the same IP is seen), of which this
+    /// node's adoptions are written block by block before the agent serves: it never hands
+    /// out an IP another IPAM gave a pod that still runs here. A refused IP of a pod of this
+    /// node is logged with the pods it names and left alone. Returns how many records were
+    /// written.
+    pub async fn adopt_local_pods(&self) -> Result<usize, Error> {
+        let node = &self.settings.node;
+        let pods = Api::<Pod>::all(self.client.clone())
+            .list(&kube::api::ListParams::default())
+            .await
+            .map_err(Error::api("listing every pod for the start-up adoption".to_string()))?;
+        let pods: Vec<PodFacts> = pods.items.iter().map(PodFacts::of).collect();
+        let plan = crate::gc::adopt::plan(&pods, &self.pools.state(), &self.blocks.state());
+        let local_ips: BTreeSet<&String> = pods.iter().filter(|p| p.node == *node).flat_map(|p| &p.ips).collect();
+        for refused in plan.refused.iter().filter(|r| local_ips.contains(&r.ip)) {
+            tracing::warn!(ip = %refused.ip, pods = %refused.pods.join(", "), reason = %refused.reason, "start-up adoption: refused");
+        }
+        let mut written = 0;
+        for (name, adoptions) in by_block(plan.adopt.iter().filter(|a| a.node == *node)) {
+            let first = adoptions[0];
+            let Ok(cidr) = first.block_cidr.parse() else { continue };
+            let ips = self
+                .write_block(name, &first.pool, cidr, |spec| {
+                    let ips = crate::gc::adopt::apply(spec, &adoptions, jiff::Timestamp::now());
+                    (!ips.is_empty()).then_some(ips)
+                })
+                .await?;
+            for ip in ips.unwrap_or_default() {
+                tracing::info!(%ip, block = %name, "start-up adoption: recorded an IP another IPAM attached");
+                written += 1;
+            }
+        }
+        Ok(written)
     }
 
     /// Rebuilds the checkpoint from this node's records in the blocks (when the file was

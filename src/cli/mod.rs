@@ -1,6 +1,8 @@
-//! The operator CLI: commands that read (and, for `gc`, ask the leader to change) the
-//! cluster with the user's kubeconfig. Tables for people, `-o json` for scripts.
+//! The operator CLI: commands that read (and, for `gc`, ask the leader to change; for
+//! `adopt`, write records into) the cluster with the user's kubeconfig. Tables for people,
+//! `-o json` for scripts.
 
+pub mod adopt;
 pub mod check;
 pub mod connect;
 pub mod gc;
@@ -69,16 +71,20 @@ pub enum Command {
     Status(status::StatusArgs),
     /// Consistency report; exit status 1 when a problem is found.
     Check(check::CheckArgs),
+    /// Record the IPs that running pods got from another IPAM inside ipwarden's pools;
+    /// exit status 1 when an IP was refused.
+    Adopt(adopt::AdoptArgs),
 }
 
 impl Command {
     /// Runs the command; returns whether it found the cluster consistent (only `check` can
-    /// say it did not).
+    /// say it did not, and `adopt` when it refused an IP).
     pub async fn run(self) -> anyhow::Result<bool> {
         match self {
             Command::Gc(args) => gc::run(args).await.map(|()| true),
             Command::Status(args) => status::run(args).await.map(|()| true),
             Command::Check(args) => check::run(args).await,
+            Command::Adopt(args) => adopt::run(args).await,
         }
     }
 }

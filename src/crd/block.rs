@@ -82,10 +82,11 @@ pub struct Allocation {
     /// design, and whichever DEL comes first leaves the IP to the other.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migration_target: Option<MigrationTarget>,
-    /// Set when the controller repaired the record for the live pod that reports its IP: a
-    /// sandbox of that pod on the record's node holds the IP, but which one is unknown (the
-    /// Kubernetes API shows no container IDs). Unlike an empty `containerId` alone (a sticky
-    /// reservation), the IP may be attached; the node's agent takes the record as its pod's.
+    /// Set when the controller repaired the record for the live pod that reports its IP, or
+    /// `ipwarden adopt` wrote it for an IP another IPAM attached: a sandbox of that pod on the
+    /// record's node holds the IP, but which one is unknown (the Kubernetes API shows no
+    /// container IDs). Unlike an empty `containerId` alone (a sticky reservation), the IP may
+    /// be attached; the node's agent takes the record as its pod's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repaired_at: Option<Time>,
 }

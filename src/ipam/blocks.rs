@@ -154,6 +154,32 @@ pub fn repair(record: &mut Allocation, adopter: &Adopter, now: Timestamp) {
     record.repaired_at = Some(Time(now));
 }
 
+/// The record `ipwarden adopt` writes for an IP another IPAM attached to `adopter`: a
+/// repaired record ([`repair`]) from the start, since no sandbox of ipwarden's holds it.
+pub fn adopted_record(adopter: &Adopter, now: Timestamp) -> Allocation {
+    let mut record = Allocation {
+        pod: adopter.pod.clone(),
+        node: adopter.node.clone(),
+        network: String::new(),
+        container_id: String::new(),
+        interface: String::new(),
+        owner: None,
+        sticky: false,
+        allocated_at: Time(now),
+        release_handshake: None,
+        migration_target: None,
+        repaired_at: None,
+    };
+    repair(&mut record, adopter, now);
+    record
+}
+
+/// Block `name` of `pool` at `cidr` as a write that finds it missing creates it: no record
+/// yet, no affinity (the write's edit claims it).
+pub fn new_block(name: &str, pool: &str, cidr: ipnet::IpNet) -> IPBlock {
+    IPBlock::new(name, IPBlockSpec { pool: pool.to_string(), cidr: cidr.to_string(), ..Default::default() })
+}
+
 /// Whether `record` names pod `uid`: as its pod, or as a live migration's target.
 pub fn names_pod(record: &Allocation, uid: &str) -> bool {
     record.pod.uid == uid || record.migration_target.as_ref().is_some_and(|t| t.pod.uid == uid)

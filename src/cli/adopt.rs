@@ -1,0 +1,111 @@
+//! `ipwarden adopt`: records the IPs that running pods got from another IPAM (host-local, or
+//! any other) and that fall inside an ipwarden pool, so a cluster moves to ipwarden without
+//! restarting pods and ipwarden never hands those IPs out again. The plan is
+//! [`crate::gc::adopt::plan`]; each block is written through the one compare-and-swap path.
+
+use anyhow::Context;
+use jiff::Timestamp;
+use kube::api::Api;
+
+use super::connect::{ClusterArgs, connect};
+use super::{Output, list, table};
+use crate::block_store::BlockStore;
+use crate::crd::{IPBlock, IPPool};
+use crate::gc::adopt::{Adoption, Plan, apply, by_block, plan};
+use crate::gc::index::PodFacts;
+use crate::ipam::blocks::new_block;
+
+/// The field manager of `ipwarden adopt`'s block writes.
+const FIELD_MANAGER: &str = "ipwarden-adopt";
+
+/// `ipwarden adopt` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct AdoptArgs {
+    /// How to reach the cluster.
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    /// Only print the plan; write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Output format.
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+}
+
+/// Runs `ipwarden adopt`; returns false when an IP was refused (or lost to a race), so the
+/// exit status tells scripts.
+pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
+    let client = connect(&args.cluster).await?.client;
+    let pods: Vec<PodFacts> = list(&client).await?.iter().map(|p| PodFacts::of(p)).collect();
+    let (pools, blocks) = (list::<IPPool>(&client).await?, list::<IPBlock>(&client).await?);
+    let mut plan = plan(&pods, &pools, &blocks);
+    let mut written = Vec::new();
+    if !args.dry_run {
+        let store = BlockStore::new(Api::all(client.clone()), FIELD_MANAGER.to_string(), None);
+        for (name, adoptions) in by_block(&plan.adopt) {
+            let first = adoptions[0];
+            let cidr = first.block_cidr.parse().with_context(|| format!("block CIDR {}", first.block_cidr))?;
+            let create = || new_block(name, &first.pool, cidr);
+            let outcome = store
+                .update(name, Some(&create), |block| {
+                    let ips = apply(&mut block.spec, &adoptions, Timestamp::now());
+                    (!ips.is_empty()).then_some(ips)
+                })
+                .await
+                .with_context(|| format!("writing the adopted records into IPBlock {name}"))?;
+            written.extend(outcome.written().unwrap_or_default());
+        }
+        let lost = lost_races(&mut plan, &written);
+        plan.refused.extend(lost);
+    }
+    print(&plan, args.dry_run, args.output)?;
+    Ok(plan.refused.is_empty())
+}
+
+/// Moves the planned adoptions that were not written (a record appeared for the IP between
+/// the plan and the write) out of `plan.adopt`, as refusals.
+fn lost_races(plan: &mut Plan, written: &[String]) -> Vec<crate::gc::adopt::Refused> {
+    let (kept, lost): (Vec<Adoption>, Vec<Adoption>) =
+        std::mem::take(&mut plan.adopt).into_iter().partition(|a| written.contains(&a.ip));
+    plan.adopt = kept;
+    lost.into_iter()
+        .map(|a| crate::gc::adopt::Refused {
+            ip: a.ip,
+            pods: vec![format!("{}/{} ({})", a.pod.namespace, a.pod.name, a.pod.uid)],
+            reason: format!("recorded in {} meanwhile: run adopt again to see by whom", a.block),
+        })
+        .collect()
+}
+
+fn print(plan: &Plan, dry_run: bool, output: Output) -> anyhow::Result<()> {
+    if output == Output::Json {
+        let mut value = serde_json::to_value(plan)?;
+        value["dryRun"] = serde_json::Value::Bool(dry_run);
+        println!("{}", serde_json::to_string_pretty(&value)?);
+        return Ok(());
+    }
+    let verb = if dry_run { "would adopt" } else { "adopted" };
+    let mut rows: Vec<Vec<String>> = plan
+        .adopt
+        .iter()
+        .map(|a| {
+            let pod = format!("{}/{}", a.pod.namespace, a.pod.name);
+            vec![a.ip.clone(), pod, a.node.clone(), a.block.clone(), verb.to_string()]
+        })
+        .collect();
+    rows.extend(
+        plan.skipped
+            .iter()
+            .map(|s| vec![s.ip.clone(), s.pod.clone(), String::new(), String::new(), format!("skipped: {}", s.reason)]),
+    );
+    rows.extend(plan.refused.iter().map(|r| {
+        vec![r.ip.clone(), r.pods.join(", "), String::new(), String::new(), format!("REFUSED: {}", r.reason)]
+    }));
+    print!("{}", table(&["IP", "POD", "NODE", "BLOCK", "ACTION"], &rows));
+    let tail = if dry_run { " (dry run: nothing written)" } else { "" };
+    println!("{verb} {}, skipped {}, refused {}{tail}", plan.adopt.len(), plan.skipped.len(), plan.refused.len());
+    for refused in &plan.refused {
+        eprintln!("refused {}: {} ({})", refused.ip, refused.reason, refused.pods.join(", "));
+    }
+    Ok(())
+}

@@ -1,0 +1,314 @@
+//! The plan of `ipwarden adopt`: which IPs that running pods report (attached by another
+//! IPAM, such as host-local, before the cluster moved to ipwarden) get an ipwarden record, so
+//! that ipwarden never hands them out again. Pure: the CLI lists pods, pools and blocks, asks
+//! [`plan`], and writes what it returns.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipnet::IpNet;
+use jiff::Timestamp;
+use kube::ResourceExt;
+use serde::Serialize;
+
+use super::index::PodFacts;
+use crate::crd::{Allocation, IPBlock, IPPool, PodRef};
+use crate::ipam::blocks::{self, Adopter};
+use crate::ipam::pools;
+
+/// One IP to record for the pod that reports it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Adoption {
+    /// The IP.
+    pub ip: String,
+    /// The pool whose layout hands it out.
+    pub pool: String,
+    /// The IPBlock that holds its record (created if it does not exist).
+    pub block: String,
+    /// That block's CIDR.
+    pub block_cidr: String,
+    /// The pod reporting it.
+    pub pod: PodRef,
+    /// The pod's node.
+    pub node: String,
+    /// Who the record names: the pod, its node and its controller.
+    #[serde(skip)]
+    pub adopter: Adopter,
+}
+
+/// An IP left alone, and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Skipped {
+    /// The IP.
+    pub ip: String,
+    /// The pod reporting it (`namespace/name`).
+    pub pod: String,
+    /// Why nothing is written for it.
+    pub reason: String,
+}
+
+/// An IP that cannot be adopted because more than one pod claims it: two live pods report it,
+/// or ipwarden already records it for another pod. The operator must look.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Refused {
+    /// The IP.
+    pub ip: String,
+    /// Every pod involved (`namespace/name (uid)`).
+    pub pods: Vec<String>,
+    /// What the conflict is.
+    pub reason: String,
+}
+
+/// What `ipwarden adopt` would do.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Plan {
+    /// The records to write.
+    pub adopt: Vec<Adoption>,
+    /// IPs needing nothing or outside ipwarden.
+    pub skipped: Vec<Skipped>,
+    /// IPs in conflict, written for nobody.
+    pub refused: Vec<Refused>,
+}
+
+/// `namespace/name (uid)` of a pod, as the plan names it in a conflict.
+fn named(pod: &PodRef) -> String {
+    format!("{}/{} ({})", pod.namespace, pod.name, pod.uid)
+}
+
+/// Plans the adoption of every IP that a pod of `pods` reports: pods in the host's network
+/// and finished pods are ignored (their IPs are not theirs, or no longer in use); an IP two
+/// pods report, or that a record names for another pod, is refused; one outside every pool's
+/// allocatable addresses, or already recorded for the same pod, is skipped; the rest are
+/// adopted into the first pool (by name) that hands them out. Pools being deleted take no
+/// adoption; disabled pools do (a pool is disabled while a cluster moves onto it).
+pub fn plan(pods: &[PodFacts], pool_objects: &[Arc<IPPool>], block_objects: &[Arc<IPBlock>]) -> Plan {
+    let mut reporters: BTreeMap<IpAddr, Vec<&PodFacts>> = BTreeMap::new();
+    for pod in pods.iter().filter(|p| !p.host_network && !p.finished() && !p.node.is_empty()) {
+        for ip in pod.ips.iter().filter_map(|ip| ip.parse::<IpAddr>().ok()) {
+            let holders = reporters.entry(ip).or_default();
+            if !holders.iter().any(|h| h.uid == pod.uid) {
+                holders.push(pod);
+            }
+        }
+    }
+    let mut layouts: Vec<(String, crate::ipam::PoolLayout)> = pool_objects
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter_map(|p| Some((p.name_any(), pools::layout(&p.spec).ok()?)))
+        .collect();
+    layouts.sort_by(|a, b| a.0.cmp(&b.0));
+    let records: BTreeMap<(&str, &str), &Allocation> = block_objects
+        .iter()
+        .flat_map(|b| {
+            let name = b.metadata.name.as_deref().unwrap_or_default();
+            b.spec.allocations.iter().map(move |(ip, r)| ((name, ip.as_str()), r))
+        })
+        .collect();
+    let mut out = Plan::default();
+    for (ip, holders) in reporters {
+        let text = ip.to_string();
+        let [pod] = holders.as_slice() else {
+            let pods = holders.iter().map(|p| named(&p.pod_ref())).collect();
+            out.refused.push(Refused { ip: text, pods, reason: "reported by more than one live pod".into() });
+            continue;
+        };
+        let skip =
+            |reason: String| Skipped { ip: text.clone(), pod: format!("{}/{}", pod.namespace, pod.name), reason };
+        let Some((pool, layout)) = layouts.iter().find(|(_, l)| l.contains(ip)) else {
+            out.skipped.push(skip("outside every pool: not ipwarden's to record".into()));
+            continue;
+        };
+        let Some(net) = layout.block_of(ip).filter(|_| layout.is_allocatable(ip)) else {
+            out.skipped
+                .push(skip(format!("in pool {pool}'s CIDR but never handed out (excluded or outside its ranges)")));
+            continue;
+        };
+        let block = pools::block_name(pool, net);
+        match records.get(&(block.as_str(), text.as_str())) {
+            Some(record) if record.pod.uid == pod.uid => {
+                out.skipped.push(skip(format!("already recorded for this pod in {block}")));
+            }
+            Some(record) => out.refused.push(Refused {
+                ip: text.clone(),
+                pods: vec![named(&pod.pod_ref()), named(&record.pod)],
+                reason: format!("recorded in {block} for another pod"),
+            }),
+            None => out.adopt.push(adoption(pod, pool, &block, net, text.clone())),
+        }
+    }
+    out
+}
+
+fn adoption(pod: &PodFacts, pool: &str, block: &str, net: IpNet, ip: String) -> Adoption {
+    let adopter = Adopter { pod: pod.pod_ref(), node: pod.node.clone(), owner: pod.owner.clone(), sticky: false };
+    Adoption {
+        ip,
+        pool: pool.to_string(),
+        block: block.to_string(),
+        block_cidr: net.to_string(),
+        pod: pod.pod_ref(),
+        node: pod.node.clone(),
+        adopter,
+    }
+}
+
+/// `adoptions` grouped by the block that holds their records: one compare-and-swap each.
+pub fn by_block<'a>(adoptions: impl IntoIterator<Item = &'a Adoption>) -> BTreeMap<&'a str, Vec<&'a Adoption>> {
+    let mut blocks: BTreeMap<&str, Vec<&Adoption>> = BTreeMap::new();
+    for adoption in adoptions {
+        blocks.entry(adoption.block.as_str()).or_default().push(adoption);
+    }
+    blocks
+}
+
+/// Writes `adoptions` (all of one block) into `spec` as repaired records
+/// ([`blocks::adopted_record`]), each only while its IP is still free there; gives the block
+/// the first adopter's node as affinity when it has none. Returns the IPs written.
+pub fn apply(spec: &mut crate::crd::IPBlockSpec, adoptions: &[&Adoption], now: Timestamp) -> Vec<String> {
+    let mut written = Vec::new();
+    for adoption in adoptions {
+        let Ok(ip) = adoption.ip.parse::<IpAddr>() else { continue };
+        if spec.allocations.contains_key(&adoption.ip) {
+            continue;
+        }
+        blocks::allocate(spec, ip, blocks::adopted_record(&adoption.adopter, now));
+        if spec.affinity.is_none() {
+            spec.affinity = Some(adoption.node.clone());
+        }
+        written.push(adoption.ip.clone());
+    }
+    written
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+    use crate::crd::{IPBlockSpec, IPPoolSpec};
+    use crate::gc::rules::Phase;
+
+    fn pod(name: &str, uid: &str, ips: &[&str]) -> PodFacts {
+        PodFacts {
+            namespace: "default".into(),
+            name: name.into(),
+            uid: uid.into(),
+            phase: Phase::Active,
+            deletion: None,
+            ips: ips.iter().map(|s| s.to_string()).collect(),
+            node: "node-0".into(),
+            owner: None,
+            host_network: false,
+        }
+    }
+
+    fn pool(name: &str, cidr: &str) -> Arc<IPPool> {
+        let spec: IPPoolSpec = serde_json::from_value(serde_json::json!({"cidr": cidr})).expect("pool spec");
+        Arc::new(IPPool::new(name, spec))
+    }
+
+    fn block_holding(name: &str, ip: &str, uid: &str) -> Arc<IPBlock> {
+        let mut spec = IPBlockSpec { pool: "v4".into(), cidr: "10.9.0.0/24".into(), ..IPBlockSpec::default() };
+        let mut record = blocks::test::record(uid, "c1");
+        record.pod.name = format!("holder-{uid}");
+        spec.allocations.insert(ip.into(), record);
+        Arc::new(IPBlock::new(name, spec))
+    }
+
+    fn pools() -> Vec<Arc<IPPool>> {
+        vec![pool("v4", "10.9.0.0/24"), pool("v6", "fd00:9::/120")]
+    }
+
+    #[test]
+    fn ips_of_running_pods_inside_a_pool_are_adopted_into_their_block_both_families() {
+        let plan = plan(&[pod("a", "ua", &["10.9.0.7", "fd00:9::7"])], &pools(), &[]);
+        let adopted: Vec<(&str, &str, &str)> =
+            plan.adopt.iter().map(|a| (a.ip.as_str(), a.pool.as_str(), a.block.as_str())).collect();
+        assert_eq!(adopted, [("10.9.0.7", "v4", "v4-10-9-0-0-24"), ("fd00:9::7", "v6", "v6-fd00-9---120")]);
+        assert!(plan.skipped.is_empty() && plan.refused.is_empty(), "{plan:?}");
+        assert_eq!(plan.adopt[0].adopter.pod.uid, "ua");
+        assert!(!plan.adopt[0].adopter.sticky, "an adopted record holds no sticky reservation");
+    }
+
+    #[test]
+    fn an_ip_outside_every_pool_is_skipped_and_says_so() {
+        let plan = plan(&[pod("a", "ua", &["192.168.1.1"])], &pools(), &[]);
+        assert!(plan.adopt.is_empty());
+        assert_eq!(plan.skipped.len(), 1);
+        assert!(plan.skipped[0].reason.contains("outside every pool"), "{:?}", plan.skipped);
+    }
+
+    #[test]
+    fn an_ip_already_recorded_for_the_same_pod_needs_nothing() {
+        let plan =
+            plan(&[pod("a", "ua", &["10.9.0.7"])], &pools(), &[block_holding("v4-10-9-0-0-24", "10.9.0.7", "ua")]);
+        assert!(plan.adopt.is_empty() && plan.refused.is_empty());
+        assert!(plan.skipped[0].reason.contains("already recorded"), "{:?}", plan.skipped);
+    }
+
+    #[test]
+    fn an_ip_recorded_for_another_pod_is_refused_naming_both() {
+        let plan =
+            plan(&[pod("a", "ua", &["10.9.0.7"])], &pools(), &[block_holding("v4-10-9-0-0-24", "10.9.0.7", "ub")]);
+        assert!(plan.adopt.is_empty());
+        assert_eq!(plan.refused.len(), 1);
+        assert_eq!(plan.refused[0].pods, ["default/a (ua)", "default/holder-ub (ub)"]);
+    }
+
+    #[test]
+    fn an_ip_two_live_pods_report_is_refused_naming_both() {
+        let plan = plan(&[pod("a", "ua", &["10.9.0.7"]), pod("b", "ub", &["10.9.0.7", "10.9.0.8"])], &pools(), &[]);
+        assert_eq!(plan.refused.len(), 1, "{plan:?}");
+        assert_eq!(plan.refused[0].pods, ["default/a (ua)", "default/b (ub)"]);
+        let adopted: Vec<&str> = plan.adopt.iter().map(|a| a.ip.as_str()).collect();
+        assert_eq!(adopted, ["10.9.0.8"], "the other IPs are still adopted");
+    }
+
+    #[test]
+    fn host_network_finished_and_unscheduled_pods_are_ignored() {
+        let mut host = pod("host", "uh", &["10.9.0.7"]);
+        host.host_network = true;
+        let mut done = pod("done", "ud", &["10.9.0.7"]);
+        done.phase = Phase::Completed;
+        let mut nowhere = pod("nowhere", "un", &["10.9.0.7"]);
+        nowhere.node.clear();
+        let plan = plan(&[host, done, nowhere, pod("a", "ua", &["10.9.0.7"])], &pools(), &[]);
+        let adopted: Vec<&str> = plan.adopt.iter().map(|a| a.pod.name.as_str()).collect();
+        assert_eq!(adopted, ["a"], "{plan:?}");
+        assert!(plan.refused.is_empty());
+    }
+
+    #[test]
+    fn an_excluded_ip_is_skipped_and_a_pool_being_deleted_takes_none() {
+        let spec: IPPoolSpec =
+            serde_json::from_value(serde_json::json!({"cidr": "10.9.0.0/24", "exclude": ["10.9.0.7/32"]}))
+                .expect("spec");
+        let excluding = Arc::new(IPPool::new("v4", spec));
+        let plan_excluded = plan(&[pod("a", "ua", &["10.9.0.7"])], &[excluding], &[]);
+        assert!(plan_excluded.skipped[0].reason.contains("never handed out"), "{plan_excluded:?}");
+        let mut deleting = IPPool::new("v4", pool("v4", "10.9.0.0/24").spec.clone());
+        deleting.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::UNIX_EPOCH));
+        let plan_deleting = plan(&[pod("a", "ua", &["10.9.0.7"])], &[Arc::new(deleting)], &[]);
+        assert!(plan_deleting.skipped[0].reason.contains("outside every pool"), "{plan_deleting:?}");
+    }
+
+    #[test]
+    fn applying_writes_repaired_records_only_on_free_ips_and_claims_a_free_block() {
+        let plan = plan(&[pod("a", "ua", &["10.9.0.7", "10.9.0.8"])], &pools(), &[]);
+        let mut spec = IPBlockSpec { pool: "v4".into(), cidr: "10.9.0.0/24".into(), ..IPBlockSpec::default() };
+        spec.allocations.insert("10.9.0.8".into(), blocks::test::record("raced", "c9"));
+        let all: Vec<&Adoption> = plan.adopt.iter().collect();
+        let now = Timestamp::UNIX_EPOCH;
+        assert_eq!(apply(&mut spec, &all, now), ["10.9.0.7"], "an IP taken since the plan is not overwritten");
+        let record = &spec.allocations["10.9.0.7"];
+        assert!(blocks::adopted_by(record, Some("ua")) && record.container_id.is_empty(), "{record:?}");
+        assert_eq!(spec.affinity.as_deref(), Some("node-0"));
+        spec.affinity = Some("node-1".into());
+        spec.allocations.remove("10.9.0.7");
+        apply(&mut spec, &all, now);
+        assert_eq!(spec.affinity.as_deref(), Some("node-1"), "a block another node holds keeps its affinity");
+    }
+}

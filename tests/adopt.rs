@@ -1,0 +1,189 @@
+//! `ipwarden adopt` on the real control plane: pods started with Debian's host-local plugin
+//! keep running while the nodes switch to ipwarden; adopt records their IPs (refusing an IP
+//! two pods report, and saying so), and the pods ipwarden then starts never get one of them.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use e2e::CniNetwork;
+use e2e::wait::{self, Probe};
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use serde_json::{Value, json};
+use support::{Ipwarden, TIMEOUT, create_pod, ip_of, records, wait_pods_with_ips};
+
+const NS: &str = "default";
+
+/// A network that runs host-local until `switched` is set, then ipwarden: the nodes' CNI
+/// configuration replaced under running pods, as an operator does when moving IPAMs.
+fn switchable_network() -> (CniNetwork, Arc<AtomicBool>) {
+    let host_local = CniNetwork::host_local(&e2e::binaries::standard_cni_plugins().expect("host-local plugin"));
+    let ipwarden = support::network();
+    let switched = Arc::new(AtomicBool::new(false));
+    let flag = switched.clone();
+    let (old, new) = (host_local.netconf.clone(), ipwarden.netconf.clone());
+    let network = CniNetwork {
+        plugin_dirs: host_local.plugin_dirs.iter().chain(&ipwarden.plugin_dirs).cloned().collect(),
+        netconf: Arc::new(move |node| if flag.load(Ordering::SeqCst) { new(node) } else { old(node) }),
+        ..host_local
+    };
+    (network, switched)
+}
+
+/// A cluster of `nodes` nodes on host-local, with ipwarden's CRDs and a pool over the nodes'
+/// host-local ranges (10.244.<node>.0/24, one block each) but no agent yet; setting the flag
+/// returned switches the nodes to ipwarden.
+async fn host_local_cluster(nodes: usize) -> (Ipwarden, Arc<AtomicBool>) {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let (network, switched) = switchable_network();
+    let pool = json!({"cidr": "10.244.0.0/16", "blockSize": 24, "default": true});
+    (Ipwarden::without_agents(nodes, &[("pool", pool)], network).await, switched)
+}
+
+/// Runs `ipwarden adopt -o json` (with `--dry-run` when `dry`); returns its exit success and
+/// its JSON report.
+fn adopt(ipwarden: &Ipwarden, dry: bool) -> (bool, Value) {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ipwarden"));
+    command.args(["adopt", "-o", "json"]);
+    if dry {
+        command.arg("--dry-run");
+    }
+    let output = command.env("KUBECONFIG", ipwarden.cluster.kubeconfig()).output().expect("ipwarden runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let report = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("adopt prints JSON ({e}): {}\n{stderr}", String::from_utf8_lossy(&output.stdout)));
+    (output.status.success(), report)
+}
+
+/// The IPs of a report's list `key` (`adopt`, `skipped` or `refused`), sorted.
+fn ips(report: &Value, key: &str) -> Vec<String> {
+    let mut ips: Vec<String> =
+        report[key].as_array().into_iter().flatten().filter_map(|e| e["ip"].as_str().map(String::from)).collect();
+    ips.sort();
+    ips
+}
+
+/// A pod bound to a node no kubelet runs, whose status says it runs with `ip`: a second
+/// reporter of an IP, as a stale or hand-edited status shows one.
+async fn ghost_pod(ipwarden: &Ipwarden, name: &str, ip: &str) {
+    create_pod(&ipwarden.client(), NS, name, "ghost-node", json!({"app": "ghost"})).await;
+    let status = json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}});
+    Api::<Pod>::namespaced(ipwarden.client(), NS)
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("patch the ghost pod's status");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_their_ips_out_again() {
+    let (mut ipwarden, switched) = host_local_cluster(2).await;
+    let client = ipwarden.client();
+    for index in 0..6 {
+        create_pod(&client, NS, &format!("old-{index}"), &format!("node-{}", index % 2), json!({"app": "old"})).await;
+    }
+    let old: BTreeMap<String, Pod> = wait_pods_with_ips(&client, NS, "app=old", 6).await;
+    let old_ips: BTreeMap<String, String> = old.values().map(|p| (ip_of(p), p.uid().unwrap_or_default())).collect();
+    assert!(old_ips.keys().all(|ip| ip.starts_with("10.244.")), "host-local handed out {old_ips:?}");
+    let doubled = ip_of(&old["old-0"]);
+    ghost_pod(&ipwarden, "ghost-double", &doubled).await;
+    ghost_pod(&ipwarden, "ghost-outside", "192.168.77.7").await;
+
+    ipwarden.start_agents(&[]).await;
+    switched.store(true, Ordering::SeqCst);
+
+    let single: Vec<String> = old_ips.keys().filter(|ip| **ip != doubled).cloned().collect();
+    let (ok, plan) = adopt(&ipwarden, true);
+    assert!(!ok, "a refused IP makes adopt exit non-zero: {plan:#}");
+    assert_eq!(ips(&plan, "adopt"), single, "the dry run plans every IP only one pod reports: {plan:#}");
+    assert_eq!(ips(&plan, "refused"), std::slice::from_ref(&doubled), "{plan:#}");
+    let named = plan["refused"][0]["pods"].to_string();
+    assert!(named.contains("default/old-0") && named.contains("default/ghost-double"), "both pods named: {named}");
+    assert_eq!(ips(&plan, "skipped"), ["192.168.77.7"], "the IP outside every pool is skipped: {plan:#}");
+    assert!(records(&client).await.is_empty(), "a dry run writes nothing");
+
+    let (ok, applied) = adopt(&ipwarden, false);
+    assert!(!ok, "still refused: {applied:#}");
+    assert_eq!(ips(&applied, "adopt"), single, "{applied:#}");
+    let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+    Api::<Pod>::namespaced(client.clone(), NS).delete("ghost-double", &force).await.expect("delete the ghost");
+    let (ok, again) = adopt(&ipwarden, false);
+    assert!(ok, "nothing refused once the second reporter is gone: {again:#}");
+    assert_eq!(ips(&again, "adopt"), std::slice::from_ref(&doubled), "{again:#}");
+    assert_eq!(ips(&again, "skipped").len(), 6, "the rest is already recorded (and one is outside): {again:#}");
+
+    let recorded = records(&client).await;
+    for (ip, uid) in &old_ips {
+        let record = recorded.get(ip).unwrap_or_else(|| panic!("{ip} adopted: {recorded:?}"));
+        assert_eq!(&record.pod.uid, uid, "{ip} is recorded for the pod that reports it");
+        assert!(record.repaired_at.is_some() && record.container_id.is_empty(), "{ip}: {record:?}");
+    }
+
+    // Churn through ipwarden: pods come and go, half the adopted pods too.
+    for index in 0..10 {
+        create_pod(&client, NS, &format!("new-{index}"), &format!("node-{}", index % 2), json!({"app": "new"})).await;
+    }
+    wait_pods_with_ips(&client, NS, "app=new", 10).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    for index in 0..5 {
+        pods.delete(&format!("new-{index}"), &DeleteParams::default()).await.expect("delete new pod");
+    }
+    let gone: Vec<String> = (0..3).map(|index| ip_of(&old[&format!("old-{index}")])).collect();
+    for index in 0..3 {
+        pods.delete(&format!("old-{index}"), &DeleteParams::default()).await.expect("delete old pod");
+    }
+    // The pods' DELs name the old IPAM's sandboxes, so the controller releases these records
+    // once the pods are gone, by the rule table.
+    ipwarden.start_controller("controller-a", &[]);
+    wait::until("the controller releasing the adopted records of the deleted pods", TIMEOUT, || async {
+        let recorded = records(&client).await;
+        let left: Vec<&String> = gone.iter().filter(|ip| recorded.contains_key(*ip)).collect();
+        Ok(if left.is_empty() { Probe::Done(()) } else { Probe::Pending(format!("still recorded: {left:?}")) })
+    })
+    .await
+    .expect("the controller releases an adopted record once its pod is gone");
+    for index in 10..20 {
+        create_pod(&client, NS, &format!("new-{index}"), &format!("node-{}", index % 2), json!({"app": "new"})).await;
+    }
+    let new = wait_pods_with_ips(&client, NS, "app=new", 15).await;
+    let mut live: BTreeMap<String, String> = BTreeMap::new();
+    for pod in new.values().chain(old.values().filter(|p| ["old-3", "old-4", "old-5"].contains(&p.name_any().as_str())))
+    {
+        if let Some(other) = live.insert(ip_of(pod), pod.name_any()) {
+            panic!("{} and {other} share {}", pod.name_any(), ip_of(pod));
+        }
+    }
+    let held: BTreeSet<&String> = old_ips.keys().filter(|ip| !gone.contains(ip)).collect();
+    for pod in new.values() {
+        let ip = ip_of(pod);
+        assert!(!held.contains(&ip), "{} got {ip}, adopted for a live pod", pod.name_any());
+        assert!(ip.starts_with("10.244."), "{} got {ip} from the pool", pod.name_any());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_started_with_adopt_on_start_records_its_nodes_host_local_pods_before_serving() {
+    let (mut ipwarden, switched) = host_local_cluster(1).await;
+    let client = ipwarden.client();
+    for index in 0..3 {
+        create_pod(&client, NS, &format!("old-{index}"), "node-0", json!({"app": "old"})).await;
+    }
+    let old = wait_pods_with_ips(&client, NS, "app=old", 3).await;
+    switched.store(true, Ordering::SeqCst);
+
+    // Start-up adoption runs before the agent serves: once it serves, the records are there.
+    ipwarden.start_agents(&["--adopt-on-start"]).await;
+    let recorded = records(&client).await;
+    for pod in old.values() {
+        let record = recorded.get(&ip_of(pod)).unwrap_or_else(|| panic!("{} adopted: {recorded:?}", ip_of(pod)));
+        assert_eq!(record.pod.uid, pod.uid().unwrap_or_default(), "{} recorded for {}", ip_of(pod), pod.name_any());
+        assert_eq!(record.node, "node-0");
+    }
+    create_pod(&client, NS, "new-0", "node-0", json!({"app": "new"})).await;
+    let new = wait_pods_with_ips(&client, NS, "app=new", 1).await;
+    let ip = ip_of(&new["new-0"]);
+    assert!(old.values().all(|p| ip_of(p) != ip), "the new pod got {ip}, an adopted IP");
+}
