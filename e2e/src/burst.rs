@@ -506,25 +506,19 @@ impl std::fmt::Display for BurstReport {
             .map_or_else(|| "-".to_string(), |(min, max)| format!("{} to {}", seconds(Some(min)), seconds(Some(max))));
         writeln!(f, "sustained ADD/s (pods run / bursts' times to their last Running): {}", ratio(s.adds_per_second))?;
         writeln!(f, "time to a burst's last pod Running: {range}")?;
+        let quantiles = |l: &Latency| format!("p50 {}, p99 {}", seconds(l.p50_seconds), seconds(l.p99_seconds));
+        writeln!(f, "from a burst's start to each pod Running: {}", quantiles(&s.running_latency))?;
         writeln!(
             f,
-            "from a burst's start to each pod Running: p50 {}, p99 {}",
-            seconds(s.running_latency.p50_seconds),
-            seconds(s.running_latency.p99_seconds)
-        )?;
-        writeln!(
-            f,
-            "allocation in the agent (agents' histogram, {} ADDs): p50 {}, p99 {}",
+            "allocation in the agent (agents' histogram, {} ADDs): {}",
             s.allocation_agent.samples,
-            seconds(s.allocation_agent.p50_seconds),
-            seconds(s.allocation_agent.p99_seconds)
+            quantiles(&s.allocation_agent)
         )?;
         writeln!(
             f,
-            "the apiserver's own time for write requests while adding (any resource, {} requests): p50 {}, p99 {}",
+            "the apiserver's own time for write requests while adding (any resource, {} requests): {}",
             s.apiserver_writes.samples,
-            seconds(s.apiserver_writes.p50_seconds),
-            seconds(s.apiserver_writes.p99_seconds)
+            quantiles(&s.apiserver_writes)
         )?;
         writeln!(
             f,
