@@ -40,6 +40,18 @@ impl ComponentName {
     }
 }
 
+/// The kube-controller-manager controllers a test cluster runs: those acting on the objects
+/// the tests, the demo and the chart create (ServiceAccounts and their tokens, namespaces,
+/// owner references, the workload controllers, nodes and their taints and pods, the chart's
+/// PodDisruptionBudget). kube-controller-manager sets up its controllers one after the other
+/// before it starts any, so with every default controller (`*`) the `default` ServiceAccount,
+/// which every test waits for, came about 5 s after start-up on 2 cores; with these, half a
+/// second. A test of an object no controller here acts on adds its controller.
+pub const TEST_CONTROLLERS: &str = "serviceaccount-controller,serviceaccount-token-controller,namespace-controller,\
+garbage-collector-controller,replicaset-controller,deployment-controller,statefulset-controller,daemonset-controller,\
+job-controller,node-lifecycle-controller,taint-eviction-controller,pod-garbage-collector-controller,\
+disruption-controller";
+
 /// Settings of the control plane that tests may want to tune.
 #[derive(Clone, Debug)]
 pub struct ControlPlaneOptions {
@@ -50,8 +62,8 @@ pub struct ControlPlaneOptions {
     /// `/healthz` of the others) before start-up fails naming it and its log. A cold
     /// apiserver start on 2 cores installs its bootstrap RBAC policy first.
     pub ready_timeout: Duration,
-    /// kube-controller-manager's `--controllers`: `*` (every default controller) unless a
-    /// run without kubelets turns off the controllers that need them.
+    /// kube-controller-manager's `--controllers`: [`TEST_CONTROLLERS`] unless a run asks for
+    /// others (the scale benchmark runs every default controller but those that need kubelets).
     pub controllers: String,
     /// An audit policy (YAML) for kube-apiserver; with it, the apiserver writes its audit
     /// log to `audit.log` in the run directory, for figures by client.
@@ -63,7 +75,7 @@ impl Default for ControlPlaneOptions {
         Self {
             node_monitor_grace_period: Duration::from_secs(20),
             ready_timeout: Duration::from_secs(180),
-            controllers: "*".to_string(),
+            controllers: TEST_CONTROLLERS.to_string(),
             audit_policy: None,
         }
     }
