@@ -251,8 +251,15 @@ impl Cluster {
         for node in &mut self.nodes {
             node.stop();
         }
-        self.control_plane.stop();
-        if failed || self.keep {
+        let keep = failed || self.keep;
+        if keep {
+            self.control_plane.stop();
+        } else {
+            // Nothing of a run that passed is read again; a graceful stop would only wait:
+            // kube-apiserver does not exit on SIGTERM within the 10 s grace.
+            self.control_plane.kill_all();
+        }
+        if keep {
             eprintln!("ipwarden-e2e: run directory kept: {}", self.dir.display());
             for log in self.control_plane.logs() {
                 eprintln!("ipwarden-e2e:   log: {}", log.display());

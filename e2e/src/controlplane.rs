@@ -275,6 +275,13 @@ impl ControlPlane {
         }
     }
 
+    /// Kills every component at once (SIGKILL): the end of a run whose logs nobody reads.
+    pub fn kill_all(&mut self) {
+        for (_, component) in self.components.iter_mut().rev() {
+            component.kill();
+        }
+    }
+
     /// Stops every component, newest first (scheduler and controller manager before the
     /// apiserver, etcd last).
     pub fn stop(&mut self) {
