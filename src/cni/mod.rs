@@ -217,6 +217,7 @@ fn build_request(env: CniEnv, conf: &NetConf) -> Result<AgentRequest, CniError> 
                 prev_result: conf.prev_result.clone().map(Value::Object),
                 runtime_config_ips: conf.runtime_config_ips()?,
                 args_ips: cni_args.ip,
+                pools: conf.pools.clone(),
             };
             Ok(match command {
                 Command::Add => AgentRequest::Add(request),
