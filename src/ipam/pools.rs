@@ -310,7 +310,7 @@ pub enum SelectError {
     UnknownPool {
         /// The missing pool.
         pool: String,
-        /// What named it ([`PoolSource`]'s text).
+        /// What named it, e.g. "ipam.pools of network net1".
         named_by: String,
     },
     /// The pod's `ipwarden.io/pools` annotation is not a JSON map of lists of pool names.
@@ -340,11 +340,14 @@ pub enum SelectError {
         second: String,
         /// IPv4 or IPv6.
         family: &'static str,
-        /// What chose them ([`PoolSource`]'s text).
+        /// What chose them, e.g. "the default pools".
         named_by: String,
     },
-    /// No annotation and no default pool fits.
-    #[error("no ipwarden.io/pool annotation on the pod or its namespace, and no default pool fits it{}", skipped_text(.skipped))]
+    /// Nothing names the interface's pools and no default pool fits.
+    #[error(
+        "no pool is named for the interface ({POOLS_ANNOTATION}, the netconf's ipam.pools, {POOL_ANNOTATION} on the pod or its namespace), and no default pool fits it{}",
+        skipped_text(.skipped)
+    )]
     NoDefault {
         /// The default pools that exist but cannot serve the pod, with why ("pool p: it
         /// is being deleted").
@@ -354,7 +357,7 @@ pub enum SelectError {
 
 /// What named the pools an interface allocates from, in the order of precedence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PoolSource<'a> {
+enum PoolSource<'a> {
     /// The pod's `ipwarden.io/pools` entry for the interface.
     InterfaceAnnotation(&'a str),
     /// The network's netconf `ipam.pools`.
@@ -385,7 +388,7 @@ impl std::fmt::Display for PoolSource<'_> {
 /// nothing names any (the default pools then serve it). An empty list, or a blank value,
 /// names nothing. A malformed `ipwarden.io/pools` annotation is an error for every
 /// interface: guessing what it meant could put an interface on the wrong network.
-pub fn named_pools<'a>(placement: &PodPlacement<'a>) -> Result<Option<(PoolSource<'a>, Vec<String>)>, SelectError> {
+fn named_pools<'a>(placement: &PodPlacement<'a>) -> Result<Option<(PoolSource<'a>, Vec<String>)>, SelectError> {
     let per_interface = match placement.interface_annotation.filter(|v| !v.trim().is_empty()) {
         Some(text) => serde_json::from_str::<BTreeMap<String, Vec<String>>>(text)
             .map_err(|e| SelectError::MalformedPoolsAnnotation { reason: e.to_string() })?
