@@ -3,7 +3,8 @@
 //! the network's netconf `ipam.pools`, else the pod's own rules (`ipwarden.io/pool`, the
 //! namespace's, the default pools). Status lists each record's interface and network,
 //! `ipwarden check` finds nothing wrong with the second interface's records, the
-//! controller's sweeps keep them while the pod lives, and the DELs release them all.
+//! controller's sweeps keep them while the pod lives, and the DELs release them all (the
+//! controller, when the DELs are lost).
 //! A pool that does not exist, named by a netconf or the annotation, fails the ADD naming it.
 
 mod support;
@@ -11,7 +12,7 @@ mod support;
 use std::collections::BTreeMap;
 
 use e2e::cni::{Invocation, PodArgs};
-use e2e::kubelet::{EXTRA_INTERFACES_ANNOTATION, EXTRA_NETCONF_ANNOTATION};
+use e2e::kubelet::{EXTRA_INTERFACES_ANNOTATION, EXTRA_NETCONF_ANNOTATION, SKIP_DEL_ANNOTATION};
 use e2e::wait::{self, Probe};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -64,7 +65,8 @@ async fn each_interface_of_a_pod_on_two_networks_draws_from_its_own_pools_and_ke
         ("b-v4", json!({"cidr": "10.85.0.0/24"})),
         ("b-v6", json!({"cidr": "fd85::/120"})),
     ];
-    let mut ipwarden = Ipwarden::start(1, &pools, &[]).await;
+    // A sandbox whose DEL is lost holds a record marked for release this long (default 60 s).
+    let mut ipwarden = Ipwarden::start(1, &pools, &["--release-sandbox-grace-seconds=2"]).await;
     let client = ipwarden.client();
     let net1_on_b = json!({"net1": network_b(&ipwarden, json!(["b-v4", "b-v6"]))}).to_string();
     let two_networks = json!({EXTRA_INTERFACES_ANNOTATION: "net1", EXTRA_NETCONF_ANNOTATION: net1_on_b});
@@ -74,7 +76,11 @@ async fn each_interface_of_a_pod_on_two_networks_draws_from_its_own_pools_and_ke
     let mut overridden = two_networks.clone();
     overridden["ipwarden.io/pools"] = json!(json!({"net1": ["a-v4"]}).to_string());
     create_pod(&client, "override", "node-0", overridden).await;
-    support::wait_pods_with_ips(&client, NS, "app=multus", 2).await;
+    // A pod whose DELs the runtime loses: the controller reclaims both interfaces' IPs.
+    let mut lost = two_networks.clone();
+    lost[SKIP_DEL_ANNOTATION] = json!("true");
+    create_pod(&client, "lost-del", "node-0", lost).await;
+    support::wait_pods_with_ips(&client, NS, "app=multus", 3).await;
 
     let multi = interfaces_of(&client, "multi").await;
     let (network, eth0) = &multi["eth0"];
@@ -149,9 +155,11 @@ async fn each_interface_of_a_pod_on_two_networks_draws_from_its_own_pools_and_ke
     let failed = ["by-netconf", "by-annotation", "malformed"];
     assert!(!records(&client).await.values().any(|r| failed.contains(&r.pod.name.as_str())), "nothing allocated");
 
-    // Deleting the pods: the runtime's DELs of both interfaces release every record.
+    // Deleting the pods: the runtime's DELs of both interfaces release every record, and the
+    // controller those of the pod whose DELs were lost.
+    assert_eq!(interfaces_of(&client, "lost-del").await.len(), 2, "lost-del holds eth0 and net1");
     let api = Api::<Pod>::namespaced(client.clone(), NS);
-    for pod in ["multi", "override"] {
+    for pod in ["multi", "override", "lost-del"] {
         api.delete(pod, &DeleteParams::default()).await.expect("delete");
     }
     wait::until("both pods' records released", TIMEOUT, || async {
@@ -159,5 +167,5 @@ async fn each_interface_of_a_pod_on_two_networks_draws_from_its_own_pools_and_ke
         Ok(if left.is_empty() { Probe::Done(()) } else { Probe::Pending(format!("still recorded: {left:?}")) })
     })
     .await
-    .expect("the DELs release both interfaces' IPs");
+    .expect("the DELs and the controller release both interfaces' IPs");
 }
