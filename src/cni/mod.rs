@@ -437,6 +437,16 @@ mod test {
     }
 
     #[test]
+    fn add_forwards_the_pools_of_the_ipwarden_ipam_section() {
+        let agent = FakeAgent::ok();
+        let ipam = json!({"ipam": {"type": "ipwarden", "pools": ["net1-v4", "net1-v6"]}});
+        let outcome = run(&vars("ADD", &[], &[]), &conf("1.1.0", ipam), &agent);
+        assert_eq!(outcome.exit_code, 0, "{outcome:?}");
+        let AgentRequest::Add(request) = agent.only_request() else { panic!("not an ADD") };
+        assert_eq!(request.pools, ["net1-v4", "net1-v6"]);
+    }
+
+    #[test]
     fn add_forwards_the_fixed_ips_of_runtime_config_and_cni_args_as_given() {
         let agent = FakeAgent::ok();
         let args = format!("{POD_ARGS};IP=10.0.0.8,fd00::8");
