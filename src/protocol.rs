@@ -56,6 +56,9 @@ pub struct AttachmentRequest {
     /// The fixed IPs of `IP=` in `CNI_ARGS` (comma-separated), as given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub args_ips: Option<String>,
+    /// The pools the netconf names for this network (`ipam.pools`); empty when it names none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pools: Vec<String>,
 }
 
 /// The Kubernetes pod an attachment belongs to, so the agent can tie IPs to pod identity.
@@ -288,6 +291,7 @@ mod test {
             prev_result: None,
             runtime_config_ips: None,
             args_ips: None,
+            pools: Vec::new(),
         }
     }
 

@@ -115,6 +115,7 @@ async fn the_chart_lints_and_renders_restricted_workloads_least_privilege_rbac_a
     let conflist: Value = serde_json::from_str(conflist).expect("the conflist is JSON");
     let ipam = &conflist["plugins"][0]["ipam"];
     assert_eq!(ipam["type"], "ipwarden-cni", "ipwarden is the network's IPAM");
+    assert!(ipam.get("pools").is_none(), "no pools named by default: the pods' own rules choose");
     let socket_flag = format!("--socket={}", ipam["socket"].as_str().unwrap_or_default());
     assert!(
         agent["args"].as_array().into_iter().flatten().any(|a| *a == socket_flag.as_str()),
@@ -174,6 +175,16 @@ async fn the_chart_lints_and_renders_restricted_workloads_least_privilege_rbac_a
             .await
             .expect("promtool check rules accepts the alerts");
     assert!(checked.contains("SUCCESS: 9 rules found"), "promtool found every rule: {checked}");
+
+    let pools = ["cni.pools={pods-v4,pods-v6}"];
+    let docs = helm.template("ipwarden", NAMESPACE, &pools, &[]).await.expect("renders with pools");
+    let conflist =
+        of_kind(&docs, "ConfigMap").into_iter().find_map(|c| c["data"]["conflist"].as_str()).expect("conflist");
+    let conflist: Value = serde_json::from_str(conflist).expect("the conflist is JSON");
+    assert_eq!(conflist["plugins"][0]["ipam"]["pools"], serde_json::json!(["pods-v4", "pods-v6"]), "cni.pools");
+    let refused = helm.template("ipwarden", NAMESPACE, &["cni.pools={a,b,c}"], &[]).await;
+    let message = refused.expect_err("the schema refuses a third pool").to_string();
+    assert!(message.contains("/cni/pools"), "the schema names the bad value: {message}");
 
     let refused = helm.template("ipwarden", NAMESPACE, &["controller.replicas=0"], &[]).await;
     let message = refused.expect_err("the schema refuses zero controller replicas").to_string();

@@ -23,7 +23,7 @@ use super::metrics::PoolLabels;
 use crate::block_store::CasStore;
 use crate::crd::{
     Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPBlockSpec, IPClaim, IPClaimSpec, IPPool,
-    MigrationTarget, OwnerRef, POOL_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
+    MigrationTarget, OwnerRef, POOL_ANNOTATION, POOLS_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
 };
 use crate::gc::handshake::{ClaimedRecord, ReclaimStep, reclaim_step};
 use crate::ipam::affinity::{self, KnownBlock};
@@ -50,6 +50,7 @@ type FixedTake = Result<Option<blocks::Prior>, fixed::FixedError>;
 
 /// What pool selection reads about a pod besides the pools ([`Core::placement_facts`]).
 struct PlacementFacts {
+    interface_annotation: Option<String>,
     pod_annotation: Option<String>,
     namespace_annotation: Option<String>,
     namespace_labels: BTreeMap<String, String>,
@@ -57,8 +58,12 @@ struct PlacementFacts {
 }
 
 impl PlacementFacts {
-    fn placement(&self) -> PodPlacement<'_> {
+    /// The placement of `request`'s interface.
+    fn placement<'a>(&'a self, request: &'a AttachmentRequest) -> PodPlacement<'a> {
         PodPlacement {
+            interface: &request.ifname,
+            interface_annotation: self.interface_annotation.as_deref(),
+            network: (&request.network, &request.pools),
             pod_annotation: self.pod_annotation.as_deref(),
             namespace_annotation: self.namespace_annotation.as_deref(),
             namespace_labels: &self.namespace_labels,
@@ -505,9 +510,12 @@ impl Core {
         let pool_set = PoolSet::of(&pools_snapshot, &self.blocks.state());
         let views = pool_set.views();
         let facts = self.placement_facts(pod, &pools_snapshot).await?;
-        let placement = facts.placement();
-        let chosen = pools::select(&views, pool_set.orphans(), &placement)
-            .map_err(|cause| Error::NoPoolFits { pod: format!("{namespace_name}/{}", pod.name_any()), cause })?;
+        let placement = facts.placement(request);
+        let chosen = pools::select(&views, pool_set.orphans(), &placement).map_err(|cause| Error::NoPoolFits {
+            pod: format!("{namespace_name}/{}", pod.name_any()),
+            interface: request.ifname.clone(),
+            cause,
+        })?;
         let record = self.record_for(pod, owner, sticky, request);
         let mut written = Vec::new();
         for view in chosen {
@@ -542,6 +550,7 @@ impl Core {
             BTreeMap::new()
         };
         Ok(PlacementFacts {
+            interface_annotation: pod.annotations().get(POOLS_ANNOTATION).cloned(),
             pod_annotation: pod.annotations().get(POOL_ANNOTATION).cloned(),
             namespace_annotation: namespace.as_ref().and_then(|n| n.annotations().get(POOL_ANNOTATION)).cloned(),
             namespace_labels: namespace.as_ref().map(|n| n.labels().clone()).unwrap_or_default(),
@@ -571,7 +580,7 @@ impl Core {
         for choice in fixed.choices() {
             let mut refused = Vec::new();
             for &ip in &choice {
-                let taken = match fixed::pool_of(&views, pool_set.orphans(), &facts.placement(), ip) {
+                let taken = match fixed::pool_of(&views, pool_set.orphans(), &facts.placement(request), ip) {
                     Ok(place) => self.take_fixed(&place, &record, ip).await,
                     Err(cause) => Ok(Err(cause)),
                 };

@@ -30,11 +30,13 @@ pub enum Error {
         /// The UID the runtime asked for.
         expected: String,
     },
-    /// No pool may serve the pod.
-    #[error("no pool for pod {pod}: {cause}")]
+    /// No pool may serve the pod's interface.
+    #[error("no pool for pod {pod} interface {interface}: {cause}")]
     NoPoolFits {
         /// `namespace/name`.
         pod: String,
+        /// The interface being added (`CNI_IFNAME`).
+        interface: String,
         /// Why each pool was refused.
         #[source]
         cause: SelectError,

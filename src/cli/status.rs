@@ -53,6 +53,10 @@ struct IpRow {
     /// Whether the record is a sticky workload's (see [`counts_as_sticky`]).
     sticky: bool,
     pod: String,
+    /// The pod's interface holding the IP (`eth0`, Multus' `net1`, ...); empty for a free IP.
+    interface: String,
+    /// The network (netconf name) of that interface; empty for a free IP.
+    network: String,
 }
 
 /// Counts of one pool on one node.
@@ -90,7 +94,8 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             let pod = format!("{}/{}", record.pod.namespace, record.pod.name);
             let sticky = counts_as_sticky(record);
             let (pool, node) = (block.spec.pool.clone(), record.node.clone());
-            rows.push(IpRow { ip: ip.clone(), pool, node, state, sticky, pod });
+            let (interface, network) = (record.interface.clone(), record.network.clone());
+            rows.push(IpRow { ip: ip.clone(), pool, node, state, sticky, pod, interface, network });
         }
         let released = block.spec.released.iter().filter(|_| args.namespace.is_none());
         for (ip, at) in released {
@@ -103,6 +108,8 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
                     state: "cooling",
                     sticky: false,
                     pod: String::new(),
+                    interface: String::new(),
+                    network: String::new(),
                 };
                 rows.push(row);
             }
@@ -162,10 +169,12 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             .iter()
             .map(|r| {
                 let sticky = if r.sticky { "yes" } else { "" };
-                vec![r.ip.clone(), r.pool.clone(), r.node.clone(), r.state.to_string(), sticky.into(), r.pod.clone()]
+                let (ip, pool, node, state) = (r.ip.clone(), r.pool.clone(), r.node.clone(), r.state.to_string());
+                vec![ip, pool, node, state, sticky.into(), r.pod.clone(), r.interface.clone(), r.network.clone()]
             })
             .collect();
-        print!("{}", table(&["IP", "POOL", "NODE", "STATE", "STICKY", "POD"], &list));
+        let headers = ["IP", "POOL", "NODE", "STATE", "STICKY", "POD", "INTERFACE", "NETWORK"];
+        print!("{}", table(&headers, &list));
     }
     Ok(())
 }

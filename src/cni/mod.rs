@@ -217,6 +217,7 @@ fn build_request(env: CniEnv, conf: &NetConf) -> Result<AgentRequest, CniError> 
                 prev_result: conf.prev_result.clone().map(Value::Object),
                 runtime_config_ips: conf.runtime_config_ips()?,
                 args_ips: cni_args.ip,
+                pools: conf.pools.clone(),
             };
             Ok(match command {
                 Command::Add => AgentRequest::Add(request),
@@ -433,6 +434,16 @@ mod test {
             );
             assert_eq!(request.prev_result, Some(prev));
         }
+    }
+
+    #[test]
+    fn add_forwards_the_pools_of_the_ipwarden_ipam_section() {
+        let agent = FakeAgent::ok();
+        let ipam = json!({"ipam": {"type": "ipwarden", "pools": ["net1-v4", "net1-v6"]}});
+        let outcome = run(&vars("ADD", &[], &[]), &conf("1.1.0", ipam), &agent);
+        assert_eq!(outcome.exit_code, 0, "{outcome:?}");
+        let AgentRequest::Add(request) = agent.only_request() else { panic!("not an ADD") };
+        assert_eq!(request.pools, ["net1-v4", "net1-v6"]);
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! other than `1.0.0` or `1.1.0` is code 1. ipwarden's own settings (`socket`,
 //! `timeoutSeconds`) come from the `ipam` section when its `type` is `ipwarden` or
 //! `ipwarden-cni` (ipwarden as the IPAM plugin of bridge, ptp, ...), otherwise from the top
-//! level (ipwarden invoked directly).
+//! level (ipwarden invoked directly), and so do the network's pools (`pools`, docs/data-model.md,
+//! "Per-interface pools").
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -53,6 +54,9 @@ pub struct NetConf {
     pub runtime_config: Option<Map<String, Value>>,
     /// Where and how patiently to reach the agent.
     pub agent: AgentSettings,
+    /// The pools this network's interfaces draw from (`ipam.pools`), one per IP family; empty
+    /// when the netconf names none (the pod's own rules then apply).
+    pub pools: Vec<String>,
 }
 
 impl NetConf {
@@ -98,6 +102,7 @@ struct RawNetConf {
     runtime_config: Option<Map<String, Value>>,
     socket: Option<Value>,
     timeout_seconds: Option<Value>,
+    pools: Option<Value>,
 }
 
 /// The most the plugin reads from stdin: a network configuration is a few KiB, and a runtime
@@ -167,6 +172,39 @@ fn agent_settings(section: &str, socket: Option<&Value>, timeout: Option<&Value>
     Ok(AgentSettings { socket, timeout: Duration::from_secs(seconds) })
 }
 
+/// The most pools a netconf names: one per IP family.
+const MAX_POOLS: usize = 2;
+
+/// The pool names of network `network`'s `{section}pools`: a list of strings (else code 6),
+/// each non-blank, at most [`MAX_POOLS`] and none twice (else code 7). Whether the pools
+/// exist, and are of two families, only the agent knows.
+fn pool_names(network: &str, section: &str, pools: Option<&Value>) -> Result<Vec<String>, CniError> {
+    let names: Vec<String> = match pools {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items.iter().map(|item| item.as_str().map(str::to_string)).collect::<Option<_>>(),
+        Some(_) => None,
+    }
+    .ok_or_else(|| {
+        let shown = pools.map(Value::to_string).unwrap_or_default();
+        CniError::decoding_failure(format!(
+            "network {network:?}: {section}pools must be a list of pool names, got {shown}"
+        ))
+    })?;
+    let invalid = |why: &str| {
+        Err(CniError::invalid_network_config(format!("network {network:?}: {section}pools {names:?} {why}")))
+    };
+    if names.iter().any(|name| name.trim().is_empty()) {
+        return invalid("has an empty pool name");
+    }
+    if names.len() > MAX_POOLS {
+        return invalid("names more than one pool per IP family (at most 2)");
+    }
+    if names.iter().enumerate().any(|(i, name)| names[..i].contains(name)) {
+        return invalid("names a pool twice");
+    }
+    Ok(names)
+}
+
 /// Rejects attachments with an empty container id or interface name (code 7).
 fn check_attachments(key: &str, attachments: &[Attachment]) -> Result<(), CniError> {
     match attachments.iter().find(|a| a.container_id.is_empty() || a.ifname.is_empty()) {
@@ -208,9 +246,15 @@ pub fn parse_netconf(bytes: &[u8]) -> Result<NetConf, CniError> {
         .ipam
         .as_ref()
         .filter(|ipam| ipam.get("type").and_then(Value::as_str).is_some_and(|plugin| IPAM_TYPES.contains(&plugin)));
-    let agent = match ipwarden_ipam {
-        Some(ipam) => agent_settings("ipam.", ipam.get("socket"), ipam.get("timeoutSeconds"))?,
-        None => agent_settings("", raw.socket.as_ref(), raw.timeout_seconds.as_ref())?,
+    let (agent, pools) = match ipwarden_ipam {
+        Some(ipam) => (
+            agent_settings("ipam.", ipam.get("socket"), ipam.get("timeoutSeconds"))?,
+            pool_names(&name, "ipam.", ipam.get("pools"))?,
+        ),
+        None => (
+            agent_settings("", raw.socket.as_ref(), raw.timeout_seconds.as_ref())?,
+            pool_names(&name, "", raw.pools.as_ref())?,
+        ),
     };
     let valid_attachments = match (raw.valid_attachments, raw.legacy_attachments) {
         (Some(list), _) => {
@@ -232,6 +276,7 @@ pub fn parse_netconf(bytes: &[u8]) -> Result<NetConf, CniError> {
         valid_attachments,
         runtime_config: raw.runtime_config,
         agent,
+        pools,
     })
 }
 
@@ -298,6 +343,37 @@ mod test {
                 conf.agent,
                 AgentSettings { socket: "/run/custom.sock".into(), timeout: Duration::from_secs(5) }
             );
+        }
+    }
+
+    #[test]
+    fn pools_come_from_the_ipwarden_ipam_section_else_the_top_level() {
+        let pools = |value: Value| parse(value).unwrap().pools;
+        let ipam = json!({"cniVersion": "1.1.0", "name": "net-b", "type": "macvlan", "pools": ["top"],
+                          "ipam": {"type": "ipwarden", "pools": ["b-v4", "b-v6"]}});
+        assert_eq!(pools(ipam), ["b-v4", "b-v6"]);
+        let direct = json!({"cniVersion": "1.1.0", "name": "net-b", "type": "ipwarden", "pools": ["b-v4"]});
+        assert_eq!(pools(direct), ["b-v4"]);
+        let other = json!({"cniVersion": "1.1.0", "name": "n", "ipam": {"type": "host-local", "pools": ["x"]}});
+        assert!(pools(other).is_empty(), "another IPAM's section is not ours");
+        let none = json!({"cniVersion": "1.1.0", "name": "n", "ipam": {"type": "ipwarden", "pools": null}});
+        assert!(pools(none).is_empty());
+    }
+
+    #[test]
+    fn bad_pools_give_code_6_or_7_naming_the_network() {
+        let cases = [
+            (json!("b-v4"), 6, "must be a list of pool names"),
+            (json!(["b-v4", 4]), 6, "must be a list of pool names"),
+            (json!(["b-v4", " "]), 7, "empty pool name"),
+            (json!(["a", "b", "c"]), 7, "more than one pool per IP family"),
+            (json!(["a", "a"]), 7, "twice"),
+        ];
+        for (pools, code, needle) in cases {
+            let conf = json!({"cniVersion": "1.1.0", "name": "net-b", "ipam": {"type": "ipwarden", "pools": pools}});
+            let error = parse(conf).unwrap_err();
+            assert_eq!(error.code, code, "{pools}: {error:?}");
+            assert!(error.msg.contains(needle) && error.msg.contains("network \"net-b\": ipam.pools"), "{}", error.msg);
         }
     }
 

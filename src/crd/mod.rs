@@ -23,6 +23,11 @@ pub const GROUP: &str = "ipwarden.io";
 /// per IP family); without it the default pool(s) are used.
 pub const POOL_ANNOTATION: &str = "ipwarden.io/pool";
 
+/// Pod annotation naming the pools of each interface (Multus attachments): a JSON map of
+/// interface name to pool names, one per IP family, e.g. `{"net1": ["net1-v4"]}`. It wins
+/// over the network's netconf `ipam.pools` and [`POOL_ANNOTATION`] for the interfaces it names.
+pub const POOLS_ANNOTATION: &str = "ipwarden.io/pools";
+
 /// The pod an allocation or claim belongs to.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]

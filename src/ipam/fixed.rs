@@ -470,6 +470,9 @@ mod test {
         let views = set.views();
         let (ns, node) = (BTreeMap::from([("team".to_string(), "a".to_string())]), BTreeMap::new());
         let placement = PodPlacement {
+            interface: "eth0",
+            interface_annotation: None,
+            network: ("pods", &[]),
             pod_annotation: None,
             namespace_annotation: None,
             namespace_labels: &ns,

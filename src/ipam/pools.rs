@@ -10,7 +10,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
 use kube::ResourceExt;
 
-use crate::crd::{IPBlock, IPPool, IPPoolSpec};
+use crate::crd::{IPBlock, IPPool, IPPoolSpec, POOL_ANNOTATION, POOLS_ANNOTATION};
 use crate::ipam::{LayoutError, PoolLayout};
 
 /// The condition type set on a pool that overlaps another; such pools are not used.
@@ -283,9 +283,15 @@ pub fn finalizer_step(has: bool, deleting: bool, records: usize) -> FinalizerSte
     }
 }
 
-/// What the selection knows about the pod being wired.
+/// What the selection knows about the pod and the interface being wired.
 #[derive(Clone, Debug)]
 pub struct PodPlacement<'a> {
+    /// The interface being wired (`CNI_IFNAME`).
+    pub interface: &'a str,
+    /// The pod's `ipwarden.io/pools` annotation (interface -> pools, JSON), as written.
+    pub interface_annotation: Option<&'a str>,
+    /// The attachment's network (the netconf `name`) and the pools its `ipam.pools` names.
+    pub network: (&'a str, &'a [String]),
     /// The pod's `ipwarden.io/pool` annotation.
     pub pod_annotation: Option<&'a str>,
     /// The namespace's `ipwarden.io/pool` annotation.
@@ -299,13 +305,21 @@ pub struct PodPlacement<'a> {
 /// Why no pool could be chosen for a pod.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SelectError {
-    /// An annotation names a pool that does not exist.
-    #[error("pool {pool} named by the {source_of} annotation ipwarden.io/pool does not exist")]
+    /// An annotation or the netconf names a pool that does not exist.
+    #[error("pool {pool} named by {named_by} does not exist")]
     UnknownPool {
         /// The missing pool.
         pool: String,
-        /// "pod" or "namespace".
-        source_of: &'static str,
+        /// What named it, e.g. "ipam.pools of network net1".
+        named_by: String,
+    },
+    /// The pod's `ipwarden.io/pools` annotation is not a JSON map of lists of pool names.
+    #[error(
+        "pod annotation {POOLS_ANNOTATION} must be a JSON map of interface name to pool names, such as {{\"net1\": [\"net1-v4\"]}}: {reason}"
+    )]
+    MalformedPoolsAnnotation {
+        /// Why it does not parse.
+        reason: String,
     },
     /// The chosen pool cannot be used.
     #[error("pool {pool} cannot be used: {reason}")]
@@ -316,7 +330,9 @@ pub enum SelectError {
         reason: String,
     },
     /// Two chosen pools are of the same IP family.
-    #[error("pools {first} and {second} are both {family}; a pod gets at most one IP per family")]
+    #[error(
+        "pools {first} and {second} named by {named_by} are both {family}; an interface gets at most one IP per family"
+    )]
     SameFamily {
         /// One pool.
         first: String,
@@ -324,14 +340,75 @@ pub enum SelectError {
         second: String,
         /// IPv4 or IPv6.
         family: &'static str,
+        /// What chose them, e.g. "the default pools".
+        named_by: String,
     },
-    /// No annotation and no default pool fits.
-    #[error("no ipwarden.io/pool annotation on the pod or its namespace, and no default pool fits it{}", skipped_text(.skipped))]
+    /// Nothing names the interface's pools and no default pool fits.
+    #[error(
+        "no pool is named for the interface ({POOLS_ANNOTATION}, the netconf's ipam.pools, {POOL_ANNOTATION} on the pod or its namespace), and no default pool fits it{}",
+        skipped_text(.skipped)
+    )]
     NoDefault {
         /// The default pools that exist but cannot serve the pod, with why ("pool p: it
         /// is being deleted").
         skipped: Vec<String>,
     },
+}
+
+/// What named the pools an interface allocates from, in the order of precedence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PoolSource<'a> {
+    /// The pod's `ipwarden.io/pools` entry for the interface.
+    InterfaceAnnotation(&'a str),
+    /// The network's netconf `ipam.pools`.
+    Network(&'a str),
+    /// The pod's `ipwarden.io/pool` annotation.
+    PodAnnotation,
+    /// The namespace's `ipwarden.io/pool` annotation.
+    NamespaceAnnotation,
+    /// Nothing: the default pools that fit.
+    Defaults,
+}
+
+impl std::fmt::Display for PoolSource<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::InterfaceAnnotation(interface) => {
+                write!(f, "the pod annotation {POOLS_ANNOTATION} for interface {interface}")
+            }
+            Self::Network(network) => write!(f, "ipam.pools of network {network}"),
+            Self::PodAnnotation => write!(f, "the pod annotation {POOL_ANNOTATION}"),
+            Self::NamespaceAnnotation => write!(f, "the namespace annotation {POOL_ANNOTATION}"),
+            Self::Defaults => write!(f, "the default pools"),
+        }
+    }
+}
+
+/// The pool names that decide an interface's pools, with what named them; `None` when
+/// nothing names any (the default pools then serve it). An empty list, or a blank value,
+/// names nothing. A malformed `ipwarden.io/pools` annotation is an error for every
+/// interface: guessing what it meant could put an interface on the wrong network.
+fn named_pools<'a>(placement: &PodPlacement<'a>) -> Result<Option<(PoolSource<'a>, Vec<String>)>, SelectError> {
+    let per_interface = match placement.interface_annotation.filter(|v| !v.trim().is_empty()) {
+        Some(text) => serde_json::from_str::<BTreeMap<String, Vec<String>>>(text)
+            .map_err(|e| SelectError::MalformedPoolsAnnotation { reason: e.to_string() })?
+            .remove(placement.interface),
+        None => None,
+    };
+    let split = |text: Option<&str>| -> Vec<String> {
+        text.into_iter().flat_map(|t| t.split(',')).map(str::trim).map(str::to_string).collect()
+    };
+    let (network, network_pools) = placement.network;
+    let candidates = [
+        (PoolSource::InterfaceAnnotation(placement.interface), per_interface.unwrap_or_default()),
+        (PoolSource::Network(network), network_pools.to_vec()),
+        (PoolSource::PodAnnotation, split(placement.pod_annotation)),
+        (PoolSource::NamespaceAnnotation, split(placement.namespace_annotation)),
+    ];
+    Ok(candidates.into_iter().find_map(|(source, names)| {
+        let names: Vec<String> = names.into_iter().filter(|n| !n.trim().is_empty()).collect();
+        (!names.is_empty()).then_some((source, names))
+    }))
 }
 
 fn skipped_text(skipped: &[String]) -> String {
@@ -374,27 +451,28 @@ pub(super) fn unusable(
     None
 }
 
-/// The pools a pod allocates from: those its annotation names (comma-separated), else its
-/// namespace's, else every default pool that fits it (one per IP family, IPv4 first). Pools
-/// being deleted, disabled, overlapping (another pool or an orphaned block with records) or
-/// invalid, and pools whose selectors do not match, are never chosen.
+/// The pools an interface of a pod allocates from ([`named_pools`]): those the pod's
+/// `ipwarden.io/pools` annotation names for the interface, else those its network's netconf
+/// names, else those the pod's `ipwarden.io/pool` annotation names (comma-separated), else
+/// its namespace's, else every default pool that fits it (one per IP family, IPv4 first).
+/// Pools being deleted, disabled, overlapping (another pool or an orphaned block with
+/// records) or invalid, and pools whose selectors do not match, are never chosen.
 pub fn select<'a>(
     pools: &[PoolView<'a>],
     orphans: &[OrphanedBlock],
     placement: &PodPlacement<'_>,
 ) -> Result<Vec<PoolView<'a>>, SelectError> {
     let overlapping = overlaps(pools, orphans);
-    let annotation = [("pod", placement.pod_annotation), ("namespace", placement.namespace_annotation)]
-        .into_iter()
-        .find_map(|(source, value)| value.filter(|v| !v.trim().is_empty()).map(|v| (source, v)));
-    let chosen: Vec<PoolView<'a>> = match annotation {
-        Some((source_of, names)) => {
+    let named = named_pools(placement)?;
+    let source = named.as_ref().map_or(PoolSource::Defaults, |(source, _)| *source);
+    let chosen: Vec<PoolView<'a>> = match &named {
+        Some((source, names)) => {
             let mut chosen = Vec::new();
-            for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            for name in names.iter().map(|n| n.trim()) {
                 let pool = pools
                     .iter()
                     .find(|p| p.name == name)
-                    .ok_or_else(|| SelectError::UnknownPool { pool: name.to_string(), source_of })?;
+                    .ok_or_else(|| SelectError::UnknownPool { pool: name.to_string(), named_by: source.to_string() })?;
                 if let Some(reason) = unusable(pool, placement, &overlapping) {
                     return Err(SelectError::Unusable { pool: name.to_string(), reason });
                 }
@@ -431,6 +509,7 @@ pub fn select<'a>(
                     first: a.name.to_string(),
                     second: b.name.to_string(),
                     family: family(la),
+                    named_by: source.to_string(),
                 });
             }
         }
@@ -529,6 +608,9 @@ mod test {
         ]);
         let empty = BTreeMap::new();
         let base = PodPlacement {
+            interface: "eth0",
+            interface_annotation: None,
+            network: ("pods", &[]),
             pod_annotation: None,
             namespace_annotation: None,
             namespace_labels: &empty,
@@ -543,10 +625,90 @@ mod test {
     }
 
     #[test]
+    fn an_interface_draws_from_its_annotation_entry_else_its_network_else_the_pod_rules() {
+        let pools = Pools::new(&[
+            ("a", json!({"cidr": "10.1.0.0/24", "default": true})),
+            ("b", json!({"cidr": "10.2.0.0/24"})),
+            ("b6", json!({"cidr": "fd02::/64"})),
+            ("c", json!({"cidr": "10.3.0.0/24"})),
+            ("p", json!({"cidr": "10.4.0.0/24"})),
+        ]);
+        let views = pools.views();
+        let empty = BTreeMap::new();
+        let net_b = ["b".to_string(), "b6".to_string()];
+        let entries = r#"{"net1": ["c"], "net2": []}"#;
+        // (interface, ipwarden.io/pools, the netconf's ipam.pools, ipwarden.io/pool, chosen)
+        type Row<'a> = (&'a str, Option<&'a str>, &'a [String], Option<&'a str>, &'a [&'a str]);
+        let table: [Row<'_>; 7] = [
+            ("net1", Some(entries), &net_b, Some("p"), &["c"]),
+            // An empty entry names nothing: the network's pools serve it.
+            ("net2", Some(entries), &net_b, Some("p"), &["b", "b6"]),
+            ("net1", None, &net_b, Some("p"), &["b", "b6"]),
+            ("net1", Some("  "), &net_b, None, &["b", "b6"]),
+            // No entry and no network pools: the pod's rules, as for a pod of one network.
+            ("eth0", Some(entries), &[], Some("p"), &["p"]),
+            ("eth0", Some(entries), &[], None, &["a"]),
+            // The same pool may serve two interfaces: each draws its own IP from it.
+            ("net3", Some(r#"{"net3": ["a"]}"#), &net_b, None, &["a"]),
+        ];
+        for (interface, annotation, network_pools, pod_annotation, chosen) in table {
+            let placement = PodPlacement {
+                interface,
+                interface_annotation: annotation,
+                network: ("net-b", network_pools),
+                pod_annotation,
+                namespace_annotation: None,
+                namespace_labels: &empty,
+                node_labels: &empty,
+            };
+            let got = select(&views, &[], &placement).expect("pools");
+            assert_eq!(names(&got), chosen, "{interface} with {annotation:?}, {network_pools:?}, {pod_annotation:?}");
+        }
+    }
+
+    #[test]
+    fn a_bad_per_interface_choice_fails_naming_what_named_it() {
+        let pools = Pools::new(&[
+            ("a", json!({"cidr": "10.1.0.0/24", "default": true})),
+            ("b", json!({"cidr": "10.2.0.0/24"})),
+        ]);
+        let views = pools.views();
+        let empty = BTreeMap::new();
+        let placement = |annotation, network_pools| PodPlacement {
+            interface: "net1",
+            interface_annotation: annotation,
+            network: ("net-b", network_pools),
+            pod_annotation: None,
+            namespace_annotation: None,
+            namespace_labels: &empty,
+            node_labels: &empty,
+        };
+        let unknown = ["b".to_string(), "nope".to_string()];
+        let err = select(&views, &[], &placement(None, &unknown)).expect_err("unknown");
+        assert_eq!(err.to_string(), "pool nope named by ipam.pools of network net-b does not exist");
+        let two_v4 = ["a".to_string(), "b".to_string()];
+        let err = select(&views, &[], &placement(None, &two_v4)).expect_err("same family").to_string();
+        assert!(err.starts_with("pools a and b named by ipam.pools of network net-b are both IPv4"), "{err}");
+        let err = select(&views, &[], &placement(Some(r#"{"net1": ["gone"]}"#), &two_v4)).expect_err("unknown");
+        assert_eq!(
+            err.to_string(),
+            "pool gone named by the pod annotation ipwarden.io/pools for interface net1 does not exist"
+        );
+        for malformed in ["net1=b", r#"{"net1": "b"}"#, r#"["b"]"#] {
+            let err = select(&views, &[], &placement(Some(malformed), &[])).expect_err(malformed);
+            assert!(matches!(err, SelectError::MalformedPoolsAnnotation { .. }), "{malformed}: {err}");
+            assert!(err.to_string().starts_with("pod annotation ipwarden.io/pools must be a JSON map"), "{err}");
+        }
+    }
+
+    #[test]
     fn an_annotation_may_name_one_pool_per_family_for_dual_stack() {
         let pools = Pools::new(&[("v4", json!({"cidr": "10.1.0.0/24"})), ("v6", json!({"cidr": "fd00::/64"}))]);
         let empty = BTreeMap::new();
         let placement = PodPlacement {
+            interface: "eth0",
+            interface_annotation: None,
+            network: ("pods", &[]),
             pod_annotation: Some("v4, v6"),
             namespace_annotation: None,
             namespace_labels: &empty,
@@ -563,6 +725,9 @@ mod test {
         let v4 = ("v4", json!({"cidr": "10.1.0.0/24", "default": true}));
         let empty = BTreeMap::new();
         let placement = PodPlacement {
+            interface: "eth0",
+            interface_annotation: None,
+            network: ("pods", &[]),
             pod_annotation: None,
             namespace_annotation: None,
             namespace_labels: &empty,
@@ -586,6 +751,9 @@ mod test {
         assert_eq!(found.keys().collect::<Vec<_>>(), ["narrow", "wide"]);
         let empty = BTreeMap::new();
         let placement = PodPlacement {
+            interface: "eth0",
+            interface_annotation: None,
+            network: ("pods", &[]),
             pod_annotation: Some("narrow"),
             namespace_annotation: None,
             namespace_labels: &empty,
@@ -616,6 +784,9 @@ mod test {
         let pools = Pools::new(&[("a", json!({"cidr": "10.1.0.0/24"}))]);
         let empty = BTreeMap::new();
         let placement = PodPlacement {
+            interface: "eth0",
+            interface_annotation: None,
+            network: ("pods", &[]),
             pod_annotation: None,
             namespace_annotation: Some("nope"),
             namespace_labels: &empty,
@@ -623,7 +794,10 @@ mod test {
         };
         assert_eq!(
             select(&pools.views(), &[], &placement).err(),
-            Some(SelectError::UnknownPool { pool: "nope".into(), source_of: "namespace" })
+            Some(SelectError::UnknownPool {
+                pool: "nope".into(),
+                named_by: "the namespace annotation ipwarden.io/pool".into()
+            })
         );
         let none = PodPlacement { namespace_annotation: None, ..placement };
         assert_eq!(select(&pools.views(), &[], &none).err(), Some(SelectError::NoDefault { skipped: Vec::new() }));
@@ -642,6 +816,9 @@ mod test {
         let node_b = labels(&[("zone", "b")]);
         let ns = labels(&[("team", "y")]);
         let placement = PodPlacement {
+            interface: "eth0",
+            interface_annotation: None,
+            network: ("pods", &[]),
             pod_annotation: None,
             namespace_annotation: None,
             namespace_labels: &ns,
@@ -677,6 +854,9 @@ mod test {
 
     fn placement<'a>(annotation: Option<&'a str>, empty: &'a BTreeMap<String, String>) -> PodPlacement<'a> {
         PodPlacement {
+            interface: "eth0",
+            interface_annotation: None,
+            network: ("pods", &[]),
             pod_annotation: annotation,
             namespace_annotation: None,
             namespace_labels: empty,

@@ -52,6 +52,7 @@ seccompProfile:
 {{/* The conflist the agent's init container installs on every node. */}}
 {{- define "ipwarden.conflist" -}}
 {{- $ipam := dict "type" "ipwarden-cni" "socket" (printf "%s/agent.sock" .Values.agent.socketDir) "timeoutSeconds" .Values.cni.timeoutSeconds -}}
+{{- with .Values.cni.pools }}{{ $_ := set $ipam "pools" . }}{{ end -}}
 {{- $main := merge (dict "ipam" $ipam) (deepCopy .Values.cni.plugin) -}}
 {{- $plugins := prepend (deepCopy .Values.cni.chainedPlugins) $main -}}
 {{- dict "cniVersion" .Values.cni.cniVersion "name" .Values.cni.networkName "plugins" $plugins | toPrettyJson -}}

@@ -28,8 +28,8 @@ use crate::cni::{CniNetwork, NodeInfo};
 use crate::error::{Error, Result};
 
 pub use pods::{
-    EXIT_CODE_ANNOTATION, EXTRA_INTERFACES_ANNOTATION, RUN_SECONDS_ANNOTATION, SKIP_DEL_ANNOTATION,
-    STOP_SECONDS_ANNOTATION,
+    EXIT_CODE_ANNOTATION, EXTRA_INTERFACES_ANNOTATION, EXTRA_NETCONF_ANNOTATION, RUN_SECONDS_ANNOTATION,
+    SKIP_DEL_ANNOTATION, STOP_SECONDS_ANNOTATION,
 };
 
 /// The field manager of every write the simulated kubelet makes.

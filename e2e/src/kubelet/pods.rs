@@ -46,6 +46,11 @@ const DEFAULT_GRACE_SECONDS: i64 = 30;
 /// does for secondary networks.
 pub const EXTRA_INTERFACES_ANNOTATION: &str = "e2e.ipwarden.io/extra-interfaces";
 
+/// Pod annotation: per secondary interface, netconf fields that replace the node's for that
+/// interface's calls (a JSON map interface -> object, e.g. `{"net1": {"name": "net-b"}}`), as
+/// Multus gives each attachment the config of its own NetworkAttachmentDefinition.
+pub const EXTRA_NETCONF_ANNOTATION: &str = "e2e.ipwarden.io/extra-netconf";
+
 /// How long a worker waits before retrying a failed CNI call or API write.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
 
@@ -155,6 +160,15 @@ impl NodeRuntime {
         self.sandboxes.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
+    /// The netconf of interface `ifname`: the node's, with the fields `netconfs` names for it.
+    fn netconf_for(&self, netconfs: &NetconfOverrides, ifname: &str) -> Value {
+        let mut netconf = (self.network.netconf)(&self.node);
+        if let (Some(conf), Some(Value::Object(fields))) = (netconf.as_object_mut(), netconfs.get(ifname)) {
+            conf.extend(fields.clone());
+        }
+        netconf
+    }
+
     fn record_sandbox(&self, uid: &str, sandbox: Option<Sandbox>) {
         if let Ok(mut sandboxes) = self.sandboxes.lock() {
             match sandbox {
@@ -214,8 +228,8 @@ impl NodeRuntime {
             state.orphans.clear();
         }
         while let Some(container_id) = state.orphans.last() {
-            let netconf = (self.network.netconf)(&self.node);
             for ifname in state.ifnames.iter().rev() {
+                let netconf = self.netconf_for(&state.netconfs, ifname);
                 let call =
                     Invocation { command: "DEL", container_id, ifname, pod: state.args.as_ref(), netconf: &netconf };
                 if let Err(e) = self.network.invoke_on(&self.node, &call).await {
@@ -295,6 +309,7 @@ impl NodeRuntime {
         state.args = Some(args.clone());
         state.skip_del = pod.annotations().get(SKIP_DEL_ANNOTATION).is_some_and(|v| v == "true");
         state.ifnames = interfaces(pod);
+        state.netconfs = netconf_overrides(pod);
         let netconf = (self.network.netconf)(&self.node);
         let call = Invocation {
             command: "ADD",
@@ -311,7 +326,7 @@ impl NodeRuntime {
         }
         let primary = self.network.invoke_on(&self.node, &call).await;
         let extra = match &primary {
-            Ok(Some(_)) => self.add_extra_interfaces(&container_id, &args, &state.ifnames[1..], &netconf).await,
+            Ok(Some(_)) => self.add_extra_interfaces(&container_id, &args, &state.ifnames[1..], &state.netconfs).await,
             _ => Ok(Vec::new()),
         };
         let next = self.finish_add(uid, pod, state, container_id.clone(), primary.and_then(|r| Ok((r, extra?))));
@@ -328,11 +343,12 @@ impl NodeRuntime {
         container_id: &str,
         args: &PodArgs,
         ifnames: &[String],
-        netconf: &Value,
+        netconfs: &NetconfOverrides,
     ) -> crate::error::Result<ExtraResults> {
         let mut results = Vec::new();
         for ifname in ifnames {
-            let call = Invocation { command: "ADD", container_id, ifname, pod: Some(args), netconf };
+            let netconf = self.netconf_for(netconfs, ifname);
+            let call = Invocation { command: "ADD", container_id, ifname, pod: Some(args), netconf: &netconf };
             let result = self.network.invoke_on(&self.node, &call).await?.unwrap_or(Value::Null);
             results.push((ifname.clone(), result));
         }
@@ -390,7 +406,7 @@ impl NodeRuntime {
             // Secondary interfaces first, the pod's own last, as Multus tears them down.
             let own = (sandbox.ifname.clone(), sandbox.result.clone());
             for (ifname, result) in sandbox.extra.iter().rev().chain(std::iter::once(&own)) {
-                let netconf = cni::with_prev_result(&(self.network.netconf)(&self.node), result);
+                let netconf = cni::with_prev_result(&self.netconf_for(&state.netconfs, ifname), result);
                 let call = Invocation {
                     command: "DEL",
                     container_id: &sandbox.container_id,
@@ -474,6 +490,17 @@ struct PodState {
     skip_del: bool,
     /// The sandbox's interfaces: the pod's own first, then [`EXTRA_INTERFACES_ANNOTATION`]'s.
     ifnames: Vec<String>,
+    /// The pod's [`EXTRA_NETCONF_ANNOTATION`], for the calls of its secondary interfaces.
+    netconfs: NetconfOverrides,
+}
+
+/// Netconf fields by interface ([`EXTRA_NETCONF_ANNOTATION`]).
+type NetconfOverrides = serde_json::Map<String, Value>;
+
+/// The pod's [`EXTRA_NETCONF_ANNOTATION`]; none when it is absent or not a JSON object.
+fn netconf_overrides(pod: &Pod) -> NetconfOverrides {
+    let text = pod.annotations().get(EXTRA_NETCONF_ANNOTATION).map(String::as_str).unwrap_or("{}");
+    serde_json::from_str(text).unwrap_or_default()
 }
 
 fn pod_key(pod: &Pod) -> String {
