@@ -232,9 +232,10 @@ async fn a_deployment_of_three_keeps_to_its_listed_ips_across_a_rollout_and_a_fo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deployments_listed_ips_stay_reserved_for_it_between_its_pods_refused_to_others_naming_it_until_it_is_deleted()
-{
+ {
     const SYSTEM: &str = "ipwarden-system";
-    let pools = [("main", json!({"cidr": "10.76.0.0/24", "default": true})), ("listed", json!({"cidr": "10.77.0.0/24"}))];
+    let pools =
+        [("main", json!({"cidr": "10.76.0.0/24", "default": true})), ("listed", json!({"cidr": "10.77.0.0/24"}))];
     let mut ipwarden = Ipwarden::without_agents(1, &pools, support::network()).await;
     let client = ipwarden.client();
     // The agent and the controller run as the chart's ServiceAccounts: its RBAC must cover
