@@ -9,6 +9,7 @@ use std::fmt::Debug;
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::api::batch::v1::{CronJob, Job};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::{Client, Resource};
 use serde::de::DeserializeOwned;
@@ -31,34 +32,35 @@ pub async fn record_held(client: &Client, record: &Allocation, sticky: bool) -> 
 }
 
 /// The workload the list-drawn IPs of a pod controlled by `controller` (in `namespace`) are
-/// held for ([`workload::list_workload`]): reads the controller's own controller when its
-/// kind has a parent kind (a ReplicaSet's Deployment, a Job's CronJob), nothing otherwise.
-/// A controller already gone holds nothing.
+/// held for ([`workload::list_workload`]): reads the controller's own controller when it is
+/// a ReplicaSet or a Job ([`workload::parent_kind`]: a Deployment, a CronJob), nothing
+/// otherwise. A controller already gone holds nothing.
 pub async fn list_workload(
     client: &Client,
     namespace: &str,
     controller: Option<&OwnerRef>,
 ) -> Result<Option<OwnerRef>, kube::Error> {
-    let Some(owner) = controller.filter(|c| workload::parent_kind(&c.kind).is_some()) else {
-        return Ok(workload::list_workload(controller, None));
-    };
-    let references = match owner.kind.as_str() {
-        "ReplicaSet" => Api::<ReplicaSet>::namespaced(client.clone(), namespace)
-            .get_metadata_opt(&owner.name)
-            .await?
-            .map(|m| m.metadata.owner_references),
-        _ => Api::<Job>::namespaced(client.clone(), namespace)
-            .get_metadata_opt(&owner.name)
-            .await?
-            .map(|m| m.metadata.owner_references),
+    let references = match controller.map(|c| (c.kind.as_str(), c.name.as_str())) {
+        Some(("ReplicaSet", name)) => owner_references::<ReplicaSet>(client, namespace, name).await?,
+        Some(("Job", name)) => owner_references::<Job>(client, namespace, name).await?,
+        _ => return Ok(workload::list_workload(controller, None)),
     };
     let Some(references) = references else { return Ok(None) };
-    let parent = references
-        .iter()
-        .flatten()
-        .find(|o| o.controller == Some(true))
-        .map(|o| OwnerRef { kind: o.kind.clone(), name: o.name.clone() });
-    Ok(workload::list_workload(controller, parent.as_ref()))
+    Ok(workload::list_workload(controller, workload::controller_in(Some(&references)).as_ref()))
+}
+
+/// The ownerReferences of `K`/`name` (metadata only), `None` when it does not exist.
+async fn owner_references<K>(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<Option<Vec<OwnerReference>>, kube::Error>
+where
+    K: Resource<Scope = NamespaceResourceScope> + Clone + Debug + DeserializeOwned,
+    K::DynamicType: Default,
+{
+    let meta = Api::<K>::namespaced(client.clone(), namespace).get_metadata_opt(name).await?;
+    Ok(meta.map(|m| m.metadata.owner_references.unwrap_or_default()))
 }
 
 /// KubeVirt's API group and version.

@@ -4,6 +4,7 @@
 //! IPs its pods draw from an `ipwarden.io/ip-list`, for as long as it lives.
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use crate::crd::{Allocation, ClaimedInterface, IPClaimSpec, OwnerRef};
 
@@ -24,9 +25,13 @@ pub const DEFAULT_STICKY_KINDS: [&str; 2] = ["StatefulSet", KUBEVIRT_VMI_KIND];
 
 /// The pod's controller, from its `controller: true` ownerReference.
 pub fn controller_of(pod: &Pod) -> Option<OwnerRef> {
-    pod.metadata
-        .owner_references
-        .iter()
+    controller_in(pod.metadata.owner_references.as_deref())
+}
+
+/// The controller among an object's ownerReferences: the one marked `controller: true`.
+pub fn controller_in(references: Option<&[OwnerReference]>) -> Option<OwnerRef> {
+    references
+        .into_iter()
         .flatten()
         .find(|o| o.controller == Some(true))
         .map(|o| OwnerRef { kind: o.kind.clone(), name: o.name.clone() })
