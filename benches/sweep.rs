@@ -57,6 +57,7 @@ fn cluster() -> Cluster {
                     interface: "eth0".into(),
                     owner: None,
                     sticky: false,
+                    held_for: None,
                     allocated_at: Time(Timestamp::UNIX_EPOCH),
                     release_handshake: None,
                     migration_target: None,

@@ -1,13 +1,67 @@
-//! The one live read of a sticky record's owner, for the agent (DEL, start-up GC) and the
+//! The one live read of a record's owner, for the agent (DEL, start-up GC) and the
 //! controller's pool actors (the re-check right before a release is written): the facts
-//! [`workload::owner_wants`] decides on, read from the API, not from a cache.
+//! [`workload::owner_wants`] and [`workload::workload_lives`] decide on, read from the API,
+//! not from a cache. Also the agent's read, at the ADD of a pod drawing from an
+//! `ipwarden.io/ip-list`, of the workload its IPs are held for.
 
-use k8s_openapi::api::apps::v1::StatefulSet;
-use kube::Client;
+use std::fmt::Debug;
+
+use k8s_openapi::NamespaceResourceScope;
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
+use k8s_openapi::api::batch::v1::{CronJob, Job};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
+use kube::{Client, Resource};
+use serde::de::DeserializeOwned;
 
 use crate::crd::{Allocation, OwnerRef};
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence, StatefulSetFacts};
+
+/// Whether `record` is still reserved for a workload, from live reads: its sticky owner
+/// still wants its ordinal or VM (only asked when `sticky`: the caller judges stickiness by
+/// its settings), or the workload it is held for (`heldFor`) lives. An owner that cannot
+/// be read wants.
+pub async fn record_held(client: &Client, record: &Allocation, sticky: bool) -> bool {
+    if sticky && record_owner_wants(client, record).await {
+        return true;
+    }
+    match record.held_for.as_ref() {
+        Some(workload) => workload::workload_lives(read(client, &record.pod.namespace, workload).await),
+        None => false,
+    }
+}
+
+/// The workload the list-drawn IPs of a pod controlled by `controller` (in `namespace`) are
+/// held for ([`workload::list_workload`]): reads the controller's own controller when it is
+/// a ReplicaSet or a Job ([`workload::parent_kind`]: a Deployment, a CronJob), nothing
+/// otherwise. A controller already gone holds nothing.
+pub async fn list_workload(
+    client: &Client,
+    namespace: &str,
+    controller: Option<&OwnerRef>,
+) -> Result<Option<OwnerRef>, kube::Error> {
+    let references = match controller.map(|c| (c.kind.as_str(), c.name.as_str())) {
+        Some(("ReplicaSet", name)) => owner_references::<ReplicaSet>(client, namespace, name).await?,
+        Some(("Job", name)) => owner_references::<Job>(client, namespace, name).await?,
+        _ => return Ok(workload::list_workload(controller, None)),
+    };
+    let Some(references) = references else { return Ok(None) };
+    Ok(workload::list_workload(controller, workload::controller_in(Some(&references)).as_ref()))
+}
+
+/// The ownerReferences of `K`/`name` (metadata only), `None` when it does not exist.
+async fn owner_references<K>(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<Option<Vec<OwnerReference>>, kube::Error>
+where
+    K: Resource<Scope = NamespaceResourceScope> + Clone + Debug + DeserializeOwned,
+    K::DynamicType: Default,
+{
+    let meta = Api::<K>::namespaced(client.clone(), namespace).get_metadata_opt(name).await?;
+    Ok(meta.map(|m| m.metadata.owner_references.unwrap_or_default()))
+}
 
 /// KubeVirt's API group and version.
 pub const KUBEVIRT_API_VERSION: &str = "kubevirt.io/v1";
@@ -33,6 +87,10 @@ pub async fn read(client: &Client, namespace: &str, owner: &OwnerRef) -> OwnerFa
                 OwnerFacts::Unknown
             }
         },
+        "Deployment" => presence::<Deployment>(client, namespace, &owner.name).await,
+        "ReplicaSet" => presence::<ReplicaSet>(client, namespace, &owner.name).await,
+        "CronJob" => presence::<CronJob>(client, namespace, &owner.name).await,
+        "Job" => presence::<Job>(client, namespace, &owner.name).await,
         KUBEVIRT_VMI_KIND => {
             let instance = kubevirt_presence(client, namespace, KUBEVIRT_VMI_KIND, &owner.name).await;
             let vm = kubevirt_presence(client, namespace, KUBEVIRT_VM_KIND, &owner.name).await;
@@ -42,6 +100,24 @@ pub async fn read(client: &Client, namespace: &str, owner: &OwnerRef) -> OwnerFa
             }
         }
         _ => OwnerFacts::Unknown,
+    }
+}
+
+/// Whether workload `K`/`name` is there: [`OwnerFacts::Workload`], or
+/// [`OwnerFacts::Unknown`] when it cannot be read.
+async fn presence<K>(client: &Client, namespace: &str, name: &str) -> OwnerFacts
+where
+    K: Resource<Scope = NamespaceResourceScope> + Clone + Debug + DeserializeOwned,
+    K::DynamicType: Default,
+{
+    match Api::<K>::namespaced(client.clone(), namespace).get_metadata_opt(name).await {
+        Ok(Some(meta)) if meta.metadata.deletion_timestamp.is_some() => OwnerFacts::Workload(Presence::Deleting),
+        Ok(Some(_)) => OwnerFacts::Workload(Presence::Live),
+        Ok(None) => OwnerFacts::Workload(Presence::Absent),
+        Err(e) => {
+            tracing::debug!(kind = %K::kind(&K::DynamicType::default()), name, error = %e, "reading the owner failed; it counts as wanting");
+            OwnerFacts::Unknown
+        }
     }
 }
 

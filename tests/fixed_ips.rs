@@ -229,3 +229,103 @@ async fn a_deployment_of_three_keeps_to_its_listed_ips_across_a_rollout_and_a_fo
         assert!(err.contains(&format!("fixed IP {ip} is held by pod default/web-")), "{ip}: {err}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deployments_listed_ips_stay_reserved_for_it_between_its_pods_refused_to_others_naming_it_until_it_is_deleted()
+ {
+    const SYSTEM: &str = "ipwarden-system";
+    let pools =
+        [("main", json!({"cidr": "10.76.0.0/24", "default": true})), ("listed", json!({"cidr": "10.77.0.0/24"}))];
+    let mut ipwarden = Ipwarden::without_agents(1, &pools, support::network()).await;
+    let client = ipwarden.client();
+    // The agent and the controller run as the chart's ServiceAccounts: its RBAC must cover
+    // the workloads they read.
+    support::apply_chart_rbac(&ipwarden, SYSTEM).await;
+    for (account, agent) in [("ipwarden-agent", true), ("ipwarden-controller", false)] {
+        let kubeconfig = e2e::accounts::kubeconfig_for(&ipwarden.cluster, SYSTEM, account).await.expect("token");
+        let run_as = Some(e2e::ipwarden::RunAs { kubeconfig, namespace: SYSTEM.into() });
+        if agent { ipwarden.agent_run_as = run_as } else { ipwarden.controller_run_as = run_as }
+    }
+    ipwarden.start_agents(&["--reuse-cooldown-seconds=0"]).await;
+    let controller = ipwarden.start_controller("gc", &["--full-scan-interval-seconds=1"]);
+    ipwarden.wait_leader(controller).await;
+
+    let list = ["10.77.0.7", "10.77.0.8"];
+    let mut template = support::pod_template("api", json!({}));
+    template["metadata"]["annotations"] = json!({"ipwarden.io/ip-list": list.join(",")});
+    let deployment: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "api"},
+        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "api"}}, "template": template},
+    }))
+    .expect("deployment");
+    let deployments = Api::<Deployment>::namespaced(client.clone(), NS);
+    deployments.create(&PostParams::default(), &deployment).await.expect("create deployment");
+    let listed = |pods: &std::collections::BTreeMap<String, Pod>| {
+        let mut ips: Vec<String> = pods.values().map(support::ip_of).collect();
+        ips.sort();
+        ips
+    };
+    let first = support::wait_pods_with_ips(&client, NS, "app=api", 2).await;
+    assert_eq!(listed(&first), list, "the two pods hold the two listed IPs");
+
+    // Scaled to zero: no pod holds the IPs, yet the Deployment does.
+    let patch = |body: Value| {
+        let deployments = deployments.clone();
+        async move {
+            let params = kube::api::PatchParams::default();
+            deployments.patch("api", &params, &kube::api::Patch::Merge(&body)).await.expect("patch deployment");
+        }
+    };
+    patch(json!({"spec": {"replicas": 0}})).await;
+    let pods = Api::<Pod>::namespaced(client.clone(), NS);
+    wait::until("the deployment's pods gone", TIMEOUT, || async {
+        let left = pods.list(&kube::api::ListParams::default().labels("app=api")).await.expect("pods").items.len();
+        Ok(if left == 0 { Probe::Done(()) } else { Probe::Pending(format!("{left} pods left")) })
+    })
+    .await
+    .expect("the pods go");
+    ipwarden.wait_sweeps(controller, 2).await;
+
+    // A pod of no workload naming a listed IP is refused, naming the Deployment.
+    create_annotated_pod(&client, "intruder", "elsewhere", json!({"ipwarden.io/ips": list[0]})).await;
+    let args = pod_args(&client, "intruder").await;
+    let conf = netconf(&ipwarden, json!({}));
+    let call =
+        Invocation { command: "ADD", container_id: "intruder", ifname: "eth0", pod: Some(&args), netconf: &conf };
+    let err = support::network().invoke(&call).await.expect_err("the IP is the Deployment's").to_string();
+    assert!(err.contains("code 104"), "{err}");
+    assert!(err.contains("fixed IP 10.77.0.7 is reserved for Deployment default/api"), "{err}");
+    let held = records(&client).await;
+    for ip in list {
+        let record = held.get(ip).unwrap_or_else(|| panic!("{ip} still recorded: {held:#?}"));
+        assert!(record.container_id.is_empty(), "{ip} is a reservation, attached nowhere: {record:?}");
+    }
+
+    // A rollout (a new ReplicaSet) scaled back up: its pods take the reserved IPs back.
+    patch(json!({"spec": {"replicas": 2, "template": {"metadata": {"labels": {"rev": "2"}}}}})).await;
+    let second = wait::until("two pods of the new ReplicaSet with IPs", TIMEOUT, || async {
+        let now = support::pods_with_ips(&client, NS, "app=api,rev=2").await?;
+        Ok(if now.len() == 2 { Probe::Done(now) } else { Probe::Pending(format!("{:?}", now.keys())) })
+    })
+    .await
+    .expect("the new pods get IPs");
+    assert_eq!(listed(&second), list, "the new ReplicaSet's pods hold the same two IPs");
+
+    // Deleted: the controller releases what the Deployment held.
+    patch(json!({"spec": {"replicas": 0}})).await;
+    wait::until("the reservations kept after the pods", TIMEOUT, || async {
+        let held = records(&client).await;
+        let reserved = list.iter().all(|ip| held.get(*ip).is_some_and(|r| r.container_id.is_empty()));
+        Ok(if reserved { Probe::Done(()) } else { Probe::Pending(format!("{held:?}")) })
+    })
+    .await
+    .expect("the DELs keep the reservations");
+    deployments.delete("api", &DeleteParams::default()).await.expect("delete deployment");
+    wait::until("the reservations released", TIMEOUT, || async {
+        let held = records(&client).await;
+        let left: Vec<&String> = held.keys().filter(|ip| list.contains(&ip.as_str())).collect();
+        Ok(if left.is_empty() { Probe::Done(()) } else { Probe::Pending(format!("{left:?}")) })
+    })
+    .await
+    .expect("the controller releases the deleted Deployment's reservations");
+}

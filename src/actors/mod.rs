@@ -23,6 +23,7 @@ pub mod pool;
 pub mod sweeper;
 pub mod tracer;
 pub mod watches;
+pub mod workloads;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -151,6 +152,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     let sts_api = Api::<StatefulSet>::all(client.clone());
     let sts_events = watches::watch_into(index.clone(), Kind::StatefulSet, sts_api, all(), |o| Watched::StatefulSet(o));
     watches::drain(sts_events, Kind::StatefulSet);
+    workloads::watch(&client, &index);
     let pool_events =
         watches::watch_shared_into(index.clone(), Kind::Pool, Api::<IPPool>::all(client.clone()), |o| Watched::Pool(o));
     watches::drain(pool_events, Kind::Pool);

@@ -520,7 +520,8 @@ async fn live_recheck(client: &Client, change: &RecordChange) -> Result<Option<&
 struct LiveFacts {
     /// Why the live read of the record's pod forbids the release, or why the read failed.
     recheck: Option<Result<Option<&'static str>, String>>,
-    /// The re-read owner still wants the sticky record.
+    /// The re-read owner still wants the sticky record, or the re-read workload still holds
+    /// the list-bound one.
     owner_wants: bool,
 }
 
@@ -552,14 +553,14 @@ async fn read_live_facts(
         let recheck = live_recheck(&context.client, change)
             .await
             .map_err(|e| format!("reading pod {}/{}: {e}", change.pod.namespace, change.pod.name));
-        // The decision's owner cache may be stale (a fast scale down and up): re-read it.
-        // A retired block keeps no reservation, so its owner has no say.
-        let sticky = crate::ipam::workload::record_is_sticky(record, context.index.read().sticky_kinds());
+        // The decision's owner cache may be stale (a fast scale down and up): re-read it, and
+        // the workload a list-bound record is held for. A retired block keeps no
+        // reservation, so its owner has no say.
+        let sticky = crate::ipam::workload::record_is_sticky(record, context.index.read().sticky_kinds())
+            && reason.rests_on_owner();
         let owner_wants = matches!(recheck, Ok(None))
-            && reason.rests_on_owner()
             && !change.retired
-            && sticky
-            && crate::owners::record_owner_wants(&context.client, record).await;
+            && crate::owners::record_held(&context.client, record, sticky).await;
         facts.push(LiveFacts { recheck: Some(recheck), owner_wants });
     }
     facts

@@ -291,6 +291,7 @@ impl Core {
             interface: request.ifname.clone(),
             owner: owner.cloned(),
             sticky,
+            held_for: None,
             allocated_at: Time(Timestamp::now()),
             release_handshake: None,
             migration_target: None,
@@ -575,7 +576,14 @@ impl Core {
         let pool_set = PoolSet::of(&pools_snapshot, &self.blocks.state());
         let views = pool_set.views();
         let facts = self.placement_facts(pod, &pools_snapshot).await?;
-        let record = self.record_for(pod, owner, sticky, request);
+        let mut record = self.record_for(pod, owner, sticky, request);
+        // An IP drawn from a workload's list stays the workload's between its pods.
+        if fixed.source == fixed::Source::List {
+            let namespace = pod.namespace().unwrap_or_default();
+            record.held_for = crate::owners::list_workload(&self.client, &namespace, owner)
+                .await
+                .map_err(Error::api(format!("reading the workload of pod {pod_name}'s {}", fixed::Source::List)))?;
+        }
         let mut written = Vec::new();
         for choice in fixed.choices() {
             let mut refused = Vec::new();
@@ -869,6 +877,7 @@ mod test {
             interface: "eth0".into(),
             owner: owner.map(|(kind, name)| OwnerRef { kind: kind.into(), name: name.into() }),
             sticky: true,
+            held_for: None,
             allocated_at: Time(Timestamp::UNIX_EPOCH),
             release_handshake: None,
             migration_target: None,

@@ -71,6 +71,12 @@ pub struct Allocation {
     /// between pods.
     #[serde(default)]
     pub sticky: bool,
+    /// The workload the IP is held for between its pods, set when the pod drew it from its
+    /// `ipwarden.io/ip-list`: a Deployment (its ReplicaSets change every rollout), a bare
+    /// ReplicaSet, a CronJob or a bare Job. While that workload exists and is not being
+    /// deleted, the record outlives its pod as a reservation only the workload's pods take.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_for: Option<OwnerRef>,
     /// When the IP was handed to this pod.
     pub allocated_at: Time,
     /// The release handshake under way for this record, if the controller wants it released

@@ -14,6 +14,7 @@ use jiff::Timestamp;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use kube::api::DynamicObject;
 use kube::core::PartialObjectMeta;
@@ -172,6 +173,42 @@ pub enum Kind {
     VirtualMachine,
     /// KubeVirt's VirtualMachineInstances.
     VirtualMachineInstance,
+    /// Deployments, ReplicaSets, CronJobs and Jobs (metadata only): the workloads a
+    /// list-bound record can be held for ([`workload::LIST_WORKLOAD_KINDS`]).
+    Workload(WorkloadKind),
+}
+
+/// A kind of workload whose list-drawn IPs are held for it between its pods.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum WorkloadKind {
+    /// apps/v1 Deployment.
+    Deployment,
+    /// apps/v1 ReplicaSet.
+    ReplicaSet,
+    /// batch/v1 CronJob.
+    CronJob,
+    /// batch/v1 Job.
+    Job,
+}
+
+impl WorkloadKind {
+    /// Every one, in [`workload::LIST_WORKLOAD_KINDS`]' order.
+    pub const ALL: [Self; 4] = [Self::Deployment, Self::ReplicaSet, Self::CronJob, Self::Job];
+
+    /// The one of owner kind `kind`.
+    pub fn of(kind: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == kind)
+    }
+
+    /// Its Kubernetes kind.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Deployment => "Deployment",
+            Self::ReplicaSet => "ReplicaSet",
+            Self::CronJob => "CronJob",
+            Self::Job => "Job",
+        }
+    }
 }
 
 /// One watched object, as applied to the index.
@@ -195,6 +232,8 @@ pub enum Watched<'a> {
     VirtualMachine(&'a PartialObjectMeta<DynamicObject>),
     /// A KubeVirt VirtualMachineInstance's metadata.
     VirtualMachineInstance(&'a PartialObjectMeta<DynamicObject>),
+    /// A workload's metadata.
+    Workload(WorkloadKind, &'a ObjectMeta),
 }
 
 /// Where an object sits in the index: its namespace (empty for cluster-scoped kinds, and for
@@ -220,6 +259,7 @@ impl Watched<'_> {
             Self::AgentLease(_) => Kind::AgentLease,
             Self::VirtualMachine(_) => Kind::VirtualMachine,
             Self::VirtualMachineInstance(_) => Kind::VirtualMachineInstance,
+            Self::Workload(kind, _) => Kind::Workload(*kind),
         }
     }
 
@@ -232,6 +272,7 @@ impl Watched<'_> {
             Self::Claim(o) => namespaced(o.namespace(), o.name_any()),
             Self::StatefulSet(o) => namespaced(o.namespace(), o.name_any()),
             Self::VirtualMachine(o) | Self::VirtualMachineInstance(o) => namespaced(o.namespace(), o.name_any()),
+            Self::Workload(_, meta) => namespaced(meta.namespace.clone(), meta.name.clone().unwrap_or_default()),
             Self::Node(o) => namespaced(None, o.name_any()),
             Self::Block(o) => namespaced(None, o.name_any()),
             Self::Pool(o) => namespaced(None, o.name_any()),
@@ -249,13 +290,12 @@ struct KubeVirtIndex {
     vms: ByNamespace<bool>,
 }
 
-impl KubeVirtIndex {
-    fn presence(objects: &ByNamespace<bool>, namespace: &str, name: &str) -> Presence {
-        match get(objects, namespace, name) {
-            None => Presence::Absent,
-            Some(true) => Presence::Deleting,
-            Some(false) => Presence::Live,
-        }
+/// Whether object `name` of `objects` (each with whether it is being deleted) is there.
+fn presence(objects: &ByNamespace<bool>, namespace: &str, name: &str) -> Presence {
+    match get(objects, namespace, name) {
+        None => Presence::Absent,
+        Some(true) => Presence::Deleting,
+        Some(false) => Presence::Live,
     }
 }
 
@@ -285,6 +325,8 @@ pub struct ClusterIndex {
     claims: ByNamespace<ClaimFacts>,
     statefulsets: ByNamespace<StatefulSetFacts>,
     kubevirt: KubeVirtIndex,
+    /// The workloads list-bound records are held for, by kind: whether each is being deleted.
+    workloads: HashMap<WorkloadKind, ByNamespace<bool>>,
     /// Node states by name.
     nodes: Map<String, NodeState>,
     /// The agent Leases by node, as last seen.
@@ -372,6 +414,10 @@ impl ClusterIndex {
                 let deleting = vmi.metadata.deletion_timestamp.is_some();
                 insert(&mut self.kubevirt.instances, &key.namespace, &key.name, deleting);
             }
+            Watched::Workload(kind, meta) => {
+                let deleting = meta.deletion_timestamp.is_some();
+                insert(self.workloads.entry(kind).or_default(), &key.namespace, &key.name, deleting);
+            }
         }
     }
 
@@ -414,6 +460,7 @@ impl ClusterIndex {
             Kind::StatefulSet => keys(&self.statefulsets),
             Kind::VirtualMachine => keys(&self.kubevirt.vms),
             Kind::VirtualMachineInstance => keys(&self.kubevirt.instances),
+            Kind::Workload(kind) => self.workloads.get(&kind).map(keys).unwrap_or_default(),
             Kind::Node => cluster(self.nodes.keys().collect()),
             Kind::Block => cluster(self.blocks.keys().collect()),
             Kind::Pool => cluster(self.pools.keys().collect()),
@@ -454,6 +501,11 @@ impl ClusterIndex {
             }
             Kind::VirtualMachineInstance => {
                 remove(&mut self.kubevirt.instances, &key.namespace, &key.name);
+            }
+            Kind::Workload(kind) => {
+                if let Some(objects) = self.workloads.get_mut(&kind) {
+                    remove(objects, &key.namespace, &key.name);
+                }
             }
         }
     }
@@ -673,17 +725,35 @@ impl ClusterIndex {
     /// [`workload::owner_wants`] on the watched owner. Until KubeVirt's kinds are watched, a
     /// VM's wishes are unknown (and its reservations kept).
     pub fn wants(&self, namespace: &str, owner: &OwnerRef, pod_name: &str) -> bool {
-        let facts = match owner.kind.as_str() {
+        workload::owner_wants(&owner.name, pod_name, self.owner_facts(namespace, owner))
+    }
+
+    /// Whether the record is held for a workload (`heldFor`) that still lives, by
+    /// [`workload::workload_lives`] on the watched workload. Until its kind is listed, it lives.
+    pub fn list_held(&self, record: &Allocation) -> bool {
+        let Some(held_for) = record.held_for.as_ref() else { return false };
+        workload::workload_lives(self.owner_facts(&record.pod.namespace, held_for))
+    }
+
+    /// What the watches say of `owner` in `namespace`; [`OwnerFacts::Unknown`] for a kind
+    /// not watched, or not listed yet.
+    fn owner_facts(&self, namespace: &str, owner: &OwnerRef) -> OwnerFacts {
+        match owner.kind.as_str() {
             "StatefulSet" => OwnerFacts::StatefulSet(get(&self.statefulsets, namespace, &owner.name).copied()),
             KUBEVIRT_VMI_KIND if self.synced(&[Kind::VirtualMachine, Kind::VirtualMachineInstance]) => {
                 OwnerFacts::VirtualMachine {
-                    instance: KubeVirtIndex::presence(&self.kubevirt.instances, namespace, &owner.name),
-                    vm: KubeVirtIndex::presence(&self.kubevirt.vms, namespace, &owner.name),
+                    instance: presence(&self.kubevirt.instances, namespace, &owner.name),
+                    vm: presence(&self.kubevirt.vms, namespace, &owner.name),
                 }
             }
-            _ => OwnerFacts::Unknown,
-        };
-        workload::owner_wants(&owner.name, pod_name, facts)
+            kind => match WorkloadKind::of(kind) {
+                Some(kind) if self.synced(&[Kind::Workload(kind)]) => {
+                    let objects = self.workloads.get(&kind);
+                    OwnerFacts::Workload(objects.map_or(Presence::Absent, |o| presence(o, namespace, &owner.name)))
+                }
+                _ => OwnerFacts::Unknown,
+            },
+        }
     }
 
     /// Whether the record's node has an agent that can answer the release handshake: the
@@ -741,6 +811,7 @@ impl ClusterIndex {
             }),
             claim_uid: claim_uid.map(|c| c.pod_uid.as_str()),
             owner_wants: sticky && self.owner_wants(record),
+            list_held: !self.retired(block) && self.list_held(record),
             node: self.node_of(record),
             // A live migration's target reporting the IP holds it for the record, as its source does.
             holder: self.live_holder(ip).map(|h| IpHolder {
@@ -906,6 +977,37 @@ mod test {
         index.delete(Watched::VirtualMachine(&vm(true)));
         let verdict = index.evaluate("b", "10.0.0.1", &vm_record, at(2), &settings);
         assert!(matches!(verdict, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "gone: {verdict:?}");
+    }
+
+    #[test]
+    fn a_list_bound_record_is_kept_while_its_deployment_lives_or_is_unlisted_and_released_once_it_goes() {
+        let mut held = record("api-7c9f-x2x4q", "u", "n");
+        held.held_for = Some(OwnerRef { kind: "Deployment".into(), name: "api".into() });
+        let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let deployment = |deleting: bool| ObjectMeta {
+            namespace: Some("ns".into()),
+            name: Some("api".into()),
+            deletion_timestamp: deleting.then(|| k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(0))),
+            ..ObjectMeta::default()
+        };
+        let kind = Kind::Workload(WorkloadKind::Deployment);
+        let mut index = ClusterIndex::new(&[], Duration::from_secs(20));
+        index.apply(Watched::Node(&node("n", true)));
+        // The verdict as a keep reason, or the other verdict described.
+        let verdict = |index: &ClusterIndex| match index.evaluate("b", "10.0.0.1", &held, at(1), &settings) {
+            Verdict::Keep(reason) => Ok(reason),
+            other => Err(format!("{other:?}")),
+        };
+        let kept = Ok(KeepReason::ListReservation);
+        assert_eq!(verdict(&index), kept, "Deployments not listed yet");
+        index.relist_started(kind);
+        index.apply(Watched::Workload(WorkloadKind::Deployment, &deployment(false)));
+        index.relist_done(kind);
+        assert_eq!(verdict(&index), kept, "the Deployment lives");
+        index.apply(Watched::Workload(WorkloadKind::Deployment, &deployment(true)));
+        assert!(verdict(&index).is_err_and(|v| v.contains("PodGone")), "deleting: {:?}", verdict(&index));
+        index.delete(Watched::Workload(WorkloadKind::Deployment, &deployment(true)));
+        assert!(verdict(&index).is_err_and(|v| v.contains("PodGone")), "gone: {:?}", verdict(&index));
     }
 
     #[test]

@@ -91,6 +91,9 @@ pub struct Facts<'a> {
     pub claim_uid: Option<&'a str>,
     /// Whether the sticky owner still wants the ordinal / VM (false for non-sticky records).
     pub owner_wants: bool,
+    /// Whether the record is held for the workload whose `ipwarden.io/ip-list` it was drawn
+    /// from (`heldFor`), and that workload still lives (false for other records).
+    pub list_held: bool,
     /// Its node.
     pub node: NodeState,
     /// The live pod reporting its IP, if any.
@@ -108,6 +111,8 @@ pub enum KeepReason {
     StatusLags,
     /// A sticky reservation whose owner still wants it.
     StickyReservation,
+    /// An IP of a workload's `ipwarden.io/ip-list`, held for the workload while it lives.
+    ListReservation,
     /// A sticky pod was recreated and has not reported IPs yet: ADD will adopt the IP.
     StickyRestarting,
     /// The pod's node is NotReady and the policy keeps its IPs.
@@ -166,6 +171,7 @@ impl KeepReason {
             Self::InUse => "in_use",
             Self::StatusLags => "status_lags",
             Self::StickyReservation => "sticky_reservation",
+            Self::ListReservation => "list_reservation",
             Self::StickyRestarting => "sticky_restarting",
             Self::NodeNotReady => "node_not_ready",
             Self::PodOnDeletedNode => "pod_on_deleted_node",
@@ -253,21 +259,26 @@ fn decide_row<'a>(facts: &Facts<'a>, settings: &RuleSettings) -> Verdict<'a> {
             Verdict::Repair { uid: holder.uid }
         };
     }
-    let sticky_wanted = record.sticky && facts.owner_wants;
+    // What keeps the record once its pod is done: its sticky owner's ordinal or VM, else
+    // the workload of the list it was drawn from.
+    let reservation = if record.sticky && facts.owner_wants {
+        Some(KeepReason::StickyReservation)
+    } else {
+        facts.list_held.then_some(KeepReason::ListReservation)
+    };
     let Some(pod) = facts.pod.as_ref() else {
         // Pod absent (after a confirming read by the pool actor).
-        if sticky_wanted {
-            return Verdict::Keep(KeepReason::StickyReservation);
+        if let Some(reason) = reservation {
+            return Verdict::Keep(reason);
         }
         let reason = if facts.node == NodeState::Deleted { ReleaseReason::NodeDeleted } else { ReleaseReason::PodGone };
         return release(reason, facts);
     };
     if pod.uid == record.pod_uid {
         if pod.phase == Phase::Completed {
-            return if sticky_wanted {
-                Verdict::Keep(KeepReason::StickyReservation)
-            } else {
-                release(ReleaseReason::Completed, facts)
+            return match reservation {
+                Some(reason) => Verdict::Keep(reason),
+                None => release(ReleaseReason::Completed, facts),
             };
         }
         let Some(deleted_at) = pod.deletion else {
@@ -282,8 +293,8 @@ fn decide_row<'a>(facts: &Facts<'a>, settings: &RuleSettings) -> Verdict<'a> {
         if facts.now < deadline && facts.node != NodeState::Deleted {
             return Verdict::TraceUntil(deadline);
         }
-        if sticky_wanted {
-            return Verdict::Keep(KeepReason::StickyReservation);
+        if let Some(reason) = reservation {
+            return Verdict::Keep(reason);
         }
         let reason = match facts.node {
             NodeState::Deleted => ReleaseReason::NodeDeleted,
@@ -292,11 +303,15 @@ fn decide_row<'a>(facts: &Facts<'a>, settings: &RuleSettings) -> Verdict<'a> {
         return release(reason, facts);
     }
     // A pod of the same name with another UID.
+    if record.sticky && pod.ips.is_empty() {
+        // Spiderpool #3778: the recreated pod is restarting; its ADD will adopt the IP.
+        return Verdict::Keep(KeepReason::StickyRestarting);
+    }
+    if facts.list_held {
+        // The workload's pods, whatever their names, take the IP back from its list.
+        return Verdict::Keep(KeepReason::ListReservation);
+    }
     if record.sticky {
-        if pod.ips.is_empty() {
-            // Spiderpool #3778: the recreated pod is restarting; its ADD will adopt the IP.
-            return Verdict::Keep(KeepReason::StickyRestarting);
-        }
         if facts.claim_uid != Some(pod.uid) {
             return Verdict::Release { reason: ReleaseReason::StickyReaddedWithoutIpwarden, delete_claim: true };
         }
@@ -375,6 +390,7 @@ mod test {
             pod,
             claim_uid: Some("old"),
             owner_wants: sticky,
+            list_held: false,
             node: NodeState::Ready,
             holder: None,
             now: at(NOW),
@@ -551,13 +567,39 @@ mod test {
         assert_eq!(decide(&running, &settings()), Verdict::Keep(KeepReason::PodOnDeletedNode));
     }
 
+    #[test]
+    fn a_list_bound_record_is_kept_for_its_living_workload_in_every_row_that_ends_its_pod() {
+        let done = ips(&["10.0.0.5"]);
+        let other = ips(&["10.0.0.9"]);
+        let held = |pod: Option<PodView<'static>>| Facts { list_held: true, ..facts(false, pod) };
+        let kept = Verdict::Keep(KeepReason::ListReservation);
+        let deletion = Some(at(NOW - 10));
+        let cases = [
+            ("pod absent", held(None)),
+            ("completed", held(Some(pod("old", Phase::Completed, None, Box::leak(done.into_boxed_slice()))))),
+            ("terminating past its deadline", held(Some(pod("old", Phase::Active, deletion, IPS)))),
+            (
+                "a pod of the same name with another UID",
+                held(Some(pod("new", Phase::Active, None, Box::leak(other.into_boxed_slice())))),
+            ),
+        ];
+        for (row, case) in cases {
+            assert_eq!(decide(&case, &settings()), kept, "{row}");
+            let gone = Facts { list_held: false, ..case.clone() };
+            assert!(
+                matches!(decide(&gone, &settings()), Verdict::Release { .. }),
+                "{row}: released once the workload is gone"
+            );
+        }
+    }
+
     fn arb_uid() -> impl Strategy<Value = &'static str> {
         prop_oneof![Just("a"), Just("b"), Just("c")]
     }
 
     prop_compose! {
         fn arb_case()(
-            record_uid in arb_uid(), sticky in any::<bool>(), owner_wants in any::<bool>(),
+            record_uid in arb_uid(), sticky in any::<bool>(), owner_wants in any::<bool>(), list_held in any::<bool>(),
             pod in proptest::option::of((arb_uid(), any::<bool>(), proptest::option::of(-100i64..100), any::<bool>())),
             claim in proptest::option::of(arb_uid()),
             node in 0u8..3, holder in proptest::option::of((arb_uid(), any::<bool>())),
@@ -575,6 +617,7 @@ mod test {
                 }),
                 claim_uid: claim,
                 owner_wants,
+                list_held,
                 node: match node { 0 => NodeState::Ready, 1 => NodeState::NotReady(at(NOW - 50)), _ => NodeState::Deleted },
                 holder: holder.map(|(uid, terminal)| IpHolder { uid, terminal }),
                 now: at(NOW),
@@ -624,6 +667,14 @@ mod test {
             let verdict = decide(&facts, &settings);
             let same_pod_or_absent = facts.pod.as_ref().is_none_or(|p| p.uid == facts.record.pod_uid);
             if facts.record.sticky && facts.owner_wants && same_pod_or_absent {
+                prop_assert!(!matches!(verdict, Verdict::Release { .. }), "{verdict:?} for {facts:?}");
+            }
+        }
+
+        #[test]
+        fn no_verdict_releases_a_list_reservation_its_workload_still_holds((facts, settings, _ips) in arb_case()) {
+            let verdict = decide(&facts, &settings);
+            if facts.list_held {
                 prop_assert!(!matches!(verdict, Verdict::Release { .. }), "{verdict:?} for {facts:?}");
             }
         }

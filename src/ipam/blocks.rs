@@ -147,6 +147,7 @@ pub fn repair(record: &mut Allocation, adopter: &Adopter, now: Timestamp) {
     record.node = adopter.node.clone();
     record.owner = adopter.owner.clone();
     record.sticky = adopter.sticky;
+    record.held_for = None;
     record.container_id.clear();
     record.interface.clear();
     record.release_handshake = None;
@@ -165,6 +166,7 @@ pub fn adopted_record(adopter: &Adopter, now: Timestamp) -> Allocation {
         interface: String::new(),
         owner: None,
         sticky: false,
+        held_for: None,
         allocated_at: Time(now),
         release_handshake: None,
         migration_target: None,
@@ -310,6 +312,7 @@ pub(crate) mod test {
             interface: "eth0".into(),
             owner: None,
             sticky: false,
+            held_for: None,
             allocated_at: Time(Timestamp::UNIX_EPOCH),
             release_handshake: None,
             migration_target: None,

@@ -145,6 +145,17 @@ pub enum FixedError {
         /// The holder's node.
         node: String,
     },
+    /// The IP is reserved, between its pods, for the workload whose `ipwarden.io/ip-list`
+    /// it was drawn from: only that workload's pods may take it.
+    #[error("fixed IP {ip} is reserved for {workload} (drawn from its ipwarden.io/ip-list; last held by pod {pod})")]
+    Reserved {
+        /// The IP.
+        ip: IpAddr,
+        /// `Kind namespace/name` of the workload.
+        workload: String,
+        /// `namespace/name` of its last pod.
+        pod: String,
+    },
     /// The IP was released lately and cools down before reuse.
     #[error("fixed IP {ip} was released lately and cools down before reuse until {until}")]
     Cooling {
@@ -169,7 +180,7 @@ impl FixedError {
     /// What the refusal lets the runtime do: a list refuses as its most hopeful IP does.
     pub fn refusal(&self) -> Refusal {
         match self {
-            Self::Held { .. } => Refusal::InUse,
+            Self::Held { .. } | Self::Reserved { .. } => Refusal::InUse,
             Self::Cooling { .. } => Refusal::Cooling,
             Self::ListTaken { reasons, .. } => reasons.iter().map(Self::refusal).max().unwrap_or(Refusal::Never),
             _ => Refusal::Never,
@@ -314,8 +325,10 @@ fn why_not_allocatable(spec: &IPPoolSpec, layout: &PoolLayout, ip: IpAddr) -> St
 }
 
 /// Whether `record` may take `ip` of block `spec` now: free and past its cooldown, or held
-/// only by a reservation of the same pod name (a recreated StatefulSet pod's own sticky IP,
-/// which no sandbox holds). A record of the same sandbox is the caller's idempotent case.
+/// only by a reservation (no sandbox holds it) of the same pod name (a recreated StatefulSet
+/// pod's own sticky IP) or held for the same workload as `record` (`heldFor`: a pod of the
+/// workload whose list names the IP). A record of the same sandbox is the caller's
+/// idempotent case.
 pub fn check_free(
     spec: &IPBlockSpec,
     ip: IpAddr,
@@ -325,11 +338,20 @@ pub fn check_free(
 ) -> Result<(), FixedError> {
     let key = ip.to_string();
     if let Some(held) = spec.allocations.get(&key) {
-        let own_reservation = !blocks::may_be_attached(held)
-            && held.pod.namespace == record.pod.namespace
-            && held.pod.name == record.pod.name;
+        let reservation = !blocks::may_be_attached(held);
+        let same_namespace = held.pod.namespace == record.pod.namespace;
+        let own_reservation = reservation
+            && same_namespace
+            && (held.pod.name == record.pod.name || (held.held_for.is_some() && held.held_for == record.held_for));
         if own_reservation {
             return Ok(());
+        }
+        if let Some(workload) = held.held_for.as_ref().filter(|_| reservation) {
+            return Err(FixedError::Reserved {
+                ip,
+                workload: format!("{} {}/{}", workload.kind, held.pod.namespace, workload.name),
+                pod: format!("{}/{}", held.pod.namespace, held.pod.name),
+            });
         }
         return Err(FixedError::Held {
             ip,
@@ -553,6 +575,36 @@ mod test {
         assert_eq!(check("10.0.0.10", minute), Ok(()), "never used");
         let other = record("other", "db-0", "c3");
         assert!(check_free(&spec, ip("10.0.0.8"), &other, now, minute).is_err(), "same name, other namespace");
+    }
+
+    #[test]
+    fn a_list_reservation_is_free_for_its_workloads_pods_only_and_refused_naming_the_workload() {
+        let now = Timestamp::from_second(1_700_000_000).unwrap();
+        let held_for = |kind: &str, name: &str| Some(crate::crd::OwnerRef { kind: kind.into(), name: name.into() });
+        let mut spec = IPBlockSpec::default();
+        let mut reserved = record("ns", "api-7f-abcde", "");
+        reserved.held_for = held_for("Deployment", "api");
+        spec.allocations.insert("10.0.0.7".into(), reserved.clone());
+        let attached = Allocation { container_id: "c1".into(), ..reserved };
+        spec.allocations.insert("10.0.0.8".into(), attached);
+        let check = |text: &str, me: &Allocation| check_free(&spec, ip(text), me, now, Duration::ZERO);
+        let mut sibling = record("ns", "api-9c-fghij", "c2");
+        sibling.held_for = held_for("Deployment", "api");
+        assert_eq!(check("10.0.0.7", &sibling), Ok(()), "a pod of the workload takes its reservation back");
+        assert!(matches!(check("10.0.0.8", &sibling), Err(FixedError::Held { .. })), "not while a sandbox holds it");
+        let plain = record("ns", "intruder", "c3");
+        assert_eq!(
+            check("10.0.0.7", &plain).unwrap_err().to_string(),
+            "fixed IP 10.0.0.7 is reserved for Deployment ns/api (drawn from its ipwarden.io/ip-list; \
+             last held by pod ns/api-7f-abcde)"
+        );
+        assert_eq!(check("10.0.0.7", &plain).unwrap_err().refusal(), Refusal::InUse);
+        let mut other_workload = record("ns", "web-1", "c4");
+        other_workload.held_for = held_for("Deployment", "web");
+        assert!(matches!(check("10.0.0.7", &other_workload), Err(FixedError::Reserved { .. })));
+        let mut other_namespace = record("other", "api-1", "c5");
+        other_namespace.held_for = held_for("Deployment", "api");
+        assert!(matches!(check("10.0.0.7", &other_namespace), Err(FixedError::Reserved { .. })));
     }
 
     #[test]

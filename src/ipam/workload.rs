@@ -1,8 +1,10 @@
 //! Pure rules about the workload behind a pod: its controller, whether its IPs are sticky,
-//! the name of its IPClaim and the interfaces it lists, and whether a sticky owner (a
-//! StatefulSet's ordinal, a KubeVirt VM) still wants its IPs.
+//! the name of its IPClaim and the interfaces it lists, whether a sticky owner (a
+//! StatefulSet's ordinal, a KubeVirt VM) still wants its IPs, and which workload holds the
+//! IPs its pods draw from an `ipwarden.io/ip-list`, for as long as it lives.
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use crate::crd::{Allocation, ClaimedInterface, IPClaimSpec, OwnerRef};
 
@@ -23,9 +25,13 @@ pub const DEFAULT_STICKY_KINDS: [&str; 2] = ["StatefulSet", KUBEVIRT_VMI_KIND];
 
 /// The pod's controller, from its `controller: true` ownerReference.
 pub fn controller_of(pod: &Pod) -> Option<OwnerRef> {
-    pod.metadata
-        .owner_references
-        .iter()
+    controller_in(pod.metadata.owner_references.as_deref())
+}
+
+/// The controller among an object's ownerReferences: the one marked `controller: true`.
+pub fn controller_in(references: Option<&[OwnerReference]>) -> Option<OwnerRef> {
+    references
+        .into_iter()
         .flatten()
         .find(|o| o.controller == Some(true))
         .map(|o| OwnerRef { kind: o.kind.clone(), name: o.name.clone() })
@@ -144,12 +150,46 @@ pub enum Presence {
     Live,
 }
 
-/// What is known of a sticky record's owner, however it was learnt (the agent's and the
-/// pool actor's live reads, the controller's watched caches): the input of [`owner_wants`].
+/// The owner kinds an IP drawn from a pod's `ipwarden.io/ip-list` is held for between pods:
+/// each has a rule for whether it still exists ([`workload_lives`]), and the controller
+/// watches each. A pod of another controller (a DaemonSet, a VM, none) holds its list IP only
+/// while it runs; a StatefulSet's pods keep theirs by their ordinal's stickiness (the list
+/// only chose it), which a scale-down below the ordinal ends as for any StatefulSet IP.
+pub const LIST_WORKLOAD_KINDS: [&str; 4] = ["Deployment", "ReplicaSet", "CronJob", "Job"];
+
+/// The kind of the controller that stands for a pod's controller of kind `kind` as the
+/// workload of its list: a ReplicaSet's Deployment (the ReplicaSet changes every rollout), a
+/// Job's CronJob (a new Job every run).
+pub fn parent_kind(kind: &str) -> Option<&'static str> {
+    match kind {
+        "ReplicaSet" => Some("Deployment"),
+        "Job" => Some("CronJob"),
+        _ => None,
+    }
+}
+
+/// The workload a pod's list-drawn IPs are held for, from its `controller` and that
+/// controller's own controller `parent` (read only when [`parent_kind`] names a kind): the
+/// parent when it is of that kind, else the controller when its kind is one of
+/// [`LIST_WORKLOAD_KINDS`], else none.
+pub fn list_workload(controller: Option<&OwnerRef>, parent: Option<&OwnerRef>) -> Option<OwnerRef> {
+    let controller = controller?;
+    let parent = parent.filter(|p| parent_kind(&controller.kind) == Some(p.kind.as_str()));
+    match parent {
+        Some(parent) => Some(parent.clone()),
+        None => LIST_WORKLOAD_KINDS.contains(&controller.kind.as_str()).then(|| controller.clone()),
+    }
+}
+
+/// What is known of a record's owner or list workload, however it was learnt (the agent's
+/// and the pool actor's live reads, the controller's watched caches): the input of
+/// [`owner_wants`] and [`workload_lives`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OwnerFacts {
     /// A StatefulSet; `None` when it does not exist.
     StatefulSet(Option<StatefulSetFacts>),
+    /// A Deployment, ReplicaSet, CronJob or Job: only whether it is there counts.
+    Workload(Presence),
     /// A KubeVirt VM: its VirtualMachineInstance and its VirtualMachine (same name).
     VirtualMachine {
         /// The VM instance.
@@ -170,7 +210,18 @@ pub enum OwnerFacts {
 pub fn owner_wants(owner_name: &str, pod_name: &str, facts: OwnerFacts) -> bool {
     match facts {
         OwnerFacts::StatefulSet(Some(s)) => statefulset_wants(owner_name, s.replicas, s.start, s.deleting, pod_name),
-        OwnerFacts::StatefulSet(None) => false,
+        _ => workload_lives(facts),
+    }
+}
+
+/// Whether a workload exists and is not being deleted: what keeps a list-bound record
+/// (`heldFor`) reserved between its pods, whatever its replicas (scaled to zero, a
+/// Deployment still holds its list's IPs). A VM lives while its instance or the
+/// VirtualMachine does. What is unknown lives.
+pub fn workload_lives(facts: OwnerFacts) -> bool {
+    match facts {
+        OwnerFacts::StatefulSet(s) => s.is_some_and(|s| !s.deleting),
+        OwnerFacts::Workload(presence) => presence == Presence::Live,
         OwnerFacts::VirtualMachine { instance, vm } => instance == Presence::Live || vm == Presence::Live,
         OwnerFacts::Unknown => true,
     }
@@ -305,6 +356,45 @@ mod test {
         ];
         for (owner, pod, facts, wanted) in cases {
             assert_eq!(owner_wants(owner, pod, facts), wanted, "{owner} {pod} {facts:?}");
+        }
+    }
+
+    #[test]
+    fn a_list_workload_lives_while_it_exists_whatever_its_replicas() {
+        use Presence::{Absent, Deleting, Live};
+        let sts = |replicas, deleting| OwnerFacts::StatefulSet(Some(StatefulSetFacts { replicas, start: 0, deleting }));
+        let cases = [
+            (OwnerFacts::Workload(Live), true),
+            (OwnerFacts::Workload(Deleting), false),
+            (OwnerFacts::Workload(Absent), false),
+            (sts(0, false), true),
+            (sts(3, true), false),
+            (OwnerFacts::StatefulSet(None), false),
+            (OwnerFacts::VirtualMachine { instance: Absent, vm: Live }, true),
+            (OwnerFacts::Unknown, true),
+        ];
+        for (facts, lives) in cases {
+            assert_eq!(workload_lives(facts), lives, "{facts:?}");
+        }
+    }
+
+    #[test]
+    fn a_list_ip_is_held_for_the_deployment_or_cronjob_above_the_pods_controller() {
+        let owner = |kind: &str, name: &str| OwnerRef { kind: kind.into(), name: name.into() };
+        let (rs, job) = (owner("ReplicaSet", "api-5d8f"), owner("Job", "nightly-28"));
+        let cases = [
+            (Some(&rs), Some(owner("Deployment", "api")), Some(owner("Deployment", "api"))),
+            (Some(&rs), None, Some(rs.clone())),
+            (Some(&rs), Some(owner("Rollout", "api")), Some(rs.clone())),
+            (Some(&job), Some(owner("CronJob", "nightly")), Some(owner("CronJob", "nightly"))),
+            (Some(&job), None, Some(job.clone())),
+            (Some(&owner("StatefulSet", "db")), None, None),
+            (Some(&owner("DaemonSet", "agent")), None, None),
+            (Some(&owner(KUBEVIRT_VMI_KIND, "vm1")), None, None),
+            (None, None, None),
+        ];
+        for (controller, parent, held_for) in cases {
+            assert_eq!(list_workload(controller, parent.as_ref()), held_for, "{controller:?} under {parent:?}");
         }
     }
 
