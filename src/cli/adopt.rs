@@ -10,10 +10,12 @@ use kube::api::Api;
 use super::connect::{ClusterArgs, connect};
 use super::{Output, list, table};
 use crate::block_store::BlockStore;
+use crate::claim_writes::bind_adopted;
 use crate::crd::{IPBlock, IPPool};
 use crate::gc::adopt::{Adoption, Plan, apply, by_block, plan};
 use crate::gc::index::PodFacts;
 use crate::ipam::blocks::new_block;
+use crate::ipam::workload::DEFAULT_STICKY_KINDS;
 
 /// The field manager of `ipwarden adopt`'s block writes.
 const FIELD_MANAGER: &str = "ipwarden-adopt";
@@ -27,6 +29,10 @@ pub struct AdoptArgs {
     /// Only print the plan; write nothing.
     #[arg(long)]
     pub dry_run: bool,
+    /// Owner kinds whose pods keep their IPs (comma-separated; empty: none), as the agents'
+    /// and the controller's flag: their pods get sticky records and an IPClaim.
+    #[arg(long, env = "IPWARDEN_STICKY_OWNER_KINDS", value_delimiter = ',', default_values_t = DEFAULT_STICKY_KINDS.map(String::from))]
+    pub sticky_owner_kinds: Vec<String>,
     /// Output format.
     #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
     pub output: Output,
@@ -38,7 +44,9 @@ pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
     let client = connect(&args.cluster).await?.client;
     let pods: Vec<PodFacts> = list(&client).await?.iter().map(|p| PodFacts::of(p)).collect();
     let (pools, blocks) = (list::<IPPool>(&client).await?, list::<IPBlock>(&client).await?);
-    let mut plan = plan(&pods, &pools, &blocks);
+    let sticky_kinds: Vec<String> =
+        args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect();
+    let mut plan = plan(&pods, &pools, &blocks, &sticky_kinds);
     let mut written = Vec::new();
     if !args.dry_run {
         let store = BlockStore::new(Api::all(client.clone()), FIELD_MANAGER.to_string(), None);
@@ -57,6 +65,9 @@ pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
         }
         let lost = lost_races(&mut plan, &written);
         plan.refused.extend(lost);
+        bind_adopted(&client, FIELD_MANAGER, &plan.adopt)
+            .await
+            .context("writing the IPClaims of adopted sticky pods")?;
     }
     print(&plan, args.dry_run, args.output)?;
     Ok(plan.refused.is_empty())
