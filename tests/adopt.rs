@@ -120,6 +120,7 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
         let record = recorded.get(ip).unwrap_or_else(|| panic!("{ip} adopted: {recorded:?}"));
         assert_eq!(&record.pod.uid, uid, "{ip} is recorded for the pod that reports it");
         assert!(record.repaired_at.is_some() && record.container_id.is_empty(), "{ip}: {record:?}");
+        assert_eq!(record.network, e2e::ipwarden::NETWORK, "{ip}: the chart's network name, adopt's default");
     }
 
     // Churn through ipwarden: pods come and go, half the adopted pods too.
@@ -181,6 +182,7 @@ async fn an_agent_started_with_adopt_on_start_records_its_nodes_host_local_pods_
         let record = recorded.get(&ip_of(pod)).unwrap_or_else(|| panic!("{} adopted: {recorded:?}", ip_of(pod)));
         assert_eq!(record.pod.uid, pod.uid().unwrap_or_default(), "{} recorded for {}", ip_of(pod), pod.name_any());
         assert_eq!(record.node, "node-0");
+        assert_eq!(record.network, e2e::ipwarden::NETWORK, "the chart's network name, the agent's default");
     }
     create_pod(&client, NS, "new-0", "node-0", json!({"app": "new"})).await;
     let new = wait_pods_with_ips(&client, NS, "app=new", 1).await;
@@ -214,9 +216,12 @@ async fn an_adopted_statefulset_pod_recreated_on_ipwarden_gets_its_ip_back_and_t
     let controller = ipwarden.start_controller("controller-a", &["--full-scan-interval-seconds=2"]);
     ipwarden.wait_leader(controller).await;
 
-    let (ok, report) = adopt(&ipwarden, false, &[]);
+    // A network name other than the default, so that the flag is seen to take effect.
+    let (ok, report) = adopt(&ipwarden, false, &["--network", "pods"]);
     assert!(ok, "{report:#}");
     assert_eq!(ips(&report, "adopt"), std::slice::from_ref(&ip), "{report:#}");
+    let adopted = records(&client).await.remove(&ip).expect("web-0's IP recorded");
+    assert_eq!(adopted.network, "pods", "the record names the network given: {adopted:?}");
 
     // web-0 gone and its successor waiting for a schedulable node: the tracer and two full
     // sweeps see the adopted record, and must keep it as web-0's reservation.
@@ -241,6 +246,7 @@ async fn an_adopted_statefulset_pod_recreated_on_ipwarden_gets_its_ip_back_and_t
     let taken = records(&client).await.remove(&ip).expect("the IP recorded for the new web-0");
     assert_eq!(taken.pod.uid, second.uid().unwrap_or_default());
     assert!(taken.sticky && !taken.container_id.is_empty(), "now an ordinary sticky record: {taken:?}");
+    assert_eq!(taken.network, e2e::ipwarden::NETWORK, "the ADD's network: {taken:?}");
     let claim = claims(&client, NS).await.remove("web-0").expect("web-0's claim");
     assert_eq!(claim.spec.pod_uid, second.uid().unwrap_or_default(), "{claim:?}");
 }
