@@ -100,8 +100,9 @@ impl Core {
     /// node's adoptions are written block by block before the agent serves: it never hands
     /// out an IP another IPAM gave a pod that still runs here. A refused IP of a pod of this
     /// node is logged with the pods it names and left alone. A sticky pod's IPClaim is written
-    /// after its records, as `ipwarden adopt` writes it. Returns how many records were written.
-    pub async fn adopt_local_pods(&self) -> Result<usize, Error> {
+    /// after its records, as `ipwarden adopt` writes it. The records name `network`. Returns
+    /// how many records were written.
+    pub async fn adopt_local_pods(&self, network: &str) -> Result<usize, Error> {
         let node = &self.settings.node;
         let pods = Api::<Pod>::all(self.client.clone())
             .list(&kube::api::ListParams::default())
@@ -120,7 +121,7 @@ impl Core {
             let Ok(cidr) = first.block_cidr.parse() else { continue };
             let ips = self
                 .write_block(name, &first.pool, cidr, |spec| {
-                    let ips = crate::gc::adopt::apply(spec, &adoptions, jiff::Timestamp::now());
+                    let ips = crate::gc::adopt::apply(spec, &adoptions, network, jiff::Timestamp::now());
                     (!ips.is_empty()).then_some(ips)
                 })
                 .await?;

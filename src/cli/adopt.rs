@@ -12,7 +12,7 @@ use super::{Output, list, table};
 use crate::block_store::BlockStore;
 use crate::claim_writes::bind_adopted;
 use crate::crd::{IPBlock, IPPool};
-use crate::gc::adopt::{Adoption, Plan, apply, by_block, plan};
+use crate::gc::adopt::{Adoption, DEFAULT_NETWORK, Plan, apply, by_block, plan};
 use crate::gc::index::PodFacts;
 use crate::ipam::blocks::new_block;
 use crate::ipam::workload::DEFAULT_STICKY_KINDS;
@@ -29,6 +29,10 @@ pub struct AdoptArgs {
     /// Only print the plan; write nothing.
     #[arg(long)]
     pub dry_run: bool,
+    /// The name of the CNI network (the netconf's `name`) the adopted pods' IPs belong to,
+    /// which their records carry as an ADD's do: the chart's `cni.networkName`.
+    #[arg(long, env = "IPWARDEN_ADOPT_NETWORK", default_value = DEFAULT_NETWORK)]
+    pub network: String,
     /// Owner kinds whose pods keep their IPs (comma-separated; empty: none), as the agents'
     /// and the controller's flag: their pods get sticky records and an IPClaim.
     #[arg(long, env = "IPWARDEN_STICKY_OWNER_KINDS", value_delimiter = ',', default_values_t = DEFAULT_STICKY_KINDS.map(String::from))]
@@ -56,7 +60,7 @@ pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
             let create = || new_block(name, &first.pool, cidr);
             let outcome = store
                 .update(name, Some(&create), |block| {
-                    let ips = apply(&mut block.spec, &adoptions, Timestamp::now());
+                    let ips = apply(&mut block.spec, &adoptions, &args.network, Timestamp::now());
                     (!ips.is_empty()).then_some(ips)
                 })
                 .await

@@ -17,6 +17,10 @@ use crate::crd::{Allocation, ClaimedInterface, ClaimedIp, IPBlock, IPPool, PodRe
 use crate::ipam::blocks::{self, Adopter};
 use crate::ipam::{fixed, pools, workload};
 
+/// The network name adopted records carry unless told otherwise: the chart's
+/// `cni.networkName`, the `name` of the netconf it installs.
+pub const DEFAULT_NETWORK: &str = "ipwarden";
+
 /// One IP to record for the pod that reports it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -173,17 +177,22 @@ pub fn by_block<'a>(adoptions: impl IntoIterator<Item = &'a Adoption>) -> BTreeM
     blocks
 }
 
-/// Writes `adoptions` (all of one block) into `spec` as repaired records
+/// Writes `adoptions` (all of one block) into `spec` as repaired records of `network`
 /// ([`blocks::adopted_record`]), each only while its IP is still free there; gives the block
 /// the first adopter's node as affinity when it has none. Returns the IPs written.
-pub fn apply(spec: &mut crate::crd::IPBlockSpec, adoptions: &[&Adoption], now: Timestamp) -> Vec<String> {
+pub fn apply(
+    spec: &mut crate::crd::IPBlockSpec,
+    adoptions: &[&Adoption],
+    network: &str,
+    now: Timestamp,
+) -> Vec<String> {
     let mut written = Vec::new();
     for adoption in adoptions {
         let Ok(ip) = adoption.ip.parse::<IpAddr>() else { continue };
         if spec.allocations.contains_key(&adoption.ip) {
             continue;
         }
-        blocks::allocate(spec, ip, blocks::adopted_record(&adoption.adopter, now));
+        blocks::allocate(spec, ip, blocks::adopted_record(&adoption.adopter, network, now));
         if spec.affinity.is_none() {
             spec.affinity = Some(adoption.node.clone());
         }
@@ -348,13 +357,14 @@ mod test {
         spec.allocations.insert("10.9.0.8".into(), blocks::test::record("raced", "c9"));
         let all: Vec<&Adoption> = plan.adopt.iter().collect();
         let now = Timestamp::UNIX_EPOCH;
-        assert_eq!(apply(&mut spec, &all, now), ["10.9.0.7"], "an IP taken since the plan is not overwritten");
+        assert_eq!(apply(&mut spec, &all, "pods", now), ["10.9.0.7"], "an IP taken since the plan is not overwritten");
         let record = &spec.allocations["10.9.0.7"];
         assert!(blocks::adopted_by(record, Some("ua")) && record.container_id.is_empty(), "{record:?}");
+        assert_eq!(record.network, "pods");
         assert_eq!(spec.affinity.as_deref(), Some("node-0"));
         spec.affinity = Some("node-1".into());
         spec.allocations.remove("10.9.0.7");
-        apply(&mut spec, &all, now);
+        apply(&mut spec, &all, "pods", now);
         assert_eq!(spec.affinity.as_deref(), Some("node-1"), "a block another node holds keeps its affinity");
     }
 }
