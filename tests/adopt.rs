@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use e2e::CniNetwork;
 use e2e::wait::{self, Probe};
+use ipwarden::crd::IPBlock;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
@@ -128,6 +129,23 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
         create_pod(&client, NS, &format!("new-{index}"), &format!("node-{}", index % 2), json!({"app": "new"})).await;
     }
     wait_pods_with_ips(&client, NS, "app=new", 10).await;
+    // Each agent ran, its block cache empty, when adopt created its node's block: its ADDs
+    // take that block (no fresh one claimed), and each write starts from a cached copy that
+    // already holds adopt's records (a stale copy, or none, costs a 409 and a retry).
+    let blocks = Api::<IPBlock>::all(client.clone()).list(&Default::default()).await.expect("list blocks").items;
+    let affinities: BTreeMap<String, Option<String>> =
+        blocks.iter().map(|b| (b.name_any(), b.spec.affinity.clone())).collect();
+    let adopted_blocks: BTreeMap<String, Option<String>> = applied["adopt"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|a| (a["block"].as_str().unwrap_or_default().to_string(), a["node"].as_str().map(String::from)))
+        .collect();
+    assert_eq!(affinities, adopted_blocks, "the new pods' IPs come from the blocks adopt made, affine to their nodes");
+    for index in 0..2 {
+        let retries = support::metric(&ipwarden.scrape_agent(index).await, "ipwarden_agent_conflict_retries_total");
+        assert_eq!(retries, 0.0, "agent {index} wrote from stale copies of the adopted blocks");
+    }
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     for index in 0..5 {
         pods.delete(&format!("new-{index}"), &DeleteParams::default()).await.expect("delete new pod");
