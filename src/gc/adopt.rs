@@ -281,6 +281,16 @@ mod test {
         assert_eq!((first.pod.name.as_str(), interface.interface.as_str()), ("web-0", "eth0"));
         let claimed: Vec<(&str, &str)> = interface.ips.iter().map(|i| (i.ip.as_str(), i.block.as_str())).collect();
         assert_eq!(claimed, [("10.9.0.7", "v4-10-9-0-0-24"), ("fd00:9::7", "v6-fd00-9---120")]);
+        let mut launcher = pod("virt-launcher-vm1-abcde", "ul", &["10.9.0.9"]);
+        launcher.owner = Some(crate::crd::OwnerRef { kind: workload::KUBEVIRT_VMI_KIND.into(), name: "vm1".into() });
+        let vm = plan(&[launcher], &pools(), &[], &workload::DEFAULT_STICKY_KINDS.map(String::from));
+        let vm_claims = sticky_claims(&vm.adopt);
+        assert_eq!(vm_claims.len(), 1, "a KubeVirt VM's pod is sticky by default: {vm:?}");
+        let claim = workload::claim_name(&vm_claims[0].0.pod.name, vm_claims[0].0.adopter.owner.as_ref());
+        assert!(
+            claim.ends_with("vm1") && !claim.starts_with("virt-launcher"),
+            "the VM's claim, not the pod's: {claim}"
+        );
         let unlisted = plan(&[web], &pools(), &[], &[]);
         assert!(unlisted.adopt.iter().all(|a| !a.adopter.sticky), "a kind not listed as sticky: {unlisted:?}");
         assert!(sticky_claims(&unlisted.adopt).is_empty());
