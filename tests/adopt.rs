@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use e2e::CniNetwork;
 use e2e::wait::{self, Probe};
-use ipwarden::crd::IPBlock;
+use ipwarden::crd::{IPBlock, IPClaim};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
@@ -240,6 +240,16 @@ async fn an_adopted_statefulset_pod_recreated_on_ipwarden_gets_its_ip_back_and_t
     assert_eq!(ips(&report, "adopt"), std::slice::from_ref(&ip), "{report:#}");
     let adopted = records(&client).await.remove(&ip).expect("web-0's IP recorded");
     assert_eq!(adopted.network, "pods", "the record names the network given: {adopted:?}");
+    // A run that stopped between the records and the claim (here: the claim deleted) is
+    // finished by the next run, which finds the records already there.
+    Api::<IPClaim>::namespaced(client.clone(), NS)
+        .delete("web-0", &DeleteParams::default())
+        .await
+        .expect("delete claim");
+    let (ok, again) = adopt(&ipwarden, false, &["--network", "pods"]);
+    assert!(ok && ips(&again, "skipped") == [ip.clone()], "already recorded: {again:#}");
+    let claim = claims(&client, NS).await.remove("web-0").expect("the next run writes web-0's claim again");
+    assert_eq!(claim.spec.pod_uid, first_uid);
 
     // web-0 gone and its successor waiting for a schedulable node: the tracer and two full
     // sweeps see the adopted record, and must keep it as web-0's reservation.
