@@ -130,7 +130,8 @@ impl Core {
                 written.insert(ip);
             }
         }
-        let adopted = plan.adopt.iter().filter(|a| a.node == *node && written.contains(&a.ip));
+        let adopted = plan.adopt.iter().filter(|a| written.contains(&a.ip)).chain(&plan.recorded);
+        let adopted = adopted.filter(|a| a.node == *node);
         crate::claim_writes::bind_adopted(&self.client, &field_manager(node), adopted).await?;
         Ok(written.len())
     }

@@ -69,7 +69,7 @@ pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
         }
         let lost = lost_races(&mut plan, &written);
         plan.refused.extend(lost);
-        bind_adopted(&client, FIELD_MANAGER, &plan.adopt)
+        bind_adopted(&client, FIELD_MANAGER, plan.adopt.iter().chain(&plan.recorded))
             .await
             .context("writing the IPClaims of adopted sticky pods")?;
     }

@@ -76,6 +76,11 @@ pub struct Plan {
     pub skipped: Vec<Skipped>,
     /// IPs in conflict, written for nobody.
     pub refused: Vec<Refused>,
+    /// IPs already adopted for the sticky pod that reports them (also in `skipped`): no
+    /// record to write, but the pod's IPClaim is written again with them, in case the run
+    /// that recorded them stopped before the claim.
+    #[serde(skip)]
+    pub recorded: Vec<Adoption>,
 }
 
 /// `namespace/name (uid)` of a pod, as the plan names it in a conflict.
@@ -142,6 +147,10 @@ pub fn plan(
         match records.get(&(block.as_str(), text.as_str())) {
             Some(record) if record.pod.uid == pod.uid => {
                 out.skipped.push(skip(format!("already recorded for this pod in {block}")));
+                let adoption = adoption(pod, pool, &block, net, text.clone(), sticky_kinds);
+                if adoption.adopter.sticky && blocks::adopted_by(record, Some(&pod.uid)) {
+                    out.recorded.push(adoption);
+                }
             }
             Some(record) => out.refused.push(Refused {
                 ip: text.clone(),
@@ -294,6 +303,27 @@ mod test {
         let unlisted = plan(&[web], &pools(), &[], &[]);
         assert!(unlisted.adopt.iter().all(|a| !a.adopter.sticky), "a kind not listed as sticky: {unlisted:?}");
         assert!(sticky_claims(&unlisted.adopt).is_empty());
+    }
+
+    #[test]
+    fn a_sticky_pods_ip_adopted_earlier_is_skipped_and_its_claim_written_again() {
+        let mut web = pod("web-0", "uw", &["10.9.0.7", "10.9.0.8"]);
+        web.owner = Some(crate::crd::OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
+        let kinds = ["StatefulSet".to_string()];
+        let first = plan(&[web.clone()], &pools(), &[], &kinds);
+        let mut spec = IPBlockSpec { pool: "v4".into(), cidr: "10.9.0.0/24".into(), ..IPBlockSpec::default() };
+        let ip7: Vec<&Adoption> = first.adopt.iter().filter(|a| a.ip == "10.9.0.7").collect();
+        apply(&mut spec, &ip7, "pods", Timestamp::UNIX_EPOCH);
+        // An ADD's record of the pod's other IP: its claim is the ADD's.
+        let mut added = blocks::test::record("uw", "c1");
+        added.pod.name = "web-0".into();
+        spec.allocations.insert("10.9.0.8".into(), added);
+        let block = Arc::new(IPBlock::new("v4-10-9-0-0-24", spec));
+        let again = plan(&[web], &pools(), &[block], &kinds);
+        assert!(again.adopt.is_empty() && again.skipped.len() == 2, "{again:?}");
+        let recorded: Vec<&str> = again.recorded.iter().map(|a| a.ip.as_str()).collect();
+        assert_eq!(recorded, ["10.9.0.7"], "only the adopted record's claim is written again");
+        assert_eq!(sticky_claims(&again.recorded)[0].1.ips[0].ip, "10.9.0.7");
     }
 
     #[test]
