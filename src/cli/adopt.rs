@@ -1,7 +1,8 @@
 //! `ipwarden adopt`: records the IPs that running pods got from another IPAM (host-local, or
 //! any other) and that fall inside an ipwarden pool, so a cluster moves to ipwarden without
 //! restarting pods and ipwarden never hands those IPs out again. The plan is
-//! [`crate::gc::adopt::plan`]; each block is written through the one compare-and-swap path.
+//! [`crate::gc::adopt::plan`]; each block is written through the one compare-and-swap path,
+//! then each sticky pod's IPClaim through the ADD's ([`crate::claim_writes::bind_adopted`]).
 
 use anyhow::Context;
 use jiff::Timestamp;
@@ -17,7 +18,7 @@ use crate::gc::index::PodFacts;
 use crate::ipam::blocks::new_block;
 use crate::ipam::workload::DEFAULT_STICKY_KINDS;
 
-/// The field manager of `ipwarden adopt`'s block writes.
+/// The field manager of `ipwarden adopt`'s block and claim writes.
 const FIELD_MANAGER: &str = "ipwarden-adopt";
 
 /// `ipwarden adopt` flags.
