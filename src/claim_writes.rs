@@ -1,13 +1,102 @@
-//! The one way an IPClaim is deleted by ipwarden, and the one way it is rebound to another
-//! pod outside an ADD: only while it is still bound to the pod UID the decision was made for
-//! (a recreated pod may have taken it over meanwhile).
+//! The one way an IPClaim is written for a pod's IPs (by an ADD, and by `ipwarden adopt` for
+//! a pod another IPAM started), the one way it is deleted by ipwarden, and the one way it is
+//! rebound to another pod outside an ADD: deleted and rebound only while it is still bound to
+//! the pod UID the decision was made for (a recreated pod may have taken it over meanwhile).
 
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use kube::{Client, ResourceExt};
 
-use crate::crd::IPClaim;
+use crate::block_store::{CasError, CasStore};
+use crate::crd::{ClaimedInterface, IPClaim, IPClaimSpec, OwnerRef};
+use crate::ipam::workload;
+
+/// A pod's IPs of one interface, as its IPClaim records them.
+#[derive(Clone, Debug)]
+pub struct Binding<'a> {
+    /// The pod's namespace.
+    pub namespace: &'a str,
+    /// The pod's name.
+    pub pod: &'a str,
+    /// The pod's UID, which the claim is bound to.
+    pub uid: &'a str,
+    /// The pod's node.
+    pub node: &'a str,
+    /// The pod's controller, which names the claim of a KubeVirt VM's pods.
+    pub owner: Option<&'a OwnerRef>,
+    /// Whether the owner's kind keeps its IPs.
+    pub sticky: bool,
+    /// The interface and its IPs.
+    pub interface: ClaimedInterface,
+}
+
+/// Writes `binding` into the pod's IPClaim (created, or taken over from a previous pod of the
+/// same name, keeping a sticky predecessor's other interfaces ([`workload::claim_interfaces`]))
+/// with compare-and-swap under `field_manager`. Returns the claim's name and the spec it
+/// replaced (`None`: the claim was created).
+pub async fn bind(
+    client: &Client,
+    field_manager: String,
+    binding: &Binding<'_>,
+) -> Result<(String, Option<IPClaimSpec>), CasError> {
+    let name = workload::claim_name(binding.pod, binding.owner);
+    let spec_over = |existing: Option<&IPClaimSpec>| IPClaimSpec {
+        pod_uid: binding.uid.to_string(),
+        node: binding.node.to_string(),
+        owner: binding.owner.cloned(),
+        sticky: binding.sticky,
+        interfaces: workload::claim_interfaces(existing, binding.uid, binding.sticky, binding.interface.clone()),
+        bound_at: Time(Timestamp::now()),
+    };
+    let create = || {
+        let mut claim = IPClaim::new(&name, spec_over(None));
+        claim.metadata.namespace = Some(binding.namespace.to_string());
+        claim
+    };
+    let store = CasStore::new(Api::<IPClaim>::namespaced(client.clone(), binding.namespace), field_manager, None);
+    // A new pod of a workload that keeps no IPs has no claim yet: create it without a read
+    // (one that exists answers 409, then it is read and replaced). A sticky pod's claim
+    // usually exists: read it first.
+    let base = (!binding.sticky).then(create);
+    // `None`: created (an object not yet stored has no resourceVersion).
+    let before = store
+        .update_from(&name, base, Some(&create), |claim| {
+            let stored = claim.metadata.resource_version.is_some();
+            let spec = spec_over(stored.then_some(&claim.spec));
+            let before = std::mem::replace(&mut claim.spec, spec);
+            Some(stored.then_some(before))
+        })
+        .await?
+        .0
+        .written()
+        .flatten();
+    Ok((name, before))
+}
+
+/// Writes the IPClaim of each sticky pod among `adopted`, the adoptions whose records are
+/// written ([`crate::gc::adopt::sticky_claims`]): after the records, as an ADD writes them,
+/// for `ipwarden adopt` and the agent's start-up adoption alike. Returns how many it wrote.
+pub async fn bind_adopted<'a>(
+    client: &Client,
+    field_manager: &str,
+    adopted: impl IntoIterator<Item = &'a crate::gc::adopt::Adoption>,
+) -> Result<usize, CasError> {
+    let claims = crate::gc::adopt::sticky_claims(adopted);
+    for (adoption, interface) in &claims {
+        let binding = Binding {
+            namespace: &adoption.pod.namespace,
+            pod: &adoption.pod.name,
+            uid: &adoption.pod.uid,
+            node: &adoption.node,
+            owner: adoption.adopter.owner.as_ref(),
+            sticky: true,
+            interface: interface.clone(),
+        };
+        bind(client, field_manager.to_string(), &binding).await?;
+    }
+    Ok(claims.len())
+}
 
 /// Deletes claim `namespace/name` if it names `pod_uid`, with a precondition on its UID and
 /// resourceVersion; returns whether it was deleted.

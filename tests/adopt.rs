@@ -10,11 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use e2e::CniNetwork;
 use e2e::wait::{self, Probe};
+use ipwarden::crd::{IPBlock, IPClaim};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::{Value, json};
-use support::{Ipwarden, TIMEOUT, create_pod, ip_of, records, wait_pods_with_ips};
+use support::{Ipwarden, TIMEOUT, claims, cordon, create_pod, ip_of, records, wait_pods_with_ips};
 
 const NS: &str = "default";
 
@@ -44,11 +45,11 @@ async fn host_local_cluster(nodes: usize) -> (Ipwarden, Arc<AtomicBool>) {
     (Ipwarden::without_agents(nodes, &[("pool", pool)], network).await, switched)
 }
 
-/// Runs `ipwarden adopt -o json` (with `--dry-run` when `dry`); returns its exit success and
-/// its JSON report.
-fn adopt(ipwarden: &Ipwarden, dry: bool) -> (bool, Value) {
+/// Runs `ipwarden adopt -o json` (with `--dry-run` when `dry`) plus `extra`; returns its exit
+/// success and its JSON report.
+fn adopt(ipwarden: &Ipwarden, dry: bool, extra: &[&str]) -> (bool, Value) {
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ipwarden"));
-    command.args(["adopt", "-o", "json"]);
+    command.args(["adopt", "-o", "json"]).args(extra);
     if dry {
         command.arg("--dry-run");
     }
@@ -96,7 +97,7 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
     switched.store(true, Ordering::SeqCst);
 
     let single: Vec<String> = old_ips.keys().filter(|ip| **ip != doubled).cloned().collect();
-    let (ok, plan) = adopt(&ipwarden, true);
+    let (ok, plan) = adopt(&ipwarden, true, &[]);
     assert!(!ok, "a refused IP makes adopt exit non-zero: {plan:#}");
     assert_eq!(ips(&plan, "adopt"), single, "the dry run plans every IP only one pod reports: {plan:#}");
     assert_eq!(ips(&plan, "refused"), std::slice::from_ref(&doubled), "{plan:#}");
@@ -105,12 +106,12 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
     assert_eq!(ips(&plan, "skipped"), ["192.168.77.7"], "the IP outside every pool is skipped: {plan:#}");
     assert!(records(&client).await.is_empty(), "a dry run writes nothing");
 
-    let (ok, applied) = adopt(&ipwarden, false);
+    let (ok, applied) = adopt(&ipwarden, false, &[]);
     assert!(!ok, "still refused: {applied:#}");
     assert_eq!(ips(&applied, "adopt"), single, "{applied:#}");
     let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
     Api::<Pod>::namespaced(client.clone(), NS).delete("ghost-double", &force).await.expect("delete the ghost");
-    let (ok, again) = adopt(&ipwarden, false);
+    let (ok, again) = adopt(&ipwarden, false, &[]);
     assert!(ok, "nothing refused once the second reporter is gone: {again:#}");
     assert_eq!(ips(&again, "adopt"), std::slice::from_ref(&doubled), "{again:#}");
     assert_eq!(ips(&again, "skipped").len(), 6, "the rest is already recorded (and one is outside): {again:#}");
@@ -120,6 +121,7 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
         let record = recorded.get(ip).unwrap_or_else(|| panic!("{ip} adopted: {recorded:?}"));
         assert_eq!(&record.pod.uid, uid, "{ip} is recorded for the pod that reports it");
         assert!(record.repaired_at.is_some() && record.container_id.is_empty(), "{ip}: {record:?}");
+        assert_eq!(record.network, e2e::ipwarden::NETWORK, "{ip}: the chart's network name, adopt's default");
     }
 
     // Churn through ipwarden: pods come and go, half the adopted pods too.
@@ -127,6 +129,23 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
         create_pod(&client, NS, &format!("new-{index}"), &format!("node-{}", index % 2), json!({"app": "new"})).await;
     }
     wait_pods_with_ips(&client, NS, "app=new", 10).await;
+    // Each agent ran, its block cache empty, when adopt created its node's block: its ADDs
+    // take that block (no fresh one claimed), and each write starts from a cached copy that
+    // already holds adopt's records (a stale copy, or none, costs a 409 and a retry).
+    let blocks = Api::<IPBlock>::all(client.clone()).list(&Default::default()).await.expect("list blocks").items;
+    let affinities: BTreeMap<String, Option<String>> =
+        blocks.iter().map(|b| (b.name_any(), b.spec.affinity.clone())).collect();
+    let adopted_blocks: BTreeMap<String, Option<String>> = applied["adopt"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|a| (a["block"].as_str().unwrap_or_default().to_string(), a["node"].as_str().map(String::from)))
+        .collect();
+    assert_eq!(affinities, adopted_blocks, "the new pods' IPs come from the blocks adopt made, affine to their nodes");
+    for index in 0..2 {
+        let retries = support::metric(&ipwarden.scrape_agent(index).await, "ipwarden_agent_conflict_retries_total");
+        assert_eq!(retries, 0.0, "agent {index} wrote from stale copies of the adopted blocks");
+    }
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     for index in 0..5 {
         pods.delete(&format!("new-{index}"), &DeleteParams::default()).await.expect("delete new pod");
@@ -181,9 +200,81 @@ async fn an_agent_started_with_adopt_on_start_records_its_nodes_host_local_pods_
         let record = recorded.get(&ip_of(pod)).unwrap_or_else(|| panic!("{} adopted: {recorded:?}", ip_of(pod)));
         assert_eq!(record.pod.uid, pod.uid().unwrap_or_default(), "{} recorded for {}", ip_of(pod), pod.name_any());
         assert_eq!(record.node, "node-0");
+        assert_eq!(record.network, e2e::ipwarden::NETWORK, "the chart's network name, the agent's default");
     }
     create_pod(&client, NS, "new-0", "node-0", json!({"app": "new"})).await;
     let new = wait_pods_with_ips(&client, NS, "app=new", 1).await;
     let ip = ip_of(&new["new-0"]);
     assert!(old.values().all(|p| ip_of(p) != ip), "the new pod got {ip}, an adopted IP");
+}
+
+/// web-0 once it exists with a UID other than `not_uid`, whether or not it runs yet.
+async fn wait_web0_other_than(client: &kube::Client, not_uid: &str) -> Pod {
+    wait::until("web-0 recreated by its StatefulSet", TIMEOUT, || async {
+        let pod =
+            Api::<Pod>::namespaced(client.clone(), NS).get_opt("web-0").await.map_err(e2e::Error::kube("get web-0"))?;
+        Ok(match pod {
+            Some(pod) if pod.uid().unwrap_or_default() != not_uid => Probe::Done(pod),
+            other => Probe::Pending(format!("web-0: {:?}", other.map(|p| p.uid()))),
+        })
+    })
+    .await
+    .expect("web-0 recreated")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopted_statefulset_pod_recreated_on_ipwarden_gets_its_ip_back_and_the_controller_keeps_it_meanwhile() {
+    let (mut ipwarden, switched) = host_local_cluster(1).await;
+    let client = ipwarden.client();
+    support::create_statefulset(&client, NS, "web", json!({})).await;
+    let first = wait_pods_with_ips(&client, NS, "app=web", 1).await.remove("web-0").expect("web-0");
+    let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
+    ipwarden.start_agents(&[]).await;
+    switched.store(true, Ordering::SeqCst);
+    let controller = ipwarden.start_controller("controller-a", &["--full-scan-interval-seconds=2"]);
+    ipwarden.wait_leader(controller).await;
+
+    // A network name other than the default, so that the flag is seen to take effect.
+    let (ok, report) = adopt(&ipwarden, false, &["--network", "pods"]);
+    assert!(ok, "{report:#}");
+    assert_eq!(ips(&report, "adopt"), std::slice::from_ref(&ip), "{report:#}");
+    let adopted = records(&client).await.remove(&ip).expect("web-0's IP recorded");
+    assert_eq!(adopted.network, "pods", "the record names the network given: {adopted:?}");
+    // A run that stopped between the records and the claim (here: the claim deleted) is
+    // finished by the next run, which finds the records already there.
+    Api::<IPClaim>::namespaced(client.clone(), NS)
+        .delete("web-0", &DeleteParams::default())
+        .await
+        .expect("delete claim");
+    let (ok, again) = adopt(&ipwarden, false, &["--network", "pods"]);
+    assert!(ok && ips(&again, "skipped") == [ip.clone()], "already recorded: {again:#}");
+    let claim = claims(&client, NS).await.remove("web-0").expect("the next run writes web-0's claim again");
+    assert_eq!(claim.spec.pod_uid, first_uid);
+
+    // web-0 gone and its successor waiting for a schedulable node: the tracer and two full
+    // sweeps see the adopted record, and must keep it as web-0's reservation.
+    cordon(&client, "node-0", true).await;
+    Api::<Pod>::namespaced(client.clone(), NS).delete("web-0", &DeleteParams::default()).await.expect("delete web-0");
+    wait_web0_other_than(&client, &first_uid).await;
+    ipwarden.wait_sweeps(controller, 2).await;
+    let kept = records(&client).await.remove(&ip);
+    assert!(kept.as_ref().is_some_and(|r| r.sticky), "the controller keeps the adopted StatefulSet IP: {kept:?}");
+
+    cordon(&client, "node-0", false).await;
+    let second = wait::until("web-0 running on ipwarden", TIMEOUT, || async {
+        let pods = support::pods_with_ips(&client, NS, "app=web").await?;
+        Ok(match pods.get("web-0") {
+            Some(pod) if pod.uid().unwrap_or_default() != first_uid => Probe::Done(pod.clone()),
+            _ => Probe::Pending("no new web-0 with an IP".into()),
+        })
+    })
+    .await
+    .expect("web-0 runs again");
+    assert_eq!(ip_of(&second), ip, "the recreated StatefulSet pod gets its adopted IP back");
+    let taken = records(&client).await.remove(&ip).expect("the IP recorded for the new web-0");
+    assert_eq!(taken.pod.uid, second.uid().unwrap_or_default());
+    assert!(taken.sticky && !taken.container_id.is_empty(), "now an ordinary sticky record: {taken:?}");
+    assert_eq!(taken.network, e2e::ipwarden::NETWORK, "the ADD's network: {taken:?}");
+    let claim = claims(&client, NS).await.remove("web-0").expect("web-0's claim");
+    assert_eq!(claim.spec.pod_uid, second.uid().unwrap_or_default(), "{claim:?}");
 }

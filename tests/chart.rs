@@ -121,6 +121,14 @@ async fn the_chart_lints_and_renders_restricted_workloads_least_privilege_rbac_a
         agent["args"].as_array().into_iter().flatten().any(|a| *a == socket_flag.as_str()),
         "plugin and agent share the socket"
     );
+    let adopting = helm
+        .template("ipwarden", NAMESPACE, &["agent.adoptOnStart=true", "cni.networkName=pods"], &[])
+        .await
+        .expect("renders with start-up adoption");
+    let args = one(&adopting, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["args"].clone();
+    for flag in ["--adopt-on-start", "--adopt-network=pods"] {
+        assert!(args.as_array().into_iter().flatten().any(|a| *a == flag), "{flag} in the agent's args: {args}");
+    }
 
     let dashboard = of_kind(&docs, "ConfigMap")
         .into_iter()

@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
-use support::{Ipwarden, TIMEOUT, claims, ip_of, metric, pod_template, records};
+use support::{Ipwarden, TIMEOUT, claims, cordon, ip_of, metric, pod_template, records};
 
 const NS: &str = "default";
 const POOL: &str = "pool";
@@ -56,12 +56,6 @@ async fn restart_web0(client: &kube::Client, pod: &Pod) -> Pod {
 /// The IP of the record of `uid`'s interface `ifname`.
 fn record_ip(records: &std::collections::BTreeMap<String, Allocation>, uid: &str, ifname: &str) -> Option<String> {
     records.iter().find(|(_, r)| r.pod.uid == uid && r.interface == ifname).map(|(ip, _)| ip.clone())
-}
-
-/// Marks node `name` (un)schedulable, as `kubectl cordon` / `uncordon` do.
-async fn cordon(client: &kube::Client, name: &str, unschedulable: bool) {
-    let patch = json!({"spec": {"unschedulable": unschedulable}});
-    Api::<Node>::all(client.clone()).patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await.expect("cordon");
 }
 
 /// web-0 of a new StatefulSet `web`, started on node-0 (node-1 cordoned meanwhile).

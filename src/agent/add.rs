@@ -20,7 +20,7 @@ use super::checkpoint::{CheckpointEntry, CheckpointIp};
 use super::core::{Base, Core, ResolvedPool, attachment_key, field_manager, new_block, result_of};
 use super::error::Error;
 use super::metrics::PoolLabels;
-use crate::block_store::CasStore;
+use crate::claim_writes::{self, Binding};
 use crate::crd::{
     Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPBlockSpec, IPClaim, IPClaimSpec, IPPool,
     MigrationTarget, OwnerRef, POOL_ANNOTATION, POOLS_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
@@ -750,9 +750,8 @@ impl Core {
         ifname: &str,
         ips: &[CheckpointIp],
     ) -> Result<ClaimWrite, Error> {
-        let namespace = pod.namespace().unwrap_or_default();
-        let uid = pod.uid().unwrap_or_default();
-        let name = workload::claim_name(&pod.name_any(), owner);
+        let (namespace, name, uid) =
+            (pod.namespace().unwrap_or_default(), pod.name_any(), pod.uid().unwrap_or_default());
         let interface = ClaimedInterface {
             interface: ifname.to_string(),
             ips: ips
@@ -760,37 +759,16 @@ impl Core {
                 .map(|i| ClaimedIp { ip: i.ip.clone(), pool: i.pool.clone(), block: i.block.clone() })
                 .collect(),
         };
-        let spec_over = |existing: Option<&IPClaimSpec>| IPClaimSpec {
-            pod_uid: uid.clone(),
-            node: self.settings.node.clone(),
-            owner: owner.cloned(),
+        let binding = Binding {
+            namespace: &namespace,
+            pod: &name,
+            uid: &uid,
+            node: &self.settings.node,
+            owner,
             sticky,
-            interfaces: workload::claim_interfaces(existing, &uid, sticky, interface.clone()),
-            bound_at: Time(Timestamp::now()),
+            interface,
         };
-        let create = || {
-            let mut claim = IPClaim::new(&name, spec_over(None));
-            claim.metadata.namespace = Some(namespace.clone());
-            claim
-        };
-        let api = Api::<IPClaim>::namespaced(self.client.clone(), &namespace);
-        let store = CasStore::new(api, field_manager(&self.settings.node), None);
-        // A new pod of a workload that keeps no IPs has no claim yet: create it without a read
-        // (one that exists answers 409, then it is read and replaced). A sticky pod's claim
-        // usually exists: read it first.
-        let base = (!sticky).then(create);
-        // `None`: the ADD created the claim (an object not yet stored has no resourceVersion).
-        let before = store
-            .update_from(&name, base, Some(&create), |claim| {
-                let stored = claim.metadata.resource_version.is_some();
-                let spec = spec_over(stored.then_some(&claim.spec));
-                let before = std::mem::replace(&mut claim.spec, spec);
-                Some(stored.then_some(before))
-            })
-            .await?
-            .0
-            .written()
-            .flatten();
+        let (name, before) = claim_writes::bind(&self.client, field_manager(&self.settings.node), &binding).await?;
         Ok(ClaimWrite { namespace, name, before })
     }
 

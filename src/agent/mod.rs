@@ -88,6 +88,11 @@ pub struct AgentArgs {
     /// another IPAM inside ipwarden's pools, as `ipwarden adopt` does for the whole cluster.
     #[arg(long, env = "IPWARDEN_ADOPT_ON_START")]
     pub adopt_on_start: bool,
+    /// The CNI network name (the netconf's `name`) that `--adopt-on-start`'s records carry:
+    /// the agent knows a network's name only from CNI calls (and its checkpoint of them),
+    /// which a node moving from another IPAM has not made yet.
+    #[arg(long, env = "IPWARDEN_ADOPT_NETWORK", default_value = crate::gc::adopt::DEFAULT_NETWORK)]
+    pub adopt_network: String,
     /// Apply ipwarden's CRDs at start (off when the chart installs them).
     #[arg(long, env = "IPWARDEN_INSTALL_CRDS")]
     pub install_crds: bool,
@@ -217,7 +222,8 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         tracing::info!(released = freed.len(), %network, "host-local start-up GC done");
     }
     if args.adopt_on_start {
-        let adopted = core.adopt_local_pods().await.context("adopting the IPs of this node's pods")?;
+        let adopted =
+            core.adopt_local_pods(&args.adopt_network).await.context("adopting the IPs of this node's pods")?;
         tracing::info!(adopted, "start-up adoption done");
     }
     let heartbeat = heartbeat::Heartbeat {

@@ -9,7 +9,7 @@ use kube::api::Api;
 
 use super::block_writes::RecordAt;
 use super::checkpoint::{AttachmentKey, CheckpointEntry, CheckpointIp};
-use super::core::Core;
+use super::core::{Core, field_manager};
 use super::error::Error;
 use crate::crd::{Allocation, IPBlock};
 use crate::gc::adopt::by_block;
@@ -99,36 +99,41 @@ impl Core {
     /// every pod (so that a pod of another node reporting the same IP is seen), of which this
     /// node's adoptions are written block by block before the agent serves: it never hands
     /// out an IP another IPAM gave a pod that still runs here. A refused IP of a pod of this
-    /// node is logged with the pods it names and left alone. Returns how many records were
-    /// written.
-    pub async fn adopt_local_pods(&self) -> Result<usize, Error> {
+    /// node is logged with the pods it names and left alone. A sticky pod's IPClaim is written
+    /// after its records, as `ipwarden adopt` writes it. The records name `network`. Returns
+    /// how many records were written.
+    pub async fn adopt_local_pods(&self, network: &str) -> Result<usize, Error> {
         let node = &self.settings.node;
         let pods = Api::<Pod>::all(self.client.clone())
             .list(&kube::api::ListParams::default())
             .await
             .map_err(Error::api("listing every pod for the start-up adoption".to_string()))?;
         let pods: Vec<PodFacts> = pods.items.iter().map(PodFacts::of).collect();
-        let plan = crate::gc::adopt::plan(&pods, &self.pools.state(), &self.blocks.state());
+        let plan =
+            crate::gc::adopt::plan(&pods, &self.pools.state(), &self.blocks.state(), &self.settings.sticky_kinds);
         let local_ips: BTreeSet<&String> = pods.iter().filter(|p| p.node == *node).flat_map(|p| &p.ips).collect();
         for refused in plan.refused.iter().filter(|r| local_ips.contains(&r.ip)) {
             tracing::warn!(ip = %refused.ip, pods = %refused.pods.join(", "), reason = %refused.reason, "start-up adoption: refused");
         }
-        let mut written = 0;
+        let mut written = BTreeSet::new();
         for (name, adoptions) in by_block(plan.adopt.iter().filter(|a| a.node == *node)) {
             let first = adoptions[0];
             let Ok(cidr) = first.block_cidr.parse() else { continue };
             let ips = self
                 .write_block(name, &first.pool, cidr, |spec| {
-                    let ips = crate::gc::adopt::apply(spec, &adoptions, jiff::Timestamp::now());
+                    let ips = crate::gc::adopt::apply(spec, &adoptions, network, jiff::Timestamp::now());
                     (!ips.is_empty()).then_some(ips)
                 })
                 .await?;
             for ip in ips.unwrap_or_default() {
                 tracing::info!(%ip, block = %name, "start-up adoption: recorded an IP another IPAM attached");
-                written += 1;
+                written.insert(ip);
             }
         }
-        Ok(written)
+        let adopted = plan.adopt.iter().filter(|a| written.contains(&a.ip)).chain(&plan.recorded);
+        let adopted = adopted.filter(|a| a.node == *node);
+        crate::claim_writes::bind_adopted(&self.client, &field_manager(node), adopted).await?;
+        Ok(written.len())
     }
 
     /// Rebuilds the checkpoint from this node's records in the blocks (when the file was

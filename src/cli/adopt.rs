@@ -1,7 +1,8 @@
 //! `ipwarden adopt`: records the IPs that running pods got from another IPAM (host-local, or
 //! any other) and that fall inside an ipwarden pool, so a cluster moves to ipwarden without
 //! restarting pods and ipwarden never hands those IPs out again. The plan is
-//! [`crate::gc::adopt::plan`]; each block is written through the one compare-and-swap path.
+//! [`crate::gc::adopt::plan`]; each block is written through the one compare-and-swap path,
+//! then each sticky pod's IPClaim through the ADD's ([`crate::claim_writes::bind_adopted`]).
 
 use anyhow::Context;
 use jiff::Timestamp;
@@ -10,12 +11,14 @@ use kube::api::Api;
 use super::connect::{ClusterArgs, connect};
 use super::{Output, list, table};
 use crate::block_store::BlockStore;
+use crate::claim_writes::bind_adopted;
 use crate::crd::{IPBlock, IPPool};
-use crate::gc::adopt::{Adoption, Plan, apply, by_block, plan};
+use crate::gc::adopt::{Adoption, DEFAULT_NETWORK, Plan, apply, by_block, plan};
 use crate::gc::index::PodFacts;
 use crate::ipam::blocks::new_block;
+use crate::ipam::workload::DEFAULT_STICKY_KINDS;
 
-/// The field manager of `ipwarden adopt`'s block writes.
+/// The field manager of `ipwarden adopt`'s block and claim writes.
 const FIELD_MANAGER: &str = "ipwarden-adopt";
 
 /// `ipwarden adopt` flags.
@@ -27,6 +30,14 @@ pub struct AdoptArgs {
     /// Only print the plan; write nothing.
     #[arg(long)]
     pub dry_run: bool,
+    /// The name of the CNI network (the netconf's `name`) the adopted pods' IPs belong to,
+    /// which their records carry as an ADD's do: the chart's `cni.networkName`.
+    #[arg(long, env = "IPWARDEN_ADOPT_NETWORK", default_value = DEFAULT_NETWORK)]
+    pub network: String,
+    /// Owner kinds whose pods keep their IPs (comma-separated; empty: none), as the agents'
+    /// and the controller's flag: their pods get sticky records and an IPClaim.
+    #[arg(long, env = "IPWARDEN_STICKY_OWNER_KINDS", value_delimiter = ',', default_values_t = DEFAULT_STICKY_KINDS.map(String::from))]
+    pub sticky_owner_kinds: Vec<String>,
     /// Output format.
     #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
     pub output: Output,
@@ -38,7 +49,9 @@ pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
     let client = connect(&args.cluster).await?.client;
     let pods: Vec<PodFacts> = list(&client).await?.iter().map(|p| PodFacts::of(p)).collect();
     let (pools, blocks) = (list::<IPPool>(&client).await?, list::<IPBlock>(&client).await?);
-    let mut plan = plan(&pods, &pools, &blocks);
+    let sticky_kinds: Vec<String> =
+        args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect();
+    let mut plan = plan(&pods, &pools, &blocks, &sticky_kinds);
     let mut written = Vec::new();
     if !args.dry_run {
         let store = BlockStore::new(Api::all(client.clone()), FIELD_MANAGER.to_string(), None);
@@ -48,7 +61,7 @@ pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
             let create = || new_block(name, &first.pool, cidr);
             let outcome = store
                 .update(name, Some(&create), |block| {
-                    let ips = apply(&mut block.spec, &adoptions, Timestamp::now());
+                    let ips = apply(&mut block.spec, &adoptions, &args.network, Timestamp::now());
                     (!ips.is_empty()).then_some(ips)
                 })
                 .await
@@ -57,6 +70,9 @@ pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
         }
         let lost = lost_races(&mut plan, &written);
         plan.refused.extend(lost);
+        bind_adopted(&client, FIELD_MANAGER, plan.adopt.iter().chain(&plan.recorded))
+            .await
+            .context("writing the IPClaims of adopted sticky pods")?;
     }
     print(&plan, args.dry_run, args.output)?;
     Ok(plan.refused.is_empty())

@@ -13,9 +13,13 @@ use kube::ResourceExt;
 use serde::Serialize;
 
 use super::index::PodFacts;
-use crate::crd::{Allocation, IPBlock, IPPool, PodRef};
+use crate::crd::{Allocation, ClaimedInterface, ClaimedIp, IPBlock, IPPool, PodRef};
 use crate::ipam::blocks::{self, Adopter};
-use crate::ipam::pools;
+use crate::ipam::{fixed, pools, workload};
+
+/// The network name adopted records carry unless told otherwise: the chart's
+/// `cni.networkName`, the `name` of the netconf it installs.
+pub const DEFAULT_NETWORK: &str = "ipwarden";
 
 /// One IP to record for the pod that reports it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -72,6 +76,11 @@ pub struct Plan {
     pub skipped: Vec<Skipped>,
     /// IPs in conflict, written for nobody.
     pub refused: Vec<Refused>,
+    /// IPs already adopted for the sticky pod that reports them (also in `skipped`): no
+    /// record to write, but the pod's IPClaim is written again with them, in case the run
+    /// that recorded them stopped before the claim.
+    #[serde(skip)]
+    pub recorded: Vec<Adoption>,
 }
 
 /// `namespace/name (uid)` of a pod, as the plan names it in a conflict.
@@ -84,8 +93,15 @@ fn named(pod: &PodRef) -> String {
 /// pods report, or that a record names for another pod, is refused; one outside every pool's
 /// allocatable addresses, or already recorded for the same pod, is skipped; the rest are
 /// adopted into the first pool (by name) that hands them out. Pools being deleted take no
-/// adoption; disabled pools do (a pool is disabled while a cluster moves onto it).
-pub fn plan(pods: &[PodFacts], pool_objects: &[Arc<IPPool>], block_objects: &[Arc<IPBlock>]) -> Plan {
+/// adoption; disabled pools do (a pool is disabled while a cluster moves onto it). A pod
+/// whose owner's kind is among `sticky_kinds` gets sticky records, as its ADD would have
+/// written, so that it keeps its IPs when it is recreated.
+pub fn plan(
+    pods: &[PodFacts],
+    pool_objects: &[Arc<IPPool>],
+    block_objects: &[Arc<IPBlock>],
+    sticky_kinds: &[String],
+) -> Plan {
     let mut reporters: BTreeMap<IpAddr, Vec<&PodFacts>> = BTreeMap::new();
     for pod in pods.iter().filter(|p| !p.host_network && !p.finished() && !p.node.is_empty()) {
         for ip in pod.ips.iter().filter_map(|ip| ip.parse::<IpAddr>().ok()) {
@@ -131,20 +147,25 @@ pub fn plan(pods: &[PodFacts], pool_objects: &[Arc<IPPool>], block_objects: &[Ar
         match records.get(&(block.as_str(), text.as_str())) {
             Some(record) if record.pod.uid == pod.uid => {
                 out.skipped.push(skip(format!("already recorded for this pod in {block}")));
+                let adoption = adoption(pod, pool, &block, net, text.clone(), sticky_kinds);
+                if adoption.adopter.sticky && blocks::adopted_by(record, Some(&pod.uid)) {
+                    out.recorded.push(adoption);
+                }
             }
             Some(record) => out.refused.push(Refused {
                 ip: text.clone(),
                 pods: vec![named(&pod.pod_ref()), named(&record.pod)],
                 reason: format!("recorded in {block} for another pod"),
             }),
-            None => out.adopt.push(adoption(pod, pool, &block, net, text.clone())),
+            None => out.adopt.push(adoption(pod, pool, &block, net, text.clone(), sticky_kinds)),
         }
     }
     out
 }
 
-fn adoption(pod: &PodFacts, pool: &str, block: &str, net: IpNet, ip: String) -> Adoption {
-    let adopter = Adopter { pod: pod.pod_ref(), node: pod.node.clone(), owner: pod.owner.clone(), sticky: false };
+fn adoption(pod: &PodFacts, pool: &str, block: &str, net: IpNet, ip: String, sticky_kinds: &[String]) -> Adoption {
+    let sticky = workload::is_sticky(pod.owner.as_ref(), sticky_kinds);
+    let adopter = Adopter { pod: pod.pod_ref(), node: pod.node.clone(), owner: pod.owner.clone(), sticky };
     Adoption {
         ip,
         pool: pool.to_string(),
@@ -165,23 +186,46 @@ pub fn by_block<'a>(adoptions: impl IntoIterator<Item = &'a Adoption>) -> BTreeM
     blocks
 }
 
-/// Writes `adoptions` (all of one block) into `spec` as repaired records
+/// Writes `adoptions` (all of one block) into `spec` as repaired records of `network`
 /// ([`blocks::adopted_record`]), each only while its IP is still free there; gives the block
 /// the first adopter's node as affinity when it has none. Returns the IPs written.
-pub fn apply(spec: &mut crate::crd::IPBlockSpec, adoptions: &[&Adoption], now: Timestamp) -> Vec<String> {
+pub fn apply(
+    spec: &mut crate::crd::IPBlockSpec,
+    adoptions: &[&Adoption],
+    network: &str,
+    now: Timestamp,
+) -> Vec<String> {
     let mut written = Vec::new();
     for adoption in adoptions {
         let Ok(ip) = adoption.ip.parse::<IpAddr>() else { continue };
         if spec.allocations.contains_key(&adoption.ip) {
             continue;
         }
-        blocks::allocate(spec, ip, blocks::adopted_record(&adoption.adopter, now));
+        blocks::allocate(spec, ip, blocks::adopted_record(&adoption.adopter, network, now));
         if spec.affinity.is_none() {
             spec.affinity = Some(adoption.node.clone());
         }
         written.push(adoption.ip.clone());
     }
     written
+}
+
+/// The IPClaim interface of each sticky pod among `adopted` (the adoptions written): the
+/// pod's own network's interface ([`fixed::POD_INTERFACE`]) with its adopted IPs, as its ADD
+/// would have claimed them, so that the pod recreated on ipwarden takes them back. Returns
+/// the first adoption of each pod (its pod, node and owner) with that interface.
+pub fn sticky_claims<'a>(adopted: impl IntoIterator<Item = &'a Adoption>) -> Vec<(&'a Adoption, ClaimedInterface)> {
+    let mut claims: BTreeMap<&str, (&Adoption, ClaimedInterface)> = BTreeMap::new();
+    for adoption in adopted.into_iter().filter(|a| a.adopter.sticky) {
+        let ip = ClaimedIp { ip: adoption.ip.clone(), pool: adoption.pool.clone(), block: adoption.block.clone() };
+        claims
+            .entry(adoption.pod.uid.as_str())
+            .or_insert_with(|| (adoption, ClaimedInterface { interface: fixed::POD_INTERFACE.into(), ips: Vec::new() }))
+            .1
+            .ips
+            .push(ip);
+    }
+    claims.into_values().collect()
 }
 
 #[cfg(test)]
@@ -223,7 +267,7 @@ mod test {
 
     #[test]
     fn ips_of_running_pods_inside_a_pool_are_adopted_into_their_block_both_families() {
-        let plan = plan(&[pod("a", "ua", &["10.9.0.7", "fd00:9::7"])], &pools(), &[]);
+        let plan = plan(&[pod("a", "ua", &["10.9.0.7", "fd00:9::7"])], &pools(), &[], &[]);
         let adopted: Vec<(&str, &str, &str)> =
             plan.adopt.iter().map(|a| (a.ip.as_str(), a.pool.as_str(), a.block.as_str())).collect();
         assert_eq!(adopted, [("10.9.0.7", "v4", "v4-10-9-0-0-24"), ("fd00:9::7", "v6", "v6-fd00-9---120")]);
@@ -233,8 +277,58 @@ mod test {
     }
 
     #[test]
+    fn a_statefulset_pods_ips_are_adopted_sticky_and_claimed_on_its_own_interface() {
+        let mut web = pod("web-0", "uw", &["10.9.0.7", "fd00:9::7"]);
+        web.owner = Some(crate::crd::OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
+        let kinds = ["StatefulSet".to_string()];
+        let planned = plan(&[web.clone(), pod("a", "ua", &["10.9.0.8"])], &pools(), &[], &kinds);
+        let sticky: Vec<(&str, bool)> = planned.adopt.iter().map(|a| (a.ip.as_str(), a.adopter.sticky)).collect();
+        assert_eq!(sticky, [("10.9.0.7", true), ("10.9.0.8", false), ("fd00:9::7", true)]);
+        let claims = sticky_claims(&planned.adopt);
+        assert_eq!(claims.len(), 1, "only the StatefulSet pod gets a claim: {claims:?}");
+        let (first, interface) = &claims[0];
+        assert_eq!((first.pod.name.as_str(), interface.interface.as_str()), ("web-0", "eth0"));
+        let claimed: Vec<(&str, &str)> = interface.ips.iter().map(|i| (i.ip.as_str(), i.block.as_str())).collect();
+        assert_eq!(claimed, [("10.9.0.7", "v4-10-9-0-0-24"), ("fd00:9::7", "v6-fd00-9---120")]);
+        let mut launcher = pod("virt-launcher-vm1-abcde", "ul", &["10.9.0.9"]);
+        launcher.owner = Some(crate::crd::OwnerRef { kind: workload::KUBEVIRT_VMI_KIND.into(), name: "vm1".into() });
+        let vm = plan(&[launcher], &pools(), &[], &workload::DEFAULT_STICKY_KINDS.map(String::from));
+        let vm_claims = sticky_claims(&vm.adopt);
+        assert_eq!(vm_claims.len(), 1, "a KubeVirt VM's pod is sticky by default: {vm:?}");
+        let claim = workload::claim_name(&vm_claims[0].0.pod.name, vm_claims[0].0.adopter.owner.as_ref());
+        assert!(
+            claim.ends_with("vm1") && !claim.starts_with("virt-launcher"),
+            "the VM's claim, not the pod's: {claim}"
+        );
+        let unlisted = plan(&[web], &pools(), &[], &[]);
+        assert!(unlisted.adopt.iter().all(|a| !a.adopter.sticky), "a kind not listed as sticky: {unlisted:?}");
+        assert!(sticky_claims(&unlisted.adopt).is_empty());
+    }
+
+    #[test]
+    fn a_sticky_pods_ip_adopted_earlier_is_skipped_and_its_claim_written_again() {
+        let mut web = pod("web-0", "uw", &["10.9.0.7", "10.9.0.8"]);
+        web.owner = Some(crate::crd::OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
+        let kinds = ["StatefulSet".to_string()];
+        let first = plan(&[web.clone()], &pools(), &[], &kinds);
+        let mut spec = IPBlockSpec { pool: "v4".into(), cidr: "10.9.0.0/24".into(), ..IPBlockSpec::default() };
+        let ip7: Vec<&Adoption> = first.adopt.iter().filter(|a| a.ip == "10.9.0.7").collect();
+        apply(&mut spec, &ip7, "pods", Timestamp::UNIX_EPOCH);
+        // An ADD's record of the pod's other IP: its claim is the ADD's.
+        let mut added = blocks::test::record("uw", "c1");
+        added.pod.name = "web-0".into();
+        spec.allocations.insert("10.9.0.8".into(), added);
+        let block = Arc::new(IPBlock::new("v4-10-9-0-0-24", spec));
+        let again = plan(&[web], &pools(), &[block], &kinds);
+        assert!(again.adopt.is_empty() && again.skipped.len() == 2, "{again:?}");
+        let recorded: Vec<&str> = again.recorded.iter().map(|a| a.ip.as_str()).collect();
+        assert_eq!(recorded, ["10.9.0.7"], "only the adopted record's claim is written again");
+        assert_eq!(sticky_claims(&again.recorded)[0].1.ips[0].ip, "10.9.0.7");
+    }
+
+    #[test]
     fn an_ip_outside_every_pool_is_skipped_and_says_so() {
-        let plan = plan(&[pod("a", "ua", &["192.168.1.1"])], &pools(), &[]);
+        let plan = plan(&[pod("a", "ua", &["192.168.1.1"])], &pools(), &[], &[]);
         assert!(plan.adopt.is_empty());
         assert_eq!(plan.skipped.len(), 1);
         assert!(plan.skipped[0].reason.contains("outside every pool"), "{:?}", plan.skipped);
@@ -243,7 +337,7 @@ mod test {
     #[test]
     fn an_ip_already_recorded_for_the_same_pod_needs_nothing() {
         let plan =
-            plan(&[pod("a", "ua", &["10.9.0.7"])], &pools(), &[block_holding("v4-10-9-0-0-24", "10.9.0.7", "ua")]);
+            plan(&[pod("a", "ua", &["10.9.0.7"])], &pools(), &[block_holding("v4-10-9-0-0-24", "10.9.0.7", "ua")], &[]);
         assert!(plan.adopt.is_empty() && plan.refused.is_empty());
         assert!(plan.skipped[0].reason.contains("already recorded"), "{:?}", plan.skipped);
     }
@@ -251,7 +345,7 @@ mod test {
     #[test]
     fn an_ip_recorded_for_another_pod_is_refused_naming_both() {
         let plan =
-            plan(&[pod("a", "ua", &["10.9.0.7"])], &pools(), &[block_holding("v4-10-9-0-0-24", "10.9.0.7", "ub")]);
+            plan(&[pod("a", "ua", &["10.9.0.7"])], &pools(), &[block_holding("v4-10-9-0-0-24", "10.9.0.7", "ub")], &[]);
         assert!(plan.adopt.is_empty());
         assert_eq!(plan.refused.len(), 1);
         assert_eq!(plan.refused[0].pods, ["default/a (ua)", "default/holder-ub (ub)"]);
@@ -259,7 +353,8 @@ mod test {
 
     #[test]
     fn an_ip_two_live_pods_report_is_refused_naming_both() {
-        let plan = plan(&[pod("a", "ua", &["10.9.0.7"]), pod("b", "ub", &["10.9.0.7", "10.9.0.8"])], &pools(), &[]);
+        let plan =
+            plan(&[pod("a", "ua", &["10.9.0.7"]), pod("b", "ub", &["10.9.0.7", "10.9.0.8"])], &pools(), &[], &[]);
         assert_eq!(plan.refused.len(), 1, "{plan:?}");
         assert_eq!(plan.refused[0].pods, ["default/a (ua)", "default/b (ub)"]);
         let adopted: Vec<&str> = plan.adopt.iter().map(|a| a.ip.as_str()).collect();
@@ -274,7 +369,7 @@ mod test {
         done.phase = Phase::Completed;
         let mut nowhere = pod("nowhere", "un", &["10.9.0.7"]);
         nowhere.node.clear();
-        let plan = plan(&[host, done, nowhere, pod("a", "ua", &["10.9.0.7"])], &pools(), &[]);
+        let plan = plan(&[host, done, nowhere, pod("a", "ua", &["10.9.0.7"])], &pools(), &[], &[]);
         let adopted: Vec<&str> = plan.adopt.iter().map(|a| a.pod.name.as_str()).collect();
         assert_eq!(adopted, ["a"], "{plan:?}");
         assert!(plan.refused.is_empty());
@@ -286,29 +381,30 @@ mod test {
             serde_json::from_value(serde_json::json!({"cidr": "10.9.0.0/24", "exclude": ["10.9.0.7/32"]}))
                 .expect("spec");
         let excluding = Arc::new(IPPool::new("v4", spec));
-        let plan_excluded = plan(&[pod("a", "ua", &["10.9.0.7"])], &[excluding], &[]);
+        let plan_excluded = plan(&[pod("a", "ua", &["10.9.0.7"])], &[excluding], &[], &[]);
         assert!(plan_excluded.skipped[0].reason.contains("never handed out"), "{plan_excluded:?}");
         let mut deleting = IPPool::new("v4", pool("v4", "10.9.0.0/24").spec.clone());
         deleting.metadata.deletion_timestamp =
             Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::UNIX_EPOCH));
-        let plan_deleting = plan(&[pod("a", "ua", &["10.9.0.7"])], &[Arc::new(deleting)], &[]);
+        let plan_deleting = plan(&[pod("a", "ua", &["10.9.0.7"])], &[Arc::new(deleting)], &[], &[]);
         assert!(plan_deleting.skipped[0].reason.contains("outside every pool"), "{plan_deleting:?}");
     }
 
     #[test]
     fn applying_writes_repaired_records_only_on_free_ips_and_claims_a_free_block() {
-        let plan = plan(&[pod("a", "ua", &["10.9.0.7", "10.9.0.8"])], &pools(), &[]);
+        let plan = plan(&[pod("a", "ua", &["10.9.0.7", "10.9.0.8"])], &pools(), &[], &[]);
         let mut spec = IPBlockSpec { pool: "v4".into(), cidr: "10.9.0.0/24".into(), ..IPBlockSpec::default() };
         spec.allocations.insert("10.9.0.8".into(), blocks::test::record("raced", "c9"));
         let all: Vec<&Adoption> = plan.adopt.iter().collect();
         let now = Timestamp::UNIX_EPOCH;
-        assert_eq!(apply(&mut spec, &all, now), ["10.9.0.7"], "an IP taken since the plan is not overwritten");
+        assert_eq!(apply(&mut spec, &all, "pods", now), ["10.9.0.7"], "an IP taken since the plan is not overwritten");
         let record = &spec.allocations["10.9.0.7"];
         assert!(blocks::adopted_by(record, Some("ua")) && record.container_id.is_empty(), "{record:?}");
+        assert_eq!(record.network, "pods");
         assert_eq!(spec.affinity.as_deref(), Some("node-0"));
         spec.affinity = Some("node-1".into());
         spec.allocations.remove("10.9.0.7");
-        apply(&mut spec, &all, now);
+        apply(&mut spec, &all, "pods", now);
         assert_eq!(spec.affinity.as_deref(), Some("node-1"), "a block another node holds keeps its affinity");
     }
 }

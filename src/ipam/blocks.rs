@@ -155,13 +155,14 @@ pub fn repair(record: &mut Allocation, adopter: &Adopter, now: Timestamp) {
     record.repaired_at = Some(Time(now));
 }
 
-/// The record `ipwarden adopt` writes for an IP another IPAM attached to `adopter`: a
-/// repaired record ([`repair`]) from the start, since no sandbox of ipwarden's holds it.
-pub fn adopted_record(adopter: &Adopter, now: Timestamp) -> Allocation {
+/// The record `ipwarden adopt` writes for an IP another IPAM attached to `adopter` on
+/// `network` (the netconf name the pod's ADD would have named): a repaired record
+/// ([`repair`]) from the start, since no sandbox of ipwarden's holds it.
+pub fn adopted_record(adopter: &Adopter, network: &str, now: Timestamp) -> Allocation {
     let mut record = Allocation {
         pod: adopter.pod.clone(),
         node: adopter.node.clone(),
-        network: String::new(),
+        network: network.to_string(),
         container_id: String::new(),
         interface: String::new(),
         owner: None,

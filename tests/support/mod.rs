@@ -421,6 +421,15 @@ pub async fn delete_pool_in_use(client: &Client, name: &str) {
     assert!(pool.metadata.deletion_timestamp.is_some(), "pool {name} is being deleted");
 }
 
+/// Marks node `name` (un)schedulable, as `kubectl cordon` / `uncordon` do.
+pub async fn cordon(client: &Client, name: &str, unschedulable: bool) {
+    let patch = json!({"spec": {"unschedulable": unschedulable}});
+    Api::<k8s_openapi::api::core::v1::Node>::all(client.clone())
+        .patch(name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
+        .await
+        .expect("cordon");
+}
+
 /// Every IPClaim of `namespace`, by name.
 pub async fn claims(client: &Client, namespace: &str) -> BTreeMap<String, IPClaim> {
     Api::<IPClaim>::namespaced(client.clone(), namespace)
