@@ -171,7 +171,7 @@ async fn each_interface_of_a_pod_on_two_networks_draws_from_its_own_pools_and_ke
     let err = add("by-annotation", json!(["b-v4"])).await;
     assert!(err.contains("code 100") && err.contains("pool missing") && err.contains("ipwarden.io/pools"), "{err}");
     let err = add("malformed", json!(["b-v4"])).await;
-    assert!(err.contains("code 100") && err.contains("ipwarden.io/pools"), "{err}");
+    assert!(err.contains("code 100") && err.contains("ipwarden.io/pools") && err.contains("net1=b-v4"), "{err}");
     let err = add("by-netconf", json!(["b-v4", "a-v4"])).await;
     assert!(err.contains("both IPv4") && err.contains("net-b"), "one pool per family: {err}");
     let failed = ["by-netconf", "by-annotation", "malformed"];
