@@ -3,8 +3,9 @@
 //! the network's netconf `ipam.pools`, else the pod's own rules (`ipwarden.io/pool`, the
 //! namespace's, the default pools). Status lists each record's interface and network,
 //! `ipwarden check` finds nothing wrong with the second interface's records, the
-//! controller's sweeps keep them while the pod lives, and the DELs release them all (the
-//! controller, when the DELs are lost).
+//! controller's sweeps keep them while the pod lives, an interface's DEL releases that
+//! interface's records alone, and the DELs release them all (the controller, when the DELs
+//! are lost).
 //! A pool that does not exist, named by a netconf or the annotation, fails the ADD naming it.
 
 mod support;
@@ -39,6 +40,29 @@ fn network_b(ipwarden: &Ipwarden, pools: Value) -> Value {
     json!({"name": "net-b", "ipam": {"type": "ipwarden", "pools": pools, "socket": socket}})
 }
 
+/// The netconf the runtime hands the plugin for an attachment to `net-b` with `pools`.
+fn netconf_b(ipwarden: &Ipwarden, pools: Value) -> Value {
+    let mut netconf = json!({"cniVersion": "1.1.0", "type": "ipwarden-cni"});
+    if let (Some(conf), Some(fields)) = (netconf.as_object_mut(), network_b(ipwarden, pools).as_object()) {
+        conf.extend(fields.clone());
+    }
+    netconf
+}
+
+/// Runs the real plugin's DEL of `pod`'s `interface` alone (as a runtime detaching one
+/// network does), with the sandbox and pod UID its record holds.
+async fn del_interface(client: &kube::Client, pod: &str, interface: &str, netconf: &Value) {
+    let record = records(client)
+        .await
+        .into_values()
+        .find(|r| r.pod.name == pod && r.interface == interface)
+        .unwrap_or_else(|| panic!("{pod} holds a record of {interface}"));
+    let args = PodArgs { namespace: NS.into(), name: pod.into(), uid: record.pod.uid.clone() };
+    let call =
+        Invocation { command: "DEL", container_id: &record.container_id, ifname: interface, pod: Some(&args), netconf };
+    support::network().invoke(&call).await.unwrap_or_else(|e| panic!("DEL of {pod} {interface}: {e}"));
+}
+
 /// The pod's records: interface -> (network, IPs).
 async fn interfaces_of(client: &kube::Client, pod: &str) -> BTreeMap<String, (String, Vec<String>)> {
     let mut found: BTreeMap<String, (String, Vec<String>)> = BTreeMap::new();
@@ -55,6 +79,8 @@ fn ipwarden_cli(ipwarden: &Ipwarden, args: &[&str]) -> String {
         .env("KUBECONFIG", ipwarden.cluster.kubeconfig())
         .output()
         .expect("ipwarden runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "ipwarden {args:?}: {}: {stderr}", output.status);
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
@@ -131,11 +157,7 @@ async fn each_interface_of_a_pod_on_two_networks_draws_from_its_own_pools_and_ke
     create_pod(&client, "malformed", "elsewhere", json!({"ipwarden.io/pools": "net1=b-v4"})).await;
     let network = support::network();
     let add = |pod: &'static str, pools: Value| {
-        let (network, client) = (network.clone(), client.clone());
-        let mut netconf = json!({"cniVersion": "1.1.0", "type": "ipwarden-cni"});
-        if let (Some(conf), Some(fields)) = (netconf.as_object_mut(), network_b(&ipwarden, pools).as_object()) {
-            conf.extend(fields.clone());
-        }
+        let (network, client, netconf) = (network.clone(), client.clone(), netconf_b(&ipwarden, pools));
         async move {
             let uid = Api::<Pod>::namespaced(client, NS).get(pod).await.expect("pod").uid().unwrap_or_default();
             let args = PodArgs { namespace: NS.into(), name: pod.into(), uid };
@@ -149,11 +171,25 @@ async fn each_interface_of_a_pod_on_two_networks_draws_from_its_own_pools_and_ke
     let err = add("by-annotation", json!(["b-v4"])).await;
     assert!(err.contains("code 100") && err.contains("pool missing") && err.contains("ipwarden.io/pools"), "{err}");
     let err = add("malformed", json!(["b-v4"])).await;
-    assert!(err.contains("code 100") && err.contains("ipwarden.io/pools"), "{err}");
+    assert!(err.contains("code 100") && err.contains("ipwarden.io/pools") && err.contains("net1=b-v4"), "{err}");
     let err = add("by-netconf", json!(["b-v4", "a-v4"])).await;
     assert!(err.contains("both IPv4") && err.contains("net-b"), "one pool per family: {err}");
     let failed = ["by-netconf", "by-annotation", "malformed"];
     assert!(!records(&client).await.values().any(|r| failed.contains(&r.pod.name.as_str())), "nothing allocated");
+
+    // Each interface's DEL releases that interface's records alone: net1's leaves eth0's IP
+    // held, and eth0's leaves net1's.
+    let multi = interfaces_of(&client, "multi").await;
+    del_interface(&client, "multi", "net1", &netconf_b(&ipwarden, json!(["b-v4", "b-v6"]))).await;
+    let eth0_only = BTreeMap::from([("eth0".to_string(), multi["eth0"].clone())]);
+    assert_eq!(interfaces_of(&client, "multi").await, eth0_only, "net1's DEL releases net1's IPs only");
+    let overridden = interfaces_of(&client, "override").await;
+    let socket = ipwarden.cluster.nodes()[0].dir().join("agent.sock");
+    let eth0_netconf =
+        json!({"cniVersion": "1.1.0", "name": e2e::ipwarden::NETWORK, "type": "ipwarden-cni", "socket": socket});
+    del_interface(&client, "override", "eth0", &eth0_netconf).await;
+    let net1_only = BTreeMap::from([("net1".to_string(), overridden["net1"].clone())]);
+    assert_eq!(interfaces_of(&client, "override").await, net1_only, "eth0's DEL releases eth0's IP only");
 
     // Deleting the pods: the runtime's DELs of both interfaces release every record, and the
     // controller those of the pod whose DELs were lost.

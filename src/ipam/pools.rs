@@ -315,17 +315,21 @@ pub enum SelectError {
     },
     /// The pod's `ipwarden.io/pools` annotation is not a JSON map of lists of pool names.
     #[error(
-        "pod annotation {POOLS_ANNOTATION} must be a JSON map of interface name to pool names, such as {{\"net1\": [\"net1-v4\"]}}: {reason}"
+        "pod annotation {POOLS_ANNOTATION} must be a JSON map of interface name to pool names, such as {{\"net1\": [\"net1-v4\"]}}, not {value}: {reason}"
     )]
     MalformedPoolsAnnotation {
+        /// The annotation's value, quoted, cut after its first 64 characters.
+        value: String,
         /// Why it does not parse.
         reason: String,
     },
     /// The chosen pool cannot be used.
-    #[error("pool {pool} cannot be used: {reason}")]
+    #[error("pool {pool} named by {named_by} cannot be used: {reason}")]
     Unusable {
         /// The pool.
         pool: String,
+        /// What named it, e.g. "the pod annotation ipwarden.io/pool".
+        named_by: String,
         /// Why (overlap, invalid layout, selectors).
         reason: String,
     },
@@ -391,7 +395,7 @@ impl std::fmt::Display for PoolSource<'_> {
 fn named_pools<'a>(placement: &PodPlacement<'a>) -> Result<Option<(PoolSource<'a>, Vec<String>)>, SelectError> {
     let per_interface = match placement.interface_annotation.filter(|v| !v.trim().is_empty()) {
         Some(text) => serde_json::from_str::<BTreeMap<String, Vec<String>>>(text)
-            .map_err(|e| SelectError::MalformedPoolsAnnotation { reason: e.to_string() })?
+            .map_err(|e| SelectError::MalformedPoolsAnnotation { value: shown_value(text), reason: e.to_string() })?
             .remove(placement.interface),
         None => None,
     };
@@ -409,6 +413,17 @@ fn named_pools<'a>(placement: &PodPlacement<'a>) -> Result<Option<(PoolSource<'a
         let names: Vec<String> = names.into_iter().filter(|n| !n.trim().is_empty()).collect();
         (!names.is_empty()).then_some((source, names))
     }))
+}
+
+/// How many characters of a malformed annotation an error quotes: enough to recognise it,
+/// not a whole pasted document in every ADD's error and log line.
+const SHOWN_VALUE_CHARS: usize = 64;
+
+/// `text` quoted, cut after [`SHOWN_VALUE_CHARS`] characters (marked by `...`).
+fn shown_value(text: &str) -> String {
+    let head: String = text.chars().take(SHOWN_VALUE_CHARS).collect();
+    let cut = if head.len() < text.len() { "..." } else { "" };
+    format!("{head:?}{cut}")
 }
 
 fn skipped_text(skipped: &[String]) -> String {
@@ -474,7 +489,7 @@ pub fn select<'a>(
                     .find(|p| p.name == name)
                     .ok_or_else(|| SelectError::UnknownPool { pool: name.to_string(), named_by: source.to_string() })?;
                 if let Some(reason) = unusable(pool, placement, &overlapping) {
-                    return Err(SelectError::Unusable { pool: name.to_string(), reason });
+                    return Err(SelectError::Unusable { pool: name.to_string(), named_by: source.to_string(), reason });
                 }
                 chosen.push(pool.clone());
             }
@@ -698,7 +713,11 @@ mod test {
             let err = select(&views, &[], &placement(Some(malformed), &[])).expect_err(malformed);
             assert!(matches!(err, SelectError::MalformedPoolsAnnotation { .. }), "{malformed}: {err}");
             assert!(err.to_string().starts_with("pod annotation ipwarden.io/pools must be a JSON map"), "{err}");
+            assert!(err.to_string().contains(&format!("not {malformed:?}: ")), "quotes the value: {err}");
         }
+        let long = format!("net1={}", "b".repeat(100));
+        let err = select(&views, &[], &placement(Some(&long), &[])).expect_err("long").to_string();
+        assert!(err.contains(&format!("not \"net1={}\"...: ", "b".repeat(59))), "cut after 64 characters: {err}");
     }
 
     #[test]
@@ -760,7 +779,10 @@ mod test {
             node_labels: &empty,
         };
         let err = select(&views, &[], &placement).expect_err("overlapping pool refused");
-        assert_eq!(err.to_string(), "pool narrow cannot be used: it overlaps wide");
+        assert_eq!(
+            err.to_string(),
+            "pool narrow named by the pod annotation ipwarden.io/pool cannot be used: it overlaps wide"
+        );
         let defaults = PodPlacement { pod_annotation: None, ..placement };
         assert_eq!(names(&select(&views, &[], &defaults).expect("non-overlapping default")), ["apart"]);
     }
@@ -876,9 +898,19 @@ mod test {
         let views = set.views();
         let empty = BTreeMap::new();
         let err = select(&views, &[], &placement(Some("old"), &empty)).expect_err("deleting pool refused");
-        assert!(err.to_string().starts_with("pool old cannot be used: it is being deleted"), "{err}");
+        assert!(
+            err.to_string().starts_with(
+                "pool old named by the pod annotation ipwarden.io/pool cannot be used: it is being deleted"
+            ),
+            "{err}"
+        );
         let err = select(&views, &[], &placement(Some("drained"), &empty)).expect_err("disabled pool refused");
-        assert!(err.to_string().starts_with("pool drained cannot be used: it is disabled"), "{err}");
+        assert!(
+            err.to_string().starts_with(
+                "pool drained named by the pod annotation ipwarden.io/pool cannot be used: it is disabled"
+            ),
+            "{err}"
+        );
         let err = select(&views, &[], &placement(None, &empty)).expect_err("no default fits").to_string();
         assert!(err.contains("pool old: it is being deleted") && err.contains("pool drained: it is disabled"), "{err}");
     }
@@ -908,7 +940,10 @@ mod test {
         assert_eq!(found["p"].iter().collect::<Vec<_>>(), ["orphaned IPBlock p-10-0-0-0-28"]);
         let empty = BTreeMap::new();
         let err = select(&views, set.orphans(), &placement(Some("p"), &empty)).expect_err("refused");
-        assert_eq!(err.to_string(), "pool p cannot be used: it overlaps orphaned IPBlock p-10-0-0-0-28");
+        assert_eq!(
+            err.to_string(),
+            "pool p named by the pod annotation ipwarden.io/pool cannot be used: it overlaps orphaned IPBlock p-10-0-0-0-28"
+        );
 
         let released: Vec<OrphanedBlock> =
             set.orphans().iter().cloned().map(|o| OrphanedBlock { records: 0, ..o }).collect();
