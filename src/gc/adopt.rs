@@ -327,6 +327,39 @@ mod test {
     }
 
     #[test]
+    fn a_sticky_pod_gets_a_claim_only_when_every_ip_it_reports_is_adopted() {
+        let mut web = pod("web-0", "uw", &["10.9.0.7", "fd00:9::7"]);
+        web.owner = Some(crate::crd::OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
+        let kinds = ["StatefulSet".to_string()];
+        let v6_taken = block_holding("v6-fd00-9---120", "fd00:9::7", "ub");
+        // (pods, blocks, adoptions kept as written (by IP; None: all), claim written)
+        let cases: [(&str, Vec<PodFacts>, Vec<Arc<IPBlock>>, Option<&str>, bool); 5] = [
+            ("both families adopted", vec![web.clone()], vec![], None, true),
+            ("one family refused: recorded for another pod", vec![web.clone()], vec![v6_taken], None, false),
+            ("one family lost to a race", vec![web.clone()], vec![], Some("10.9.0.7"), false),
+            ("one family outside every pool", vec![pod_like(&web, &["10.9.0.7", "fd00:77::7"])], vec![], None, false),
+            (
+                "one family reported by another live pod too",
+                vec![web.clone(), pod("other", "uo", &["fd00:9::7"])],
+                vec![],
+                None,
+                false,
+            ),
+        ];
+        for (case, pods, blocks, kept, claimed) in cases {
+            let planned = plan(&pods, &pools(), &blocks, &kinds);
+            let written: Vec<&Adoption> =
+                planned.adopt.iter().filter(|a| kept.is_none_or(|ip| a.ip == ip) && a.pod.uid == "uw").collect();
+            let claims = sticky_claims(written);
+            assert_eq!(!claims.is_empty(), claimed, "{case}: {claims:?}");
+        }
+    }
+
+    fn pod_like(pod: &PodFacts, ips: &[&str]) -> PodFacts {
+        PodFacts { ips: ips.iter().map(|s| s.to_string()).collect(), ..pod.clone() }
+    }
+
+    #[test]
     fn an_ip_outside_every_pool_is_skipped_and_says_so() {
         let plan = plan(&[pod("a", "ua", &["192.168.1.1"])], &pools(), &[], &[]);
         assert!(plan.adopt.is_empty());
