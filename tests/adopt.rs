@@ -128,10 +128,10 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
     for index in 0..10 {
         create_pod(&client, NS, &format!("new-{index}"), &format!("node-{}", index % 2), json!({"app": "new"})).await;
     }
-    wait_pods_with_ips(&client, NS, "app=new", 10).await;
+    let new_pods = wait_pods_with_ips(&client, NS, "app=new", 10).await;
     // Each agent ran, its block cache empty, when adopt created its node's block: its ADDs
-    // take that block (no fresh one claimed), and each write starts from a cached copy that
-    // already holds adopt's records (a stale copy, or none, costs a 409 and a retry).
+    // take that block (no fresh one claimed), and their writes keep adopt's records (a
+    // stale cached copy costs a 409 and a retry, never a record).
     let blocks = Api::<IPBlock>::all(client.clone()).list(&Default::default()).await.expect("list blocks").items;
     let affinities: BTreeMap<String, Option<String>> =
         blocks.iter().map(|b| (b.name_any(), b.spec.affinity.clone())).collect();
@@ -142,9 +142,13 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
         .map(|a| (a["block"].as_str().unwrap_or_default().to_string(), a["node"].as_str().map(String::from)))
         .collect();
     assert_eq!(affinities, adopted_blocks, "the new pods' IPs come from the blocks adopt made, affine to their nodes");
-    for index in 0..2 {
-        let retries = support::metric(&ipwarden.scrape_agent(index).await, "ipwarden_agent_conflict_retries_total");
-        assert_eq!(retries, 0.0, "agent {index} wrote from stale copies of the adopted blocks");
+    let churned = records(&client).await;
+    for (ip, uid) in &old_ips {
+        assert_eq!(churned.get(ip).map(|r| &r.pod.uid), Some(uid), "{ip}'s adopted record outlives the churn");
+    }
+    for pod in new_pods.values() {
+        let record = churned.get(&ip_of(pod));
+        assert_eq!(record.map(|r| r.pod.uid.clone()), pod.uid(), "{} is recorded", pod.name_any());
     }
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     for index in 0..5 {
