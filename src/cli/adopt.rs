@@ -2,7 +2,8 @@
 //! any other) and that fall inside an ipwarden pool, so a cluster moves to ipwarden without
 //! restarting pods and ipwarden never hands those IPs out again. The plan is
 //! [`crate::gc::adopt::plan`]; each block is written through the one compare-and-swap path,
-//! then each sticky pod's IPClaim through the ADD's ([`crate::claim_writes::bind_adopted`]).
+//! then each sticky pod's IPClaim, never over a newer pod's
+//! ([`crate::claim_writes::bind_adopted`]).
 
 use anyhow::Context;
 use jiff::Timestamp;

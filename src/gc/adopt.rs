@@ -254,7 +254,7 @@ pub enum ClaimWrite {
 impl ClaimWrite {
     /// The report's words for this decision, done or (`dry_run`) planned.
     pub fn describe(&self, dry_run: bool) -> String {
-        let (would, not) = if dry_run { ("would ", "would not ") } else { ("", "not ") };
+        let (would, not_written) = if dry_run { ("would ", "would not write") } else { ("", "not written") };
         match self {
             Self::Create(_) => format!("{would}create"),
             Self::Update(_) => format!("{would}update"),
@@ -262,7 +262,7 @@ impl ClaimWrite {
             Self::BoundToAnother(uid) => format!("left alone: bound to pod UID {uid}, a newer pod of that name"),
             Self::NotAdopted(ips) => {
                 let ips: Vec<String> = ips.iter().map(ToString::to_string).collect();
-                format!("{not}written: {} not adopted, so the pod would come back without them", ips.join(", "))
+                format!("{not_written}: {} not adopted, so the pod would come back without them", ips.join(", "))
             }
         }
     }
@@ -484,7 +484,7 @@ mod test {
         let kinds = ["StatefulSet".to_string()];
         let v6_taken = block_holding("v6-fd00-9---120", "fd00:9::7", "ub");
         // (pods, blocks, adoptions kept as written (by IP; None: all), claim written)
-        let cases: [(&str, Vec<PodFacts>, Vec<Arc<IPBlock>>, Option<&str>, bool); 5] = [
+        let cases = [
             ("both families adopted", vec![web.clone()], vec![], None, true),
             ("one family refused: recorded for another pod", vec![web.clone()], vec![v6_taken], None, false),
             ("one family lost to a race", vec![web.clone()], vec![], Some("10.9.0.7"), false),
