@@ -1,7 +1,8 @@
-//! The one way an IPClaim is written for a pod's IPs (by an ADD, and by `ipwarden adopt` for
-//! a pod another IPAM started), the one way it is deleted by ipwarden, and the one way it is
-//! rebound to another pod outside an ADD: deleted and rebound only while it is still bound to
-//! the pod UID the decision was made for (a recreated pod may have taken it over meanwhile).
+//! The one way an IPClaim is written for a pod's IPs by an ADD, and by `ipwarden adopt` for a
+//! pod another IPAM started (never over a newer pod's), the one way it is deleted by
+//! ipwarden, and the one way it is rebound to another pod outside an ADD: deleted and rebound
+//! only while it is still bound to the pod UID the decision was made for (a recreated pod may
+//! have taken it over meanwhile).
 
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -75,27 +76,54 @@ pub async fn bind(
 }
 
 /// Writes the IPClaim of each sticky pod among `adopted`, the adoptions whose records are
-/// written ([`crate::gc::adopt::sticky_claims`]): after the records, as an ADD writes them,
-/// for `ipwarden adopt` and the agent's start-up adoption alike. Returns how many it wrote.
+/// written ([`crate::gc::adopt::sticky_claims`]): after the records, for `ipwarden adopt` and
+/// the agent's start-up adoption alike. Unlike [`bind`], it creates a claim, or updates one
+/// only while it is bound to the adopted pod, with compare-and-swap
+/// ([`crate::gc::adopt::StickyClaim::decide`]); a claim already as it would be written is
+/// not written. Appends each claim's line to `done` as it is handled, so that a caller shows
+/// what was done before an error.
 pub async fn bind_adopted<'a>(
     client: &Client,
     field_manager: &str,
     adopted: impl IntoIterator<Item = &'a crate::gc::adopt::Adoption>,
-) -> Result<usize, CasError> {
-    let claims = crate::gc::adopt::sticky_claims(adopted);
-    for (adoption, interface) in &claims {
-        let binding = Binding {
-            namespace: &adoption.pod.namespace,
-            pod: &adoption.pod.name,
-            uid: &adoption.pod.uid,
-            node: &adoption.node,
-            owner: adoption.adopter.owner.as_ref(),
-            sticky: true,
-            interface: interface.clone(),
+    done: &mut Vec<crate::gc::adopt::ClaimLine>,
+) -> Result<(), CasError> {
+    use crate::gc::adopt::ClaimWrite;
+    for claim in crate::gc::adopt::sticky_claims(adopted) {
+        let now = Timestamp::now();
+        let fresh = match claim.decide(None, now) {
+            ClaimWrite::Create(spec) => spec,
+            other => {
+                done.push(claim.line(&other, false));
+                continue;
+            }
         };
-        bind(client, field_manager.to_string(), &binding).await?;
+        let (namespace, name) = (&claim.first.pod.namespace, claim.name());
+        let create = || {
+            let mut stored = IPClaim::new(&name, fresh.clone());
+            stored.metadata.namespace = Some(namespace.clone());
+            stored
+        };
+        let store =
+            CasStore::new(Api::<IPClaim>::namespaced(client.clone(), namespace), field_manager.to_string(), None);
+        let mut decision = ClaimWrite::Unchanged;
+        store
+            .update(&name, Some(&create), |stored| {
+                // Not yet stored (no resourceVersion): being created.
+                let existing = stored.metadata.resource_version.is_some().then_some(&stored.spec);
+                decision = claim.decide(existing, now);
+                match &decision {
+                    ClaimWrite::Create(spec) | ClaimWrite::Update(spec) => {
+                        stored.spec = spec.clone();
+                        Some(())
+                    }
+                    _ => None,
+                }
+            })
+            .await?;
+        done.push(claim.line(&decision, false));
     }
-    Ok(claims.len())
+    Ok(())
 }
 
 /// Deletes claim `namespace/name` if it names `pod_uid`, with a precondition on its UID and

@@ -128,10 +128,10 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
     for index in 0..10 {
         create_pod(&client, NS, &format!("new-{index}"), &format!("node-{}", index % 2), json!({"app": "new"})).await;
     }
-    wait_pods_with_ips(&client, NS, "app=new", 10).await;
+    let new_pods = wait_pods_with_ips(&client, NS, "app=new", 10).await;
     // Each agent ran, its block cache empty, when adopt created its node's block: its ADDs
-    // take that block (no fresh one claimed), and each write starts from a cached copy that
-    // already holds adopt's records (a stale copy, or none, costs a 409 and a retry).
+    // take that block (no fresh one claimed), and their writes keep adopt's records (a
+    // stale cached copy costs a 409 and a retry, never a record).
     let blocks = Api::<IPBlock>::all(client.clone()).list(&Default::default()).await.expect("list blocks").items;
     let affinities: BTreeMap<String, Option<String>> =
         blocks.iter().map(|b| (b.name_any(), b.spec.affinity.clone())).collect();
@@ -142,9 +142,13 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
         .map(|a| (a["block"].as_str().unwrap_or_default().to_string(), a["node"].as_str().map(String::from)))
         .collect();
     assert_eq!(affinities, adopted_blocks, "the new pods' IPs come from the blocks adopt made, affine to their nodes");
-    for index in 0..2 {
-        let retries = support::metric(&ipwarden.scrape_agent(index).await, "ipwarden_agent_conflict_retries_total");
-        assert_eq!(retries, 0.0, "agent {index} wrote from stale copies of the adopted blocks");
+    let churned = records(&client).await;
+    for (ip, uid) in &old_ips {
+        assert_eq!(churned.get(ip).map(|r| &r.pod.uid), Some(uid), "{ip}'s adopted record outlives the churn");
+    }
+    for pod in new_pods.values() {
+        let record = churned.get(&ip_of(pod));
+        assert_eq!(record.map(|r| r.pod.uid.clone()), pod.uid(), "{} is recorded", pod.name_any());
     }
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     for index in 0..5 {
@@ -277,4 +281,38 @@ async fn an_adopted_statefulset_pod_recreated_on_ipwarden_gets_its_ip_back_and_t
     assert_eq!(taken.network, e2e::ipwarden::NETWORK, "the ADD's network: {taken:?}");
     let claim = claims(&client, NS).await.remove("web-0").expect("web-0's claim");
     assert_eq!(claim.spec.pod_uid, second.uid().unwrap_or_default(), "{claim:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adopt_leaves_the_claim_of_a_newer_pod_of_the_same_name_alone_and_says_so() {
+    let (ipwarden, _switched) = host_local_cluster(1).await;
+    let client = ipwarden.client();
+    support::create_statefulset(&client, NS, "web", json!({})).await;
+    let web = wait_pods_with_ips(&client, NS, "app=web", 1).await.remove("web-0").expect("web-0");
+    let ip = ip_of(&web);
+    // The claim a newer web-0's ADD wrote (web-0 recreated on ipwarden between adopt's listing
+    // and its claim write): bound to that pod's UID, with its own IP.
+    let newer = json!({
+        "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim",
+        "metadata": {"name": "web-0", "namespace": NS},
+        "spec": {"podUid": "newer-web-0", "node": "node-0", "sticky": true, "boundAt": "2026-01-01T00:00:00Z",
+                 "interfaces": [{"interface": "eth0", "ips": [{"ip": "10.244.0.200", "pool": "pool", "block": "pool-10-244-0-0-24"}]}]}
+    });
+    let claims_api = Api::<IPClaim>::namespaced(client.clone(), NS);
+    let newer: IPClaim = serde_json::from_value(newer).expect("an IPClaim");
+    claims_api.create(&Default::default(), &newer).await.expect("create the newer pod's claim");
+
+    let (ok, report) = adopt(&ipwarden, false, &[]);
+    assert!(ok, "{report:#}");
+    assert_eq!(ips(&report, "adopt"), std::slice::from_ref(&ip), "the record is adopted: {report:#}");
+    let claim = claims(&client, NS).await.remove("web-0").expect("web-0's claim");
+    assert_eq!(claim.spec, newer.spec, "adopt leaves the newer pod's claim as it was");
+    let line = report["claims"].as_array().and_then(|c| c.first()).cloned().unwrap_or_default();
+    assert_eq!(line["claim"], "default/web-0", "{report:#}");
+    assert!(line["action"].as_str().unwrap_or_default().contains("newer-web-0"), "adopt says whose it is: {report:#}");
+    // A later run finds the record adopted and would write the claim again: not this one.
+    let (ok, dry) = adopt(&ipwarden, true, &[]);
+    assert!(ok, "{dry:#}");
+    let line = dry["claims"].as_array().and_then(|c| c.first()).cloned().unwrap_or_default();
+    assert!(line["action"].as_str().unwrap_or_default().contains("newer-web-0"), "the dry run says so too: {dry:#}");
 }

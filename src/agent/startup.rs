@@ -100,8 +100,8 @@ impl Core {
     /// node's adoptions are written block by block before the agent serves: it never hands
     /// out an IP another IPAM gave a pod that still runs here. A refused IP of a pod of this
     /// node is logged with the pods it names and left alone. A sticky pod's IPClaim is written
-    /// after its records, as `ipwarden adopt` writes it. The records name `network`. Returns
-    /// how many records were written.
+    /// after its records, as `ipwarden adopt` writes it (not when already so), and logged.
+    /// The records name `network`. Returns how many records were written.
     pub async fn adopt_local_pods(&self, network: &str) -> Result<usize, Error> {
         let node = &self.settings.node;
         let pods = Api::<Pod>::all(self.client.clone())
@@ -132,7 +132,12 @@ impl Core {
         }
         let adopted = plan.adopt.iter().filter(|a| written.contains(&a.ip)).chain(&plan.recorded);
         let adopted = adopted.filter(|a| a.node == *node);
-        crate::claim_writes::bind_adopted(&self.client, &field_manager(node), adopted).await?;
+        let mut claims = Vec::new();
+        let bound = crate::claim_writes::bind_adopted(&self.client, &field_manager(node), adopted, &mut claims).await;
+        for claim in claims {
+            tracing::info!(claim = %claim.claim, pod = %claim.pod, action = %claim.action, "start-up adoption: IPClaim");
+        }
+        bound?;
         Ok(written.len())
     }
 

@@ -2,18 +2,20 @@
 //! any other) and that fall inside an ipwarden pool, so a cluster moves to ipwarden without
 //! restarting pods and ipwarden never hands those IPs out again. The plan is
 //! [`crate::gc::adopt::plan`]; each block is written through the one compare-and-swap path,
-//! then each sticky pod's IPClaim through the ADD's ([`crate::claim_writes::bind_adopted`]).
+//! then each sticky pod's IPClaim, never over a newer pod's
+//! ([`crate::claim_writes::bind_adopted`]).
 
 use anyhow::Context;
 use jiff::Timestamp;
+use kube::ResourceExt;
 use kube::api::Api;
 
 use super::connect::{ClusterArgs, connect};
 use super::{Output, list, table};
 use crate::block_store::BlockStore;
 use crate::claim_writes::bind_adopted;
-use crate::crd::{IPBlock, IPPool};
-use crate::gc::adopt::{Adoption, DEFAULT_NETWORK, Plan, apply, by_block, plan};
+use crate::crd::{IPBlock, IPClaim, IPPool};
+use crate::gc::adopt::{Adoption, DEFAULT_NETWORK, Plan, apply, by_block, plan, sticky_claims};
 use crate::gc::index::PodFacts;
 use crate::ipam::blocks::new_block;
 use crate::ipam::workload::DEFAULT_STICKY_KINDS;
@@ -44,7 +46,8 @@ pub struct AdoptArgs {
 }
 
 /// Runs `ipwarden adopt`; returns false when an IP was refused (or lost to a race), so the
-/// exit status tells scripts.
+/// exit status tells scripts. A failed claim write is reported after the plan, which shows
+/// what was written before it.
 pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
     let client = connect(&args.cluster).await?.client;
     let pods: Vec<PodFacts> = list(&client).await?.iter().map(|p| PodFacts::of(p)).collect();
@@ -70,11 +73,25 @@ pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
         }
         let lost = lost_races(&mut plan, &written);
         plan.refused.extend(lost);
-        bind_adopted(&client, FIELD_MANAGER, plan.adopt.iter().chain(&plan.recorded))
-            .await
-            .context("writing the IPClaims of adopted sticky pods")?;
+        let mut claims = Vec::new();
+        let bound = bind_adopted(&client, FIELD_MANAGER, plan.adopt.iter().chain(&plan.recorded), &mut claims).await;
+        plan.claims = claims;
+        print(&plan, args.dry_run, args.output)?;
+        bound.context("writing the IPClaims of adopted sticky pods")?;
+    } else {
+        let stored = list::<IPClaim>(&client).await?;
+        let now = Timestamp::now();
+        plan.claims = sticky_claims(plan.adopt.iter().chain(&plan.recorded))
+            .iter()
+            .map(|claim| {
+                let name = (claim.first.pod.namespace.as_str(), claim.name());
+                let existing =
+                    stored.iter().find(|c| (c.namespace().as_deref().unwrap_or_default(), c.name_any()) == name);
+                claim.line(&claim.decide(existing.map(|c| &c.spec), now), true)
+            })
+            .collect();
+        print(&plan, args.dry_run, args.output)?;
     }
-    print(&plan, args.dry_run, args.output)?;
     Ok(plan.refused.is_empty())
 }
 
@@ -118,6 +135,14 @@ fn print(plan: &Plan, dry_run: bool, output: Output) -> anyhow::Result<()> {
         vec![r.ip.clone(), r.pods.join(", "), String::new(), String::new(), format!("REFUSED: {}", r.reason)]
     }));
     print!("{}", table(&["IP", "POD", "NODE", "BLOCK", "ACTION"], &rows));
+    if !plan.claims.is_empty() {
+        let rows: Vec<Vec<String>> = plan
+            .claims
+            .iter()
+            .map(|c| vec![c.claim.clone(), c.pod.clone(), c.ips.join(","), format!("claim {}", c.action)])
+            .collect();
+        print!("{}", table(&["IPCLAIM", "POD", "IPS", "ACTION"], &rows));
+    }
     let tail = if dry_run { " (dry run: nothing written)" } else { "" };
     println!("{verb} {}, skipped {}, refused {}{tail}", plan.adopt.len(), plan.skipped.len(), plan.refused.len());
     for refused in &plan.refused {

@@ -9,11 +9,12 @@ use std::sync::Arc;
 
 use ipnet::IpNet;
 use jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 use serde::Serialize;
 
 use super::index::PodFacts;
-use crate::crd::{Allocation, ClaimedInterface, ClaimedIp, IPBlock, IPPool, PodRef};
+use crate::crd::{Allocation, ClaimedInterface, ClaimedIp, IPBlock, IPClaimSpec, IPPool, PodRef};
 use crate::ipam::blocks::{self, Adopter};
 use crate::ipam::{fixed, pools, workload};
 
@@ -40,6 +41,10 @@ pub struct Adoption {
     /// Who the record names: the pod, its node and its controller.
     #[serde(skip)]
     pub adopter: Adopter,
+    /// Every IP the pod reports: a sticky pod's IPClaim is written only once all of them are
+    /// adopted ([`sticky_claims`]).
+    #[serde(skip)]
+    pub pod_ips: Vec<IpAddr>,
 }
 
 /// An IP left alone, and why.
@@ -81,6 +86,9 @@ pub struct Plan {
     /// that recorded them stopped before the claim.
     #[serde(skip)]
     pub recorded: Vec<Adoption>,
+    /// The IPClaims of the sticky pods among `adopt` and `recorded`, and what is done with
+    /// each (filled by the writer, which reads the claims).
+    pub claims: Vec<ClaimLine>,
 }
 
 /// `namespace/name (uid)` of a pod, as the plan names it in a conflict.
@@ -166,6 +174,9 @@ pub fn plan(
 fn adoption(pod: &PodFacts, pool: &str, block: &str, net: IpNet, ip: String, sticky_kinds: &[String]) -> Adoption {
     let sticky = workload::is_sticky(pod.owner.as_ref(), sticky_kinds);
     let adopter = Adopter { pod: pod.pod_ref(), node: pod.node.clone(), owner: pod.owner.clone(), sticky };
+    let mut pod_ips: Vec<IpAddr> = pod.ips.iter().filter_map(|ip| ip.parse().ok()).collect();
+    pod_ips.sort();
+    pod_ips.dedup();
     Adoption {
         ip,
         pool: pool.to_string(),
@@ -174,6 +185,7 @@ fn adoption(pod: &PodFacts, pool: &str, block: &str, net: IpNet, ip: String, sti
         pod: pod.pod_ref(),
         node: pod.node.clone(),
         adopter,
+        pod_ips,
     }
 }
 
@@ -210,20 +222,129 @@ pub fn apply(
     written
 }
 
-/// The IPClaim interface of each sticky pod among `adopted` (the adoptions written): the
-/// pod's own network's interface ([`fixed::POD_INTERFACE`]) with its adopted IPs, as its ADD
-/// would have claimed them, so that the pod recreated on ipwarden takes them back. Returns
-/// the first adoption of each pod (its pod, node and owner) with that interface.
-pub fn sticky_claims<'a>(adopted: impl IntoIterator<Item = &'a Adoption>) -> Vec<(&'a Adoption, ClaimedInterface)> {
-    let mut claims: BTreeMap<&str, (&Adoption, ClaimedInterface)> = BTreeMap::new();
+/// A sticky pod's IPClaim as adopt would write it: what its ADD would have claimed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StickyClaim<'a> {
+    /// The pod's first adoption: its pod, node and owner.
+    pub first: &'a Adoption,
+    /// The pod's own network's interface ([`fixed::POD_INTERFACE`]) with its adopted IPs.
+    pub interface: ClaimedInterface,
+    /// The IPs the pod reports that are not adopted (skipped, refused, or lost to a race):
+    /// while there are any, no claim is written, since a recreated pod takes back only the
+    /// families its claim lists and would come back without these.
+    pub missing: Vec<IpAddr>,
+}
+
+/// What adopt does with a sticky pod's IPClaim, given the claim as stored.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ClaimWrite {
+    /// No claim exists: create it with this spec.
+    Create(IPClaimSpec),
+    /// The pod's own claim says something else: replace its spec with this one.
+    Update(IPClaimSpec),
+    /// The pod's own claim already says this: no write.
+    Unchanged,
+    /// The claim is bound to another pod UID: a newer pod of that name, recreated on
+    /// ipwarden since the pods were listed, whose ADD wrote it. Left alone.
+    BoundToAnother(String),
+    /// Not every IP the pod reports is adopted ([`StickyClaim::missing`]): nothing written.
+    NotAdopted(Vec<IpAddr>),
+}
+
+impl ClaimWrite {
+    /// The report's words for this decision, done or (`dry_run`) planned.
+    pub fn describe(&self, dry_run: bool) -> String {
+        let (would, not_written) = if dry_run { ("would ", "would not write") } else { ("", "not written") };
+        match self {
+            Self::Create(_) => format!("{would}create"),
+            Self::Update(_) => format!("{would}update"),
+            Self::Unchanged => "unchanged: it already binds these IPs".into(),
+            Self::BoundToAnother(uid) => format!("left alone: bound to pod UID {uid}, a newer pod of that name"),
+            Self::NotAdopted(ips) => {
+                let ips: Vec<String> = ips.iter().map(ToString::to_string).collect();
+                format!("{not_written}: {} not adopted, so the pod would come back without them", ips.join(", "))
+            }
+        }
+    }
+}
+
+impl StickyClaim<'_> {
+    /// The claim's name ([`workload::claim_name`]).
+    pub fn name(&self) -> String {
+        workload::claim_name(&self.first.pod.name, self.first.adopter.owner.as_ref())
+    }
+
+    /// Adopt's write of this claim over the claim as stored (`existing`; `None`: none yet).
+    /// Unlike an ADD, which takes a claim over from any earlier pod of the same name, adopt
+    /// writes only a claim that is missing or bound to the same pod: a claim bound to another
+    /// UID is a newer pod's, and rebinding it to the adopted one (gone by then) would let the
+    /// GC release the newer pod's IPs with it. The same pod's claim keeps its `boundAt`, so a
+    /// run that finds it as it would write it writes nothing.
+    pub fn decide(&self, existing: Option<&IPClaimSpec>, now: Timestamp) -> ClaimWrite {
+        if !self.missing.is_empty() {
+            return ClaimWrite::NotAdopted(self.missing.clone());
+        }
+        let uid = &self.first.pod.uid;
+        if let Some(claim) = existing.filter(|c| c.pod_uid != *uid) {
+            return ClaimWrite::BoundToAnother(claim.pod_uid.clone());
+        }
+        let spec = IPClaimSpec {
+            pod_uid: uid.clone(),
+            node: self.first.node.clone(),
+            owner: self.first.adopter.owner.clone(),
+            sticky: true,
+            interfaces: workload::claim_interfaces(existing, uid, true, self.interface.clone()),
+            bound_at: existing.map_or(Time(now), |c| c.bound_at.clone()),
+        };
+        match existing {
+            None => ClaimWrite::Create(spec),
+            Some(claim) if *claim == spec => ClaimWrite::Unchanged,
+            Some(_) => ClaimWrite::Update(spec),
+        }
+    }
+
+    /// The report's line for this claim and `write`, done or (`dry_run`) planned.
+    pub fn line(&self, write: &ClaimWrite, dry_run: bool) -> ClaimLine {
+        let pod = &self.first.pod;
+        ClaimLine {
+            claim: format!("{}/{}", pod.namespace, self.name()),
+            pod: named(pod),
+            ips: self.interface.ips.iter().map(|i| i.ip.clone()).collect(),
+            action: write.describe(dry_run),
+        }
+    }
+}
+
+/// A sticky pod's IPClaim in adopt's report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimLine {
+    /// The claim (`namespace/name`).
+    pub claim: String,
+    /// The pod (`namespace/name (uid)`).
+    pub pod: String,
+    /// The pod's adopted IPs, which the claim binds.
+    pub ips: Vec<String>,
+    /// What was done with it, or would be, and why.
+    pub action: String,
+}
+
+/// The IPClaim of each sticky pod among `adopted` (the adoptions written, and those an
+/// earlier run wrote: [`Plan::recorded`]), with the IPs the pod reports that are not among
+/// them.
+pub fn sticky_claims<'a>(adopted: impl IntoIterator<Item = &'a Adoption>) -> Vec<StickyClaim<'a>> {
+    let mut claims: BTreeMap<&str, StickyClaim<'a>> = BTreeMap::new();
     for adoption in adopted.into_iter().filter(|a| a.adopter.sticky) {
-        let ip = ClaimedIp { ip: adoption.ip.clone(), pool: adoption.pool.clone(), block: adoption.block.clone() };
-        claims
-            .entry(adoption.pod.uid.as_str())
-            .or_insert_with(|| (adoption, ClaimedInterface { interface: fixed::POD_INTERFACE.into(), ips: Vec::new() }))
-            .1
-            .ips
-            .push(ip);
+        let claim = claims.entry(adoption.pod.uid.as_str()).or_insert_with(|| StickyClaim {
+            first: adoption,
+            interface: ClaimedInterface { interface: fixed::POD_INTERFACE.into(), ips: Vec::new() },
+            missing: adoption.pod_ips.clone(),
+        });
+        claim.missing.retain(|ip| adoption.ip.parse() != Ok(*ip));
+        if !claim.interface.ips.iter().any(|i| i.ip == adoption.ip) {
+            let ip = ClaimedIp { ip: adoption.ip.clone(), pool: adoption.pool.clone(), block: adoption.block.clone() };
+            claim.interface.ips.push(ip);
+        }
     }
     claims.into_values().collect()
 }
@@ -286,7 +407,7 @@ mod test {
         assert_eq!(sticky, [("10.9.0.7", true), ("10.9.0.8", false), ("fd00:9::7", true)]);
         let claims = sticky_claims(&planned.adopt);
         assert_eq!(claims.len(), 1, "only the StatefulSet pod gets a claim: {claims:?}");
-        let (first, interface) = &claims[0];
+        let (first, interface) = (claims[0].first, &claims[0].interface);
         assert_eq!((first.pod.name.as_str(), interface.interface.as_str()), ("web-0", "eth0"));
         let claimed: Vec<(&str, &str)> = interface.ips.iter().map(|i| (i.ip.as_str(), i.block.as_str())).collect();
         assert_eq!(claimed, [("10.9.0.7", "v4-10-9-0-0-24"), ("fd00:9::7", "v6-fd00-9---120")]);
@@ -295,7 +416,7 @@ mod test {
         let vm = plan(&[launcher], &pools(), &[], &workload::DEFAULT_STICKY_KINDS.map(String::from));
         let vm_claims = sticky_claims(&vm.adopt);
         assert_eq!(vm_claims.len(), 1, "a KubeVirt VM's pod is sticky by default: {vm:?}");
-        let claim = workload::claim_name(&vm_claims[0].0.pod.name, vm_claims[0].0.adopter.owner.as_ref());
+        let claim = vm_claims[0].name();
         assert!(
             claim.ends_with("vm1") && !claim.starts_with("virt-launcher"),
             "the VM's claim, not the pod's: {claim}"
@@ -306,24 +427,89 @@ mod test {
     }
 
     #[test]
-    fn a_sticky_pods_ip_adopted_earlier_is_skipped_and_its_claim_written_again() {
+    fn a_sticky_pods_ips_adopted_earlier_are_skipped_and_its_claim_written_again() {
         let mut web = pod("web-0", "uw", &["10.9.0.7", "10.9.0.8"]);
         web.owner = Some(crate::crd::OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
         let kinds = ["StatefulSet".to_string()];
         let first = plan(&[web.clone()], &pools(), &[], &kinds);
         let mut spec = IPBlockSpec { pool: "v4".into(), cidr: "10.9.0.0/24".into(), ..IPBlockSpec::default() };
-        let ip7: Vec<&Adoption> = first.adopt.iter().filter(|a| a.ip == "10.9.0.7").collect();
-        apply(&mut spec, &ip7, "pods", Timestamp::UNIX_EPOCH);
-        // An ADD's record of the pod's other IP: its claim is the ADD's.
+        apply(&mut spec, &first.adopt.iter().collect::<Vec<_>>(), "pods", Timestamp::UNIX_EPOCH);
+        let adopted = Arc::new(IPBlock::new("v4-10-9-0-0-24", spec.clone()));
+        let again = plan(std::slice::from_ref(&web), &pools(), &[adopted], &kinds);
+        assert!(again.adopt.is_empty() && again.skipped.len() == 2, "{again:?}");
+        let claims = sticky_claims(&again.recorded);
+        let claimed: Vec<&str> = claims[0].interface.ips.iter().map(|i| i.ip.as_str()).collect();
+        assert_eq!((claimed, claims[0].missing.len()), (vec!["10.9.0.7", "10.9.0.8"], 0), "{claims:?}");
+        // An ADD's record of the pod's other IP: not adopted, so no claim of adopt's.
         let mut added = blocks::test::record("uw", "c1");
         added.pod.name = "web-0".into();
         spec.allocations.insert("10.9.0.8".into(), added);
-        let block = Arc::new(IPBlock::new("v4-10-9-0-0-24", spec));
-        let again = plan(&[web], &pools(), &[block], &kinds);
-        assert!(again.adopt.is_empty() && again.skipped.len() == 2, "{again:?}");
-        let recorded: Vec<&str> = again.recorded.iter().map(|a| a.ip.as_str()).collect();
-        assert_eq!(recorded, ["10.9.0.7"], "only the adopted record's claim is written again");
-        assert_eq!(sticky_claims(&again.recorded)[0].1.ips[0].ip, "10.9.0.7");
+        let mixed = plan(&[web], &pools(), &[Arc::new(IPBlock::new("v4-10-9-0-0-24", spec))], &kinds);
+        let recorded: Vec<&str> = mixed.recorded.iter().map(|a| a.ip.as_str()).collect();
+        assert_eq!(recorded, ["10.9.0.7"], "only the adopted record is adopt's");
+        let missing = &sticky_claims(&mixed.recorded)[0].missing;
+        assert_eq!(missing, &["10.9.0.8".parse::<IpAddr>().expect("ip")]);
+    }
+
+    #[test]
+    fn adopt_creates_a_missing_claim_updates_the_pods_own_and_leaves_another_pods_alone() {
+        let mut web = pod("web-0", "uw", &["10.9.0.7"]);
+        web.owner = Some(crate::crd::OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
+        let planned = plan(&[web], &pools(), &[], &["StatefulSet".to_string()]);
+        let claim = &sticky_claims(&planned.adopt)[0];
+        let (then, now) = (Timestamp::UNIX_EPOCH, Timestamp::now());
+        let ClaimWrite::Create(written) = claim.decide(None, then) else { panic!("a missing claim is created") };
+        let mut other_interface = written.clone();
+        other_interface.interfaces[0].ips[0].ip = "10.9.0.99".into();
+        let newer = IPClaimSpec { pod_uid: "newer".into(), ..written.clone() };
+        let mut incomplete = claim.clone();
+        incomplete.missing = vec!["fd00:9::7".parse().expect("ip")];
+        // (case, claim, stored claim, decision)
+        let cases = [
+            ("the pod's claim as adopt wrote it", claim, Some(&written), ClaimWrite::Unchanged),
+            ("the pod's claim with other IPs", claim, Some(&other_interface), ClaimWrite::Update(written.clone())),
+            ("a newer pod's claim", claim, Some(&newer), ClaimWrite::BoundToAnother("newer".into())),
+            ("a pod not fully adopted", &incomplete, None, ClaimWrite::NotAdopted(incomplete.missing.clone())),
+        ];
+        for (case, claim, stored, expected) in cases {
+            assert_eq!(claim.decide(stored, now), expected, "{case}");
+        }
+        assert!(claim.line(&ClaimWrite::BoundToAnother("newer".into()), true).action.contains("newer"));
+    }
+
+    #[test]
+    fn a_sticky_pod_gets_a_claim_only_when_every_ip_it_reports_is_adopted() {
+        let mut web = pod("web-0", "uw", &["10.9.0.7", "fd00:9::7"]);
+        web.owner = Some(crate::crd::OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
+        let kinds = ["StatefulSet".to_string()];
+        let v6_taken = block_holding("v6-fd00-9---120", "fd00:9::7", "ub");
+        // (pods, blocks, adoptions kept as written (by IP; None: all), claim written)
+        let cases = [
+            ("both families adopted", vec![web.clone()], vec![], None, true),
+            ("one family refused: recorded for another pod", vec![web.clone()], vec![v6_taken], None, false),
+            ("one family lost to a race", vec![web.clone()], vec![], Some("10.9.0.7"), false),
+            ("one family outside every pool", vec![pod_like(&web, &["10.9.0.7", "fd00:77::7"])], vec![], None, false),
+            (
+                "one family reported by another live pod too",
+                vec![web.clone(), pod("other", "uo", &["fd00:9::7"])],
+                vec![],
+                None,
+                false,
+            ),
+        ];
+        for (case, pods, blocks, kept, claimed) in cases {
+            let planned = plan(&pods, &pools(), &blocks, &kinds);
+            let written: Vec<&Adoption> =
+                planned.adopt.iter().filter(|a| kept.is_none_or(|ip| a.ip == ip) && a.pod.uid == "uw").collect();
+            let claims = sticky_claims(written);
+            let created: Vec<bool> =
+                claims.iter().map(|c| matches!(c.decide(None, Timestamp::UNIX_EPOCH), ClaimWrite::Create(_))).collect();
+            assert_eq!(created, [claimed], "{case}: {claims:?}");
+        }
+    }
+
+    fn pod_like(pod: &PodFacts, ips: &[&str]) -> PodFacts {
+        PodFacts { ips: ips.iter().map(|s| s.to_string()).collect(), ..pod.clone() }
     }
 
     #[test]
