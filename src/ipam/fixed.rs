@@ -608,6 +608,26 @@ mod test {
     }
 
     #[test]
+    fn a_pod_named_like_the_last_holder_of_a_list_reservation_takes_it_only_as_a_pod_of_its_workload() {
+        let now = Timestamp::from_second(1_700_000_000).unwrap();
+        let held_for = |kind: &str, name: &str| Some(crate::crd::OwnerRef { kind: kind.into(), name: name.into() });
+        let mut spec = IPBlockSpec::default();
+        let mut reserved = record("ns", "api-7f-abcde", "");
+        reserved.held_for = held_for("Deployment", "api");
+        spec.allocations.insert("10.0.0.7".into(), reserved);
+        let namesake = |workload| Allocation { held_for: workload, ..record("ns", "api-7f-abcde", "c2") };
+        let cases = [
+            (None, false, "a bare pod of the same name"),
+            (held_for("Deployment", "web"), false, "a pod of the same name in another workload"),
+            (held_for("Deployment", "api"), true, "a pod of the same name in the workload"),
+        ];
+        for (workload, free, case) in cases {
+            let checked = check_free(&spec, ip("10.0.0.7"), &namesake(workload), now, Duration::ZERO);
+            assert_eq!(checked.is_ok(), free, "{case}: {checked:?}");
+        }
+    }
+
+    #[test]
     fn taking_a_fixed_ip_claims_a_free_block_and_is_idempotent_for_the_same_sandbox() {
         let now = Timestamp::from_second(1_700_000_000).unwrap();
         let mut spec = IPBlockSpec::default();
