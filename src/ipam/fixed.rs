@@ -326,8 +326,8 @@ fn why_not_allocatable(spec: &IPPoolSpec, layout: &PoolLayout, ip: IpAddr) -> St
 
 /// Whether `record` may take `ip` of block `spec` now: free and past its cooldown, or held
 /// only by a reservation (no sandbox holds it) of the same pod name (a recreated StatefulSet
-/// pod's own sticky IP) or held for the same workload as `record` (`heldFor`: a pod of the
-/// workload whose list names the IP). A record of the same sandbox is the caller's
+/// pod's own sticky IP) or, for a list reservation, held for the same workload as `record`
+/// (`heldFor`: a pod of the workload whose list names the IP; a namesake outside it is not). A record of the same sandbox is the caller's
 /// idempotent case.
 pub fn check_free(
     spec: &IPBlockSpec,
@@ -342,7 +342,11 @@ pub fn check_free(
         let same_namespace = held.pod.namespace == record.pod.namespace;
         let own_reservation = reservation
             && same_namespace
-            && (held.pod.name == record.pod.name || (held.held_for.is_some() && held.held_for == record.held_for));
+            && match held.held_for.as_ref() {
+                // A list reservation is its workload's, not its last pod's name's.
+                Some(workload) => record.held_for.as_ref() == Some(workload),
+                None => held.pod.name == record.pod.name,
+            };
         if own_reservation {
             return Ok(());
         }
