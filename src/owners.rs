@@ -19,13 +19,14 @@ use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence, State
 
 /// Whether `record` is still reserved for a workload, from live reads: its sticky owner
 /// still wants its ordinal or VM (only asked when `sticky`: the caller judges stickiness by
-/// its settings), or the workload it is held for (`heldFor`) lives. An owner that cannot
+/// its settings), or it is a list reservation ([`workload::list_reservation_for`]; the
+/// caller's write detaches it when `detaching`) whose workload lives. An owner that cannot
 /// be read wants.
-pub async fn record_held(client: &Client, record: &Allocation, sticky: bool) -> bool {
+pub async fn record_held(client: &Client, record: &Allocation, sticky: bool, detaching: bool) -> bool {
     if sticky && record_owner_wants(client, record).await {
         return true;
     }
-    match record.held_for.as_ref() {
+    match workload::list_reservation_for(record, detaching) {
         Some(workload) => workload::workload_lives(read(client, &record.pod.namespace, workload).await),
         None => false,
     }

@@ -560,7 +560,7 @@ async fn read_live_facts(
             && reason.rests_on_owner();
         let owner_wants = matches!(recheck, Ok(None))
             && !change.retired
-            && crate::owners::record_held(&context.client, record, sticky).await;
+            && crate::owners::record_held(&context.client, record, sticky, false).await;
         facts.push(LiveFacts { recheck: Some(recheck), owner_wants });
     }
     facts

@@ -728,10 +728,11 @@ impl ClusterIndex {
         workload::owner_wants(&owner.name, pod_name, self.owner_facts(namespace, owner))
     }
 
-    /// Whether the record is held for a workload (`heldFor`) that still lives, by
-    /// [`workload::workload_lives`] on the watched workload. Until its kind is listed, it lives.
+    /// Whether the record is a list reservation ([`workload::list_reservation_for`]) of a
+    /// workload that still lives, by [`workload::workload_lives`] on the watched workload.
+    /// Until its kind is listed, it lives.
     pub fn list_held(&self, record: &Allocation) -> bool {
-        let Some(held_for) = record.held_for.as_ref() else { return false };
+        let Some(held_for) = workload::list_reservation_for(record, false) else { return false };
         workload::workload_lives(self.owner_facts(&record.pod.namespace, held_for))
     }
 
@@ -980,9 +981,12 @@ mod test {
     }
 
     #[test]
-    fn a_list_bound_record_is_kept_while_its_deployment_lives_or_is_unlisted_and_released_once_it_goes() {
+    fn a_list_bound_record_is_kept_detached_while_its_deployment_lives_or_is_unlisted_and_released_once_it_goes() {
         let mut held = record("api-7c9f-x2x4q", "u", "n");
         held.held_for = Some(OwnerRef { kind: "Deployment".into(), name: "api".into() });
+        // Its DEL lost, the record is still attached: no reservation, whatever the workload.
+        let attached = held.clone();
+        held.container_id.clear();
         let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
         let deployment = |deleting: bool| ObjectMeta {
             namespace: Some("ns".into()),
@@ -1004,6 +1008,8 @@ mod test {
         index.apply(Watched::Workload(WorkloadKind::Deployment, &deployment(false)));
         index.relist_done(kind);
         assert_eq!(verdict(&index), kept, "the Deployment lives");
+        let lost_del = index.evaluate("b", "10.0.0.1", &attached, at(1), &settings);
+        assert!(matches!(lost_del, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "{lost_del:?}");
         index.apply(Watched::Workload(WorkloadKind::Deployment, &deployment(true)));
         assert!(verdict(&index).is_err_and(|v| v.contains("PodGone")), "deleting: {:?}", verdict(&index));
         index.delete(Watched::Workload(WorkloadKind::Deployment, &deployment(true)));

@@ -7,6 +7,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use crate::crd::{Allocation, ClaimedInterface, IPClaimSpec, OwnerRef};
+use crate::ipam::blocks;
 
 /// The owner kind of KubeVirt's running VM instances, whose claim is named `vm.<VM>`.
 pub const KUBEVIRT_VMI_KIND: &str = "VirtualMachineInstance";
@@ -179,6 +180,16 @@ pub fn list_workload(controller: Option<&OwnerRef>, parent: Option<&OwnerRef>) -
         Some(parent) => Some(parent.clone()),
         None => LIST_WORKLOAD_KINDS.contains(&controller.kind.as_str()).then(|| controller.clone()),
     }
+}
+
+/// The workload whose life keeps list-drawn `record` reserved between its pods: its
+/// `heldFor`, only while no sandbox may hold the record ([`blocks::may_be_attached`]), or
+/// when the caller's write detaches it (`detaching`: its pod's DEL). An attached record
+/// whose pod is done lost its DEL: no pod of the workload could take it
+/// ([`crate::ipam::fixed::check_free`]), so it goes by the usual rules (release handshake,
+/// then release) and the workload's next pod draws it from the list after the cooldown.
+pub fn list_reservation_for(record: &Allocation, detaching: bool) -> Option<&OwnerRef> {
+    record.held_for.as_ref().filter(|_| detaching || !blocks::may_be_attached(record))
 }
 
 /// What is known of a record's owner or list workload, however it was learnt (the agent's
