@@ -276,6 +276,7 @@ impl PoolSupervisor {
         self.context.metrics.ip_conflicts.set(count(conflicts));
         let without_agent = index.nodes_without_live_agent();
         self.context.metrics.nodes_without_live_agent.set(count(without_agent));
+        self.context.metrics.unlisted_workload_kinds.set(count(index.unlisted_workload_kinds()));
         counts
     }
 }

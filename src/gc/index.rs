@@ -609,6 +609,12 @@ impl ClusterIndex {
         self.stale_agents = stale_agents(nodes, &self.leases, &mut self.observed, self.default_agent_lease, now, wall);
     }
 
+    /// How many workload kinds have not been listed yet (RBAC not granting them, a kind not
+    /// served): until then their workloads live, and no list reservation of theirs goes.
+    pub fn unlisted_workload_kinds(&self) -> usize {
+        WorkloadKind::ALL.into_iter().filter(|k| !self.synced(&[Kind::Workload(*k)])).count()
+    }
+
     /// How many nodes have no live agent, as last judged.
     pub fn nodes_without_live_agent(&self) -> usize {
         self.stale_agents.len()
@@ -1004,10 +1010,12 @@ mod test {
         };
         let kept = Ok(KeepReason::ListReservation);
         assert_eq!(verdict(&index), kept, "Deployments not listed yet");
+        assert_eq!(index.unlisted_workload_kinds(), WorkloadKind::ALL.len());
         index.relist_started(kind);
         index.apply(Watched::Workload(WorkloadKind::Deployment, &deployment(false)));
         index.relist_done(kind);
         assert_eq!(verdict(&index), kept, "the Deployment lives");
+        assert_eq!(index.unlisted_workload_kinds(), WorkloadKind::ALL.len() - 1, "Deployments listed");
         let lost_del = index.evaluate("b", "10.0.0.1", &attached, at(1), &settings);
         assert!(matches!(lost_del, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "{lost_del:?}");
         index.apply(Watched::Workload(WorkloadKind::Deployment, &deployment(true)));
