@@ -25,7 +25,7 @@ use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleS
 use crate::crd::{Allocation, IPBlock, IPClaim, IPPool, OwnerRef, PodRef};
 use crate::ipam::blocks::Adopter;
 pub use crate::ipam::workload::StatefulSetFacts;
-use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence};
+use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence, WorkloadKind};
 
 /// What the rules need of one pod: the index keeps this, never the whole object.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -174,41 +174,8 @@ pub enum Kind {
     /// KubeVirt's VirtualMachineInstances.
     VirtualMachineInstance,
     /// Deployments, ReplicaSets, CronJobs and Jobs (metadata only): the workloads a
-    /// list-bound record can be held for ([`workload::LIST_WORKLOAD_KINDS`]).
+    /// list-bound record can be held for ([`WorkloadKind`]).
     Workload(WorkloadKind),
-}
-
-/// A kind of workload whose list-drawn IPs are held for it between its pods.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum WorkloadKind {
-    /// apps/v1 Deployment.
-    Deployment,
-    /// apps/v1 ReplicaSet.
-    ReplicaSet,
-    /// batch/v1 CronJob.
-    CronJob,
-    /// batch/v1 Job.
-    Job,
-}
-
-impl WorkloadKind {
-    /// Every one, in [`workload::LIST_WORKLOAD_KINDS`]' order.
-    pub const ALL: [Self; 4] = [Self::Deployment, Self::ReplicaSet, Self::CronJob, Self::Job];
-
-    /// The one of owner kind `kind`.
-    pub fn of(kind: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| k.name() == kind)
-    }
-
-    /// Its Kubernetes kind.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Deployment => "Deployment",
-            Self::ReplicaSet => "ReplicaSet",
-            Self::CronJob => "CronJob",
-            Self::Job => "Job",
-        }
-    }
 }
 
 /// One watched object, as applied to the index.

@@ -156,30 +156,59 @@ pub enum Presence {
 /// watches each. A pod of another controller (a DaemonSet, a VM, none) holds its list IP only
 /// while it runs; a StatefulSet's pods keep theirs by their ordinal's stickiness (the list
 /// only chose it), which a scale-down below the ordinal ends as for any StatefulSet IP.
-pub const LIST_WORKLOAD_KINDS: [&str; 4] = ["Deployment", "ReplicaSet", "CronJob", "Job"];
+/// The one place these kinds are named.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum WorkloadKind {
+    /// apps/v1 Deployment.
+    Deployment,
+    /// apps/v1 ReplicaSet.
+    ReplicaSet,
+    /// batch/v1 CronJob.
+    CronJob,
+    /// batch/v1 Job.
+    Job,
+}
 
-/// The kind of the controller that stands for a pod's controller of kind `kind` as the
-/// workload of its list: a ReplicaSet's Deployment (the ReplicaSet changes every rollout), a
-/// Job's CronJob (a new Job every run).
-pub fn parent_kind(kind: &str) -> Option<&'static str> {
-    match kind {
-        "ReplicaSet" => Some("Deployment"),
-        "Job" => Some("CronJob"),
-        _ => None,
+impl WorkloadKind {
+    /// Every one.
+    pub const ALL: [Self; 4] = [Self::Deployment, Self::ReplicaSet, Self::CronJob, Self::Job];
+
+    /// The one of owner kind `kind`.
+    pub fn of(kind: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == kind)
+    }
+
+    /// Its Kubernetes kind.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Deployment => "Deployment",
+            Self::ReplicaSet => "ReplicaSet",
+            Self::CronJob => "CronJob",
+            Self::Job => "Job",
+        }
+    }
+
+    /// The kind of the controller that stands for a pod's controller of this kind as the
+    /// workload of its list: a ReplicaSet's Deployment (the ReplicaSet changes every
+    /// rollout), a Job's CronJob (a new Job every run).
+    pub fn parent(self) -> Option<Self> {
+        match self {
+            Self::ReplicaSet => Some(Self::Deployment),
+            Self::Job => Some(Self::CronJob),
+            Self::Deployment | Self::CronJob => None,
+        }
     }
 }
 
 /// The workload a pod's list-drawn IPs are held for, from its `controller` and that
-/// controller's own controller `parent` (read only when [`parent_kind`] names a kind): the
-/// parent when it is of that kind, else the controller when its kind is one of
-/// [`LIST_WORKLOAD_KINDS`], else none.
+/// controller's own controller `parent` (read only when [`WorkloadKind::parent`] names a
+/// kind): the parent when it is of that kind, else the controller when it is a
+/// [`WorkloadKind`], else none.
 pub fn list_workload(controller: Option<&OwnerRef>, parent: Option<&OwnerRef>) -> Option<OwnerRef> {
     let controller = controller?;
-    let parent = parent.filter(|p| parent_kind(&controller.kind) == Some(p.kind.as_str()));
-    match parent {
-        Some(parent) => Some(parent.clone()),
-        None => LIST_WORKLOAD_KINDS.contains(&controller.kind.as_str()).then(|| controller.clone()),
-    }
+    let kind = WorkloadKind::of(&controller.kind)?;
+    let parent = parent.filter(|p| kind.parent().is_some_and(|k| k.name() == p.kind));
+    Some(parent.unwrap_or(controller).clone())
 }
 
 /// The workload whose life keeps list-drawn `record` reserved between its pods: its
