@@ -15,17 +15,18 @@ use kube::{Client, Resource};
 use serde::de::DeserializeOwned;
 
 use crate::crd::{Allocation, OwnerRef};
-use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence, StatefulSetFacts};
+use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence, StatefulSetFacts, WorkloadKind};
 
 /// Whether `record` is still reserved for a workload, from live reads: its sticky owner
 /// still wants its ordinal or VM (only asked when `sticky`: the caller judges stickiness by
-/// its settings), or the workload it is held for (`heldFor`) lives. An owner that cannot
+/// its settings), or it is a list reservation ([`workload::list_reservation_for`]; the
+/// caller's write detaches it when `detaching`) whose workload lives. An owner that cannot
 /// be read wants.
-pub async fn record_held(client: &Client, record: &Allocation, sticky: bool) -> bool {
+pub async fn record_held(client: &Client, record: &Allocation, sticky: bool, detaching: bool) -> bool {
     if sticky && record_owner_wants(client, record).await {
         return true;
     }
-    match record.held_for.as_ref() {
+    match workload::list_reservation_for(record, detaching) {
         Some(workload) => workload::workload_lives(read(client, &record.pod.namespace, workload).await),
         None => false,
     }
@@ -33,16 +34,16 @@ pub async fn record_held(client: &Client, record: &Allocation, sticky: bool) -> 
 
 /// The workload the list-drawn IPs of a pod controlled by `controller` (in `namespace`) are
 /// held for ([`workload::list_workload`]): reads the controller's own controller when it is
-/// a ReplicaSet or a Job ([`workload::parent_kind`]: a Deployment, a CronJob), nothing
+/// a ReplicaSet or a Job ([`WorkloadKind::parent`]: a Deployment, a CronJob), nothing
 /// otherwise. A controller already gone holds nothing.
 pub async fn list_workload(
     client: &Client,
     namespace: &str,
     controller: Option<&OwnerRef>,
 ) -> Result<Option<OwnerRef>, kube::Error> {
-    let references = match controller.map(|c| (c.kind.as_str(), c.name.as_str())) {
-        Some(("ReplicaSet", name)) => owner_references::<ReplicaSet>(client, namespace, name).await?,
-        Some(("Job", name)) => owner_references::<Job>(client, namespace, name).await?,
+    let references = match controller.map(|c| (WorkloadKind::of(&c.kind), c.name.as_str())) {
+        Some((Some(WorkloadKind::ReplicaSet), name)) => owner_references::<ReplicaSet>(client, namespace, name).await?,
+        Some((Some(WorkloadKind::Job), name)) => owner_references::<Job>(client, namespace, name).await?,
         _ => return Ok(workload::list_workload(controller, None)),
     };
     let Some(references) = references else { return Ok(None) };
@@ -79,27 +80,28 @@ pub async fn record_owner_wants(client: &Client, record: &Allocation) -> bool {
 
 /// What the API says now about `owner` in `namespace`; [`OwnerFacts::Unknown`] on errors.
 pub async fn read(client: &Client, namespace: &str, owner: &OwnerRef) -> OwnerFacts {
-    match owner.kind.as_str() {
-        "StatefulSet" => match Api::<StatefulSet>::namespaced(client.clone(), namespace).get_opt(&owner.name).await {
+    let name = owner.name.as_str();
+    match (WorkloadKind::of(&owner.kind), owner.kind.as_str()) {
+        (Some(WorkloadKind::Deployment), _) => presence::<Deployment>(client, namespace, name).await,
+        (Some(WorkloadKind::ReplicaSet), _) => presence::<ReplicaSet>(client, namespace, name).await,
+        (Some(WorkloadKind::CronJob), _) => presence::<CronJob>(client, namespace, name).await,
+        (Some(WorkloadKind::Job), _) => presence::<Job>(client, namespace, name).await,
+        (None, "StatefulSet") => match Api::<StatefulSet>::namespaced(client.clone(), namespace).get_opt(name).await {
             Ok(sts) => OwnerFacts::StatefulSet(sts.as_ref().map(statefulset_facts)),
             Err(e) => {
-                tracing::debug!(statefulset = %owner.name, error = %e, "reading the owner failed; it counts as wanting");
+                tracing::debug!(statefulset = %name, error = %e, "reading the owner failed; it counts as wanting");
                 OwnerFacts::Unknown
             }
         },
-        "Deployment" => presence::<Deployment>(client, namespace, &owner.name).await,
-        "ReplicaSet" => presence::<ReplicaSet>(client, namespace, &owner.name).await,
-        "CronJob" => presence::<CronJob>(client, namespace, &owner.name).await,
-        "Job" => presence::<Job>(client, namespace, &owner.name).await,
-        KUBEVIRT_VMI_KIND => {
-            let instance = kubevirt_presence(client, namespace, KUBEVIRT_VMI_KIND, &owner.name).await;
-            let vm = kubevirt_presence(client, namespace, KUBEVIRT_VM_KIND, &owner.name).await;
+        (None, KUBEVIRT_VMI_KIND) => {
+            let instance = kubevirt_presence(client, namespace, KUBEVIRT_VMI_KIND, name).await;
+            let vm = kubevirt_presence(client, namespace, KUBEVIRT_VM_KIND, name).await;
             match (instance, vm) {
                 (Some(instance), Some(vm)) => OwnerFacts::VirtualMachine { instance, vm },
                 _ => OwnerFacts::Unknown,
             }
         }
-        _ => OwnerFacts::Unknown,
+        (None, _) => OwnerFacts::Unknown,
     }
 }
 

@@ -329,3 +329,54 @@ async fn a_deployments_listed_ips_stay_reserved_for_it_between_its_pods_refused_
     .await
     .expect("the controller releases the deleted Deployment's reservations");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listed_ip_whose_pods_del_was_lost_goes_to_the_deployments_replacement_pod_after_the_release_handshake() {
+    let pools =
+        [("main", json!({"cidr": "10.78.0.0/24", "default": true})), ("listed", json!({"cidr": "10.79.0.0/24"}))];
+    let agent_args = ["--release-sandbox-grace-seconds=2", "--reuse-cooldown-seconds=1"];
+    let mut ipwarden = Ipwarden::start(1, &pools, &agent_args).await;
+    let client = ipwarden.client();
+    let controller = ipwarden.start_controller("gc", &["--full-scan-interval-seconds=1"]);
+    ipwarden.wait_leader(controller).await;
+
+    let mut template = support::pod_template("api", json!({}));
+    template["metadata"]["annotations"] = json!({"ipwarden.io/ip-list": "10.79.0.7"});
+    let deployment: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "api"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "api"}}, "template": template},
+    }))
+    .expect("deployment");
+    Api::<Deployment>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &deployment)
+        .await
+        .expect("create deployment");
+    let first = support::wait_pods_with_ips(&client, NS, "app=api", 1).await;
+    let (name, pod) = first.into_iter().next().expect("the pod");
+    assert_eq!(support::ip_of(&pod), "10.79.0.7", "the listed IP");
+
+    // The runtime loses the pod's DEL: its record stays attached to a sandbox gone.
+    let node = &ipwarden.cluster.nodes()[0];
+    let uid = pod.uid().unwrap_or_default();
+    node.faults().set_skip_del(true);
+    Api::<Pod>::namespaced(client.clone(), NS).delete(&name, &DeleteParams::default()).await.expect("delete pod");
+    wait::until("the runtime dropping the pod's sandbox without DEL", TIMEOUT, || async {
+        Ok(if node.sandboxes().contains_key(&uid) { Probe::Pending("still up".into()) } else { Probe::Done(()) })
+    })
+    .await
+    .expect("sandbox dropped");
+    node.faults().set_skip_del(false);
+
+    // The controller releases it through the node's agent; the replacement takes it.
+    let replacement = wait::until("the replacement pod holding the listed IP", TIMEOUT, || async {
+        let pods = support::pods_with_ips(&client, NS, "app=api").await?;
+        let holder = pods.into_iter().find(|(other, _)| *other != name);
+        Ok(match holder {
+            Some((_, pod)) => Probe::Done(pod),
+            None => Probe::Pending(format!("10.79.0.7: {:?}", records(&client).await.get("10.79.0.7"))),
+        })
+    })
+    .await
+    .expect("the replacement gets the listed IP");
+    assert_eq!(support::ip_of(&replacement), "10.79.0.7", "the listed IP, not another");
+}

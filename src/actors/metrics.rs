@@ -85,6 +85,8 @@ pub struct ControllerMetrics {
     pub ip_conflicts: Gauge,
     /// Nodes whose agent Lease is stale or missing.
     pub nodes_without_live_agent: Gauge,
+    /// Workload kinds not listed yet, whose list reservations are all kept meanwhile.
+    pub unlisted_workload_kinds: Gauge,
     /// 1 while a pool is being deleted and waits for its records to go, else 0.
     pub pool_deleting: Family<PoolLabels, Gauge>,
     /// Records in orphaned blocks (their pool is gone or no longer has the block).
@@ -112,6 +114,7 @@ impl ControllerMetrics {
             conflict_retries: Counter::default(),
             ip_conflicts: Gauge::default(),
             nodes_without_live_agent: Gauge::default(),
+            unlisted_workload_kinds: Gauge::default(),
             pool_deleting: Family::default(),
             orphaned_records: Gauge::default(),
         };
@@ -158,6 +161,11 @@ impl ControllerMetrics {
             "nodes_without_live_agent",
             "Nodes whose agent Lease is stale or missing (their records follow the NotReady policy)",
             m.nodes_without_live_agent.clone(),
+        );
+        r.register(
+            "unlisted_workload_kinds",
+            "Workload kinds (Deployment, ReplicaSet, CronJob, Job) not listed yet: their list reservations are all kept",
+            m.unlisted_workload_kinds.clone(),
         );
         m
     }

@@ -276,6 +276,7 @@ impl PoolSupervisor {
         self.context.metrics.ip_conflicts.set(count(conflicts));
         let without_agent = index.nodes_without_live_agent();
         self.context.metrics.nodes_without_live_agent.set(count(without_agent));
+        self.context.metrics.unlisted_workload_kinds.set(count(index.unlisted_workload_kinds()));
         counts
     }
 }
@@ -560,7 +561,7 @@ async fn read_live_facts(
             && reason.rests_on_owner();
         let owner_wants = matches!(recheck, Ok(None))
             && !change.retired
-            && crate::owners::record_held(&context.client, record, sticky).await;
+            && crate::owners::record_held(&context.client, record, sticky, false).await;
         facts.push(LiveFacts { recheck: Some(recheck), owner_wants });
     }
     facts

@@ -13,7 +13,8 @@ use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 
 use super::watches::{SharedIndex, drain, watch_into};
-use crate::gc::index::{Kind, Watched, WorkloadKind};
+use crate::gc::index::{Kind, Watched};
+use crate::ipam::workload::WorkloadKind;
 
 /// Starts the watch of each workload kind into `index`.
 pub fn watch(client: &Client, index: &SharedIndex) {

@@ -580,9 +580,12 @@ impl Core {
         // An IP drawn from a workload's list stays the workload's between its pods.
         if fixed.source == fixed::Source::List {
             let namespace = pod.namespace().unwrap_or_default();
-            record.held_for = crate::owners::list_workload(&self.client, &namespace, owner)
-                .await
-                .map_err(Error::api(format!("reading the workload of pod {pod_name}'s {}", fixed::Source::List)))?;
+            let controller = owner.map_or_else(String::new, |o| format!("{} {namespace}/{}, ", o.kind, o.name));
+            record.held_for =
+                crate::owners::list_workload(&self.client, &namespace, owner).await.map_err(Error::api(format!(
+                    "reading {controller}the controller of pod {pod_name}, for the workload of its {}",
+                    fixed::Source::List
+                )))?;
         }
         let mut written = Vec::new();
         for choice in fixed.choices() {

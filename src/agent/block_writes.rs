@@ -111,9 +111,9 @@ impl Core {
             let Some((record, retired)) = found else { continue };
             // The records of a pool being deleted, or of an orphaned block, are released at
             // once: no reservation outlives its pod there. The owner (or the workload of a
-            // list-bound record) is read live; an unknown answer counts as "wants" (keeping a
-            // reservation is safe, freeing is not).
-            let keep = !retired && crate::owners::record_held(&self.client, &record, record.sticky).await;
+            // list-bound record, which this DEL detaches) is read live; an unknown answer counts
+            // as "wants" (keeping a reservation is safe, freeing is not).
+            let keep = !retired && crate::owners::record_held(&self.client, &record, record.sticky, true).await;
             let now = Timestamp::now();
             let (ip, sandbox, interface) = (target.ip.clone(), container_id.to_string(), ifname.to_string());
             let pod_uid = uid.map(str::to_string);

@@ -25,7 +25,7 @@ use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleS
 use crate::crd::{Allocation, IPBlock, IPClaim, IPPool, OwnerRef, PodRef};
 use crate::ipam::blocks::Adopter;
 pub use crate::ipam::workload::StatefulSetFacts;
-use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence};
+use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence, WorkloadKind};
 
 /// What the rules need of one pod: the index keeps this, never the whole object.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -174,41 +174,8 @@ pub enum Kind {
     /// KubeVirt's VirtualMachineInstances.
     VirtualMachineInstance,
     /// Deployments, ReplicaSets, CronJobs and Jobs (metadata only): the workloads a
-    /// list-bound record can be held for ([`workload::LIST_WORKLOAD_KINDS`]).
+    /// list-bound record can be held for ([`WorkloadKind`]).
     Workload(WorkloadKind),
-}
-
-/// A kind of workload whose list-drawn IPs are held for it between its pods.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum WorkloadKind {
-    /// apps/v1 Deployment.
-    Deployment,
-    /// apps/v1 ReplicaSet.
-    ReplicaSet,
-    /// batch/v1 CronJob.
-    CronJob,
-    /// batch/v1 Job.
-    Job,
-}
-
-impl WorkloadKind {
-    /// Every one, in [`workload::LIST_WORKLOAD_KINDS`]' order.
-    pub const ALL: [Self; 4] = [Self::Deployment, Self::ReplicaSet, Self::CronJob, Self::Job];
-
-    /// The one of owner kind `kind`.
-    pub fn of(kind: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| k.name() == kind)
-    }
-
-    /// Its Kubernetes kind.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Deployment => "Deployment",
-            Self::ReplicaSet => "ReplicaSet",
-            Self::CronJob => "CronJob",
-            Self::Job => "Job",
-        }
-    }
 }
 
 /// One watched object, as applied to the index.
@@ -609,6 +576,12 @@ impl ClusterIndex {
         self.stale_agents = stale_agents(nodes, &self.leases, &mut self.observed, self.default_agent_lease, now, wall);
     }
 
+    /// How many workload kinds have not been listed yet (RBAC not granting them, a kind not
+    /// served): until then their workloads live, and no list reservation of theirs goes.
+    pub fn unlisted_workload_kinds(&self) -> usize {
+        WorkloadKind::ALL.into_iter().filter(|k| !self.synced(&[Kind::Workload(*k)])).count()
+    }
+
     /// How many nodes have no live agent, as last judged.
     pub fn nodes_without_live_agent(&self) -> usize {
         self.stale_agents.len()
@@ -728,10 +701,11 @@ impl ClusterIndex {
         workload::owner_wants(&owner.name, pod_name, self.owner_facts(namespace, owner))
     }
 
-    /// Whether the record is held for a workload (`heldFor`) that still lives, by
-    /// [`workload::workload_lives`] on the watched workload. Until its kind is listed, it lives.
+    /// Whether the record is a list reservation ([`workload::list_reservation_for`]) of a
+    /// workload that still lives, by [`workload::workload_lives`] on the watched workload.
+    /// Until its kind is listed, it lives.
     pub fn list_held(&self, record: &Allocation) -> bool {
-        let Some(held_for) = record.held_for.as_ref() else { return false };
+        let Some(held_for) = workload::list_reservation_for(record, false) else { return false };
         workload::workload_lives(self.owner_facts(&record.pod.namespace, held_for))
     }
 
@@ -980,9 +954,12 @@ mod test {
     }
 
     #[test]
-    fn a_list_bound_record_is_kept_while_its_deployment_lives_or_is_unlisted_and_released_once_it_goes() {
+    fn a_list_bound_record_is_kept_detached_while_its_deployment_lives_or_is_unlisted_and_released_once_it_goes() {
         let mut held = record("api-7c9f-x2x4q", "u", "n");
         held.held_for = Some(OwnerRef { kind: "Deployment".into(), name: "api".into() });
+        // Its DEL lost, the record is still attached: no reservation, whatever the workload.
+        let attached = held.clone();
+        held.container_id.clear();
         let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
         let deployment = |deleting: bool| ObjectMeta {
             namespace: Some("ns".into()),
@@ -1000,10 +977,14 @@ mod test {
         };
         let kept = Ok(KeepReason::ListReservation);
         assert_eq!(verdict(&index), kept, "Deployments not listed yet");
+        assert_eq!(index.unlisted_workload_kinds(), WorkloadKind::ALL.len());
         index.relist_started(kind);
         index.apply(Watched::Workload(WorkloadKind::Deployment, &deployment(false)));
         index.relist_done(kind);
         assert_eq!(verdict(&index), kept, "the Deployment lives");
+        assert_eq!(index.unlisted_workload_kinds(), WorkloadKind::ALL.len() - 1, "Deployments listed");
+        let lost_del = index.evaluate("b", "10.0.0.1", &attached, at(1), &settings);
+        assert!(matches!(lost_del, Verdict::Release { reason: ReleaseReason::PodGone, .. }), "{lost_del:?}");
         index.apply(Watched::Workload(WorkloadKind::Deployment, &deployment(true)));
         assert!(verdict(&index).is_err_and(|v| v.contains("PodGone")), "deleting: {:?}", verdict(&index));
         index.delete(Watched::Workload(WorkloadKind::Deployment, &deployment(true)));

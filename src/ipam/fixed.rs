@@ -326,8 +326,8 @@ fn why_not_allocatable(spec: &IPPoolSpec, layout: &PoolLayout, ip: IpAddr) -> St
 
 /// Whether `record` may take `ip` of block `spec` now: free and past its cooldown, or held
 /// only by a reservation (no sandbox holds it) of the same pod name (a recreated StatefulSet
-/// pod's own sticky IP) or held for the same workload as `record` (`heldFor`: a pod of the
-/// workload whose list names the IP). A record of the same sandbox is the caller's
+/// pod's own sticky IP) or, for a list reservation, held for the same workload as `record`
+/// (`heldFor`: a pod of the workload whose list names the IP; a namesake outside it is not). A record of the same sandbox is the caller's
 /// idempotent case.
 pub fn check_free(
     spec: &IPBlockSpec,
@@ -342,7 +342,11 @@ pub fn check_free(
         let same_namespace = held.pod.namespace == record.pod.namespace;
         let own_reservation = reservation
             && same_namespace
-            && (held.pod.name == record.pod.name || (held.held_for.is_some() && held.held_for == record.held_for));
+            && match held.held_for.as_ref() {
+                // A list reservation is its workload's, not its last pod's name's.
+                Some(workload) => record.held_for.as_ref() == Some(workload),
+                None => held.pod.name == record.pod.name,
+            };
         if own_reservation {
             return Ok(());
         }
@@ -605,6 +609,26 @@ mod test {
         let mut other_namespace = record("other", "api-1", "c5");
         other_namespace.held_for = held_for("Deployment", "api");
         assert!(matches!(check("10.0.0.7", &other_namespace), Err(FixedError::Reserved { .. })));
+    }
+
+    #[test]
+    fn a_pod_named_like_the_last_holder_of_a_list_reservation_takes_it_only_as_a_pod_of_its_workload() {
+        let now = Timestamp::from_second(1_700_000_000).unwrap();
+        let held_for = |kind: &str, name: &str| Some(crate::crd::OwnerRef { kind: kind.into(), name: name.into() });
+        let mut spec = IPBlockSpec::default();
+        let mut reserved = record("ns", "api-7f-abcde", "");
+        reserved.held_for = held_for("Deployment", "api");
+        spec.allocations.insert("10.0.0.7".into(), reserved);
+        let namesake = |workload| Allocation { held_for: workload, ..record("ns", "api-7f-abcde", "c2") };
+        let cases = [
+            (None, false, "a bare pod of the same name"),
+            (held_for("Deployment", "web"), false, "a pod of the same name in another workload"),
+            (held_for("Deployment", "api"), true, "a pod of the same name in the workload"),
+        ];
+        for (workload, free, case) in cases {
+            let checked = check_free(&spec, ip("10.0.0.7"), &namesake(workload), now, Duration::ZERO);
+            assert_eq!(checked.is_ok(), free, "{case}: {checked:?}");
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use crate::crd::{Allocation, ClaimedInterface, IPClaimSpec, OwnerRef};
+use crate::ipam::blocks;
 
 /// The owner kind of KubeVirt's running VM instances, whose claim is named `vm.<VM>`.
 pub const KUBEVIRT_VMI_KIND: &str = "VirtualMachineInstance";
@@ -155,30 +156,69 @@ pub enum Presence {
 /// watches each. A pod of another controller (a DaemonSet, a VM, none) holds its list IP only
 /// while it runs; a StatefulSet's pods keep theirs by their ordinal's stickiness (the list
 /// only chose it), which a scale-down below the ordinal ends as for any StatefulSet IP.
-pub const LIST_WORKLOAD_KINDS: [&str; 4] = ["Deployment", "ReplicaSet", "CronJob", "Job"];
+/// The one place these kinds are named.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum WorkloadKind {
+    /// apps/v1 Deployment.
+    Deployment,
+    /// apps/v1 ReplicaSet.
+    ReplicaSet,
+    /// batch/v1 CronJob.
+    CronJob,
+    /// batch/v1 Job.
+    Job,
+}
 
-/// The kind of the controller that stands for a pod's controller of kind `kind` as the
-/// workload of its list: a ReplicaSet's Deployment (the ReplicaSet changes every rollout), a
-/// Job's CronJob (a new Job every run).
-pub fn parent_kind(kind: &str) -> Option<&'static str> {
-    match kind {
-        "ReplicaSet" => Some("Deployment"),
-        "Job" => Some("CronJob"),
-        _ => None,
+impl WorkloadKind {
+    /// Every one.
+    pub const ALL: [Self; 4] = [Self::Deployment, Self::ReplicaSet, Self::CronJob, Self::Job];
+
+    /// The one of owner kind `kind`.
+    pub fn of(kind: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == kind)
+    }
+
+    /// Its Kubernetes kind.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Deployment => "Deployment",
+            Self::ReplicaSet => "ReplicaSet",
+            Self::CronJob => "CronJob",
+            Self::Job => "Job",
+        }
+    }
+
+    /// The kind of the controller that stands for a pod's controller of this kind as the
+    /// workload of its list: a ReplicaSet's Deployment (the ReplicaSet changes every
+    /// rollout), a Job's CronJob (a new Job every run).
+    pub fn parent(self) -> Option<Self> {
+        match self {
+            Self::ReplicaSet => Some(Self::Deployment),
+            Self::Job => Some(Self::CronJob),
+            Self::Deployment | Self::CronJob => None,
+        }
     }
 }
 
 /// The workload a pod's list-drawn IPs are held for, from its `controller` and that
-/// controller's own controller `parent` (read only when [`parent_kind`] names a kind): the
-/// parent when it is of that kind, else the controller when its kind is one of
-/// [`LIST_WORKLOAD_KINDS`], else none.
+/// controller's own controller `parent` (read only when [`WorkloadKind::parent`] names a
+/// kind): the parent when it is of that kind, else the controller when it is a
+/// [`WorkloadKind`], else none.
 pub fn list_workload(controller: Option<&OwnerRef>, parent: Option<&OwnerRef>) -> Option<OwnerRef> {
     let controller = controller?;
-    let parent = parent.filter(|p| parent_kind(&controller.kind) == Some(p.kind.as_str()));
-    match parent {
-        Some(parent) => Some(parent.clone()),
-        None => LIST_WORKLOAD_KINDS.contains(&controller.kind.as_str()).then(|| controller.clone()),
-    }
+    let kind = WorkloadKind::of(&controller.kind)?;
+    let parent = parent.filter(|p| kind.parent().is_some_and(|k| k.name() == p.kind));
+    Some(parent.unwrap_or(controller).clone())
+}
+
+/// The workload whose life keeps list-drawn `record` reserved between its pods: its
+/// `heldFor`, only while no sandbox may hold the record ([`blocks::may_be_attached`]), or
+/// when the caller's write detaches it (`detaching`: its pod's DEL). An attached record
+/// whose pod is done lost its DEL: no pod of the workload could take it
+/// ([`crate::ipam::fixed::check_free`]), so it goes by the usual rules (release handshake,
+/// then release) and the workload's next pod draws it from the list after the cooldown.
+pub fn list_reservation_for(record: &Allocation, detaching: bool) -> Option<&OwnerRef> {
+    record.held_for.as_ref().filter(|_| detaching || !blocks::may_be_attached(record))
 }
 
 /// What is known of a record's owner or list workload, however it was learnt (the agent's
