@@ -14,8 +14,8 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 use support::{
-    Ipwarden, TIMEOUT, create_pod, inject_record, ip_of, metric_sum, pod_template, record_json, records,
-    wait_pods_with_ips,
+    Ipwarden, TIMEOUT, claims, create_pod, create_statefulset, inject_legacy_claim, inject_record, ip_of, metric_sum,
+    pod_template, record_json, records, wait_pods_with_ips,
 };
 
 const NS: &str = "default";
@@ -352,4 +352,41 @@ async fn a_controller_killed_in_the_middle_of_a_sweep_loses_nothing() {
     for pod in live.values() {
         assert_eq!(held.get(&ip_of(pod)).map(|r| r.pod.uid.clone()), pod.uid(), "live records untouched");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stateless_pod_gets_no_claim_and_a_claim_an_older_version_left_goes_once_its_pod_is_gone() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &pool(), &[]).await;
+    let client = ipwarden.client();
+    let controller = ipwarden.start_controller("janitor", &["--claim-janitor-interval-seconds=1"]);
+    ipwarden.wait_leader(controller).await;
+    create_pod(&client, NS, "plain", "node-0", json!({"app": "plain"})).await;
+    create_statefulset(&client, NS, "web", json!({})).await;
+    let plain = wait_pods_with_ips(&client, NS, "app=plain", 1).await.remove("plain").expect("plain pod");
+    wait_pods_with_ips(&client, NS, "app=web", 1).await;
+    let claimed = claims(&client, NS).await;
+    assert!(claimed.contains_key("web-0"), "a StatefulSet pod still gets its claim: {:?}", claimed.keys());
+    assert!(!claimed.contains_key("plain"), "a plain pod's ADD writes no claim: {:?}", claimed.keys());
+
+    // What an older version left: a claim for the live plain pod and one for a pod long gone.
+    let (plain_uid, plain_ip) = (plain.uid().unwrap_or_default(), ip_of(&plain));
+    inject_legacy_claim(&client, NS, "plain", &plain_uid, &plain_ip).await;
+    inject_legacy_claim(&client, NS, "ghost", "ghost-uid", "10.70.0.250").await;
+    let left = wait::until("the janitor deletes the gone pod's legacy claim", TIMEOUT, || async {
+        let names: BTreeSet<String> = claims(&client, NS).await.into_keys().collect();
+        Ok(if names.contains("ghost") { Probe::Pending(format!("{names:?}")) } else { Probe::Done(names) })
+    })
+    .await
+    .expect("the ghost's claim goes");
+    assert!(left.contains("plain"), "the live plain pod's legacy claim stays while it runs: {left:?}");
+
+    Api::<Pod>::namespaced(client.clone(), NS).delete("plain", &DeleteParams::default()).await.expect("delete plain");
+    wait::until("the plain pod's record and legacy claim gone", TIMEOUT, || async {
+        let held = records(&client).await.contains_key(&plain_ip);
+        let claimed = claims(&client, NS).await.contains_key("plain");
+        Ok(if !held && !claimed { Probe::Done(()) } else { Probe::Pending(format!("record {held}, claim {claimed}")) })
+    })
+    .await
+    .expect("an upgrade's stateless claims are cleaned up");
 }
