@@ -55,7 +55,8 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
     // handshake only once their grace has run out.
     let mut ipwarden = Ipwarden::start(2, &pool(), &["--release-sandbox-grace-seconds=2"]).await;
     let client = ipwarden.client();
-    let controller = ipwarden.start_controller("solo", &["--full-scan-interval-seconds=3"]);
+    let controller =
+        ipwarden.start_controller("solo", &["--full-scan-interval-seconds=3", "--claim-janitor-interval-seconds=1"]);
     ipwarden.wait_leader(controller).await;
 
     // Live workloads that must come through untouched.
@@ -93,18 +94,22 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
         "spec": {"restartPolicy": "Never", "nodeName": "node-1", "containers": [{"name": "c", "image": "registry.invalid/c:1"}]}}})))
     .expect("job");
     Api::<Job>::namespaced(client.clone(), NS).create(&PostParams::default(), &job).await.expect("job");
-    let job_ip = wait::until("the Job pod's IP", TIMEOUT, || async {
+    let job_pod = wait::until("the Job pod's IP", TIMEOUT, || async {
         let pods = Api::<Pod>::namespaced(client.clone(), NS)
             .list(&ListParams::default().labels("app=batch"))
             .await
             .map_err(e2e::Error::kube("list"))?;
-        Ok(match pods.items.first().map(ip_of).filter(|ip| !ip.is_empty()) {
-            Some(ip) => Probe::Done(ip),
+        Ok(match pods.items.into_iter().find(|p| !ip_of(p).is_empty()) {
+            Some(pod) => Probe::Done(pod),
             None => Probe::Pending("no IP yet".into()),
         })
     })
     .await
     .expect("job pod runs");
+    let job_ip = ip_of(&job_pod);
+    // The claim a version before decision 0015 wrote for it: the janitor's to delete.
+    let job_uid = job_pod.uid().unwrap_or_default();
+    inject_legacy_claim(&client, NS, &job_pod.name_any(), &job_uid, &job_ip).await;
 
     // Row "pod absent" via a force delete whose DEL is skipped: traced, released at deadline.
     create_pod(&client, NS, "forced", "node-1", json!({"app": "forced"})).await;
@@ -226,9 +231,13 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
     let mut unhold = pods_api.get("held").await.expect("held pod");
     unhold.metadata.finalizers = None;
     pods_api.replace("held", &PostParams::default(), &unhold).await.expect("release the finalizer");
-    let claims = support::claims(&client, NS).await;
-    let job_claims: BTreeSet<&String> = claims.keys().filter(|k| k.starts_with("batch-")).collect();
-    assert!(job_claims.is_empty(), "the completed Job pod's claim is deleted: {job_claims:?}");
+    wait::until("the completed Job pod's legacy claim deleted", TIMEOUT, || async {
+        let names: BTreeSet<String> = claims(&client, NS).await.into_keys().collect();
+        let job_claims: BTreeSet<&String> = names.iter().filter(|k| k.starts_with("batch-")).collect();
+        Ok(if job_claims.is_empty() { Probe::Done(()) } else { Probe::Pending(format!("{job_claims:?}")) })
+    })
+    .await
+    .expect("the janitor deletes a completed Job pod's claim");
 }
 
 fn ipwarden_cli(ipwarden: &Ipwarden, args: &[&str]) -> std::process::Output {
