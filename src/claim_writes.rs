@@ -1,7 +1,8 @@
 //! The one way an IPClaim is written for a sticky pod's IPs (by an ADD, and by `ipwarden adopt`
-//! for a pod another IPAM started; a stateless pod has none, docs/decisions/0015), the one way it is deleted by ipwarden, and the one way it is
-//! rebound to another pod outside an ADD: deleted and rebound only while it is still bound to
-//! the pod UID the decision was made for (a recreated pod may have taken it over meanwhile).
+//! for a pod another IPAM started; a stateless pod has none, docs/decisions/0015), the one way
+//! it is deleted by ipwarden, and the one way it is rebound to another pod outside an ADD:
+//! deleted and rebound only while it is still bound to the pod UID the decision was made for
+//! (a recreated pod may have taken it over meanwhile).
 
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
