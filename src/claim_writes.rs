@@ -1,8 +1,8 @@
-//! The one way an IPClaim is written for a pod's IPs by an ADD, and by `ipwarden adopt` for a
-//! pod another IPAM started (never over a newer pod's), the one way it is deleted by
-//! ipwarden, and the one way it is rebound to another pod outside an ADD: deleted and rebound
-//! only while it is still bound to the pod UID the decision was made for (a recreated pod may
-//! have taken it over meanwhile).
+//! The one way an IPClaim is written for a sticky pod's IPs by an ADD, and by `ipwarden adopt`
+//! for a pod another IPAM started (never over a newer pod's); a stateless pod has none
+//! (docs/decisions/0015). Also the one way a claim is deleted by ipwarden, and the one way it
+//! is rebound to another pod outside an ADD: deleted and rebound only while it is still bound
+//! to the pod UID the decision was made for (a recreated pod may have taken it over meanwhile).
 
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -13,7 +13,7 @@ use crate::block_store::{CasError, CasStore};
 use crate::crd::{ClaimedInterface, IPClaim, IPClaimSpec, OwnerRef};
 use crate::ipam::workload;
 
-/// A pod's IPs of one interface, as its IPClaim records them.
+/// A sticky pod's IPs of one interface, as its IPClaim records them.
 #[derive(Clone, Debug)]
 pub struct Binding<'a> {
     /// The pod's namespace.
@@ -26,14 +26,12 @@ pub struct Binding<'a> {
     pub node: &'a str,
     /// The pod's controller, which names the claim of a KubeVirt VM's pods.
     pub owner: Option<&'a OwnerRef>,
-    /// Whether the owner's kind keeps its IPs.
-    pub sticky: bool,
     /// The interface and its IPs.
     pub interface: ClaimedInterface,
 }
 
-/// Writes `binding` into the pod's IPClaim (created, or taken over from a previous pod of the
-/// same name, keeping a sticky predecessor's other interfaces ([`workload::claim_interfaces`]))
+/// Writes `binding` into the sticky pod's IPClaim (created, or taken over from a previous pod of
+/// the same name, keeping a sticky predecessor's other interfaces ([`workload::claim_interfaces`]))
 /// with compare-and-swap under `field_manager`. Returns the claim's name and the spec it
 /// replaced (`None`: the claim was created).
 pub async fn bind(
@@ -46,8 +44,8 @@ pub async fn bind(
         pod_uid: binding.uid.to_string(),
         node: binding.node.to_string(),
         owner: binding.owner.cloned(),
-        sticky: binding.sticky,
-        interfaces: workload::claim_interfaces(existing, binding.uid, binding.sticky, binding.interface.clone()),
+        sticky: true,
+        interfaces: workload::claim_interfaces(existing, binding.uid, binding.interface.clone()),
         bound_at: Time(Timestamp::now()),
     };
     let create = || {
@@ -56,20 +54,16 @@ pub async fn bind(
         claim
     };
     let store = CasStore::new(Api::<IPClaim>::namespaced(client.clone(), binding.namespace), field_manager, None);
-    // A new pod of a workload that keeps no IPs has no claim yet: create it without a read
-    // (one that exists answers 409, then it is read and replaced). A sticky pod's claim
-    // usually exists: read it first.
-    let base = (!binding.sticky).then(create);
-    // `None`: created (an object not yet stored has no resourceVersion).
+    // A sticky pod's claim usually exists: read it first. `None`: created (an object not yet
+    // stored has no resourceVersion).
     let before = store
-        .update_from(&name, base, Some(&create), |claim| {
+        .update(&name, Some(&create), |claim| {
             let stored = claim.metadata.resource_version.is_some();
             let spec = spec_over(stored.then_some(&claim.spec));
             let before = std::mem::replace(&mut claim.spec, spec);
             Some(stored.then_some(before))
         })
         .await?
-        .0
         .written()
         .flatten();
     Ok((name, before))

@@ -16,7 +16,8 @@ use support::{Ipwarden, TIMEOUT, claims, create_pod, ip_of, metric, records, wai
 
 const NS: &str = "default";
 
-/// Asserts that records, claims and pod IPs tell the same story for `pods`.
+/// Asserts that records, claims and pod IPs tell the same story for `pods`: a StatefulSet
+/// pod's claim names its UID and IP, a stateless pod has no claim.
 async fn assert_consistent(ipwarden: &Ipwarden, pods: &BTreeMap<String, Pod>) {
     let client = ipwarden.client();
     let records = records(&client).await;
@@ -29,6 +30,12 @@ async fn assert_consistent(ipwarden: &Ipwarden, pods: &BTreeMap<String, Pod>) {
         let record = records.get(&ip).unwrap_or_else(|| panic!("{name}'s IP {ip} has a record"));
         assert_eq!(record.pod.uid, uid, "{ip} is recorded for {name}'s UID");
         assert_eq!(Some(&record.node), pod.spec.as_ref().and_then(|s| s.node_name.as_ref()), "{ip}'s node");
+        let sticky = pod.owner_references().iter().any(|o| o.kind == "StatefulSet");
+        assert_eq!(record.sticky, sticky, "{ip}'s record is sticky only for a StatefulSet pod");
+        if !sticky {
+            assert!(!claims.contains_key(name), "{name}, a stateless pod, has no claim");
+            continue;
+        }
         let claim = claims.get(name).unwrap_or_else(|| panic!("{name} has a claim"));
         assert_eq!(claim.spec.pod_uid, uid, "{name}'s claim names its UID");
         assert_eq!(claim.spec.interfaces[0].ips[0].ip, ip, "{name}'s claim names its IP");
@@ -36,7 +43,7 @@ async fn assert_consistent(ipwarden: &Ipwarden, pods: &BTreeMap<String, Pod>) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_hundred_concurrent_adds_from_four_agents_get_distinct_ips_that_records_and_claims_agree_on() {
+async fn two_hundred_concurrent_adds_from_four_agents_get_distinct_ips_that_records_agree_on_and_write_no_claim() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let ipwarden = Ipwarden::start(4, &[("pool", json!({"cidr": "10.50.0.0/24", "default": true}))], &[]).await;
     let client = ipwarden.client();

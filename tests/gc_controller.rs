@@ -14,8 +14,8 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 use support::{
-    Ipwarden, TIMEOUT, create_pod, inject_record, ip_of, metric_sum, pod_template, record_json, records,
-    wait_pods_with_ips,
+    Ipwarden, TIMEOUT, claims, create_pod, create_statefulset, inject_legacy_claim, inject_record, ip_of, metric_sum,
+    pod_template, record_json, records, wait_pods_with_ips,
 };
 
 const NS: &str = "default";
@@ -55,7 +55,8 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
     // handshake only once their grace has run out.
     let mut ipwarden = Ipwarden::start(2, &pool(), &["--release-sandbox-grace-seconds=2"]).await;
     let client = ipwarden.client();
-    let controller = ipwarden.start_controller("solo", &["--full-scan-interval-seconds=3"]);
+    let controller =
+        ipwarden.start_controller("solo", &["--full-scan-interval-seconds=3", "--claim-janitor-interval-seconds=1"]);
     ipwarden.wait_leader(controller).await;
 
     // Live workloads that must come through untouched.
@@ -93,18 +94,22 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
         "spec": {"restartPolicy": "Never", "nodeName": "node-1", "containers": [{"name": "c", "image": "registry.invalid/c:1"}]}}})))
     .expect("job");
     Api::<Job>::namespaced(client.clone(), NS).create(&PostParams::default(), &job).await.expect("job");
-    let job_ip = wait::until("the Job pod's IP", TIMEOUT, || async {
+    let job_pod = wait::until("the Job pod's IP", TIMEOUT, || async {
         let pods = Api::<Pod>::namespaced(client.clone(), NS)
             .list(&ListParams::default().labels("app=batch"))
             .await
             .map_err(e2e::Error::kube("list"))?;
-        Ok(match pods.items.first().map(ip_of).filter(|ip| !ip.is_empty()) {
-            Some(ip) => Probe::Done(ip),
+        Ok(match pods.items.into_iter().find(|p| !ip_of(p).is_empty()) {
+            Some(pod) => Probe::Done(pod),
             None => Probe::Pending("no IP yet".into()),
         })
     })
     .await
     .expect("job pod runs");
+    let job_ip = ip_of(&job_pod);
+    // The claim a version before decision 0015 wrote for it: the janitor's to delete.
+    let job_uid = job_pod.uid().unwrap_or_default();
+    inject_legacy_claim(&client, NS, &job_pod.name_any(), &job_uid, &job_ip).await;
 
     // Row "pod absent" via a force delete whose DEL is skipped: traced, released at deadline.
     create_pod(&client, NS, "forced", "node-1", json!({"app": "forced"})).await;
@@ -226,9 +231,13 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
     let mut unhold = pods_api.get("held").await.expect("held pod");
     unhold.metadata.finalizers = None;
     pods_api.replace("held", &PostParams::default(), &unhold).await.expect("release the finalizer");
-    let claims = support::claims(&client, NS).await;
-    let job_claims: BTreeSet<&String> = claims.keys().filter(|k| k.starts_with("batch-")).collect();
-    assert!(job_claims.is_empty(), "the completed Job pod's claim is deleted: {job_claims:?}");
+    wait::until("the completed Job pod's legacy claim deleted", TIMEOUT, || async {
+        let names: BTreeSet<String> = claims(&client, NS).await.into_keys().collect();
+        let job_claims: BTreeSet<&String> = names.iter().filter(|k| k.starts_with("batch-")).collect();
+        Ok(if job_claims.is_empty() { Probe::Done(()) } else { Probe::Pending(format!("{job_claims:?}")) })
+    })
+    .await
+    .expect("the janitor deletes a completed Job pod's claim");
 }
 
 fn ipwarden_cli(ipwarden: &Ipwarden, args: &[&str]) -> std::process::Output {
@@ -352,4 +361,41 @@ async fn a_controller_killed_in_the_middle_of_a_sweep_loses_nothing() {
     for pod in live.values() {
         assert_eq!(held.get(&ip_of(pod)).map(|r| r.pod.uid.clone()), pod.uid(), "live records untouched");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stateless_pod_gets_no_claim_and_a_claim_an_older_version_left_goes_once_its_pod_is_gone() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &pool(), &[]).await;
+    let client = ipwarden.client();
+    let controller = ipwarden.start_controller("janitor", &["--claim-janitor-interval-seconds=1"]);
+    ipwarden.wait_leader(controller).await;
+    create_pod(&client, NS, "plain", "node-0", json!({"app": "plain"})).await;
+    create_statefulset(&client, NS, "web", json!({})).await;
+    let plain = wait_pods_with_ips(&client, NS, "app=plain", 1).await.remove("plain").expect("plain pod");
+    wait_pods_with_ips(&client, NS, "app=web", 1).await;
+    let claimed = claims(&client, NS).await;
+    assert!(claimed.contains_key("web-0"), "a StatefulSet pod still gets its claim: {:?}", claimed.keys());
+    assert!(!claimed.contains_key("plain"), "a plain pod's ADD writes no claim: {:?}", claimed.keys());
+
+    // What an older version left: a claim for the live plain pod and one for a pod long gone.
+    let (plain_uid, plain_ip) = (plain.uid().unwrap_or_default(), ip_of(&plain));
+    inject_legacy_claim(&client, NS, "plain", &plain_uid, &plain_ip).await;
+    inject_legacy_claim(&client, NS, "ghost", "ghost-uid", "10.70.0.250").await;
+    let left = wait::until("the janitor deletes the gone pod's legacy claim", TIMEOUT, || async {
+        let names: BTreeSet<String> = claims(&client, NS).await.into_keys().collect();
+        Ok(if names.contains("ghost") { Probe::Pending(format!("{names:?}")) } else { Probe::Done(names) })
+    })
+    .await
+    .expect("the ghost's claim goes");
+    assert!(left.contains("plain"), "the live plain pod's legacy claim stays while it runs: {left:?}");
+
+    Api::<Pod>::namespaced(client.clone(), NS).delete("plain", &DeleteParams::default()).await.expect("delete plain");
+    wait::until("the plain pod's record and legacy claim gone", TIMEOUT, || async {
+        let held = records(&client).await.contains_key(&plain_ip);
+        let claimed = claims(&client, NS).await.contains_key("plain");
+        Ok(if !held && !claimed { Probe::Done(()) } else { Probe::Pending(format!("record {held}, claim {claimed}")) })
+    })
+    .await
+    .expect("an upgrade's stateless claims are cleaned up");
 }

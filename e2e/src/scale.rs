@@ -1,7 +1,7 @@
 //! The scale benchmark behind `ipwarden-e2e scale`: the real control plane with many Node
 //! objects but no kubelet processes. The benchmark writes what kubelets and agents would have
 //! written, in bulk: each node Ready with an agent heartbeat Lease, pods with their
-//! `status.podIPs`, the IPBlocks holding one record per pod and an IPClaim per pod. Then it
+//! `status.podIPs`, the IPBlocks holding one record per pod and an IPClaim per StatefulSet pod. Then it
 //! starts a controller pair and measures the leader's start-up and first full sweep, the
 //! requests the controllers make during a quiet minute, and how long 1,000 leaks (pods
 //! deleted without their records) take to be reclaimed, answering each release handshake as
@@ -551,17 +551,14 @@ fn record(pod: &PlannedPod, index: usize, uid: &str) -> Value {
     record
 }
 
-/// The IPClaim spec of `pod` as the agent writes it on ADD.
+/// The IPClaim spec of StatefulSet pod `pod` as the agent writes it on ADD (a stateless pod has
+/// none: docs/decisions/0015-no-claim-for-stateless-pods.md).
 fn claim(pod: &PlannedPod, uid: &str) -> Value {
-    let mut spec = json!({
-        "podUid": uid, "node": node_name(pod.node), "sticky": pod.statefulset.is_some(), "boundAt": now_time(),
+    json!({
+        "podUid": uid, "node": node_name(pod.node), "owner": owner(pod), "sticky": true, "boundAt": now_time(),
         "interfaces": [{"interface": "eth0", "ips": [{"ip": pod.ip.to_string(), "pool": pool_name(pod.pool),
             "block": block_name(pod.pool, pod.block)}]}],
-    });
-    if pod.statefulset.is_some() {
-        spec["owner"] = owner(pod);
-    }
-    spec
+    })
 }
 
 /// Seconds since `start`.
@@ -651,7 +648,8 @@ async fn fill(
     let step = Instant::now();
     let claim_resource = ipwarden_resource("IPClaim");
     let claims: Api<DynamicObject> = Api::namespaced_with(client.clone(), NAMESPACE, &claim_resource);
-    bounded(planned.iter().zip(&uids), c, |(pod, uid)| {
+    let sticky = planned.iter().zip(&uids).filter(|(pod, _)| pod.statefulset.is_some());
+    bounded(sticky, c, |(pod, uid)| {
         let (api, resource) = (claims.clone(), claim_resource.clone());
         let data = claim(pod, uid);
         async move { create_dynamic(&api, &resource, &pod.name, data).await }

@@ -1,7 +1,8 @@
 //! CNI ADD: the sandbox's IPs, allocated once, a sticky pod's claimed IPs reclaimed. Order:
-//! block record, then IPClaim, then checkpoint, so a crash leaves at worst a record that the
-//! next ADD or DEL of the same sandbox finds; a step that fails rolls back the block records
-//! this ADD wrote (`blocks::roll_back`).
+//! block record, then (for a sticky pod only) IPClaim, then checkpoint, so a crash leaves at
+//! worst a record that the next ADD or DEL of the same sandbox finds; a step that fails rolls
+//! back the block records this ADD wrote (`blocks::roll_back`). A stateless pod has no claim
+//! (docs/decisions/0015-no-claim-for-stateless-pods.md): its ADD makes one apiserver write.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -247,12 +248,12 @@ impl Core {
                 }
             }
         };
-        // A live migration's target shares the source's IPs; the claim stays bound to the
-        // source until the source's sandbox leaves them to the target.
-        let claim = if shares {
+        // Only a sticky pod has a claim. A live migration's target shares the source's IPs;
+        // the claim stays bound to the source until the source's sandbox leaves them to it.
+        let claim = if shares || !sticky {
             None
         } else {
-            match self.write_claim(&pod, owner.as_ref(), sticky, &request.ifname, &ips).await {
+            match self.write_claim(&pod, owner.as_ref(), &request.ifname, &ips).await {
                 Ok(claim) => Some(claim),
                 Err(e) => {
                     self.roll_back(&written, request, &uid).await;
@@ -742,14 +743,13 @@ impl Core {
         Err(Error::PoolExhausted { pool: pool.name.clone() })
     }
 
-    /// Records the pod's IPs of `ifname` in its IPClaim (created, or taken over from a
+    /// Records the sticky pod's IPs of `ifname` in its IPClaim (created, or taken over from a
     /// previous pod of the same name, keeping a sticky predecessor's other interfaces);
     /// returns what it replaced, for [`Core::restore_claim`].
     async fn write_claim(
         &self,
         pod: &Pod,
         owner: Option<&OwnerRef>,
-        sticky: bool,
         ifname: &str,
         ips: &[CheckpointIp],
     ) -> Result<ClaimWrite, Error> {
@@ -762,15 +762,8 @@ impl Core {
                 .map(|i| ClaimedIp { ip: i.ip.clone(), pool: i.pool.clone(), block: i.block.clone() })
                 .collect(),
         };
-        let binding = Binding {
-            namespace: &namespace,
-            pod: &name,
-            uid: &uid,
-            node: &self.settings.node,
-            owner,
-            sticky,
-            interface,
-        };
+        let binding =
+            Binding { namespace: &namespace, pod: &name, uid: &uid, node: &self.settings.node, owner, interface };
         let (name, before) = claim_writes::bind(&self.client, field_manager(&self.settings.node), &binding).await?;
         Ok(ClaimWrite { namespace, name, before })
     }

@@ -22,7 +22,7 @@ use crate::ipam::workload;
 pub(super) struct ReleaseSummary {
     /// Some IP stayed as a sticky reservation (the claim stays too).
     kept: bool,
-    /// The claim of the released records.
+    /// The claim of the released records (none for a stateless pod's).
     claim: Option<BoundClaim>,
 }
 
@@ -118,7 +118,8 @@ impl Core {
             let (ip, sandbox, interface) = (target.ip.clone(), container_id.to_string(), ifname.to_string());
             let pod_uid = uid.map(str::to_string);
             let release = move |spec: &mut IPBlockSpec| {
-                let claim = spec.allocations.get(&ip).map(|r| BoundClaim {
+                // A stateless pod's record has no claim to delete: no read, no write.
+                let claim = spec.allocations.get(&ip).filter(|r| workload::has_claim(r)).map(|r| BoundClaim {
                     namespace: r.pod.namespace.clone(),
                     name: workload::claim_name(&r.pod.name, r.owner.as_ref()),
                     uid: r.pod.uid.clone(),

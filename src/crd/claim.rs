@@ -1,5 +1,7 @@
-//! `IPClaim`: the IPs a workload holds, named after the pod (or `vm.<VM>` for a KubeVirt VM).
-//! It is what gives a recreated StatefulSet pod its IP back.
+//! `IPClaim`: the IPs a sticky workload holds, named after the pod (or `vm.<VM>` for a KubeVirt
+//! VM). It is what gives a recreated StatefulSet pod its IP back; a stateless pod has none
+//! (docs/decisions/0015-no-claim-for-stateless-pods.md), only claims older versions wrote
+//! have `sticky: false`.
 
 // Several printcolumn(...) entries share `type_ = "string"`; that is not a mistake.
 #![allow(clippy::duplicated_attributes)]

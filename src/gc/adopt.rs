@@ -293,7 +293,7 @@ impl StickyClaim<'_> {
             node: self.first.node.clone(),
             owner: self.first.adopter.owner.clone(),
             sticky: true,
-            interfaces: workload::claim_interfaces(existing, uid, true, self.interface.clone()),
+            interfaces: workload::claim_interfaces(existing, uid, self.interface.clone()),
             bound_at: existing.map_or(Time(now), |c| c.bound_at.clone()),
         };
         match existing {

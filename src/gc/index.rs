@@ -776,7 +776,13 @@ impl ClusterIndex {
             get(&self.claims, &record.pod.namespace, &record.pod.name)
         };
         let facts = Facts {
-            record: RecordView { ip, pod_uid: &record.pod.uid, node: &record.node, sticky },
+            record: RecordView {
+                ip,
+                pod_uid: &record.pod.uid,
+                node: &record.node,
+                sticky,
+                has_claim: workload::has_claim(record),
+            },
             pod: self.pod(&record.pod.namespace, &record.pod.name).map(|p| PodView {
                 uid: &p.uid,
                 phase: p.phase,

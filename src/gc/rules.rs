@@ -26,6 +26,9 @@ pub struct RecordView<'a> {
     pub node: &'a str,
     /// Whether the record is a sticky (StatefulSet / KubeVirt) one.
     pub sticky: bool,
+    /// Whether its pod has an IPClaim to go with it ([`crate::ipam::workload::has_claim`]):
+    /// a stateless pod has none, so its release reads and deletes no claim.
+    pub has_claim: bool,
 }
 
 /// The pod a record names, looked up by namespace and name.
@@ -149,7 +152,8 @@ pub enum Verdict<'a> {
     Keep(KeepReason),
     /// Look again at this instant (a terminating pod before its deadline).
     TraceUntil(Timestamp),
-    /// Release it (conditionally on its UID); `delete_claim` when its claim names that UID.
+    /// Release it (conditionally on its UID); `delete_claim` when the record's pod has a
+    /// claim and it names that UID.
     Release {
         /// The rule row.
         reason: ReleaseReason,
@@ -207,7 +211,8 @@ impl ReleaseReason {
 }
 
 fn release(reason: ReleaseReason, facts: &Facts<'_>) -> Verdict<'static> {
-    let delete_claim = facts.claim_uid == Some(facts.record.pod_uid);
+    // A claim an older version wrote for a stateless pod is the claim janitor's.
+    let delete_claim = facts.record.has_claim && facts.claim_uid == Some(facts.record.pod_uid);
     Verdict::Release { reason, delete_claim }
 }
 
@@ -386,7 +391,7 @@ mod test {
 
     fn facts<'a>(sticky: bool, pod: Option<PodView<'a>>) -> Facts<'a> {
         Facts {
-            record: RecordView { ip: "10.0.0.5", pod_uid: "old", node: "n1", sticky },
+            record: RecordView { ip: "10.0.0.5", pod_uid: "old", node: "n1", sticky, has_claim: sticky },
             pod,
             claim_uid: Some("old"),
             owner_wants: sticky,
@@ -417,14 +422,26 @@ mod test {
     }
 
     #[test]
-    fn pod_absent_otherwise_releases_and_deletes_the_claim_naming_its_uid() {
-        assert_eq!(decide(&facts(false, None), &settings()), released(ReleaseReason::PodGone, true));
+    fn pod_absent_otherwise_releases_and_deletes_a_sticky_pods_claim_naming_its_uid() {
+        assert_eq!(decide(&facts(false, None), &settings()), released(ReleaseReason::PodGone, false));
         let mut unwanted = facts(true, None);
         unwanted.owner_wants = false;
         assert_eq!(decide(&unwanted, &settings()), released(ReleaseReason::PodGone, true));
         let mut other_claim = facts(false, None);
         other_claim.claim_uid = Some("newer");
         assert_eq!(decide(&other_claim, &settings()), released(ReleaseReason::PodGone, false));
+    }
+
+    #[test]
+    fn a_release_deletes_the_claim_only_of_a_record_whose_pod_has_one() {
+        // A claim an older version left for a stateless pod is the janitor's, not the release's.
+        let legacy = facts(false, None);
+        assert_eq!(legacy.claim_uid, Some(legacy.record.pod_uid));
+        assert_eq!(decide(&legacy, &settings()), released(ReleaseReason::PodGone, false));
+        // A sticky pod's record in a retired block is released as an ordinary one, claim and all.
+        let mut retired = facts(false, None);
+        retired.record.has_claim = true;
+        assert_eq!(decide(&retired, &settings()), released(ReleaseReason::PodGone, true));
     }
 
     #[test]
@@ -456,7 +473,7 @@ mod test {
     fn same_uid_terminating_past_its_deadline_releases_unless_sticky_and_wanted() {
         let deletion = Some(at(NOW - 10));
         let gone = decide(&facts(false, Some(pod("old", Phase::Active, deletion, IPS))), &settings());
-        assert_eq!(gone, released(ReleaseReason::TerminatingPastDeadline, true));
+        assert_eq!(gone, released(ReleaseReason::TerminatingPastDeadline, false));
         let sticky = decide(&facts(true, Some(pod("old", Phase::Active, deletion, IPS))), &settings());
         assert_eq!(sticky, Verdict::Keep(KeepReason::StickyReservation));
     }
@@ -473,7 +490,7 @@ mod test {
         );
         let after =
             |secs| RuleSettings { not_ready: NotReadyPolicy::ReleaseAfter(Duration::from_secs(secs)), ..settings() };
-        assert_eq!(decide(&on_not_ready, &after(30)), released(ReleaseReason::NodeNotReady, true));
+        assert_eq!(decide(&on_not_ready, &after(30)), released(ReleaseReason::NodeNotReady, false));
         assert_eq!(decide(&on_not_ready, &after(120)), Verdict::TraceUntil(at(NOW + 60)));
     }
 
@@ -484,16 +501,16 @@ mod test {
         assert_eq!(decide(&gone, &settings()), Verdict::Keep(KeepReason::NodeNotReady), "its sandbox may still run");
         let after =
             |secs| RuleSettings { not_ready: NotReadyPolicy::ReleaseAfter(Duration::from_secs(secs)), ..settings() };
-        assert_eq!(decide(&gone, &after(30)), released(ReleaseReason::NodeNotReady, true));
+        assert_eq!(decide(&gone, &after(30)), released(ReleaseReason::NodeNotReady, false));
         assert_eq!(decide(&gone, &after(90)), Verdict::TraceUntil(at(NOW + 30)));
     }
 
     #[test]
-    fn same_uid_completed_releases_and_deletes_the_claim_unless_sticky_and_wanted() {
+    fn same_uid_completed_releases_unless_sticky_and_wanted() {
         let done = ips(&["10.0.0.5"]);
         assert_eq!(
             decide(&facts(false, Some(pod("old", Phase::Completed, None, &done))), &settings()),
-            released(ReleaseReason::Completed, true)
+            released(ReleaseReason::Completed, false)
         );
         assert_eq!(
             decide(&facts(true, Some(pod("old", Phase::Completed, None, &done))), &settings()),
@@ -543,7 +560,7 @@ mod test {
         let other = ips(&["10.0.0.9"]);
         assert_eq!(
             decide(&facts(false, Some(pod("new", Phase::Active, None, &other))), &settings()),
-            released(ReleaseReason::UidMismatch, true)
+            released(ReleaseReason::UidMismatch, false)
         );
     }
 
@@ -551,12 +568,12 @@ mod test {
     fn node_deleted_releases_absent_or_terminating_pods_unless_sticky_and_wanted() {
         let mut absent = facts(false, None);
         absent.node = NodeState::Deleted;
-        assert_eq!(decide(&absent, &settings()), released(ReleaseReason::NodeDeleted, true));
+        assert_eq!(decide(&absent, &settings()), released(ReleaseReason::NodeDeleted, false));
         let mut terminating = facts(false, Some(pod("old", Phase::Active, Some(at(NOW)), IPS)));
         terminating.node = NodeState::Deleted;
         assert_eq!(
             decide(&terminating, &settings()),
-            released(ReleaseReason::NodeDeleted, true),
+            released(ReleaseReason::NodeDeleted, false),
             "no waiting for a deadline"
         );
         let mut sticky = facts(true, None);
@@ -608,7 +625,7 @@ mod test {
             let pod_ips = if pod.is_some_and(|p| p.3) { vec!["10.0.0.5".to_string()] } else { Vec::new() };
             let ips: &'static [String] = Box::leak(pod_ips.clone().into_boxed_slice());
             let facts = Facts {
-                record: RecordView { ip: "10.0.0.5", pod_uid: record_uid, node: "n1", sticky },
+                record: RecordView { ip: "10.0.0.5", pod_uid: record_uid, node: "n1", sticky, has_claim: sticky },
                 pod: pod.map(|(uid, completed, deletion, _)| PodView {
                     uid,
                     phase: if completed { Phase::Completed } else { Phase::Active },

@@ -43,6 +43,14 @@ pub fn is_sticky(owner: Option<&OwnerRef>, sticky_kinds: &[String]) -> bool {
     owner.is_some_and(|o| sticky_kinds.contains(&o.kind))
 }
 
+/// Whether the pod of `record` has an IPClaim to release with it: only a sticky pod's ADD
+/// writes one (docs/decisions/0015-no-claim-for-stateless-pods.md), and the record keeps
+/// `sticky` as written even where the rules stop treating it as sticky (a retired block, an
+/// owner kind taken off the list).
+pub fn has_claim(record: &Allocation) -> bool {
+    record.sticky
+}
+
 /// Whether `record` is a sticky reservation: written as one, and its owner kind still among
 /// `sticky_kinds` (an owner kind removed from the list leaves ipwarden's stickiness).
 pub fn record_is_sticky(record: &Allocation, sticky_kinds: &[String]) -> bool {
@@ -95,17 +103,17 @@ pub fn is_active_migration_target(
         && !finished
 }
 
-/// The interfaces an IPClaim lists once interface `interface` of pod `uid` holds its IPs.
-/// The other interfaces stay when the claim is that pod's, and also when a sticky pod takes
+/// The interfaces a sticky pod's IPClaim lists once interface `interface` of pod `uid` holds
+/// its IPs. The other interfaces stay when the claim is that pod's, and also when the pod takes
 /// over a sticky claim of its predecessor: they are the workload's reservations, which the
-/// new pod's ADDs of those interfaces (one per interface, as Multus calls) take back.
+/// new pod's ADDs of those interfaces (one per interface, as Multus calls) take back. A
+/// stateless claim an older version left keeps nothing.
 pub fn claim_interfaces(
     existing: Option<&IPClaimSpec>,
     uid: &str,
-    sticky: bool,
     interface: ClaimedInterface,
 ) -> Vec<ClaimedInterface> {
-    let keeps_others = |claim: &&IPClaimSpec| claim.pod_uid == uid || (sticky && claim.sticky);
+    let keeps_others = |claim: &&IPClaimSpec| claim.pod_uid == uid || claim.sticky;
     let mut interfaces: Vec<ClaimedInterface> =
         existing.filter(keeps_others).map(|c| c.interfaces.clone()).unwrap_or_default();
     match interfaces.iter_mut().find(|i| i.interface == interface.interface) {
@@ -297,17 +305,16 @@ mod test {
         };
         let pair = |i: &str, ip: &str| (i.to_string(), ip.to_string());
         let table = [
-            // (existing claim, new pod's uid, new pod sticky, expected interfaces)
-            (Some(claim("u1", true)), "u2", true, vec![pair("eth0", "10.0.0.9"), pair("net1", "10.1.0.1")]),
-            (Some(claim("u1", false)), "u1", false, vec![pair("eth0", "10.0.0.9"), pair("net1", "10.1.0.1")]),
-            (Some(claim("u1", false)), "u2", false, vec![pair("eth0", "10.0.0.9")]),
-            (Some(claim("u1", false)), "u2", true, vec![pair("eth0", "10.0.0.9")]),
-            (Some(claim("u1", true)), "u2", false, vec![pair("eth0", "10.0.0.9")]),
-            (None, "u2", true, vec![pair("eth0", "10.0.0.9")]),
+            // (existing claim, the sticky pod's uid, expected interfaces)
+            (Some(claim("u1", true)), "u2", vec![pair("eth0", "10.0.0.9"), pair("net1", "10.1.0.1")]),
+            (Some(claim("u1", true)), "u1", vec![pair("eth0", "10.0.0.9"), pair("net1", "10.1.0.1")]),
+            // A stateless claim an older version wrote for a pod of the same name.
+            (Some(claim("u1", false)), "u2", vec![pair("eth0", "10.0.0.9")]),
+            (None, "u2", vec![pair("eth0", "10.0.0.9")]),
         ];
-        for (existing, uid, sticky, expected) in table {
-            let got = names(claim_interfaces(existing.as_ref(), uid, sticky, interface("eth0", "10.0.0.9")));
-            assert_eq!(got, expected, "claim of {:?}, pod {uid} sticky={sticky}", existing.map(|c| c.pod_uid));
+        for (existing, uid, expected) in table {
+            let got = names(claim_interfaces(existing.as_ref(), uid, interface("eth0", "10.0.0.9")));
+            assert_eq!(got, expected, "claim of {:?}, pod {uid}", existing.map(|c| c.pod_uid));
         }
     }
 

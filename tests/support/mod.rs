@@ -442,6 +442,22 @@ pub async fn claims(client: &Client, namespace: &str) -> BTreeMap<String, IPClai
         .collect()
 }
 
+/// Creates the IPClaim a version before decision 0015 wrote for stateless pod `pod` (bound to
+/// `uid`, holding `ip` on eth0): the claims an upgrade finds and the claim janitor removes.
+pub async fn inject_legacy_claim(client: &Client, namespace: &str, pod: &str, uid: &str, ip: &str) {
+    let claim: IPClaim = serde_json::from_value(json!({
+        "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim",
+        "metadata": {"name": pod, "namespace": namespace},
+        "spec": {"podUid": uid, "node": "node-0", "sticky": false, "boundAt": "2026-01-01T00:00:00Z",
+                 "interfaces": [{"interface": "eth0", "ips": [{"ip": ip, "pool": "legacy", "block": "legacy"}]}]},
+    }))
+    .expect("claim");
+    Api::<IPClaim>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &claim)
+        .await
+        .expect("create legacy claim");
+}
+
 /// Renders the chart's ServiceAccounts and RBAC for release namespace `namespace` (created
 /// here) and applies them with the built kubectl, so processes can run as those accounts.
 pub async fn apply_chart_rbac(ipwarden: &Ipwarden, namespace: &str) {
