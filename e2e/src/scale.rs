@@ -1075,7 +1075,8 @@ pub async fn run(cluster: &mut Cluster, binary: &Path, options: &ScaleOptions) -
 }
 
 /// Deletes the leaked pods (grace period 0: no kubelet would finish a graceful deletion),
-/// leaving their records and claims, and waits until the controller released every record.
+/// leaving their records (bare pods: no claims), and waits until the controller released every
+/// record.
 async fn inject_leaks(
     client: &Client,
     options: &ScaleOptions,

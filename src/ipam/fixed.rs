@@ -327,8 +327,8 @@ fn why_not_allocatable(spec: &IPPoolSpec, layout: &PoolLayout, ip: IpAddr) -> St
 /// Whether `record` may take `ip` of block `spec` now: free and past its cooldown, or held
 /// only by a reservation (no sandbox holds it) of the same pod name (a recreated StatefulSet
 /// pod's own sticky IP) or, for a list reservation, held for the same workload as `record`
-/// (`heldFor`: a pod of the workload whose list names the IP; a namesake outside it is not). A record of the same sandbox is the caller's
-/// idempotent case.
+/// (`heldFor`: a pod of the workload whose list names the IP; a namesake outside it is not).
+/// A record of the same sandbox is the caller's idempotent case.
 pub fn check_free(
     spec: &IPBlockSpec,
     ip: IpAddr,
