@@ -354,6 +354,7 @@ mod test {
     use super::*;
     use crate::crd::{IPBlockSpec, IPPoolSpec};
     use crate::gc::rules::Phase;
+    use std::collections::BTreeSet;
 
     fn pod(name: &str, uid: &str, ips: &[&str]) -> PodFacts {
         PodFacts {
@@ -452,29 +453,62 @@ mod test {
     }
 
     #[test]
-    fn adopt_creates_a_missing_claim_updates_the_pods_own_and_leaves_another_pods_alone() {
+    fn adopt_takes_over_a_stale_claim_of_an_older_pod_and_leaves_a_live_pods_alone() {
         let mut web = pod("web-0", "uw", &["10.9.0.7"]);
         web.owner = Some(crate::crd::OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
         let planned = plan(&[web], &pools(), &[], &["StatefulSet".to_string()]);
         let claim = &sticky_claims(&planned.adopt)[0];
         let (then, now) = (Timestamp::UNIX_EPOCH, Timestamp::now());
-        let ClaimWrite::Create(written) = claim.decide(None, then) else { panic!("a missing claim is created") };
+        let adopted = ["uw".to_string()];
+        let ClaimWrite::Create(written) = claim.decide(None, &adopted, then) else { panic!("a missing claim is created") };
         let mut other_interface = written.clone();
         other_interface.interfaces[0].ips[0].ip = "10.9.0.99".into();
-        let newer = IPClaimSpec { pod_uid: "newer".into(), ..written.clone() };
+        let other = IPClaimSpec { pod_uid: "other".into(), ..other_interface.clone() };
+        let taken_over = IPClaimSpec { bound_at: Time(now), ..written.clone() };
         let mut incomplete = claim.clone();
         incomplete.missing = vec!["fd00:9::7".parse().expect("ip")];
-        // (case, claim, stored claim, decision)
+        let live = |uids: &[&str]| uids.iter().map(|u| u.to_string()).collect::<Vec<_>>();
+        // (case, claim, stored claim, UIDs of the live pods of the claim's name, decision)
         let cases = [
-            ("the pod's claim as adopt wrote it", claim, Some(&written), ClaimWrite::Unchanged),
-            ("the pod's claim with other IPs", claim, Some(&other_interface), ClaimWrite::Update(written.clone())),
-            ("a newer pod's claim", claim, Some(&newer), ClaimWrite::BoundToAnother("newer".into())),
-            ("a pod not fully adopted", &incomplete, None, ClaimWrite::NotAdopted(incomplete.missing.clone())),
+            ("the pod's claim as adopt wrote it", claim, Some(&written), live(&["uw"]), ClaimWrite::Unchanged),
+            ("the pod's claim with other IPs", claim, Some(&other_interface), live(&["uw"]), ClaimWrite::Update(written.clone())),
+            (
+                "another UID's claim, the adopted pod live: an older pod's, stale",
+                claim,
+                Some(&other),
+                live(&["uw"]),
+                ClaimWrite::TakeOver { stale: "other".into(), spec: taken_over.clone() },
+            ),
+            ("another UID's claim, that pod live: a newer pod's", claim, Some(&other), live(&["other"]), ClaimWrite::BoundToLive("other".into())),
+            (
+                "another UID's claim, a newer pod live while the adopted one terminates",
+                claim,
+                Some(&other),
+                live(&["uw", "other"]),
+                ClaimWrite::BoundToLive("other".into()),
+            ),
+            (
+                "another UID's claim, no pod of that name now",
+                claim,
+                Some(&other),
+                live(&[]),
+                ClaimWrite::AdoptedPodGone { bound: "other".into(), live: Vec::new() },
+            ),
+            (
+                "another UID's claim, a third pod of that name now",
+                claim,
+                Some(&other),
+                live(&["third"]),
+                ClaimWrite::AdoptedPodGone { bound: "other".into(), live: live(&["third"]) },
+            ),
+            ("a pod not fully adopted", &incomplete, None, live(&["uw"]), ClaimWrite::NotAdopted(incomplete.missing.clone())),
         ];
-        for (case, claim, stored, expected) in cases {
-            assert_eq!(claim.decide(stored, now), expected, "{case}");
+        let mut actions = BTreeSet::new();
+        for (case, claim, stored, live, expected) in cases {
+            let decided = claim.decide(stored, &live, now);
+            assert!(actions.insert(claim.line(&decided, false).action), "{case}: said as another case is");
+            assert_eq!(decided, expected, "{case}");
         }
-        assert!(claim.line(&ClaimWrite::BoundToAnother("newer".into()), true).action.contains("newer"));
     }
 
     #[test]
