@@ -278,9 +278,11 @@ impl ClaimWrite {
             Self::Update(_) => format!("{would}update"),
             Self::Unchanged => "unchanged: it already binds these IPs".into(),
             Self::TakeOver { stale, .. } => {
-                format!("{would}take over from pod UID {stale}: a stale claim, no pod of that name runs it")
+                format!("{would}take over from pod UID {stale}: a stale claim, no pod of that name has that UID now")
             }
-            Self::BoundToLive(uid) => format!("left alone: bound to pod UID {uid}, a newer pod of that name that runs"),
+            Self::BoundToLive(uid) => {
+                format!("left alone: bound to pod UID {uid}, a newer pod of that name, which exists")
+            }
             Self::AdoptedPodGone { bound, live } if live.is_empty() => {
                 format!("left alone: bound to pod UID {bound}, and no pod of that name exists now")
             }
