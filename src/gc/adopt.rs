@@ -580,6 +580,26 @@ mod test {
     }
 
     #[test]
+    fn a_claims_live_pods_are_the_pod_of_its_name_or_its_vms_launcher_pods() {
+        let vmi = |name: &str, uid: &str| PodFacts {
+            owner: Some(crate::crd::OwnerRef { kind: workload::KUBEVIRT_VMI_KIND.into(), name: "vm1".into() }),
+            ..pod(name, uid, &[])
+        };
+        let other_namespace = PodFacts { namespace: "other".into(), ..pod("web-0", "u-other-ns", &[]) };
+        let pods = [
+            pod("web-0", "uw", &[]),
+            pod("web-1", "u1", &[]),
+            other_namespace,
+            vmi("virt-launcher-vm1-a", "ua"),
+            vmi("virt-launcher-vm1-b", "ub"),
+        ];
+        assert_eq!(live_uids(&pods, "default", "web-0"), ["uw"]);
+        let vm_claim = workload::claim_name("virt-launcher-vm1-a", pods[3].owner.as_ref());
+        assert_eq!(live_uids(&pods, "default", &vm_claim), ["ua", "ub"]);
+        assert!(live_uids(&pods, "default", "web-2").is_empty());
+    }
+
+    #[test]
     fn a_sticky_pod_gets_a_claim_only_when_every_ip_it_reports_is_adopted() {
         let mut web = pod("web-0", "uw", &["10.9.0.7", "fd00:9::7"]);
         web.owner = Some(crate::crd::OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
