@@ -1,16 +1,18 @@
 //! The one way an IPClaim is written for a sticky pod's IPs by an ADD, and by `ipwarden adopt`
-//! for a pod another IPAM started (never over a newer pod's); a stateless pod has none
+//! for a pod another IPAM started (never over a live newer pod's); a stateless pod has none
 //! (docs/decisions/0015). Also the one way a claim is deleted by ipwarden, and the one way it
 //! is rebound to another pod outside an ADD: deleted and rebound only while it is still bound
 //! to the pod UID the decision was made for (a recreated pod may have taken it over meanwhile).
 
 use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::{Client, ResourceExt};
 
 use crate::block_store::{CasError, CasStore};
 use crate::crd::{ClaimedInterface, IPClaim, IPClaimSpec, OwnerRef};
+use crate::gc::index::PodFacts;
 use crate::ipam::workload;
 
 /// A sticky pod's IPs of one interface, as its IPClaim records them.
@@ -69,23 +71,40 @@ pub async fn bind(
     Ok((name, before))
 }
 
+/// Why [`bind_adopted`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AdoptedClaimError {
+    /// The claim's compare-and-swap failed.
+    #[error(transparent)]
+    Write(#[from] CasError),
+    /// Reading the claim, or the pods that tell whether its pod lives, failed.
+    #[error("{what}: {source}")]
+    Read {
+        /// What was being read, naming the claim.
+        what: String,
+        /// The client's error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
 /// Writes the IPClaim of each sticky pod among `adopted`, the adoptions whose records are
 /// written ([`crate::gc::adopt::sticky_claims`]): after the records, for `ipwarden adopt` and
-/// the agent's start-up adoption alike. Unlike [`bind`], it creates a claim, or updates one
-/// only while it is bound to the adopted pod, with compare-and-swap
-/// ([`crate::gc::adopt::StickyClaim::decide`]); a claim already as it would be written is
-/// not written. Appends each claim's line to `done` as it is handled, so that a caller shows
-/// what was done before an error.
+/// the agent's start-up adoption alike. Unlike [`bind`], it creates a claim, updates one bound
+/// to the adopted pod, or takes over one whose pod no longer runs while the adopted pod does,
+/// with compare-and-swap ([`crate::gc::adopt::StickyClaim::decide`]); a claim already as it
+/// would be written is not written. Appends each claim's line to `done` as it is handled, so
+/// that a caller shows what was done before an error.
 pub async fn bind_adopted<'a>(
     client: &Client,
     field_manager: &str,
     adopted: impl IntoIterator<Item = &'a crate::gc::adopt::Adoption>,
     done: &mut Vec<crate::gc::adopt::ClaimLine>,
-) -> Result<(), CasError> {
+) -> Result<(), AdoptedClaimError> {
     use crate::gc::adopt::ClaimWrite;
     for claim in crate::gc::adopt::sticky_claims(adopted) {
         let now = Timestamp::now();
-        let fresh = match claim.decide(None, now) {
+        let fresh = match claim.decide(None, &[], now) {
             ClaimWrite::Create(spec) => spec,
             other => {
                 done.push(claim.line(&other, false));
@@ -98,23 +117,47 @@ pub async fn bind_adopted<'a>(
             stored.metadata.namespace = Some(namespace.clone());
             stored
         };
-        let store =
-            CasStore::new(Api::<IPClaim>::namespaced(client.clone(), namespace), field_manager.to_string(), None);
-        let mut decision = ClaimWrite::Unchanged;
-        store
-            .update(&name, Some(&create), |stored| {
-                // Not yet stored (no resourceVersion): being created.
-                let existing = stored.metadata.resource_version.is_some().then_some(&stored.spec);
-                decision = claim.decide(existing, now);
-                match &decision {
-                    ClaimWrite::Create(spec) | ClaimWrite::Update(spec) => {
-                        stored.spec = spec.clone();
-                        Some(())
-                    }
-                    _ => None,
+        let api = Api::<IPClaim>::namespaced(client.clone(), namespace);
+        let store = CasStore::new(api.clone(), field_manager.to_string(), None);
+        let read = |what: String| move |source| AdoptedClaimError::Read { what, source };
+        // The pods are read after the claim, and the claim is written only while bound to the
+        // UID it had before: a pod that bound it since ran after that read. Each round needs
+        // another pod's ADD to bind the claim between two reads.
+        let decision = loop {
+            let stored = api.get_opt(&name).await.map_err(read(format!("reading IPClaim {namespace}/{name}")))?;
+            let bound = stored.as_ref().map(|c| c.spec.pod_uid.clone());
+            let live = match &bound {
+                Some(uid) if *uid != claim.first.pod.uid => {
+                    let what = format!("listing the pods of {namespace} for IPClaim {name}, bound to pod UID {uid}");
+                    let pods = Api::<Pod>::namespaced(client.clone(), namespace)
+                        .list(&ListParams::default())
+                        .await
+                        .map_err(read(what))?;
+                    let pods: Vec<PodFacts> = pods.items.iter().map(PodFacts::of).collect();
+                    crate::gc::adopt::live_uids(&pods, namespace, &name)
                 }
-            })
-            .await?;
+                _ => Vec::new(),
+            };
+            let mut decision = None;
+            store
+                .update_from(&name, stored, Some(&create), |stored| {
+                    // Not yet stored (no resourceVersion): being created.
+                    let existing = stored.metadata.resource_version.is_some().then_some(&stored.spec);
+                    decision =
+                        (existing.map(|c| &c.pod_uid) == bound.as_ref()).then(|| claim.decide(existing, &live, now));
+                    match decision.as_ref()? {
+                        ClaimWrite::Create(spec) | ClaimWrite::Update(spec) | ClaimWrite::TakeOver { spec, .. } => {
+                            stored.spec = spec.clone();
+                            Some(())
+                        }
+                        _ => None,
+                    }
+                })
+                .await?;
+            if let Some(decision) = decision {
+                break decision;
+            }
+        };
         done.push(claim.line(&decision, false));
     }
     Ok(())

@@ -284,35 +284,43 @@ async fn an_adopted_statefulset_pod_recreated_on_ipwarden_gets_its_ip_back_and_t
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn adopt_leaves_the_claim_of_a_newer_pod_of_the_same_name_alone_and_says_so() {
+async fn adopt_takes_over_the_stale_claim_of_an_older_pod_of_the_same_name_and_says_so() {
     let (ipwarden, _switched) = host_local_cluster(1).await;
     let client = ipwarden.client();
     support::create_statefulset(&client, NS, "web", json!({})).await;
     let web = wait_pods_with_ips(&client, NS, "app=web", 1).await.remove("web-0").expect("web-0");
-    let ip = ip_of(&web);
-    // The claim a newer web-0's ADD wrote (web-0 recreated on ipwarden between adopt's listing
-    // and its claim write): bound to that pod's UID, with its own IP.
-    let newer = json!({
+    let (ip, uid) = (ip_of(&web), web.uid().unwrap_or_default());
+    // The claim an older web-0 left when the StatefulSet ran on ipwarden before its pods were
+    // recreated under host-local: bound to a UID no pod has now, with that pod's IP.
+    let older = json!({
         "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim",
         "metadata": {"name": "web-0", "namespace": NS},
-        "spec": {"podUid": "newer-web-0", "node": "node-0", "sticky": true, "boundAt": "2026-01-01T00:00:00Z",
+        "spec": {"podUid": "older-web-0", "node": "node-0", "sticky": true, "boundAt": "2026-01-01T00:00:00Z",
                  "interfaces": [{"interface": "eth0", "ips": [{"ip": "10.244.0.200", "pool": "pool", "block": "pool-10-244-0-0-24"}]}]}
     });
-    let claims_api = Api::<IPClaim>::namespaced(client.clone(), NS);
-    let newer: IPClaim = serde_json::from_value(newer).expect("an IPClaim");
-    claims_api.create(&Default::default(), &newer).await.expect("create the newer pod's claim");
+    let older: IPClaim = serde_json::from_value(older).expect("an IPClaim");
+    Api::<IPClaim>::namespaced(client.clone(), NS)
+        .create(&Default::default(), &older)
+        .await
+        .expect("create the older pod's claim");
+    let action = |report: &Value| {
+        let line = report["claims"].as_array().and_then(|c| c.first()).cloned().unwrap_or_default();
+        assert_eq!(line["claim"], "default/web-0", "{report:#}");
+        line["action"].as_str().unwrap_or_default().to_string()
+    };
 
+    let (ok, dry) = adopt(&ipwarden, true, &[]);
+    assert!(ok, "{dry:#}");
+    assert!(action(&dry).starts_with("would take over from pod UID older-web-0"), "the dry run says so: {dry:#}");
     let (ok, report) = adopt(&ipwarden, false, &[]);
     assert!(ok, "{report:#}");
     assert_eq!(ips(&report, "adopt"), std::slice::from_ref(&ip), "the record is adopted: {report:#}");
+    assert!(action(&report).starts_with("take over from pod UID older-web-0"), "adopt says whose it was: {report:#}");
     let claim = claims(&client, NS).await.remove("web-0").expect("web-0's claim");
-    assert_eq!(claim.spec, newer.spec, "adopt leaves the newer pod's claim as it was");
-    let line = report["claims"].as_array().and_then(|c| c.first()).cloned().unwrap_or_default();
-    assert_eq!(line["claim"], "default/web-0", "{report:#}");
-    assert!(line["action"].as_str().unwrap_or_default().contains("newer-web-0"), "adopt says whose it is: {report:#}");
-    // A later run finds the record adopted and would write the claim again: not this one.
-    let (ok, dry) = adopt(&ipwarden, true, &[]);
-    assert!(ok, "{dry:#}");
-    let line = dry["claims"].as_array().and_then(|c| c.first()).cloned().unwrap_or_default();
-    assert!(line["action"].as_str().unwrap_or_default().contains("newer-web-0"), "the dry run says so too: {dry:#}");
+    assert_eq!(claim.spec.pod_uid, uid, "the claim is the adopted pod's now: {claim:?}");
+    let claimed: Vec<&str> = claim.spec.interfaces.iter().flat_map(|i| &i.ips).map(|i| i.ip.as_str()).collect();
+    assert_eq!(claimed, [ip.as_str()], "it binds the adopted IP, not the older pod's: {claim:?}");
+    // A later run finds the claim as it would write it.
+    let (ok, again) = adopt(&ipwarden, true, &[]);
+    assert!(ok && action(&again).starts_with("unchanged"), "{again:#}");
 }

@@ -161,3 +161,12 @@ impl Error {
         }
     }
 }
+
+impl From<crate::claim_writes::AdoptedClaimError> for Error {
+    fn from(error: crate::claim_writes::AdoptedClaimError) -> Self {
+        match error {
+            crate::claim_writes::AdoptedClaimError::Write(cas) => Self::Write(cas),
+            crate::claim_writes::AdoptedClaimError::Read { what, source } => Self::Api { what, source },
+        }
+    }
+}

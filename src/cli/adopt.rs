@@ -2,8 +2,8 @@
 //! any other) and that fall inside an ipwarden pool, so a cluster moves to ipwarden without
 //! restarting pods and ipwarden never hands those IPs out again. The plan is
 //! [`crate::gc::adopt::plan`]; each block is written through the one compare-and-swap path,
-//! then each sticky pod's IPClaim, never over a newer pod's
-//! ([`crate::claim_writes::bind_adopted`]).
+//! then each sticky pod's IPClaim, taking over an older pod's stale claim but never a live
+//! newer pod's ([`crate::claim_writes::bind_adopted`]).
 
 use anyhow::Context;
 use jiff::Timestamp;
@@ -15,7 +15,7 @@ use super::{Output, list, table};
 use crate::block_store::BlockStore;
 use crate::claim_writes::bind_adopted;
 use crate::crd::{IPBlock, IPClaim, IPPool};
-use crate::gc::adopt::{Adoption, DEFAULT_NETWORK, Plan, apply, by_block, plan, sticky_claims};
+use crate::gc::adopt::{Adoption, DEFAULT_NETWORK, Plan, apply, by_block, live_uids, plan, sticky_claims};
 use crate::gc::index::PodFacts;
 use crate::ipam::blocks::new_block;
 use crate::ipam::workload::DEFAULT_STICKY_KINDS;
@@ -87,7 +87,8 @@ pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
                 let name = (claim.first.pod.namespace.as_str(), claim.name());
                 let existing =
                     stored.iter().find(|c| (c.namespace().as_deref().unwrap_or_default(), c.name_any()) == name);
-                claim.line(&claim.decide(existing.map(|c| &c.spec), now), true)
+                let live = live_uids(&pods, name.0, &name.1);
+                claim.line(&claim.decide(existing.map(|c| &c.spec), &live, now), true)
             })
             .collect();
         print(&plan, args.dry_run, args.output)?;

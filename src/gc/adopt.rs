@@ -244,9 +244,27 @@ pub enum ClaimWrite {
     Update(IPClaimSpec),
     /// The pod's own claim already says this: no write.
     Unchanged,
-    /// The claim is bound to another pod UID: a newer pod of that name, recreated on
-    /// ipwarden since the pods were listed, whose ADD wrote it. Left alone.
-    BoundToAnother(String),
+    /// The claim is bound to another pod UID, no live pod's, while the adopted pod lives: a
+    /// stale claim of an older pod of that name (say, of the StatefulSet's ipwarden days), which
+    /// would give the adopted pod's successor the old IPs. Replaced by this spec.
+    TakeOver {
+        /// The stale claim's pod UID.
+        stale: String,
+        /// The adopted pod's claim.
+        spec: IPClaimSpec,
+    },
+    /// The claim is bound to another pod UID that lives: a newer pod of that name, recreated
+    /// on ipwarden since the pods were listed, whose ADD wrote it. Left alone.
+    BoundToLive(String),
+    /// The claim is bound to another pod UID and the adopted pod is gone: no pod of that
+    /// name exists now, or only `live` (neither of them). Left alone: the pod that comes
+    /// next takes the claim at its ADD.
+    AdoptedPodGone {
+        /// The claim's pod UID.
+        bound: String,
+        /// The UIDs of the pods of that name now.
+        live: Vec<String>,
+    },
     /// Not every IP the pod reports is adopted ([`StickyClaim::missing`]): nothing written.
     NotAdopted(Vec<IpAddr>),
 }
@@ -259,7 +277,19 @@ impl ClaimWrite {
             Self::Create(_) => format!("{would}create"),
             Self::Update(_) => format!("{would}update"),
             Self::Unchanged => "unchanged: it already binds these IPs".into(),
-            Self::BoundToAnother(uid) => format!("left alone: bound to pod UID {uid}, a newer pod of that name"),
+            Self::TakeOver { stale, .. } => {
+                format!("{would}take over from pod UID {stale}: a stale claim, no pod of that name has that UID now")
+            }
+            Self::BoundToLive(uid) => {
+                format!("left alone: bound to pod UID {uid}, a newer pod of that name, which exists")
+            }
+            Self::AdoptedPodGone { bound, live } if live.is_empty() => {
+                format!("left alone: bound to pod UID {bound}, and no pod of that name exists now")
+            }
+            Self::AdoptedPodGone { bound, live } => format!(
+                "left alone: bound to pod UID {bound}, and the pod of that name is now UID {}, not the adopted one",
+                live.join(", ")
+            ),
             Self::NotAdopted(ips) => {
                 let ips: Vec<String> = ips.iter().map(ToString::to_string).collect();
                 format!("{not_written}: {} not adopted, so the pod would come back without them", ips.join(", "))
@@ -274,32 +304,40 @@ impl StickyClaim<'_> {
         workload::claim_name(&self.first.pod.name, self.first.adopter.owner.as_ref())
     }
 
-    /// Adopt's write of this claim over the claim as stored (`existing`; `None`: none yet).
-    /// Unlike an ADD, which takes a claim over from any earlier pod of the same name, adopt
-    /// writes only a claim that is missing or bound to the same pod: a claim bound to another
-    /// UID is a newer pod's, and rebinding it to the adopted one (gone by then) would let the
-    /// GC release the newer pod's IPs with it. The same pod's claim keeps its `boundAt`, so a
-    /// run that finds it as it would write it writes nothing.
-    pub fn decide(&self, existing: Option<&IPClaimSpec>, now: Timestamp) -> ClaimWrite {
+    /// Adopt's write of this claim over the claim as stored (`existing`; `None`: none yet),
+    /// given `live`, the UIDs of the pods that the claim belongs to now ([`live_uids`], read
+    /// after the claim). Unlike an ADD, which takes a claim over from any earlier pod of the
+    /// same name, adopt takes over a claim bound to another UID only while that UID is no live
+    /// pod's and the adopted pod lives (an older pod's stale claim): rebinding a newer pod's
+    /// claim to the adopted one (gone by then) would let the GC release the newer pod's IPs
+    /// with it. The same pod's claim keeps its `boundAt`, so a run that finds it as it would
+    /// write it writes nothing.
+    pub fn decide(&self, existing: Option<&IPClaimSpec>, live: &[String], now: Timestamp) -> ClaimWrite {
         if !self.missing.is_empty() {
             return ClaimWrite::NotAdopted(self.missing.clone());
         }
         let uid = &self.first.pod.uid;
-        if let Some(claim) = existing.filter(|c| c.pod_uid != *uid) {
-            return ClaimWrite::BoundToAnother(claim.pod_uid.clone());
-        }
+        let stale = match existing.filter(|c| c.pod_uid != *uid) {
+            None => None,
+            Some(claim) if live.contains(&claim.pod_uid) => return ClaimWrite::BoundToLive(claim.pod_uid.clone()),
+            Some(claim) if !live.contains(uid) => {
+                return ClaimWrite::AdoptedPodGone { bound: claim.pod_uid.clone(), live: live.to_vec() };
+            }
+            Some(claim) => Some(claim.pod_uid.clone()),
+        };
         let spec = IPClaimSpec {
             pod_uid: uid.clone(),
             node: self.first.node.clone(),
             owner: self.first.adopter.owner.clone(),
             sticky: true,
             interfaces: workload::claim_interfaces(existing, uid, self.interface.clone()),
-            bound_at: existing.map_or(Time(now), |c| c.bound_at.clone()),
+            bound_at: existing.filter(|_| stale.is_none()).map_or(Time(now), |c| c.bound_at.clone()),
         };
-        match existing {
-            None => ClaimWrite::Create(spec),
-            Some(claim) if *claim == spec => ClaimWrite::Unchanged,
-            Some(_) => ClaimWrite::Update(spec),
+        match (existing, stale) {
+            (None, _) => ClaimWrite::Create(spec),
+            (Some(_), Some(stale)) => ClaimWrite::TakeOver { stale, spec },
+            (Some(claim), None) if *claim == spec => ClaimWrite::Unchanged,
+            (Some(_), None) => ClaimWrite::Update(spec),
         }
     }
 
@@ -313,6 +351,15 @@ impl StickyClaim<'_> {
             action: write.describe(dry_run),
         }
     }
+}
+
+/// The UIDs of the pods of `pods` that IPClaim `namespace/claim` belongs to
+/// ([`workload::claim_name`]): the pod of that name, or a KubeVirt VM's launcher pods.
+pub fn live_uids(pods: &[PodFacts], namespace: &str, claim: &str) -> Vec<String> {
+    pods.iter()
+        .filter(|p| p.namespace == namespace && workload::claim_name(&p.name, p.owner.as_ref()) == claim)
+        .map(|p| p.uid.clone())
+        .collect()
 }
 
 /// A sticky pod's IPClaim in adopt's report.
@@ -354,6 +401,7 @@ mod test {
     use super::*;
     use crate::crd::{IPBlockSpec, IPPoolSpec};
     use crate::gc::rules::Phase;
+    use std::collections::BTreeSet;
 
     fn pod(name: &str, uid: &str, ips: &[&str]) -> PodFacts {
         PodFacts {
@@ -452,29 +500,103 @@ mod test {
     }
 
     #[test]
-    fn adopt_creates_a_missing_claim_updates_the_pods_own_and_leaves_another_pods_alone() {
+    fn adopt_takes_over_a_stale_claim_of_an_older_pod_and_leaves_a_live_pods_alone() {
         let mut web = pod("web-0", "uw", &["10.9.0.7"]);
         web.owner = Some(crate::crd::OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
         let planned = plan(&[web], &pools(), &[], &["StatefulSet".to_string()]);
         let claim = &sticky_claims(&planned.adopt)[0];
         let (then, now) = (Timestamp::UNIX_EPOCH, Timestamp::now());
-        let ClaimWrite::Create(written) = claim.decide(None, then) else { panic!("a missing claim is created") };
+        let adopted = ["uw".to_string()];
+        let ClaimWrite::Create(written) = claim.decide(None, &adopted, then) else {
+            panic!("a missing claim is created")
+        };
         let mut other_interface = written.clone();
         other_interface.interfaces[0].ips[0].ip = "10.9.0.99".into();
-        let newer = IPClaimSpec { pod_uid: "newer".into(), ..written.clone() };
+        let other = IPClaimSpec { pod_uid: "other".into(), ..other_interface.clone() };
+        let taken_over = IPClaimSpec { bound_at: Time(now), ..written.clone() };
         let mut incomplete = claim.clone();
         incomplete.missing = vec!["fd00:9::7".parse().expect("ip")];
-        // (case, claim, stored claim, decision)
+        let live = |uids: &[&str]| uids.iter().map(|u| u.to_string()).collect::<Vec<_>>();
+        // (case, claim, stored claim, UIDs of the live pods of the claim's name, decision)
         let cases = [
-            ("the pod's claim as adopt wrote it", claim, Some(&written), ClaimWrite::Unchanged),
-            ("the pod's claim with other IPs", claim, Some(&other_interface), ClaimWrite::Update(written.clone())),
-            ("a newer pod's claim", claim, Some(&newer), ClaimWrite::BoundToAnother("newer".into())),
-            ("a pod not fully adopted", &incomplete, None, ClaimWrite::NotAdopted(incomplete.missing.clone())),
+            ("the pod's claim as adopt wrote it", claim, Some(&written), live(&["uw"]), ClaimWrite::Unchanged),
+            (
+                "the pod's claim with other IPs",
+                claim,
+                Some(&other_interface),
+                live(&["uw"]),
+                ClaimWrite::Update(written.clone()),
+            ),
+            (
+                "another UID's claim, the adopted pod live: an older pod's, stale",
+                claim,
+                Some(&other),
+                live(&["uw"]),
+                ClaimWrite::TakeOver { stale: "other".into(), spec: taken_over.clone() },
+            ),
+            (
+                "another UID's claim, that pod live: a newer pod's",
+                claim,
+                Some(&other),
+                live(&["other"]),
+                ClaimWrite::BoundToLive("other".into()),
+            ),
+            (
+                "another UID's claim, a newer pod live while the adopted one terminates",
+                claim,
+                Some(&other),
+                live(&["uw", "other"]),
+                ClaimWrite::BoundToLive("other".into()),
+            ),
+            (
+                "another UID's claim, no pod of that name now",
+                claim,
+                Some(&other),
+                live(&[]),
+                ClaimWrite::AdoptedPodGone { bound: "other".into(), live: Vec::new() },
+            ),
+            (
+                "another UID's claim, a third pod of that name now",
+                claim,
+                Some(&other),
+                live(&["third"]),
+                ClaimWrite::AdoptedPodGone { bound: "other".into(), live: live(&["third"]) },
+            ),
+            (
+                "a pod not fully adopted",
+                &incomplete,
+                None,
+                live(&["uw"]),
+                ClaimWrite::NotAdopted(incomplete.missing.clone()),
+            ),
         ];
-        for (case, claim, stored, expected) in cases {
-            assert_eq!(claim.decide(stored, now), expected, "{case}");
+        let mut actions = BTreeSet::new();
+        for (case, claim, stored, live, expected) in cases {
+            let decided = claim.decide(stored, &live, now);
+            actions.insert(claim.line(&decided, false).action);
+            assert_eq!(decided, expected, "{case}");
         }
-        assert!(claim.line(&ClaimWrite::BoundToAnother("newer".into()), true).action.contains("newer"));
+        assert_eq!(actions.len(), 7, "each of the 7 decisions is said its own way: {actions:#?}");
+    }
+
+    #[test]
+    fn a_claims_live_pods_are_the_pod_of_its_name_or_its_vms_launcher_pods() {
+        let vmi = |name: &str, uid: &str| PodFacts {
+            owner: Some(crate::crd::OwnerRef { kind: workload::KUBEVIRT_VMI_KIND.into(), name: "vm1".into() }),
+            ..pod(name, uid, &[])
+        };
+        let other_namespace = PodFacts { namespace: "other".into(), ..pod("web-0", "u-other-ns", &[]) };
+        let pods = [
+            pod("web-0", "uw", &[]),
+            pod("web-1", "u1", &[]),
+            other_namespace,
+            vmi("virt-launcher-vm1-a", "ua"),
+            vmi("virt-launcher-vm1-b", "ub"),
+        ];
+        assert_eq!(live_uids(&pods, "default", "web-0"), ["uw"]);
+        let vm_claim = workload::claim_name("virt-launcher-vm1-a", pods[3].owner.as_ref());
+        assert_eq!(live_uids(&pods, "default", &vm_claim), ["ua", "ub"]);
+        assert!(live_uids(&pods, "default", "web-2").is_empty());
     }
 
     #[test]
@@ -502,8 +624,10 @@ mod test {
             let written: Vec<&Adoption> =
                 planned.adopt.iter().filter(|a| kept.is_none_or(|ip| a.ip == ip) && a.pod.uid == "uw").collect();
             let claims = sticky_claims(written);
-            let created: Vec<bool> =
-                claims.iter().map(|c| matches!(c.decide(None, Timestamp::UNIX_EPOCH), ClaimWrite::Create(_))).collect();
+            let created: Vec<bool> = claims
+                .iter()
+                .map(|c| matches!(c.decide(None, &[], Timestamp::UNIX_EPOCH), ClaimWrite::Create(_)))
+                .collect();
             assert_eq!(created, [claimed], "{case}: {claims:?}");
         }
     }
