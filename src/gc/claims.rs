@@ -71,10 +71,40 @@ mod test {
         assert!(!gone_for_good(&with_pod("u1", "Running"), "ns", "web-1", &c), "still running");
     }
 
+    fn sticky_kinds() -> Vec<String> {
+        vec!["StatefulSet".into(), KUBEVIRT_VMI_KIND.into()]
+    }
+
+    #[test]
+    fn a_claim_no_pod_reads_back_goes_with_its_pod_whatever_its_owner_wants() {
+        let (vms, statefulsets) = ([KUBEVIRT_VMI_KIND.to_string()], ["StatefulSet".to_string()]);
+        // (claim's owner kind and name, its `sticky` flag, the sticky kinds, its pod, gone?, case)
+        let cases: [(&str, &str, bool, &[String], Option<(&str, &str)>, bool, &str); 6] = [
+            ("StatefulSet", "web-1", true, &vms, Some(("u2", "Running")), true, "owner kind taken off, pod replaced"),
+            ("StatefulSet", "web-1", true, &vms, None, true, "owner kind taken off, pod gone"),
+            ("StatefulSet", "web-1", true, &vms, Some(("u1", "Running")), false, "owner kind taken off, pod runs"),
+            ("StatefulSet", "web-1", true, &statefulsets, Some(("u2", "Running")), false, "sticky: taken over"),
+            (KUBEVIRT_VMI_KIND, "vm.vm1", false, &vms, None, true, "an older version's stateless VM claim"),
+            (KUBEVIRT_VMI_KIND, "vm.vm1", true, &statefulsets, None, true, "VM kind taken off"),
+        ];
+        for (kind, name, sticky, kinds, pod, gone, case) in cases {
+            let owner = if kind == KUBEVIRT_VMI_KIND { "vm1" } else { "web" };
+            let pod: Option<Pod> = pod.map(|(uid, phase)| {
+                serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": name, "uid": uid},
+                    "status": {"phase": phase}}))
+                .expect("pod")
+            });
+            let web = statefulset(2);
+            let objects = std::iter::once(Watched::StatefulSet(&web)).chain(pod.iter().map(Watched::Pod));
+            let index = ClusterIndex::from_objects(kinds, objects);
+            assert_eq!(gone_for_good(&index, "ns", name, &claim("u1", sticky, Some((kind, owner)))), gone, "{case}");
+        }
+    }
+
     #[test]
     fn a_statefulset_claim_stays_while_its_ordinal_is_wanted() {
         let c = claim("u1", true, Some(("StatefulSet", "web")));
-        let mut index = ClusterIndex::default();
+        let mut index = ClusterIndex::new(&sticky_kinds(), std::time::Duration::from_secs(20));
         index.apply(Watched::StatefulSet(&statefulset(2)));
         assert!(!gone_for_good(&index, "ns", "web-1", &c), "ordinal 1 of 2 is wanted");
         index.apply(Watched::StatefulSet(&statefulset(1)));
@@ -86,7 +116,8 @@ mod test {
     #[test]
     fn a_vm_claim_goes_with_its_vm_and_stays_while_kubevirt_is_not_watched() {
         let c = claim("u1", true, Some((KUBEVIRT_VMI_KIND, "vm1")));
-        assert!(!gone_for_good(&ClusterIndex::default(), "ns", "vm.vm1", &c), "KubeVirt not watched");
+        let unwatched = ClusterIndex::from_objects(&sticky_kinds(), []);
+        assert!(!gone_for_good(&unwatched, "ns", "vm.vm1", &c), "KubeVirt not watched");
         let object = |deleting: bool| -> PartialObjectMeta<DynamicObject> {
             let deletion = deleting.then(|| k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now()));
             let meta: PartialObjectMeta<DynamicObject> = serde_json::from_value(json!({"apiVersion": "kubevirt.io/v1",
@@ -95,7 +126,7 @@ mod test {
             meta
         };
         let watched = |instance: Option<bool>, vm: Option<bool>| {
-            let mut index = ClusterIndex::default();
+            let mut index = ClusterIndex::new(&sticky_kinds(), std::time::Duration::from_secs(20));
             for kind in [Kind::VirtualMachine, Kind::VirtualMachineInstance] {
                 index.relist_started(kind);
             }
