@@ -2,37 +2,38 @@
 
 use super::index::{ClaimFacts, ClusterIndex};
 use super::rules::Phase;
-use crate::ipam::workload::KUBEVIRT_VMI_KIND;
+use crate::crd::OwnerRef;
+use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
 
-/// Whether `claim` (in `namespace`, named `name`) can be deleted: a stateless pod that is
-/// gone, replaced or completed (Job pods included); a StatefulSet pod that is gone or
-/// completed and whose ordinal its StatefulSet no longer wants; a KubeVirt VM's claim
-/// (`vm.<VM>`, which outlives its launcher pods) once the VM no longer wants it, by the same
-/// rule as its records ([`ClusterIndex::wants`]: kept while the controller does not watch
-/// KubeVirt).
+/// Whether `claim` (in `namespace`, named `name`) can be deleted. A claim no ADD reads back
+/// goes once its pod is gone, replaced or completed (Job pods included): a stateless one
+/// (`sticky: false`, an older version's; decision 0015) or one whose owner kind is no longer
+/// in the sticky kinds, whose pods neither rebind nor delete it. Otherwise: a StatefulSet
+/// pod's once it is gone or completed and its StatefulSet no longer wants the ordinal; a
+/// KubeVirt VM's (`vm.<VM>`, which outlives its launcher pods) once the VM no longer wants it,
+/// by the same rule as its records ([`ClusterIndex::wants`]: kept while the controller does
+/// not watch KubeVirt).
 pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &ClaimFacts) -> bool {
-    let owner = claim.owner.as_ref();
-    if let Some(vm) = owner.filter(|o| o.kind == KUBEVIRT_VMI_KIND) {
-        return !index.wants(namespace, vm, name);
-    }
     let pod = index.pod(namespace, name);
     let pod_done = match pod {
         None => true,
         Some(p) => p.uid != claim.pod_uid || p.phase == Phase::Completed,
     };
-    if !claim.sticky {
+    let read_back = |o: &&OwnerRef| claim.sticky && workload::is_sticky(Some(o), index.sticky_kinds());
+    let Some(owner) = claim.owner.as_ref().filter(read_back) else {
         return pod_done;
+    };
+    if owner.kind == KUBEVIRT_VMI_KIND {
+        return !index.wants(namespace, owner, name);
     }
-    let wanted = owner.is_none_or(|o| index.wants(namespace, o, name));
     // A recreated StatefulSet pod (another UID) takes the claim over in its ADD: not gone.
     let replaced_by_same_ordinal = pod.is_some_and(|p| p.uid != claim.pod_uid && p.phase != Phase::Completed);
-    !wanted && pod_done && !replaced_by_same_ordinal
+    !index.wants(namespace, owner, name) && pod_done && !replaced_by_same_ordinal
 }
 
 #[cfg(test)]
 mod test {
     use super::*;
-    use crate::crd::OwnerRef;
     use crate::gc::index::{Kind, Watched};
     use jiff::Timestamp;
     use k8s_openapi::api::apps::v1::StatefulSet;
