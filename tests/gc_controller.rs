@@ -5,6 +5,7 @@
 mod support;
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
 use e2e::wait::{self, Probe};
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -14,8 +15,8 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 use support::{
-    Ipwarden, TIMEOUT, claims, create_pod, create_statefulset, inject_legacy_claim, inject_record, ip_of, metric_sum,
-    pod_template, record_json, records, wait_pods_with_ips,
+    Ipwarden, TIMEOUT, claims, create_pod, create_statefulset, inject_claim, inject_legacy_claim, inject_record, ip_of,
+    metric_sum, pod_template, record_json, records, wait_pods_with_ips,
 };
 
 const NS: &str = "default";
@@ -398,4 +399,51 @@ async fn a_stateless_pod_gets_no_claim_and_a_claim_an_older_version_left_goes_on
     })
     .await
     .expect("an upgrade's stateless claims are cleaned up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_claim_whose_owner_kind_is_no_longer_sticky_goes_once_its_pod_is_replaced() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let only_vms = "--sticky-owner-kinds=VirtualMachineInstance";
+    let mut ipwarden = Ipwarden::start(1, &pool(), &[only_vms]).await;
+    let client = ipwarden.client();
+    let controller = ipwarden.start_controller("janitor", &["--claim-janitor-interval-seconds=1", only_vms]);
+    ipwarden.wait_leader(controller).await;
+    create_statefulset(&client, NS, "web", json!({})).await;
+    wait_pods_with_ips(&client, NS, "app=web", 1).await;
+
+    // Left while StatefulSet was sticky, by an earlier web-0: the stateless web-0 never takes it over.
+    let spec = json!({"podUid": "earlier-uid", "sticky": true, "owner": {"kind": "StatefulSet", "name": "web"}});
+    inject_claim(&client, NS, "web-0", spec, json!([{"ip": "10.70.0.250", "pool": POOL, "block": BLOCK}])).await;
+    wait::until("the janitor deletes the claim no pod will read back", Duration::from_secs(20), || async {
+        let names: BTreeSet<String> = claims(&client, NS).await.into_keys().collect();
+        Ok(if names.contains("web-0") { Probe::Pending(format!("{names:?}")) } else { Probe::Done(()) })
+    })
+    .await
+    .expect("a claim whose owner kind is no longer sticky goes with its pod");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_pod_does_not_take_back_the_ips_of_a_stateless_claim_an_older_version_left() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(1, &pool(), &[]).await;
+    let client = ipwarden.client();
+    create_pod(&client, NS, "plain", "node-0", json!({"app": "plain"})).await;
+    wait_pods_with_ips(&client, NS, "app=plain", 1).await;
+    let old = "10.70.0.250";
+    let ips = json!([{"ip": old, "pool": POOL, "block": BLOCK}]);
+    inject_claim(&client, NS, "web-0", json!({"podUid": "old-uid", "sticky": false}), ips).await;
+
+    create_statefulset(&client, NS, "web", json!({})).await;
+    let web = wait_pods_with_ips(&client, NS, "app=web", 1).await.remove("web-0").expect("web-0");
+    assert_ne!(ip_of(&web), old, "a stateless claim keeps no IPs for a sticky pod of the same name");
+    wait::until("web-0's ADD writes its sticky claim over the stateless one", TIMEOUT, || async {
+        let claim = claims(&client, NS).await.remove("web-0").map(|c| c.spec);
+        Ok(match claim {
+            Some(c) if c.sticky && c.pod_uid == web.uid().unwrap_or_default() => Probe::Done(()),
+            other => Probe::Pending(format!("{other:?}")),
+        })
+    })
+    .await
+    .expect("web-0's claim is sticky and bound to it");
 }

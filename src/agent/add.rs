@@ -348,6 +348,9 @@ impl Core {
             .get_opt(&claim_name)
             .await
             .map_err(Error::api(format!("reading IPClaim {namespace}/{claim_name}")))?
+            // A stateless claim an older version left keeps no IPs (decision 0015): this ADD
+            // writes the pod's sticky claim over it.
+            .filter(|claim| claim.spec.sticky)
         else {
             return Ok(None);
         };

@@ -2,37 +2,38 @@
 
 use super::index::{ClaimFacts, ClusterIndex};
 use super::rules::Phase;
-use crate::ipam::workload::KUBEVIRT_VMI_KIND;
+use crate::crd::OwnerRef;
+use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
 
-/// Whether `claim` (in `namespace`, named `name`) can be deleted: a stateless pod that is
-/// gone, replaced or completed (Job pods included); a StatefulSet pod that is gone or
-/// completed and whose ordinal its StatefulSet no longer wants; a KubeVirt VM's claim
-/// (`vm.<VM>`, which outlives its launcher pods) once the VM no longer wants it, by the same
-/// rule as its records ([`ClusterIndex::wants`]: kept while the controller does not watch
-/// KubeVirt).
+/// Whether `claim` (in `namespace`, named `name`) can be deleted. A claim no ADD reads back
+/// goes once its pod is gone, replaced or completed (Job pods included): a stateless one
+/// (`sticky: false`, an older version's; decision 0015) or one whose owner kind is no longer
+/// in the sticky kinds, whose pods neither rebind nor delete it. Otherwise: a StatefulSet
+/// pod's once it is gone or completed and its StatefulSet no longer wants the ordinal; a
+/// KubeVirt VM's (`vm.<VM>`, which outlives its launcher pods) once the VM no longer wants it,
+/// by the same rule as its records ([`ClusterIndex::wants`]: kept while the controller does
+/// not watch KubeVirt).
 pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &ClaimFacts) -> bool {
-    let owner = claim.owner.as_ref();
-    if let Some(vm) = owner.filter(|o| o.kind == KUBEVIRT_VMI_KIND) {
-        return !index.wants(namespace, vm, name);
-    }
     let pod = index.pod(namespace, name);
     let pod_done = match pod {
         None => true,
         Some(p) => p.uid != claim.pod_uid || p.phase == Phase::Completed,
     };
-    if !claim.sticky {
+    let read_back = |o: &&OwnerRef| claim.sticky && workload::is_sticky(Some(o), index.sticky_kinds());
+    let Some(owner) = claim.owner.as_ref().filter(read_back) else {
         return pod_done;
+    };
+    if owner.kind == KUBEVIRT_VMI_KIND {
+        return !index.wants(namespace, owner, name);
     }
-    let wanted = owner.is_none_or(|o| index.wants(namespace, o, name));
     // A recreated StatefulSet pod (another UID) takes the claim over in its ADD: not gone.
     let replaced_by_same_ordinal = pod.is_some_and(|p| p.uid != claim.pod_uid && p.phase != Phase::Completed);
-    !wanted && pod_done && !replaced_by_same_ordinal
+    !index.wants(namespace, owner, name) && pod_done && !replaced_by_same_ordinal
 }
 
 #[cfg(test)]
 mod test {
     use super::*;
-    use crate::crd::OwnerRef;
     use crate::gc::index::{Kind, Watched};
     use jiff::Timestamp;
     use k8s_openapi::api::apps::v1::StatefulSet;
@@ -71,10 +72,40 @@ mod test {
         assert!(!gone_for_good(&with_pod("u1", "Running"), "ns", "web-1", &c), "still running");
     }
 
+    fn sticky_kinds() -> Vec<String> {
+        vec!["StatefulSet".into(), KUBEVIRT_VMI_KIND.into()]
+    }
+
+    #[test]
+    fn a_claim_no_pod_reads_back_goes_with_its_pod_whatever_its_owner_wants() {
+        let (vms, statefulsets) = (KUBEVIRT_VMI_KIND, "StatefulSet");
+        // (claim's owner kind, its `sticky` flag, the one sticky kind, its pod, gone?, case)
+        let cases = [
+            (statefulsets, true, vms, Some(("u2", "Running")), true, "owner kind taken off, pod replaced"),
+            (statefulsets, true, vms, None, true, "owner kind taken off, pod gone"),
+            (statefulsets, true, vms, Some(("u1", "Running")), false, "owner kind taken off, pod runs"),
+            (statefulsets, true, statefulsets, Some(("u2", "Running")), false, "sticky: taken over"),
+            (vms, false, vms, None, true, "an older version's stateless VM claim"),
+            (vms, true, statefulsets, None, true, "VM kind taken off"),
+        ];
+        for (kind, sticky, sticky_kind, pod, gone, case) in cases {
+            let (owner, name) = if kind == vms { ("vm1", "vm.vm1") } else { ("web", "web-1") };
+            let pod: Option<Pod> = pod.map(|(uid, phase)| {
+                serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": name, "uid": uid},
+                    "status": {"phase": phase}}))
+                .expect("pod")
+            });
+            let web = statefulset(2);
+            let objects = std::iter::once(Watched::StatefulSet(&web)).chain(pod.iter().map(Watched::Pod));
+            let index = ClusterIndex::from_objects(&[sticky_kind.to_string()], objects);
+            assert_eq!(gone_for_good(&index, "ns", name, &claim("u1", sticky, Some((kind, owner)))), gone, "{case}");
+        }
+    }
+
     #[test]
     fn a_statefulset_claim_stays_while_its_ordinal_is_wanted() {
         let c = claim("u1", true, Some(("StatefulSet", "web")));
-        let mut index = ClusterIndex::default();
+        let mut index = ClusterIndex::new(&sticky_kinds(), std::time::Duration::from_secs(20));
         index.apply(Watched::StatefulSet(&statefulset(2)));
         assert!(!gone_for_good(&index, "ns", "web-1", &c), "ordinal 1 of 2 is wanted");
         index.apply(Watched::StatefulSet(&statefulset(1)));
@@ -86,7 +117,8 @@ mod test {
     #[test]
     fn a_vm_claim_goes_with_its_vm_and_stays_while_kubevirt_is_not_watched() {
         let c = claim("u1", true, Some((KUBEVIRT_VMI_KIND, "vm1")));
-        assert!(!gone_for_good(&ClusterIndex::default(), "ns", "vm.vm1", &c), "KubeVirt not watched");
+        let unwatched = ClusterIndex::from_objects(&sticky_kinds(), []);
+        assert!(!gone_for_good(&unwatched, "ns", "vm.vm1", &c), "KubeVirt not watched");
         let object = |deleting: bool| -> PartialObjectMeta<DynamicObject> {
             let deletion = deleting.then(|| k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now()));
             let meta: PartialObjectMeta<DynamicObject> = serde_json::from_value(json!({"apiVersion": "kubevirt.io/v1",
@@ -95,7 +127,7 @@ mod test {
             meta
         };
         let watched = |instance: Option<bool>, vm: Option<bool>| {
-            let mut index = ClusterIndex::default();
+            let mut index = ClusterIndex::new(&sticky_kinds(), std::time::Duration::from_secs(20));
             for kind in [Kind::VirtualMachine, Kind::VirtualMachineInstance] {
                 index.relist_started(kind);
             }

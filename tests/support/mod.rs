@@ -445,11 +445,27 @@ pub async fn claims(client: &Client, namespace: &str) -> BTreeMap<String, IPClai
 /// Creates the IPClaim a version before decision 0015 wrote for stateless pod `pod` (bound to
 /// `uid`, holding `ip` on eth0): the claims an upgrade finds and the claim janitor removes.
 pub async fn inject_legacy_claim(client: &Client, namespace: &str, pod: &str, uid: &str, ip: &str) {
+    let ips = json!([{"ip": ip, "pool": "legacy", "block": "legacy"}]);
+    inject_claim(client, namespace, pod, json!({"podUid": uid, "sticky": false}), ips).await;
+}
+
+/// Creates IPClaim `name` bound on node-0 with `spec` (podUid, sticky, owner) holding `ips`
+/// (`[{ip, pool, block}]`) on eth0: a claim left by an older version or an earlier setting.
+pub async fn inject_claim(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    spec: serde_json::Value,
+    ips: serde_json::Value,
+) {
+    let mut full = json!({"node": "node-0", "boundAt": "2026-01-01T00:00:00Z",
+                          "interfaces": [{"interface": "eth0", "ips": ips}]});
+    if let (Some(full), Some(spec)) = (full.as_object_mut(), spec.as_object()) {
+        full.extend(spec.clone());
+    }
     let claim: IPClaim = serde_json::from_value(json!({
         "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim",
-        "metadata": {"name": pod, "namespace": namespace},
-        "spec": {"podUid": uid, "node": "node-0", "sticky": false, "boundAt": "2026-01-01T00:00:00Z",
-                 "interfaces": [{"interface": "eth0", "ips": [{"ip": ip, "pool": "legacy", "block": "legacy"}]}]},
+        "metadata": {"name": name, "namespace": namespace}, "spec": full,
     }))
     .expect("claim");
     Api::<IPClaim>::namespaced(client.clone(), namespace)
