@@ -167,23 +167,10 @@ async fn a_deployment_of_three_keeps_to_its_listed_ips_across_a_rollout_and_a_fo
     let ipwarden = Ipwarden::start(1, &pools, &["--reuse-cooldown-seconds=1"]).await;
     let client = ipwarden.client();
     let list = ["10.75.0.7", "10.75.0.8", "10.75.0.9"];
-    let mut template = support::pod_template("web", json!({}));
-    template["metadata"]["annotations"] = json!({"ipwarden.io/ip-list": list.join(",")});
-    let deployment: Deployment = serde_json::from_value(json!({
-        "metadata": {"name": "web"},
-        "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "web"}}, "template": template,
-                 "strategy": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}},
-    }))
-    .expect("deployment");
-    let deployments = Api::<Deployment>::namespaced(client.clone(), NS);
-    deployments.create(&PostParams::default(), &deployment).await.expect("create deployment");
-    let listed = |pods: &std::collections::BTreeMap<String, Pod>| {
-        let mut ips: Vec<String> = pods.values().map(support::ip_of).collect();
-        ips.sort();
-        ips
-    };
+    let strategy = json!({"rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}});
+    let deployments = create_listed_deployment(&client, "web", 3, &list.join(","), Some(strategy)).await;
     let first = support::wait_pods_with_ips(&client, NS, "app=web", 3).await;
-    assert_eq!(listed(&first), list, "the three pods hold the three listed IPs");
+    assert_eq!(listed_ips(&first), list, "the three pods hold the three listed IPs");
 
     // Every pod deleted at once: the replacements draw from the list as their IPs come free.
     let pods = Api::<Pod>::namespaced(client.clone(), NS);
@@ -197,7 +184,7 @@ async fn a_deployment_of_three_keeps_to_its_listed_ips_across_a_rollout_and_a_fo
     })
     .await
     .expect("the replacements get IPs");
-    assert_eq!(listed(&second), list, "the replacements hold the same three IPs");
+    assert_eq!(listed_ips(&second), list, "the replacements hold the same three IPs");
 
     // The replacements were refused while the IPs were held: count from here.
     let in_use =
@@ -215,7 +202,7 @@ async fn a_deployment_of_three_keeps_to_its_listed_ips_across_a_rollout_and_a_fo
     .await
     .expect("the agent refuses the fourth replica");
     let now = support::pods_with_ips(&client, NS, "app=web").await.expect("pods");
-    assert_eq!(listed(&now), list, "no fourth IP, from the list or elsewhere");
+    assert_eq!(listed_ips(&now), list, "no fourth IP, from the list or elsewhere");
 
     // The refusal as the runtime sees it, through the plugin, for a pod of the same template.
     create_annotated_pod(&client, "extra", "elsewhere", json!({"ipwarden.io/ip-list": list.join(",")})).await;
@@ -251,22 +238,9 @@ async fn a_deployments_listed_ips_stay_reserved_for_it_between_its_pods_refused_
     ipwarden.wait_leader(controller).await;
 
     let list = ["10.77.0.7", "10.77.0.8"];
-    let mut template = support::pod_template("api", json!({}));
-    template["metadata"]["annotations"] = json!({"ipwarden.io/ip-list": list.join(",")});
-    let deployment: Deployment = serde_json::from_value(json!({
-        "metadata": {"name": "api"},
-        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "api"}}, "template": template},
-    }))
-    .expect("deployment");
-    let deployments = Api::<Deployment>::namespaced(client.clone(), NS);
-    deployments.create(&PostParams::default(), &deployment).await.expect("create deployment");
-    let listed = |pods: &std::collections::BTreeMap<String, Pod>| {
-        let mut ips: Vec<String> = pods.values().map(support::ip_of).collect();
-        ips.sort();
-        ips
-    };
+    let deployments = create_listed_deployment(&client, "api", 2, &list.join(","), None).await;
     let first = support::wait_pods_with_ips(&client, NS, "app=api", 2).await;
-    assert_eq!(listed(&first), list, "the two pods hold the two listed IPs");
+    assert_eq!(listed_ips(&first), list, "the two pods hold the two listed IPs");
 
     // Scaled to zero: no pod holds the IPs, yet the Deployment does.
     let patch = |body: Value| {
@@ -309,7 +283,7 @@ async fn a_deployments_listed_ips_stay_reserved_for_it_between_its_pods_refused_
     })
     .await
     .expect("the new pods get IPs");
-    assert_eq!(listed(&second), list, "the new ReplicaSet's pods hold the same two IPs");
+    assert_eq!(listed_ips(&second), list, "the new ReplicaSet's pods hold the same two IPs");
 
     // Deleted: the controller releases what the Deployment held.
     patch(json!({"spec": {"replicas": 0}})).await;
@@ -340,17 +314,7 @@ async fn a_listed_ip_whose_pods_del_was_lost_goes_to_the_deployments_replacement
     let controller = ipwarden.start_controller("gc", &["--full-scan-interval-seconds=1"]);
     ipwarden.wait_leader(controller).await;
 
-    let mut template = support::pod_template("api", json!({}));
-    template["metadata"]["annotations"] = json!({"ipwarden.io/ip-list": "10.79.0.7"});
-    let deployment: Deployment = serde_json::from_value(json!({
-        "metadata": {"name": "api"},
-        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "api"}}, "template": template},
-    }))
-    .expect("deployment");
-    Api::<Deployment>::namespaced(client.clone(), NS)
-        .create(&PostParams::default(), &deployment)
-        .await
-        .expect("create deployment");
+    create_listed_deployment(&client, "api", 1, "10.79.0.7", None).await;
     let first = support::wait_pods_with_ips(&client, NS, "app=api", 1).await;
     let (name, pod) = first.into_iter().next().expect("the pod");
     assert_eq!(support::ip_of(&pod), "10.79.0.7", "the listed IP");
@@ -379,4 +343,33 @@ async fn a_listed_ip_whose_pods_del_was_lost_goes_to_the_deployments_replacement
     .await
     .expect("the replacement gets the listed IP");
     assert_eq!(support::ip_of(&replacement), "10.79.0.7", "the listed IP, not another");
+}
+
+/// Creates Deployment `name` (pods labelled `app=name`) of `replicas` whose pod template lists
+/// `list` in `ipwarden.io/ip-list`, with `strategy` if given; returns the Deployments' API.
+async fn create_listed_deployment(
+    client: &kube::Client,
+    name: &str,
+    replicas: i32,
+    list: &str,
+    strategy: Option<Value>,
+) -> Api<Deployment> {
+    let mut template = support::pod_template(name, json!({}));
+    template["metadata"]["annotations"] = json!({"ipwarden.io/ip-list": list});
+    let mut spec = json!({"replicas": replicas, "selector": {"matchLabels": {"app": name}}, "template": template});
+    if let Some(strategy) = strategy {
+        spec["strategy"] = strategy;
+    }
+    let deployment: Deployment =
+        serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec})).expect("deployment");
+    let deployments = Api::<Deployment>::namespaced(client.clone(), NS);
+    deployments.create(&PostParams::default(), &deployment).await.expect("create deployment");
+    deployments
+}
+
+/// The pods' IPs, sorted.
+fn listed_ips(pods: &std::collections::BTreeMap<String, Pod>) -> Vec<String> {
+    let mut ips: Vec<String> = pods.values().map(support::ip_of).collect();
+    ips.sort();
+    ips
 }
