@@ -512,7 +512,7 @@ impl Core {
     ) -> Result<Vec<Written>, Error> {
         let namespace_name = pod.namespace().unwrap_or_default();
         let pools_snapshot = self.pools.state();
-        let pool_set = PoolSet::of(&pools_snapshot, &self.blocks.state());
+        let pool_set = PoolSet::of(&pools_snapshot, &self.known_blocks());
         let views = pool_set.views();
         let facts = self.placement_facts(pod, &pools_snapshot).await?;
         let placement = facts.placement(request);
@@ -577,7 +577,7 @@ impl Core {
     ) -> Result<Vec<Written>, Error> {
         let pod_name = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
         let pools_snapshot = self.pools.state();
-        let pool_set = PoolSet::of(&pools_snapshot, &self.blocks.state());
+        let pool_set = PoolSet::of(&pools_snapshot, &self.known_blocks());
         let views = pool_set.views();
         let facts = self.placement_facts(pod, &pools_snapshot).await?;
         let mut record = self.record_for(pod, owner, sticky, request);
