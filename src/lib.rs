@@ -15,6 +15,7 @@ pub mod hostlocal;
 pub mod http;
 pub mod ipam;
 pub mod lease;
+pub mod own_writes;
 pub mod owners;
 pub mod protocol;
 pub mod retry;

@@ -4,8 +4,8 @@
 //! release marks (`release_marks`) and the start-up recovery (`startup`). Decisions come from
 //! the pure modules (`ipam`, `gc`); these files read, write and retry.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, PoisonError};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
@@ -25,6 +25,7 @@ use crate::ipam::PoolLayout;
 use crate::ipam::blocks;
 use crate::ipam::pools;
 use crate::ipam::workload;
+use crate::own_writes::OwnWrites;
 use crate::protocol::{AttachmentRequest, IpConfig, IpamResult, PodRef as RuntimePodRef, Route};
 
 /// The agent's settings that shape allocation.
@@ -80,20 +81,8 @@ pub struct Core {
     runtime_gc_seen: std::sync::atomic::AtomicBool,
     /// The copy of each block this agent's last write stored, until the watch cache has
     /// caught up with it: the base of the next write, so consecutive writes need no read.
-    written: std::sync::Mutex<HashMap<String, OwnCopy>>,
+    written: OwnWrites<IPBlock>,
 }
-
-/// What one of this agent's block writes stored, and when.
-#[derive(Clone, Debug)]
-struct OwnCopy {
-    block: Arc<IPBlock>,
-    at: Instant,
-}
-
-/// How long after its write a block the watch cache does not show at all still counts for
-/// pool selection ([`Core::known_blocks`]): far longer than a watch lags, and short enough
-/// that a block deleted since (the agent keeps its copy) stops counting soon.
-const UNSEEN_OWN_COPY_COUNTS_FOR: Duration = Duration::from_secs(60);
 
 /// What a block write edits first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,44 +111,6 @@ pub(super) struct ResolvedPool {
 /// live read tells it is stale.
 fn cache_serves_add(cached_uid: Option<&str>, runtime_uid: Option<&str>, sticky: bool) -> bool {
     !sticky && runtime_uid.is_some() && cached_uid == runtime_uid
-}
-
-/// Whether the agent's own copy of a block (what its last write stored) is newer than the
-/// watch cache's: the same object (UID) at a higher `metadata.generation`, which the apiserver
-/// raises on every change of a custom resource's spec; or the cache has not seen the block.
-fn own_copy_is_newer(cached: Option<&IPBlock>, own: Option<&IPBlock>) -> bool {
-    match (cached, own) {
-        (_, None) => false,
-        (None, Some(_)) => true,
-        (Some(cached), Some(own)) => {
-            cached.metadata.uid == own.metadata.uid
-                && own.metadata.generation.unwrap_or(0) > cached.metadata.generation.unwrap_or(0)
-        }
-    }
-}
-
-/// The blocks as the agent knows them at `now`: the cache's `cached`, each replaced by the
-/// agent's own newer copy ([`own_copy_is_newer`]), and the blocks it wrote that the cache
-/// does not show yet, written less than [`UNSEEN_OWN_COPY_COUNTS_FOR`] ago.
-fn overlay_own_copies(cached: Vec<Arc<IPBlock>>, own: &HashMap<String, OwnCopy>, now: Instant) -> Vec<Arc<IPBlock>> {
-    if own.is_empty() {
-        return cached;
-    }
-    let mut unseen: BTreeMap<&str, &OwnCopy> = own.iter().map(|(name, copy)| (name.as_str(), copy)).collect();
-    let mut known: Vec<Arc<IPBlock>> = cached
-        .into_iter()
-        .map(|block| match unseen.remove(block.metadata.name.as_deref().unwrap_or_default()) {
-            Some(copy) if own_copy_is_newer(Some(&block), Some(&copy.block)) => copy.block.clone(),
-            _ => block,
-        })
-        .collect();
-    known.extend(
-        unseen
-            .into_values()
-            .filter(|copy| now.saturating_duration_since(copy.at) < UNSEEN_OWN_COPY_COUNTS_FOR)
-            .map(|copy| copy.block.clone()),
-    );
-    known
 }
 
 pub(super) use crate::ipam::blocks::new_block;
@@ -233,47 +184,31 @@ impl Core {
             batches: Batches::default(),
             started: std::time::Instant::now(),
             runtime_gc_seen: std::sync::atomic::AtomicBool::new(false),
-            written: std::sync::Mutex::new(HashMap::new()),
+            written: OwnWrites::default(),
         }
     }
 
     /// The newest copy of block `name` this agent knows: the watch cache's, or its own last
-    /// write's while the cache has not caught up (same object, higher generation).
+    /// write's while the cache has not caught up ([`OwnWrites::newest`]).
     pub(super) fn newest_block(&self, name: &str) -> Option<IPBlock> {
-        let cached = self.blocks.get(&ObjectRef::new(name));
-        let mut written = self.written.lock().unwrap_or_else(PoisonError::into_inner);
-        let own = written.get(name).map(|copy| copy.block.as_ref());
-        if own_copy_is_newer(cached.as_deref(), own) {
-            return own.cloned();
-        }
-        written.remove(name);
-        cached.map(|block| (*block).clone())
+        self.written.newest(name, self.blocks.get(&ObjectRef::new(name))).map(|block| (*block).clone())
     }
 
     /// The newest copies ([`Core::newest_block`]) of the blocks of pool `pool`.
     pub(super) fn newest_blocks_of(&self, pool: &str) -> Vec<IPBlock> {
         let mut names: Vec<String> =
             self.blocks.state().iter().filter(|b| b.spec.pool == pool).map(|b| b.name_any()).collect();
-        names.extend(
-            self.written
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .values()
-                .filter(|copy| copy.block.spec.pool == pool)
-                .map(|copy| copy.block.name_any()),
-        );
+        names.extend(self.written.names_where(|b| b.spec.pool == pool));
         names.sort();
         names.dedup();
         names.iter().filter_map(|name| self.newest_block(name)).collect()
     }
 
-    /// Every block as this agent knows it ([`overlay_own_copies`]): what pool selection reads,
+    /// Every block as this agent knows it ([`OwnWrites::overlay`]): what pool selection reads,
     /// so that the records of an orphaned block this agent wrote keep a pool over it from
     /// handing their IPs out while the watch has not delivered those writes yet.
     pub(super) fn known_blocks(&self) -> Vec<Arc<IPBlock>> {
-        let cached = self.blocks.state();
-        let written = self.written.lock().unwrap_or_else(PoisonError::into_inner);
-        overlay_own_copies(cached, &written, Instant::now())
+        self.written.overlay(self.blocks.state(), Instant::now())
     }
 
     /// Holds block `name` for this node's one writer of it, edits it in one compare-and-swap
@@ -311,12 +246,8 @@ impl Core {
             Base::Fresh => None,
         };
         let (outcome, stored) = self.store.update_from(name, base, create, edit).await?;
-        let mut written = self.written.lock().unwrap_or_else(PoisonError::into_inner);
-        match stored {
-            Some(stored) => written.insert(name.to_string(), OwnCopy { block: Arc::new(stored), at: Instant::now() }),
-            // Gone (a deleted block, whose copy must not be edited again), or nothing stored.
-            None => written.remove(name),
-        };
+        // `None`: gone (a deleted block, whose copy must not be edited again), or nothing stored.
+        self.written.remember(name, stored, Instant::now());
         Ok(outcome)
     }
 
@@ -462,64 +393,6 @@ mod test {
             pool: "p".into(),
             block: "b".into(),
         }
-    }
-
-    #[test]
-    fn the_own_copy_of_a_block_wins_only_while_the_cache_has_not_caught_up_with_it() {
-        let block = |uid: &str, generation: i64| {
-            let mut block = IPBlock::new("b", crate::crd::IPBlockSpec::default());
-            block.metadata.uid = Some(uid.into());
-            block.metadata.generation = Some(generation);
-            block
-        };
-        // (cached, own, own is newer)
-        let cases = [
-            (None, None, false),
-            (Some(block("u", 3)), None, false),
-            (None, Some(block("u", 3)), true),
-            (Some(block("u", 3)), Some(block("u", 4)), true),
-            (Some(block("u", 4)), Some(block("u", 4)), false),
-            (Some(block("u", 5)), Some(block("u", 4)), false),
-            // Deleted and made anew: the cache's object is another one.
-            (Some(block("v", 1)), Some(block("u", 4)), false),
-        ];
-        for (cached, own, want) in cases {
-            assert_eq!(own_copy_is_newer(cached.as_ref(), own.as_ref()), want, "{cached:?} vs {own:?}");
-        }
-    }
-
-    #[test]
-    fn pool_selection_sees_the_agents_own_writes_the_cache_lacks_and_forgets_unseen_ones_after_a_while() {
-        let block = |name: &str, uid: &str, generation: i64, records: usize| {
-            let mut spec = crate::crd::IPBlockSpec::default();
-            for i in 0..records {
-                spec.allocations.insert(format!("10.0.0.{i}"), crate::ipam::blocks::test::record("u", "c"));
-            }
-            let mut block = IPBlock::new(name, spec);
-            block.metadata.uid = Some(uid.into());
-            block.metadata.generation = Some(generation);
-            Arc::new(block)
-        };
-        let now = Instant::now();
-        let own = |block: Arc<IPBlock>, age: u64| OwnCopy { block, at: now - Duration::from_secs(age) };
-        let cached = vec![block("behind", "u1", 1, 1), block("ahead", "u2", 5, 0), block("other", "u3", 1, 2)];
-        let written: HashMap<String, OwnCopy> = [
-            ("behind", own(block("behind", "u1", 4, 4), 100)),
-            ("ahead", own(block("ahead", "u2", 4, 3), 1)),
-            ("unseen", own(block("unseen", "u4", 1, 1), 1)),
-            ("deleted", own(block("deleted", "u5", 2, 2), 61)),
-        ]
-        .into_iter()
-        .map(|(name, copy)| (name.to_string(), copy))
-        .collect();
-        let mut known: Vec<(String, usize)> = overlay_own_copies(cached.clone(), &written, now)
-            .iter()
-            .map(|b| (b.name_any(), b.spec.allocations.len()))
-            .collect();
-        known.sort();
-        let want = [("ahead", 0), ("behind", 4), ("other", 2), ("unseen", 1)];
-        assert_eq!(known, want.map(|(name, records)| (name.to_string(), records)));
-        assert_eq!(overlay_own_copies(cached, &HashMap::new(), now).len(), 3, "nothing written: the cache as is");
     }
 
     #[test]
