@@ -352,6 +352,9 @@ pub struct Requests {
     /// Of those, GETs of single pods, IPBlocks, IPClaims, Nodes or StatefulSets: per-record
     /// reads (leader election's Lease and the trigger ConfigMap are not).
     pub controller_per_record_gets: u64,
+    /// Of those, the ones answered with an error, by `verb resource[/subresource] code`
+    /// (409: a compare-and-swap lost to another writer).
+    pub controller_failures: BTreeMap<String, u64>,
     /// Every client's requests, from the apiserver's `apiserver_request_total`, by
     /// `VERB resource[/subresource]`.
     pub apiserver: BTreeMap<String, u64>,
@@ -382,6 +385,9 @@ pub struct Leaks {
     pub answer_failures: u64,
     /// `ipwarden_gc_releases_total` grown during the leak phase, by `trigger`.
     pub releases_by_trigger: BTreeMap<String, u64>,
+    /// `ipwarden_gc_skips_total` grown during the leak phase, by `reason`: changes dropped at
+    /// write time (each one's live reads, if it made any, were spent for nothing).
+    pub skips_by_reason: BTreeMap<String, u64>,
     /// Requests during the leak phase.
     pub requests: Requests,
     /// What was still pending when the wait gave up; empty when all were reclaimed.
@@ -836,11 +842,20 @@ fn seconds_between(from: Option<jiff::Timestamp>, to: Option<jiff::Timestamp>) -
     Some(to?.duration_since(from?).as_secs_f64())
 }
 
+/// An audit log's requests in a window ([`audit_counts`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AuditCounts {
+    /// By `verb resource[/subresource]`.
+    pub requests: BTreeMap<String, u64>,
+    /// Those answered with an error, by `verb resource[/subresource] code`.
+    pub failures: BTreeMap<String, u64>,
+}
+
 /// The controllers' requests in the audit log whose reception time lies in `[from, to)`, by
 /// `verb resource[/subresource]`: each request once, at `ResponseComplete`, except watches,
 /// counted when they start (`ResponseStarted`), since they last.
-pub fn audit_counts(log: &str, from: jiff::Timestamp, to: jiff::Timestamp) -> BTreeMap<String, u64> {
-    let mut counts = BTreeMap::new();
+pub fn audit_counts(log: &str, from: jiff::Timestamp, to: jiff::Timestamp) -> AuditCounts {
+    let mut counts = AuditCounts::default();
     for line in log.lines() {
         let Ok(event) = serde_json::from_str::<Value>(line) else { continue };
         let verb = event["verb"].as_str().unwrap_or_default();
@@ -857,7 +872,11 @@ pub fn audit_counts(log: &str, from: jiff::Timestamp, to: jiff::Timestamp) -> BT
         if let Some(sub) = object["subresource"].as_str() {
             resource = format!("{resource}/{sub}");
         }
-        *counts.entry(format!("{verb} {resource}")).or_insert(0) += 1;
+        let request = format!("{verb} {resource}");
+        if let Some(code) = event["responseStatus"]["code"].as_u64().filter(|code| *code >= 400) {
+            *counts.failures.entry(format!("{request} {code}")).or_insert(0) += 1;
+        }
+        *counts.requests.entry(request).or_insert(0) += 1;
     }
     counts
 }
@@ -1047,8 +1066,9 @@ pub async fn run(cluster: &mut Cluster, binary: &Path, options: &ScaleOptions) -
     report.quiet_seconds = options.quiet.as_secs_f64();
     let controller_requests = audit_counts(&read_text(&audit)?, quiet_start.2, quiet_end.0);
     report.quiet = Requests {
-        controller_per_record_gets: per_record_gets(&controller_requests),
-        controllers: controller_requests,
+        controller_per_record_gets: per_record_gets(&controller_requests.requests),
+        controllers: controller_requests.requests,
+        controller_failures: controller_requests.failures,
         apiserver: request_deltas(&quiet_start.0, &quiet_end.2),
     };
     tracing::info!(quiet = ?report.quiet.controllers, "scale: quiet window measured");
@@ -1058,12 +1078,14 @@ pub async fn run(cluster: &mut Cluster, binary: &Path, options: &ScaleOptions) -
     let leak_end = (jiff::Timestamp::now(), measure(cluster, &controllers)?, scrape_apiserver(&client).await?);
     let controller_requests = audit_counts(&read_text(&audit)?, leak_start.2, leak_end.0);
     report.leaks.requests = Requests {
-        controller_per_record_gets: per_record_gets(&controller_requests),
-        controllers: controller_requests,
+        controller_per_record_gets: per_record_gets(&controller_requests.requests),
+        controllers: controller_requests.requests,
+        controller_failures: controller_requests.failures,
         apiserver: request_deltas(&leak_start.0, &leak_end.2),
     };
     let after = scrape_all(&controllers).await?;
     report.leaks.releases_by_trigger = grown_by(&leak_start.1, &after, "ipwarden_gc_releases_total", "trigger");
+    report.leaks.skips_by_reason = grown_by(&leak_start.1, &after, "ipwarden_gc_skips_total", "reason");
     with(&seen, |s| (report.leaks.answered, report.leaks.answer_failures) = (s.answered, s.answer_failures));
 
     let leader_name = controllers[leader].name.clone();
@@ -1223,7 +1245,9 @@ impl std::fmt::Display for ScaleReport {
         }
         writeln!(f, "marks answered by the simulated agents: {} ({} failed)", l.answered, l.answer_failures)?;
         writeln!(f, "GC releases by trigger: {}", listed(&l.releases_by_trigger))?;
+        writeln!(f, "GC changes dropped at write time, by reason: {}", listed(&l.skips_by_reason))?;
         writeln!(f, "leaks, controllers' requests: {}", listed(&l.requests.controllers))?;
+        writeln!(f, "leaks, controllers' failed requests: {}", listed(&l.requests.controller_failures))?;
         writeln!(f, "leaks, apiserver_request_total (all clients): {}", listed(&l.requests.apiserver))
     }
 }
@@ -1315,6 +1339,9 @@ not json
                 "requestURI": "/apis?timeout=32s"})
             .to_string(),
             event("get", "ResponseComplete", "2026-11-23T10:00:50Z", "leases"),
+            json!({"verb": "update", "stage": "ResponseComplete", "requestReceivedTimestamp": "2026-11-23T10:00:55Z",
+                "objectRef": {"resource": "ipblocks"}, "responseStatus": {"code": 409}})
+            .to_string(),
         ]
         .join("\n");
         let at = |t: &str| t.parse::<jiff::Timestamp>().expect("timestamp");
@@ -1326,12 +1353,14 @@ not json
             ("patch pods/status", 1),
             ("get /apis", 1),
             ("get leases", 1),
+            ("update ipblocks", 1),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-        assert_eq!(counts, expected);
-        assert_eq!(per_record_gets(&counts), 1, "the Lease is not a record");
+        assert_eq!(counts.requests, expected);
+        assert_eq!(counts.failures, BTreeMap::from([("update ipblocks 409".to_string(), 1)]));
+        assert_eq!(per_record_gets(&counts.requests), 1, "the Lease is not a record");
     }
 
     #[test]
