@@ -188,6 +188,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             format!("ipwarden-controller-{identity}"),
             Some(metrics.conflict_retries.clone()),
         ),
+        own_writes: Arc::default(),
         batch_window: Duration::from_millis(args.batch_window_ms),
         recorder,
     };

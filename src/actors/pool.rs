@@ -7,7 +7,8 @@
 
 use super::leader::Leadership;
 use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseFuture, WrapFuture};
 use jiff::Timestamp;
@@ -21,11 +22,12 @@ use tokio::sync::oneshot;
 use super::metrics::{ControllerMetrics, FailureLabels, PoolLabels, ReleaseLabels};
 use super::watches::SharedIndex;
 use crate::block_store::{BlockStore, CasOutcome};
-use crate::crd::{HandshakeState, IPBlockSpec, IPPool, ReleaseHandshake};
-use crate::gc::handshake::{ControllerStep, controller_step, takeover_marked};
+use crate::crd::{HandshakeState, IPBlock, IPBlockSpec, IPPool, ReleaseHandshake};
+use crate::gc::handshake::{ControllerStep, controller_step, mark_settles_release, takeover_marked};
 use crate::gc::index::PodFacts;
 use crate::gc::rules::recheck_release;
 use crate::gc::sweep::{AWAITING_AGENT, ChangeAction, RecordChange, STICKY_TAKEOVER};
+use crate::own_writes::OwnWrites;
 
 /// Why a release is dropped when the re-read owner still wants the sticky record.
 const OWNER_WANTS: &str = "owner_wants";
@@ -139,6 +141,9 @@ pub struct PoolContext {
     pub metrics: ControllerMetrics,
     /// The IPBlock writer, with this replica's field manager.
     pub store: BlockStore,
+    /// What this replica's block writes stored, until the index shows them: each batch
+    /// decides from, and writes on, the newer of the two.
+    pub own_writes: Arc<OwnWrites<IPBlock>>,
     /// How long changes are collected before one write per block.
     pub batch_window: Duration,
     /// Event recorder.
@@ -514,31 +519,32 @@ async fn live_recheck(client: &Client, change: &RecordChange) -> Result<Option<&
 /// What one change needs from outside its block, read once per batch before the
 /// compare-and-swap (so a retry after a conflict repeats no API call): the live re-check of
 /// the record's pod, and whether the re-read owner still wants a sticky record. `None`: not
-/// read, because the cached record showed the change stops before them (a handshake to await
-/// or abort, a takeover mark, a live holder); if the fresh record says otherwise the change
-/// is dropped as `record_changed` and decided again from the index.
+/// read, because the newest known record showed the change stops before them (a handshake
+/// to await or abort, a takeover mark, a live holder), or that its answered mark settles it
+/// ([`mark_settles_release`]); if the fresh record says otherwise the change is dropped as
+/// `record_changed` and decided again from the index.
 #[derive(Default)]
 struct LiveFacts {
     /// Why the live read of the record's pod forbids the release, or why the read failed.
     recheck: Option<Result<Option<&'static str>, String>>,
+    /// The record's answered release mark made the pod read unnecessary.
+    settled_by_mark: bool,
     /// The re-read owner still wants the sticky record, or the re-read workload still holds
     /// the list-bound one.
     owner_wants: bool,
 }
 
-/// Reads the [`LiveFacts`] of each release in `changes` to block `name`, deciding from the
-/// cached block which releases get that far.
+/// Reads the [`LiveFacts`] of each release in `changes`, deciding from `newest`, the newest
+/// copy of their block this replica knows, which releases get that far.
 async fn read_live_facts(
     context: &PoolContext,
-    name: &str,
+    newest: Option<&IPBlock>,
     changes: &[(&RecordChange, Option<Timestamp>)],
     holders: &HashMap<String, String>,
 ) -> Vec<LiveFacts> {
-    let cached = context.index.read().block(name).cloned();
     let mut facts = Vec::new();
     for (change, _) in changes {
-        let record =
-            cached.as_ref().and_then(|b| b.spec.allocations.get(&change.ip)).filter(|r| r.pod.uid == change.pod.uid);
+        let record = newest.and_then(|b| b.spec.allocations.get(&change.ip)).filter(|r| r.pod.uid == change.pod.uid);
         let (Some(record), ChangeAction::Release { reason, .. }) = (record, &change.action) else {
             facts.push(LiveFacts::default());
             continue;
@@ -551,26 +557,32 @@ async fn read_live_facts(
             facts.push(LiveFacts::default());
             continue;
         }
+        let owner_sticky = crate::ipam::workload::record_is_sticky(record, context.index.read().sticky_kinds());
+        if step == ControllerStep::Release && mark_settles_release(record, owner_sticky) {
+            facts.push(LiveFacts { settled_by_mark: true, ..LiveFacts::default() });
+            continue;
+        }
         let recheck = live_recheck(&context.client, change)
             .await
             .map_err(|e| format!("reading pod {}/{}: {e}", change.pod.namespace, change.pod.name));
         // The decision's owner cache may be stale (a fast scale down and up): re-read it, and
         // the workload a list-bound record is held for. A retired block keeps no
         // reservation, so its owner has no say.
-        let sticky = crate::ipam::workload::record_is_sticky(record, context.index.read().sticky_kinds())
-            && reason.rests_on_owner();
+        let sticky = owner_sticky && reason.rests_on_owner();
         let owner_wants = matches!(recheck, Ok(None))
             && !change.retired
             && crate::owners::record_held(&context.client, record, sticky, false).await;
-        facts.push(LiveFacts { recheck: Some(recheck), owner_wants });
+        facts.push(LiveFacts { recheck: Some(recheck), settled_by_mark: false, owner_wants });
     }
     facts
 }
 
-/// Applies `changes` to block `name` in one compare-and-swap write ([`BlockStore::update`]).
-/// The live facts are read once; each attempt applies the pure [`apply_one`] to the fresh
-/// block. `changes` pairs each change with when its pod ended, if known (kept in a release
-/// mark for the reclaim latency).
+/// Applies `changes` to block `name` in one compare-and-swap write
+/// ([`BlockStore::update_from`]), starting from the newest copy this replica knows (the
+/// index's, or its own last write's while the index lags): a stale copy costs a conflict and
+/// a fresh read. The live facts are read once; each attempt applies the pure [`apply_one`].
+/// `changes` pairs each change with when its pod ended, if known (kept in a release mark for
+/// the reclaim latency).
 async fn write_block(
     context: &PoolContext,
     name: &str,
@@ -578,11 +590,14 @@ async fn write_block(
 ) -> Vec<ChangeOutcome> {
     let ips: Vec<&str> = changes.iter().map(|(c, _)| c.ip.as_str()).collect();
     let holders = live_holders(context, &ips);
-    let facts = read_live_facts(context, name, changes, &holders).await;
+    let cached = context.index.read().block(name).cloned();
+    let newest = context.own_writes.newest(name, cached);
+    let facts = read_live_facts(context, newest.as_deref(), changes, &holders).await;
     let mut outcomes = Vec::new();
+    let base = newest.map(|block| (*block).clone());
     let written = context
         .store
-        .update(name, None, |block| {
+        .update_from(name, base, None, |block| {
             let spec = &mut block.spec;
             let now = Timestamp::now();
             outcomes = changes
@@ -601,9 +616,17 @@ async fn write_block(
         })
         .await;
     match written {
-        Ok(CasOutcome::Absent) => changes.iter().map(|_| ChangeOutcome::Skipped("block_gone")).collect(),
-        Ok(_) => outcomes,
-        Err(e) => changes.iter().map(|_| ChangeOutcome::Failed(e.to_string())).collect(),
+        Ok((outcome, stored)) => {
+            context.own_writes.remember(name, stored, Instant::now());
+            match outcome {
+                CasOutcome::Absent => changes.iter().map(|_| ChangeOutcome::Skipped("block_gone")).collect(),
+                _ => outcomes,
+            }
+        }
+        Err(e) => {
+            context.own_writes.remember(name, None, Instant::now());
+            changes.iter().map(|_| ChangeOutcome::Failed(e.to_string())).collect()
+        }
     }
 }
 
@@ -640,6 +663,10 @@ fn apply_one(
                 return ChangeOutcome::Skipped("in_use");
             }
             match &facts.recheck {
+                // Settled by the answered mark the newest copy showed: still there, and answered.
+                None if facts.settled_by_mark
+                    && step == ControllerStep::Release
+                    && crate::gc::handshake::answered_controller_mark(record) => {}
                 None => return ChangeOutcome::Skipped("record_changed"),
                 Some(Ok(None)) => {}
                 Some(Ok(Some(reason))) => return ChangeOutcome::Skipped(reason),
@@ -724,7 +751,11 @@ mod test {
     }
 
     fn facts(recheck: Option<Option<&'static str>>, owner_wants: bool) -> LiveFacts {
-        LiveFacts { recheck: recheck.map(Ok), owner_wants }
+        LiveFacts { recheck: recheck.map(Ok), settled_by_mark: false, owner_wants }
+    }
+
+    fn settled() -> LiveFacts {
+        LiveFacts { recheck: None, settled_by_mark: true, owner_wants: false }
     }
 
     #[test]
@@ -737,12 +768,16 @@ mod test {
             pod_ended_at: None,
             takeover: Some(Takeover { pod: record("u2").pod, node: "m".into() }),
         };
-        let with_takeover = Allocation { release_handshake: Some(takeover), ..record("u1") };
+        let with_takeover = Allocation { release_handshake: Some(takeover.clone()), ..record("u1") };
+        let marked = |state| Allocation {
+            release_handshake: Some(ReleaseHandshake { state, takeover: None, ..takeover.clone() }),
+            ..record("u1")
+        };
         let holder: HashMap<String, String> = [(IP.to_string(), "u3".to_string())].into();
         let none = HashMap::new();
         // (fresh record, via agent, facts, live holders, outcome)
         type Case<'a> = (Option<Allocation>, bool, LiveFacts, &'a HashMap<String, String>, ChangeOutcome);
-        let table: [Case<'_>; 9] = [
+        let table: [Case<'_>; 12] = [
             (None, false, facts(Some(None), false), &none, ChangeOutcome::Skipped("record_gone")),
             (Some(record("u2")), false, facts(Some(None), false), &none, ChangeOutcome::Skipped("record_changed")),
             (Some(with_takeover), false, facts(Some(None), false), &none, ChangeOutcome::Skipped(STICKY_TAKEOVER)),
@@ -759,6 +794,17 @@ mod test {
             (Some(record("u1")), false, facts(Some(None), true), &none, ChangeOutcome::Skipped(OWNER_WANTS)),
             (Some(record("u1")), true, facts(Some(None), false), &none, ChangeOutcome::Marked),
             (Some(record("u1")), false, facts(Some(None), false), &none, ChangeOutcome::Released(None)),
+            // Settled by the answered mark, without a pod read: only while the fresh record
+            // still carries that answer.
+            (Some(marked(HandshakeState::ReadyForRelease)), true, settled(), &none, ChangeOutcome::Released(None)),
+            (Some(record("u1")), false, settled(), &none, ChangeOutcome::Skipped("record_changed")),
+            (
+                Some(marked(HandshakeState::MarkedForRelease)),
+                true,
+                settled(),
+                &none,
+                ChangeOutcome::Skipped(AWAITING_AGENT),
+            ),
         ];
         for (fresh, via_agent, facts, holders, want) in table {
             let mut spec = IPBlockSpec::default();

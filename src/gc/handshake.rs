@@ -35,6 +35,26 @@ pub fn takeover_marked(record: &Allocation) -> bool {
     record.release_handshake.as_ref().is_some_and(|h| h.takeover.is_some())
 }
 
+/// Whether the record carries the controller's release mark, answered `ready-for-release`
+/// by its node's agent (not a sticky takeover's).
+pub fn answered_controller_mark(record: &Allocation) -> bool {
+    record
+        .release_handshake
+        .as_ref()
+        .is_some_and(|h| h.state == HandshakeState::ReadyForRelease && h.takeover.is_none())
+}
+
+/// Whether the release of `record` (`sticky`: it is a sticky owner's) may go without the
+/// controller's second live read of its pod. The controller writes its mark only after a
+/// live read showed the record's pod gone, finished, or replaced by a pod not reporting the
+/// IP, and the agent answers `ready-for-release` only after its own live read: a pod UID
+/// never comes back, and while the record exists no other pod is given its IP. Only for a
+/// record no owner or workload can want back: a sticky or list-bound record's owner is
+/// re-read at release time, after a fresh look at the pod.
+pub fn mark_settles_release(record: &Allocation, sticky: bool) -> bool {
+    !sticky && record.held_for.is_none() && answered_controller_mark(record)
+}
+
 /// Whether the record's handshake is one the controller acts on as soon as it appears: an
 /// agent's answer, or a sticky takeover mark (answered for a node whose agent cannot).
 pub fn actionable(record: &Allocation) -> bool {
@@ -268,6 +288,37 @@ mod test {
         ];
         for (state, step) in table {
             assert_eq!(controller_step(state, true), step, "state {state:?}");
+        }
+    }
+
+    #[test]
+    fn only_an_answered_controller_mark_on_a_record_nobody_wants_back_spares_the_second_pod_read() {
+        use crate::crd::{OwnerRef, ReleaseHandshake, Takeover};
+        let handshake = |state, takeover: bool| ReleaseHandshake {
+            state,
+            marked_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::UNIX_EPOCH),
+            reason: "pod_gone".into(),
+            detail: None,
+            pod_ended_at: None,
+            takeover: takeover
+                .then(|| Takeover { pod: crate::ipam::blocks::test::record("u2", "c2").pod, node: "node-1".into() }),
+        };
+        let held = Some(OwnerRef { kind: "Deployment".into(), name: "web".into() });
+        // (handshake, held for a workload, sticky, settles)
+        let table = [
+            (Some(handshake(HandshakeState::ReadyForRelease, false)), None, false, true),
+            (Some(handshake(HandshakeState::ReadyForRelease, false)), None, true, false),
+            (Some(handshake(HandshakeState::ReadyForRelease, false)), held.clone(), false, false),
+            (Some(handshake(HandshakeState::ReadyForRelease, true)), None, false, false),
+            (Some(handshake(HandshakeState::MarkedForRelease, false)), None, false, false),
+            (Some(handshake(HandshakeState::DoNotRelease, false)), None, false, false),
+            (None, None, false, false),
+        ];
+        for (handshake, held_for, sticky, settles) in table {
+            let mut record = crate::ipam::blocks::test::record("u1", "c1");
+            record.release_handshake = handshake;
+            record.held_for = held_for;
+            assert_eq!(mark_settles_release(&record, sticky), settles, "{record:?} sticky {sticky}");
         }
     }
 
