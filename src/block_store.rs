@@ -139,11 +139,14 @@ where
                 Some(held) => Some(held),
                 None => self.api.get_opt(name).await.map_err(|e| failed(CasCause::Read(e)))?,
             };
-            let Some(mut object) = current.or_else(|| create.map(|create| create())) else {
+            let Some(read) = current.or_else(|| create.map(|create| create())) else {
                 return Ok((CasOutcome::Absent, None));
             };
+            // An edit that finds nothing to write may have changed its copy before deciding
+            // so: what is stored is the object as read.
+            let mut object = read.clone();
             let Some(out) = edit(&mut object) else {
-                let stored = object.resource_version().is_some().then_some(object);
+                let stored = read.resource_version().is_some().then_some(read);
                 return Ok((CasOutcome::Unchanged, stored));
             };
             let written = if object.resource_version().is_none() {

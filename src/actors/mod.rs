@@ -45,6 +45,7 @@ use crate::crd::{IPBlock, IPClaim, IPPool};
 use crate::gc::index::{Kind, Watched};
 use crate::gc::rules::{NotReadyPolicy, RuleSettings};
 use crate::ipam::workload::DEFAULT_STICKY_KINDS;
+use crate::own_writes::OwnWrites;
 
 /// How long the controller waits for its watches' first lists at start.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
@@ -137,9 +138,17 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     let all = watcher::Config::default;
     let pod_events =
         watches::watch_into(index.clone(), Kind::Pod, Api::<Pod>::all(client.clone()), all(), |o| Watched::Pod(o));
+    // What the pool actors' writes stored, until this watch shows them.
+    let own_block_writes: Arc<OwnWrites<IPBlock>> = Arc::default();
+    let seen_writes = own_block_writes.clone();
     let block_events =
         watches::watch_shared_into(index.clone(), Kind::Block, Api::<IPBlock>::all(client.clone()), |o| {
             Watched::Block(o)
+        })
+        .inspect(move |event| match event {
+            Ok(watcher::Event::Apply(block) | watcher::Event::InitApply(block)) => seen_writes.observe(block, false),
+            Ok(watcher::Event::Delete(block)) => seen_writes.observe(block, true),
+            _ => {}
         });
     let node_events =
         watches::watch_into(index.clone(), Kind::Node, Api::<Node>::all(client.clone()), all(), |o| Watched::Node(o));
@@ -188,7 +197,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             format!("ipwarden-controller-{identity}"),
             Some(metrics.conflict_retries.clone()),
         ),
-        own_writes: Arc::default(),
+        own_writes: own_block_writes,
         batch_window: Duration::from_millis(args.batch_window_ms),
         recorder,
     };

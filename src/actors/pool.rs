@@ -523,7 +523,7 @@ async fn live_recheck(client: &Client, change: &RecordChange) -> Result<Option<&
 /// to await or abort, a takeover mark, a live holder), or that its answered mark settles it
 /// ([`mark_settles_release`]); if the fresh record says otherwise the change is dropped as
 /// `record_changed` and decided again from the index.
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct LiveFacts {
     /// Why the live read of the record's pod forbids the release, or why the read failed.
     recheck: Option<Result<Option<&'static str>, String>>,
@@ -543,6 +543,9 @@ async fn read_live_facts(
     holders: &HashMap<String, String>,
 ) -> Vec<LiveFacts> {
     let mut facts = Vec::new();
+    // Two triggers (a pod event and a sweep) can queue the same release in one batch: it
+    // reads once.
+    let mut read: HashMap<(&str, &str, &str, bool), LiveFacts> = HashMap::new();
     for (change, _) in changes {
         let record = newest.and_then(|b| b.spec.allocations.get(&change.ip)).filter(|r| r.pod.uid == change.pod.uid);
         let (Some(record), ChangeAction::Release { reason, .. }) = (record, &change.action) else {
@@ -562,6 +565,11 @@ async fn read_live_facts(
             facts.push(LiveFacts { settled_by_mark: true, ..LiveFacts::default() });
             continue;
         }
+        let key = (change.ip.as_str(), change.pod.uid.as_str(), reason.label(), change.retired);
+        if let Some(known) = read.get(&key) {
+            facts.push(known.clone());
+            continue;
+        }
         let recheck = live_recheck(&context.client, change)
             .await
             .map_err(|e| format!("reading pod {}/{}: {e}", change.pod.namespace, change.pod.name));
@@ -572,17 +580,20 @@ async fn read_live_facts(
         let owner_wants = matches!(recheck, Ok(None))
             && !change.retired
             && crate::owners::record_held(&context.client, record, sticky, false).await;
-        facts.push(LiveFacts { recheck: Some(recheck), settled_by_mark: false, owner_wants });
+        let known = LiveFacts { recheck: Some(recheck), settled_by_mark: false, owner_wants };
+        read.insert(key, known.clone());
+        facts.push(known);
     }
     facts
 }
 
 /// Applies `changes` to block `name` in one compare-and-swap write
 /// ([`BlockStore::update_from`]), starting from the newest copy this replica knows (the
-/// index's, or its own last write's while the index lags): a stale copy costs a conflict and
-/// a fresh read. The live facts are read once; each attempt applies the pure [`apply_one`].
-/// `changes` pairs each change with when its pod ended, if known (kept in a release mark for
-/// the reclaim latency).
+/// index's, or its own last write's while the index lags): a stale copy that leads to a
+/// write costs a conflict and a fresh read; one that leads to nothing drops the changes,
+/// which the block's next watch event brings back. The live facts are read once; each attempt
+/// applies the pure [`apply_one`]. `changes` pairs each change with when its pod ended, if
+/// known (kept in a release mark for the reclaim latency).
 async fn write_block(
     context: &PoolContext,
     name: &str,
@@ -591,7 +602,7 @@ async fn write_block(
     let ips: Vec<&str> = changes.iter().map(|(c, _)| c.ip.as_str()).collect();
     let holders = live_holders(context, &ips);
     let cached = context.index.read().block(name).cloned();
-    let newest = context.own_writes.newest(name, cached);
+    let newest = context.own_writes.newest(name, cached, Instant::now());
     let facts = read_live_facts(context, newest.as_deref(), changes, &holders).await;
     let mut outcomes = Vec::new();
     let base = newest.map(|block| (*block).clone());
@@ -663,10 +674,9 @@ fn apply_one(
                 return ChangeOutcome::Skipped("in_use");
             }
             match &facts.recheck {
-                // Settled by the answered mark the newest copy showed: still there, and answered.
-                None if facts.settled_by_mark
-                    && step == ControllerStep::Release
-                    && crate::gc::handshake::answered_controller_mark(record) => {}
+                // Settled by the answered mark the newest copy showed, which the fresh record
+                // still carries (a record of the same IP and UID keeps its owner and heldFor).
+                None if facts.settled_by_mark && crate::gc::handshake::answered_controller_mark(record) => {}
                 None => return ChangeOutcome::Skipped("record_changed"),
                 Some(Ok(None)) => {}
                 Some(Ok(Some(reason))) => return ChangeOutcome::Skipped(reason),

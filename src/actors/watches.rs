@@ -108,8 +108,9 @@ pub fn shared<K>(event: watcher::Event<K>) -> watcher::Event<Arc<K>> {
     }
 }
 
-/// Events of `api`'s objects, as shared objects, each applied to `index` before it is
-/// passed on.
+/// Events of `api`'s objects, as shared objects without their managedFields (a block's are
+/// as large as its records, and nothing decides by them; a write of a copy without them
+/// leaves the stored ones as they are), each applied to `index` before it is passed on.
 pub fn watch_shared_into<K>(
     index: SharedIndex,
     kind: Kind,
@@ -119,7 +120,8 @@ pub fn watch_shared_into<K>(
 where
     K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
 {
-    watcher(api, watcher::Config::default()).default_backoff().map(move |event| {
+    let trimmed = watcher(api, watcher::Config::default()).modify(|object| object.meta_mut().managed_fields = None);
+    trimmed.default_backoff().map(move |event| {
         let event = event.map(shared);
         if let Ok(event) = &event {
             index.apply(kind, event, watched);

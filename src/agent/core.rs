@@ -54,6 +54,9 @@ pub struct Caches {
     pub node: Store<Node>,
     /// This node's pods (`spec.nodeName`), without their managed fields: an ADD's pod.
     pub pods: Store<Pod>,
+    /// What this agent's block writes stored, until the block watch shows them (the watch
+    /// feeds it [`OwnWrites::observe`]).
+    pub own_block_writes: Arc<OwnWrites<IPBlock>>,
 }
 
 /// The agent's state: caches, the checkpoint, and the client.
@@ -81,7 +84,7 @@ pub struct Core {
     runtime_gc_seen: std::sync::atomic::AtomicBool,
     /// The copy of each block this agent's last write stored, until the watch cache has
     /// caught up with it: the base of the next write, so consecutive writes need no read.
-    written: OwnWrites<IPBlock>,
+    written: Arc<OwnWrites<IPBlock>>,
 }
 
 /// What a block write edits first.
@@ -167,7 +170,7 @@ impl Core {
             field_manager(&settings.node),
             Some(metrics.conflict_retries.clone()),
         );
-        let Caches { pools, blocks, namespaces, node, pods } = caches;
+        let Caches { pools, blocks, namespaces, node, pods, own_block_writes } = caches;
         Self {
             client,
             settings,
@@ -184,21 +187,21 @@ impl Core {
             batches: Batches::default(),
             started: std::time::Instant::now(),
             runtime_gc_seen: std::sync::atomic::AtomicBool::new(false),
-            written: OwnWrites::default(),
+            written: own_block_writes,
         }
     }
 
     /// The newest copy of block `name` this agent knows: the watch cache's, or its own last
     /// write's while the cache has not caught up ([`OwnWrites::newest`]).
     pub(super) fn newest_block(&self, name: &str) -> Option<IPBlock> {
-        self.written.newest(name, self.blocks.get(&ObjectRef::new(name))).map(|block| (*block).clone())
+        self.written.newest(name, self.blocks.get(&ObjectRef::new(name)), Instant::now()).map(|block| (*block).clone())
     }
 
     /// The newest copies ([`Core::newest_block`]) of the blocks of pool `pool`.
     pub(super) fn newest_blocks_of(&self, pool: &str) -> Vec<IPBlock> {
         let mut names: Vec<String> =
             self.blocks.state().iter().filter(|b| b.spec.pool == pool).map(|b| b.name_any()).collect();
-        names.extend(self.written.names_where(|b| b.spec.pool == pool));
+        names.extend(self.written.names_where(|b| b.spec.pool == pool, Instant::now()));
         names.sort();
         names.dedup();
         names.iter().filter_map(|name| self.newest_block(name)).collect()

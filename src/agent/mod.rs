@@ -38,6 +38,7 @@ use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 
 use crate::crd::{IPBlock, IPPool};
 use crate::ipam::workload::DEFAULT_STICKY_KINDS;
+use crate::own_writes::OwnWrites;
 use checkpoint::{Checkpoint, Restored};
 
 /// Only host-local reservations at least this old are collected at start: an ADD in flight
@@ -155,7 +156,14 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     // Recomputed on every change of the pools or the blocks (an orphaned block emptying
     // ends an overlap); bursts coalesce into one pass, and the status writes echo back once.
     let conditions = Arc::new(Notify::new());
-    tokio::spawn(reconcile_conditions(client.clone(), pools.clone(), blocks.clone(), conditions.clone()));
+    let own_block_writes: Arc<OwnWrites<IPBlock>> = Arc::default();
+    tokio::spawn(reconcile_conditions(
+        client.clone(),
+        pools.clone(),
+        blocks.clone(),
+        own_block_writes.clone(),
+        conditions.clone(),
+    ));
     let pools_changed = conditions.clone();
     tokio::spawn(pool_events.default_backoff().for_each(move |event| {
         if matches!(event, Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone)) {
@@ -164,9 +172,15 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         async {}
     }));
     let marks = Arc::new(Notify::new());
-    let (node, notify) = (args.node_name.clone(), marks.clone());
-    tokio::spawn(block_events.default_backoff().touched_objects().for_each(move |block| {
-        if let Ok(block) = block {
+    let (node, notify, seen_writes) = (args.node_name.clone(), marks.clone(), own_block_writes.clone());
+    tokio::spawn(block_events.default_backoff().for_each(move |event| {
+        let seen = match &event {
+            Ok(watcher::Event::Apply(block) | watcher::Event::InitApply(block)) => Some((block, false)),
+            Ok(watcher::Event::Delete(block)) => Some((block, true)),
+            _ => None,
+        };
+        if let Some((block, deleted)) = seen {
+            seen_writes.observe(block, deleted);
             conditions.notify_one();
             if block.spec.allocations.values().any(|r| r.node == node && crate::gc::handshake::marked_for_release(r)) {
                 notify.notify_one();
@@ -192,7 +206,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         sticky_kinds: args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect(),
         sandbox_grace: Duration::from_secs(args.release_sandbox_grace_seconds),
     };
-    let caches = core::Caches { pools, blocks, namespaces, node: node_cache, pods: pod_cache };
+    let caches = core::Caches { pools, blocks, namespaces, node: node_cache, pods: pod_cache, own_block_writes };
     let core = Arc::new(core::Core::new(client.clone(), settings, caches, checkpoint, metrics));
     let path = args.checkpoint.display();
     if restored == Restored::Loaded {
@@ -249,11 +263,13 @@ async fn reconcile_conditions(
     client: Client,
     pools: reflector::Store<IPPool>,
     blocks: reflector::Store<IPBlock>,
+    own_block_writes: Arc<OwnWrites<IPBlock>>,
     changed: Arc<Notify>,
 ) {
     loop {
         changed.notified().await;
-        pool_status::reconcile(&client, &pools, &blocks).await;
+        let known = own_block_writes.overlay(blocks.state(), std::time::Instant::now());
+        pool_status::reconcile(&client, &pools, &known).await;
     }
 }
 

@@ -15,10 +15,12 @@ use serde_json::json;
 use crate::crd::{IPBlock, IPPool};
 use crate::ipam::pools::{self, OVERLAPPING_CONDITION, PoolSet};
 
-/// Brings every pool's `Overlapping` condition in line with the current pools and blocks.
-pub async fn reconcile(client: &Client, pools: &Store<IPPool>, blocks: &Store<IPBlock>) {
+/// Brings every pool's `Overlapping` condition in line with the current pools and `blocks`
+/// (as the agent knows them: its cache and its own writes, the same view its ADDs choose
+/// pools by).
+pub async fn reconcile(client: &Client, pools: &Store<IPPool>, blocks: &[Arc<IPBlock>]) {
     let snapshot: Vec<Arc<IPPool>> = pools.state();
-    let pool_set = PoolSet::of(&snapshot, &blocks.state());
+    let pool_set = PoolSet::of(&snapshot, blocks);
     let views = pool_set.views();
     let api: Api<IPPool> = Api::all(client.clone());
     for (pool, (overlapping, message)) in pools::overlap_conditions(&views, pool_set.orphans()) {

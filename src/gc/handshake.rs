@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
-use super::rules::{NodeState, NotReadyGate, NotReadyPolicy, not_ready_gate};
+use super::rules::{NodeState, NotReadyGate, NotReadyPolicy, ReleaseReason, not_ready_gate};
 use crate::crd::{Allocation, HandshakeState};
 
 /// Whether `record` is marked for release (by the controller, or by an agent's sticky
@@ -44,15 +44,32 @@ pub fn answered_controller_mark(record: &Allocation) -> bool {
         .is_some_and(|h| h.state == HandshakeState::ReadyForRelease && h.takeover.is_none())
 }
 
+/// The reasons of a controller mark written when the record's pod (its UID) was gone or
+/// finished: the ones a later read of the pod could not turn ([`mark_settles_release`]).
+const POD_ENDED_REASONS: [ReleaseReason; 4] = [
+    ReleaseReason::PodGone,
+    ReleaseReason::NodeDeleted,
+    ReleaseReason::TerminatingPastDeadline,
+    ReleaseReason::Completed,
+];
+
 /// Whether the release of `record` (`sticky`: it is a sticky owner's) may go without the
 /// controller's second live read of its pod. The controller writes its mark only after a
-/// live read showed the record's pod gone, finished, or replaced by a pod not reporting the
-/// IP, and the agent answers `ready-for-release` only after its own live read: a pod UID
-/// never comes back, and while the record exists no other pod is given its IP. Only for a
-/// record no owner or workload can want back: a sticky or list-bound record's owner is
-/// re-read at release time, after a fresh look at the pod.
+/// live read showed the record's pod gone or finished, and the agent answers
+/// `ready-for-release` only after its own live read: a pod UID never comes back, and while
+/// the record exists ipwarden gives its IP to no other pod. Only for a mark of a pod that
+/// ended ([`POD_ENDED_REASONS`]; not `uid_mismatch`, whose live namesake could come to report
+/// the IP through another IPAM) and a record no owner or workload can want back: a sticky or
+/// list-bound record's owner is re-read at release time, after a fresh look at the pod. The
+/// pods the index shows reporting the IP still stop the release.
 pub fn mark_settles_release(record: &Allocation, sticky: bool) -> bool {
-    !sticky && record.held_for.is_none() && answered_controller_mark(record)
+    !sticky
+        && record.held_for.is_none()
+        && answered_controller_mark(record)
+        && record
+            .release_handshake
+            .as_ref()
+            .is_some_and(|h| POD_ENDED_REASONS.iter().any(|reason| reason.label() == h.reason))
 }
 
 /// Whether the record's handshake is one the controller acts on as soon as it appears: an
@@ -294,10 +311,10 @@ mod test {
     #[test]
     fn only_an_answered_controller_mark_on_a_record_nobody_wants_back_spares_the_second_pod_read() {
         use crate::crd::{OwnerRef, ReleaseHandshake, Takeover};
-        let handshake = |state, takeover: bool| ReleaseHandshake {
+        let marked = |state, takeover: bool, reason: &str| ReleaseHandshake {
             state,
             marked_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::UNIX_EPOCH),
-            reason: "pod_gone".into(),
+            reason: reason.into(),
             detail: None,
             pod_ended_at: None,
             takeover: takeover
@@ -305,8 +322,14 @@ mod test {
         };
         let held = Some(OwnerRef { kind: "Deployment".into(), name: "web".into() });
         // (handshake, held for a workload, sticky, settles)
+        let handshake = |state, takeover| marked(state, takeover, "pod_gone");
         let table = [
             (Some(handshake(HandshakeState::ReadyForRelease, false)), None, false, true),
+            (Some(marked(HandshakeState::ReadyForRelease, false, "completed")), None, false, true),
+            (Some(marked(HandshakeState::ReadyForRelease, false, "node_deleted")), None, false, true),
+            (Some(marked(HandshakeState::ReadyForRelease, false, "terminating_past_deadline")), None, false, true),
+            (Some(marked(HandshakeState::ReadyForRelease, false, "uid_mismatch")), None, false, false),
+            (Some(marked(HandshakeState::ReadyForRelease, false, "node_not_ready")), None, false, false),
             (Some(handshake(HandshakeState::ReadyForRelease, false)), None, true, false),
             (Some(handshake(HandshakeState::ReadyForRelease, false)), held.clone(), false, false),
             (Some(handshake(HandshakeState::ReadyForRelease, true)), None, false, false),
