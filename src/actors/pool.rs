@@ -523,7 +523,7 @@ async fn live_recheck(client: &Client, change: &RecordChange) -> Result<Option<&
 /// to await or abort, a takeover mark, a live holder), or that its answered mark settles it
 /// ([`mark_settles_release`]); if the fresh record says otherwise the change is dropped as
 /// `record_changed` and decided again from the index.
-#[derive(Clone, Default)]
+#[derive(Default)]
 struct LiveFacts {
     /// Why the live read of the record's pod forbids the release, or why the read failed.
     recheck: Option<Result<Option<&'static str>, String>>,
@@ -543,9 +543,10 @@ async fn read_live_facts(
     holders: &HashMap<String, String>,
 ) -> Vec<LiveFacts> {
     let mut facts = Vec::new();
-    // Two triggers (a pod event and a sweep) can queue the same release in one batch: it
-    // reads once.
-    let mut read: HashMap<(&str, &str, &str, bool), LiveFacts> = HashMap::new();
+    // Two triggers can queue releases of one record in one batch (a deleted pod's
+    // `terminating_past_deadline` and `pod_gone`): its pod and owner are read once.
+    let mut pods_read: HashMap<(&str, &str), Result<Option<&'static str>, String>> = HashMap::new();
+    let mut owners_read: HashMap<(&str, &str, bool), bool> = HashMap::new();
     for (change, _) in changes {
         let record = newest.and_then(|b| b.spec.allocations.get(&change.ip)).filter(|r| r.pod.uid == change.pod.uid);
         let (Some(record), ChangeAction::Release { reason, .. }) = (record, &change.action) else {
@@ -565,24 +566,32 @@ async fn read_live_facts(
             facts.push(LiveFacts { settled_by_mark: true, ..LiveFacts::default() });
             continue;
         }
-        let key = (change.ip.as_str(), change.pod.uid.as_str(), reason.label(), change.retired);
-        if let Some(known) = read.get(&key) {
-            facts.push(known.clone());
-            continue;
-        }
-        let recheck = live_recheck(&context.client, change)
-            .await
-            .map_err(|e| format!("reading pod {}/{}: {e}", change.pod.namespace, change.pod.name));
+        let key = (change.ip.as_str(), change.pod.uid.as_str());
+        let recheck = match pods_read.get(&key) {
+            Some(known) => known.clone(),
+            None => {
+                let read = live_recheck(&context.client, change)
+                    .await
+                    .map_err(|e| format!("reading pod {}/{}: {e}", change.pod.namespace, change.pod.name));
+                pods_read.insert(key, read.clone());
+                read
+            }
+        };
         // The decision's owner cache may be stale (a fast scale down and up): re-read it, and
         // the workload a list-bound record is held for. A retired block keeps no
         // reservation, so its owner has no say.
         let sticky = owner_sticky && reason.rests_on_owner();
-        let owner_wants = matches!(recheck, Ok(None))
-            && !change.retired
-            && crate::owners::record_held(&context.client, record, sticky, false).await;
-        let known = LiveFacts { recheck: Some(recheck), settled_by_mark: false, owner_wants };
-        read.insert(key, known.clone());
-        facts.push(known);
+        let owner_key = (key.0, key.1, sticky);
+        let owner_wants = match owners_read.get(&owner_key) {
+            _ if !matches!(recheck, Ok(None)) || change.retired => false,
+            Some(&held) => held,
+            None => {
+                let held = crate::owners::record_held(&context.client, record, sticky, false).await;
+                owners_read.insert(owner_key, held);
+                held
+            }
+        };
+        facts.push(LiveFacts { recheck: Some(recheck), settled_by_mark: false, owner_wants });
     }
     facts
 }
