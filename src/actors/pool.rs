@@ -683,9 +683,10 @@ fn apply_one(
                 return ChangeOutcome::Skipped("in_use");
             }
             match &facts.recheck {
-                // Settled by the answered mark the newest copy showed, which the fresh record
-                // still carries (a record of the same IP and UID keeps its owner and heldFor).
-                None if facts.settled_by_mark && crate::gc::handshake::answered_controller_mark(record) => {}
+                // Settled by the answered mark the newest copy showed, if the fresh record still
+                // carries it (a record of the same IP and UID keeps its owner and heldFor, so it
+                // is as little sticky as the copy's was).
+                None if facts.settled_by_mark && mark_settles_release(record, false) => {}
                 None => return ChangeOutcome::Skipped("record_changed"),
                 Some(Ok(None)) => {}
                 Some(Ok(Some(reason))) => return ChangeOutcome::Skipped(reason),
@@ -789,14 +790,23 @@ mod test {
         };
         let with_takeover = Allocation { release_handshake: Some(takeover.clone()), ..record("u1") };
         let marked = |state| Allocation {
-            release_handshake: Some(ReleaseHandshake { state, takeover: None, ..takeover.clone() }),
+            release_handshake: Some(ReleaseHandshake {
+                state,
+                reason: "pod_gone".into(),
+                takeover: None,
+                ..takeover.clone()
+            }),
             ..record("u1")
         };
+        let mut uid_mismatch_answered = marked(HandshakeState::ReadyForRelease);
+        if let Some(h) = uid_mismatch_answered.release_handshake.as_mut() {
+            h.reason = "uid_mismatch".into();
+        }
         let holder: HashMap<String, String> = [(IP.to_string(), "u3".to_string())].into();
         let none = HashMap::new();
         // (fresh record, via agent, facts, live holders, outcome)
         type Case<'a> = (Option<Allocation>, bool, LiveFacts, &'a HashMap<String, String>, ChangeOutcome);
-        let table: [Case<'_>; 12] = [
+        let table: [Case<'_>; 13] = [
             (None, false, facts(Some(None), false), &none, ChangeOutcome::Skipped("record_gone")),
             (Some(record("u2")), false, facts(Some(None), false), &none, ChangeOutcome::Skipped("record_changed")),
             (Some(with_takeover), false, facts(Some(None), false), &none, ChangeOutcome::Skipped(STICKY_TAKEOVER)),
@@ -817,6 +827,7 @@ mod test {
             // still carries that answer.
             (Some(marked(HandshakeState::ReadyForRelease)), true, settled(), &none, ChangeOutcome::Released(None)),
             (Some(record("u1")), false, settled(), &none, ChangeOutcome::Skipped("record_changed")),
+            (Some(uid_mismatch_answered), true, settled(), &none, ChangeOutcome::Skipped("record_changed")),
             (
                 Some(marked(HandshakeState::MarkedForRelease)),
                 true,

@@ -37,7 +37,7 @@ pub fn takeover_marked(record: &Allocation) -> bool {
 
 /// Whether the record carries the controller's release mark, answered `ready-for-release`
 /// by its node's agent (not a sticky takeover's).
-pub fn answered_controller_mark(record: &Allocation) -> bool {
+fn answered_controller_mark(record: &Allocation) -> bool {
     record
         .release_handshake
         .as_ref()
