@@ -6,16 +6,18 @@
 //! [`OwnWrites::newest`] and [`OwnWrites::overlay`] give the newer of the two; the watch's
 //! events ([`OwnWrites::observe`]) end each copy.
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use kube::Resource;
+use kube::runtime::watcher;
 
 /// How long an own copy counts at most when no watch event ends it: far longer than any watch
 /// lag, for the copies whose end the watch cannot show (an object deleted while the watch was
 /// down and relisting, or whose deletion event arrived before the write's answer).
-pub const OWN_COPY_LIFETIME: Duration = Duration::from_secs(600);
+const OWN_COPY_LIFETIME: Duration = Duration::from_secs(600);
 
 /// One stored copy, and when it was stored.
 #[derive(Debug)]
@@ -39,7 +41,7 @@ impl<K> Default for OwnWrites<K> {
 /// Whether `own` (what a write stored) is newer than `cached` (the watch cache's copy): the
 /// same object (UID) at a higher `metadata.generation`, which the apiserver raises on every
 /// change of a custom resource's spec; or the cache does not have the object.
-pub fn own_copy_is_newer<K: Resource>(cached: Option<&K>, own: Option<&K>) -> bool {
+fn own_copy_is_newer<K: Resource>(cached: Option<&K>, own: Option<&K>) -> bool {
     match (cached, own) {
         (_, None) => false,
         (None, Some(_)) => true,
@@ -89,8 +91,17 @@ impl<K: Resource> OwnWrites<K> {
         copies.insert(name.to_string(), OwnCopy { object: Arc::new(object), at });
     }
 
+    /// Ends the own copy an event of the component's watch shows ([`OwnWrites::observe`]).
+    pub fn observe_event<O: Borrow<K>>(&self, event: &watcher::Event<O>) {
+        match event {
+            watcher::Event::Apply(seen) | watcher::Event::InitApply(seen) => self.observe(seen.borrow(), false),
+            watcher::Event::Delete(seen) => self.observe(seen.borrow(), true),
+            watcher::Event::Init | watcher::Event::InitDone => {}
+        }
+    }
+
     /// Ends the own copy of `seen`'s name when its watch event shows it ([`seen_ends_copy`]).
-    pub fn observe(&self, seen: &K, deleted: bool) {
+    fn observe(&self, seen: &K, deleted: bool) {
         let Some(name) = seen.meta().name.as_deref() else { return };
         let mut copies = self.lock();
         if copies.get(name).is_some_and(|copy| seen_ends_copy(copy.object.as_ref(), seen, deleted)) {

@@ -145,10 +145,10 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         watches::watch_shared_into(index.clone(), Kind::Block, Api::<IPBlock>::all(client.clone()), |o| {
             Watched::Block(o)
         })
-        .inspect(move |event| match event {
-            Ok(watcher::Event::Apply(block) | watcher::Event::InitApply(block)) => seen_writes.observe(block, false),
-            Ok(watcher::Event::Delete(block)) => seen_writes.observe(block, true),
-            _ => {}
+        .inspect(move |event| {
+            if let Ok(event) = event {
+                seen_writes.observe_event(event);
+            }
         });
     let node_events =
         watches::watch_into(index.clone(), Kind::Node, Api::<Node>::all(client.clone()), all(), |o| Watched::Node(o));

@@ -173,14 +173,13 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     }));
     let marks = Arc::new(Notify::new());
     let (node, notify, seen_writes) = (args.node_name.clone(), marks.clone(), own_block_writes.clone());
-    tokio::spawn(block_events.default_backoff().for_each(move |event| {
-        let seen = match &event {
-            Ok(watcher::Event::Apply(block) | watcher::Event::InitApply(block)) => Some((block, false)),
-            Ok(watcher::Event::Delete(block)) => Some((block, true)),
-            _ => None,
-        };
-        if let Some((block, deleted)) = seen {
-            seen_writes.observe(block, deleted);
+    let observed = block_events.default_backoff().inspect(move |event| {
+        if let Ok(event) = event {
+            seen_writes.observe_event(event);
+        }
+    });
+    tokio::spawn(observed.touched_objects().for_each(move |block| {
+        if let Ok(block) = block {
             conditions.notify_one();
             if block.spec.allocations.values().any(|r| r.node == node && crate::gc::handshake::marked_for_release(r)) {
                 notify.notify_one();
