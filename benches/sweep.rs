@@ -93,6 +93,7 @@ fn cluster() -> Cluster {
                 allocations,
                 released: BTreeMap::new(),
                 affinity: None,
+                ..IPBlockSpec::default()
             },
         )));
     }

@@ -1,6 +1,7 @@
 //! The pool finalizer ([`POOL_FINALIZER`]) and orphaned blocks, kept by the leader on the
 //! pool supervisor's timer: the finalizer goes on every live pool; a pool being deleted
-//! keeps it while a block of the pool holds a record, then its empty blocks are deleted and
+//! keeps it while a block of the pool holds a record or a node's spare IP (the agents give
+//! their spares of a pool being deleted back), then its empty blocks are deleted and
 //! the finalizer comes off; an orphaned block is deleted once empty. Decisions come from
 //! [`crate::ipam::pools`]; every write is conditional on the resourceVersion it was decided on.
 
@@ -24,7 +25,7 @@ pub async fn reconcile(context: PoolContext) {
         let records: usize = blocks
             .iter()
             .filter(|b| b.spec.pool == name && !set.orphans().iter().any(|o| o.name == b.name_any()))
-            .map(|b| b.spec.allocations.len())
+            .map(|b| b.spec.allocations.len() + b.spec.spares.len())
             .sum();
         let has = pool.finalizers().iter().any(|f| f == POOL_FINALIZER);
         let deleting = pool.metadata.deletion_timestamp.is_some();
@@ -66,14 +67,14 @@ async fn add(client: &Client, pool: &IPPool) -> Result<bool, kube::Error> {
 }
 
 /// Deletes the blocks of `pool` (being deleted) and takes its finalizer off, if a live
-/// read finds none of them holding a record; `false` when one still does.
+/// read finds none of them holding a record or a spare; `false` when one still does.
 async fn release(client: &Client, pool: &IPPool) -> Result<bool, kube::Error> {
     let name = pool.name_any();
     let api: Api<IPBlock> = Api::all(client.clone());
     // The pool's own blocks: one written under an earlier layout of this name is orphaned.
     let own = |b: &IPBlock| b.spec.pool == name && crate::ipam::pools::owns_block(&pool.spec, &b.spec.cidr);
     let blocks: Vec<IPBlock> = api.list(&ListParams::default()).await?.items.into_iter().filter(own).collect();
-    if blocks.iter().any(|b| !b.spec.allocations.is_empty()) {
+    if blocks.iter().any(|b| !crate::ipam::blocks::holds_nothing(&b.spec)) {
         return Ok(false);
     }
     for block in &blocks {

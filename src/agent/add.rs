@@ -41,8 +41,9 @@ const NEW_BLOCK_PROBES: usize = 8;
 struct Written {
     /// The IP as the CNI result and the checkpoint carry it.
     ip: CheckpointIp,
-    /// What the IP held before the write.
-    prior: blocks::Prior,
+    /// What the IP held before the write; `None` for a spare of the node (module `spares`),
+    /// whose record is written only once the checkpoint holds the sandbox.
+    prior: Option<blocks::Prior>,
 }
 
 /// What [`fixed::take`] answered: what the IP held before, `None` when the sandbox holds it
@@ -261,12 +262,16 @@ impl Core {
                 }
             }
         };
+        let picked: Vec<CheckpointIp> = written.iter().filter(|w| w.prior.is_none()).map(|w| w.ip.clone()).collect();
         let entry = CheckpointEntry {
             key,
             pod: PodRef { namespace: pod_ref.namespace.clone(), name: pod_ref.name.clone(), uid: uid.clone() },
             ips: ips.clone(),
+            spare_record: (!picked.is_empty())
+                .then(|| Box::new(self.record_for(&pod, owner.as_ref(), sticky, request))),
         };
         let inserted = self.checkpoint.insert(entry).await;
+        self.spares_saved(&picked, inserted.is_ok());
         if let Err(e) = inserted {
             if let Some(claim) = claim.as_ref().filter(|_| !written.is_empty()) {
                 self.restore_claim(claim, &uid).await;
@@ -461,10 +466,10 @@ impl Core {
                 block: claimed.block.clone(),
             };
             match took {
-                Reclaim::Taken(prior) => taken.push(Written { ip: ip.clone(), prior }),
+                Reclaim::Taken(prior) => taken.push(Written { ip: ip.clone(), prior: Some(prior) }),
                 Reclaim::Attached => {
                     shared = true;
-                    taken.push(Written { ip: ip.clone(), prior: blocks::Prior::Attached });
+                    taken.push(Written { ip: ip.clone(), prior: Some(blocks::Prior::Attached) });
                 }
                 // A mark always sets `waiting_for`, which returned above.
                 Reclaim::Marked => break,
@@ -534,6 +539,11 @@ impl Core {
                 gateway: view.spec.gateway.clone(),
                 deleting: view.deleting,
             };
+            // A pod whose workload keeps no IP may take one of the node's spares.
+            if let Some(ip) = (!sticky).then(|| self.pick_spare(&pool)).flatten() {
+                written.push(Written { ip, prior: None });
+                continue;
+            }
             match self.allocate_in_pool(&pool, &record).await {
                 Ok(ip) => written.push(ip),
                 Err(e) => {
@@ -633,18 +643,17 @@ impl Core {
         let (pool, net) = (place.pool.name.to_string(), place.block);
         let block = pools::block_name(&pool, net);
         let (node, cooldown, owned) = (self.settings.node.clone(), self.settings.cooldown, record.clone());
+        // The node's own spare is kept from its other calls while this write takes it.
+        let withdrawn = self.withdraw_spare(&block, ip);
         let take = move |spec: &mut IPBlockSpec| {
-            let taken = fixed::take(spec, &node, ip, &owned, Timestamp::now(), cooldown);
+            let taken = fixed::take(spec, &node, ip, &owned, Timestamp::now(), cooldown, withdrawn);
             (matches!(taken, Ok(Some(_))), taken)
         };
-        let mut taken = match self.edit_in_batch(&block, Some((pool.clone(), net)), take.clone()).await {
-            Some(taken) => taken,
-            None => self.take_fixed_alone(&block, &pool, net, Base::Newest, &take).await?,
-        };
-        if taken.is_err() {
-            taken = self.take_fixed_alone(&block, &pool, net, Base::Fresh, &take).await?;
+        let taken = self.take_fixed_written(&block, &pool, net, take).await;
+        if withdrawn {
+            self.let_go_of_spare(ip);
         }
-        let prior = match taken {
+        let prior = match taken? {
             Ok(prior) => prior,
             Err(cause) => return Ok(Err(cause)),
         };
@@ -655,7 +664,26 @@ impl Core {
             pool,
             block,
         };
-        Ok(Ok(Written { ip, prior: prior.unwrap_or(blocks::Prior::Free(None)) }))
+        Ok(Ok(Written { ip, prior: Some(prior.unwrap_or(blocks::Prior::Free(None))) }))
+    }
+
+    /// [`Core::take_fixed`]'s writes: batched, alone when the batch was not written, and
+    /// from a fresh read before refusing.
+    async fn take_fixed_written(
+        &self,
+        block: &str,
+        pool: &str,
+        net: IpNet,
+        take: impl Fn(&mut IPBlockSpec) -> (bool, FixedTake) + Clone + Send + 'static,
+    ) -> Result<FixedTake, Error> {
+        let mut taken = match self.edit_in_batch(block, Some((pool.to_string(), net)), take.clone()).await {
+            Some(taken) => taken,
+            None => self.take_fixed_alone(block, pool, net, Base::Newest, &take).await?,
+        };
+        if taken.is_err() {
+            taken = self.take_fixed_alone(block, pool, net, Base::Fresh, &take).await?;
+        }
+        Ok(taken)
     }
 
     /// [`Core::take_fixed`]'s write of its own, starting from `base`.
@@ -728,7 +756,7 @@ impl Core {
                             pool: pool.name.clone(),
                             block: candidate.name.clone(),
                         };
-                        return Ok(Written { ip, prior });
+                        return Ok(Written { ip, prior: Some(prior) });
                     }
                     Taken::Cooling { cooling: count, next_free_at } => {
                         cooling += count;
@@ -776,6 +804,11 @@ impl Core {
     /// rollback that cannot be written is left to the sandbox's DEL and the GC.
     async fn roll_back(&self, written: &[Written], request: &AttachmentRequest, uid: &str) {
         for Written { ip, prior } in written {
+            let Some(prior) = prior else {
+                // A spare picked, nothing written: free for the node's next ADD again.
+                self.spares_saved(std::slice::from_ref(ip), false);
+                continue;
+            };
             let Some(pool) = self.resolve_pool(&ip.pool) else { continue };
             let Some(net) = ip.ip.parse().ok().and_then(|addr| pool.layout.block_of(addr)) else { continue };
             let undone = self

@@ -104,3 +104,18 @@ impl Handler<AnswerMarks> for NodeAllocator {
         })
     }
 }
+
+/// Tend the node's spare IPs ([`Core::tend_spares`]): write the records of bound spares, and
+/// reserve or give back spares.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct TendSpares;
+
+impl Handler<TendSpares> for NodeAllocator {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _msg: TendSpares, _ctx: &mut Context<Self>) -> Self::Result {
+        let core = self.core.clone();
+        Box::pin(async move { core.tend_spares().await })
+    }
+}

@@ -15,6 +15,7 @@ use crate::block_store::CasOutcome;
 use crate::crd::{Allocation, IPBlock, IPBlockSpec};
 use crate::ipam::blocks::{self, ReleaseOutcome};
 use crate::ipam::pools;
+use crate::ipam::spares;
 use crate::ipam::workload;
 
 /// What releasing a sandbox's IPs did.
@@ -69,6 +70,16 @@ impl Core {
     ) -> Result<(), Error> {
         let mut targets: BTreeSet<(String, String)> =
             entry.iter().flat_map(|e| e.ips.iter()).map(|ip| (ip.block.clone(), ip.ip.clone())).collect();
+        // A spare the sandbox got whose record is not written yet (module `spares`).
+        let bound_spares: Vec<(String, String)> = targets
+            .iter()
+            .filter(|(block, ip)| self.newest_block(block).is_some_and(|b| spares::is_bindable(&b.spec, ip)))
+            .cloned()
+            .collect();
+        for (block, ip) in &bound_spares {
+            targets.remove(&(block.clone(), ip.clone()));
+            self.release_bound_spare(block, ip, container_id, ifname, uid).await?;
+        }
         targets.extend(self.records_of_sandbox(container_id, ifname).into_iter().map(|(block, ip, _)| (block, ip)));
         let ips: Vec<RecordAt> = targets.into_iter().map(|(block, ip)| RecordAt { block, ip }).collect();
         let summary = self.release_ips(&ips, container_id, ifname, uid).await;
@@ -76,6 +87,58 @@ impl Core {
         // records and claim belong to the new pod now (leftover claims are the janitor's).
         if let (false, Some(claim)) = (summary.kept, summary.claim) {
             self.delete_claim_of(&claim).await;
+        }
+        Ok(())
+    }
+
+    /// Releases the spare `ip` of block `block` that the sandbox got before its record was
+    /// written ([`spares::release_bound`]); if the record was written meanwhile, releases the
+    /// record as any stateless pod's (a spare's pod keeps no IP). A failure fails the call
+    /// (the runtime retries its DEL): a spare left behind would be handed out again without
+    /// its cooldown once the checkpoint entry is gone.
+    async fn release_bound_spare(
+        &self,
+        block: &str,
+        ip: &str,
+        container_id: &str,
+        ifname: &str,
+        uid: Option<&str>,
+    ) -> Result<(), Error> {
+        let (ip, sandbox, interface, pod_uid) =
+            (ip.to_string(), container_id.to_string(), ifname.to_string(), uid.map(str::to_string));
+        let release = move |spec: &mut IPBlockSpec| {
+            let now = Timestamp::now();
+            if spares::release_bound(spec, &ip, now) {
+                return Some(ReleaseOutcome::Released);
+            }
+            match blocks::release_attachment(spec, &ip, &sandbox, &interface, pod_uid.as_deref(), false, now) {
+                ReleaseOutcome::NotOurs => None,
+                outcome => Some(outcome),
+            }
+        };
+        let batched = self
+            .edit_in_batch(block, None, {
+                let release = release.clone();
+                move |spec| {
+                    let out = release(spec);
+                    (out.is_some(), out)
+                }
+            })
+            .await;
+        let outcome = match batched {
+            Some(done) => Ok(done),
+            None => self
+                .cas_block(block, Base::Fresh, None, |b| release.clone()(&mut b.spec))
+                .await
+                .map(CasOutcome::written),
+        };
+        match outcome {
+            Ok(Some(_)) => self.metrics.release("released"),
+            Ok(None) => {}
+            Err(e) => {
+                self.metrics.release("error");
+                return Err(e.into());
+            }
         }
         Ok(())
     }

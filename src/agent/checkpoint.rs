@@ -99,6 +99,11 @@ pub struct CheckpointEntry {
     pub pod: PodRef,
     /// Its IPs.
     pub ips: Vec<CheckpointIp>,
+    /// The record of the sandbox, kept when one of its IPs was a spare of the node (module
+    /// `spares`): the block gets it in place of the spare right after the answer, or at the
+    /// agent's next start if it stopped first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spare_record: Option<Box<crate::crd::Allocation>>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -328,6 +333,7 @@ pub(super) mod test {
                 pool: "p".into(),
                 block: "p-10-0-0-0-24".into(),
             }],
+            spare_record: None,
         }
     }
 

@@ -19,6 +19,7 @@ use super::checkpoint_store::CheckpointStore;
 use super::error::Error;
 use super::metrics::AgentMetrics;
 use super::serial::{KeyGuard, KeyedLocks, Serial};
+use super::spares::SpareBook;
 use crate::block_store::BlockStore;
 use crate::crd::{IPBlock, IPPool};
 use crate::ipam::PoolLayout;
@@ -40,6 +41,8 @@ pub struct Settings {
     /// How long a sandbox still attached on the node holds a record marked for release
     /// before its DEL counts as lost.
     pub sandbox_grace: Duration,
+    /// How many spare IPs the node keeps ready per pool it allocates from (module `spares`).
+    pub spare_ips: usize,
 }
 
 /// The agent's watch caches: what allocation reads instead of the apiserver.
@@ -78,6 +81,8 @@ pub struct Core {
     /// The edits of the node's calls (ADDs, DELs) waiting for a block's writer, written
     /// together by its next write (module `batch`).
     pub(super) batches: Batches,
+    /// The node's spare IPs in use by its calls (module `spares`).
+    pub(super) spares: SpareBook,
     /// When this agent started, and whether the runtime has called CNI GC since: until it
     /// has, no sandbox of the checkpoint counts as gone for lack of a listing.
     pub(super) started: std::time::Instant,
@@ -171,6 +176,7 @@ impl Core {
             Some(metrics.conflict_retries.clone()),
         );
         let Caches { pools, blocks, namespaces, node, pods, own_block_writes } = caches;
+        let spares = SpareBook::new(settings.spare_ips);
         Self {
             client,
             settings,
@@ -185,6 +191,7 @@ impl Core {
             serial: Serial::default(),
             block_locks: KeyedLocks::default(),
             batches: Batches::default(),
+            spares,
             started: std::time::Instant::now(),
             runtime_gc_seen: std::sync::atomic::AtomicBool::new(false),
             written: own_block_writes,

@@ -3,6 +3,7 @@
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -43,6 +44,10 @@ pub struct AgentMetrics {
     pub handshake_answers: Family<AnswerLabels, Counter>,
     /// Where ADDs read their pod: `cache` (the node's pod watch) or `apiserver`.
     pub pod_reads: Family<SourceLabels, Counter>,
+    /// Spare IPs the node holds ready and has not handed out, by pool (`--spare-ips`).
+    pub spare_ips: Family<PoolLabels, Gauge>,
+    /// IPs CNI ADDs got from the node's spares (answered before their record was written).
+    pub spare_ips_bound: Counter,
 }
 
 /// Labels of where a read was served from.
@@ -63,6 +68,8 @@ impl AgentMetrics {
             pool_exhausted: Family::default(),
             handshake_answers: Family::default(),
             pod_reads: Family::default(),
+            spare_ips: Family::default(),
+            spare_ips_bound: Counter::default(),
         };
         let agent = registry.sub_registry_with_prefix("ipwarden_agent");
         agent.register("allocations", "CNI ADD requests by result", metrics.allocations.clone());
@@ -84,6 +91,12 @@ impl AgentMetrics {
             metrics.handshake_answers.clone(),
         );
         agent.register("pod_reads", "Pods read by CNI ADDs, by source (cache or apiserver)", metrics.pod_reads.clone());
+        agent.register("spare_ips", "Spare IPs the node holds ready, by pool", metrics.spare_ips.clone());
+        agent.register(
+            "spare_ips_bound",
+            "IPs CNI ADDs got from the node's spares, before their records were written",
+            metrics.spare_ips_bound.clone(),
+        );
         metrics
     }
 

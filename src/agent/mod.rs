@@ -18,6 +18,7 @@ pub mod pool_status;
 mod release_marks;
 pub mod serial;
 pub mod server;
+pub mod spares;
 mod startup;
 
 use std::net::SocketAddr;
@@ -107,6 +108,12 @@ pub struct AgentArgs {
     /// Seconds between renewals of the agent Lease.
     #[arg(long, env = "IPWARDEN_AGENT_LEASE_RENEW_SECONDS", default_value_t = 5)]
     pub lease_renew_seconds: u64,
+    /// Spare IPs the node keeps ready in each pool it allocates from: an ADD of a pod whose
+    /// workload keeps no IPs takes one and answers before its record is written (0: none, every
+    /// ADD waits for its record's write). They are taken from the node's own blocks while the
+    /// pool has a block no node has claimed, and count as used for everyone else.
+    #[arg(long, env = "IPWARDEN_SPARE_IPS", default_value_t = 0)]
+    pub spare_ips: usize,
 }
 
 /// Runs the agent until the process is stopped. Must run inside an actix System.
@@ -204,6 +211,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         cooldown: Duration::from_secs(args.reuse_cooldown_seconds),
         sticky_kinds: args.sticky_owner_kinds.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect(),
         sandbox_grace: Duration::from_secs(args.release_sandbox_grace_seconds),
+        spare_ips: args.spare_ips,
     };
     let caches = core::Caches { pools, blocks, namespaces, node: node_cache, pods: pod_cache, own_block_writes };
     let core = Arc::new(core::Core::new(client.clone(), settings, caches, checkpoint, metrics));
@@ -222,6 +230,13 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             _ => {
                 tracing::warn!(%path, entries = count, "no checkpoint: rebuilt from this node's records in the IPBlocks")
             }
+        }
+        let settled = core
+            .settle_spares_after_rebuild(&args.adopt_network)
+            .await
+            .context("settling the node's spare IPs after rebuilding the checkpoint")?;
+        if settled > 0 {
+            tracing::warn!(settled, "spare IPs of this node settled: the lost checkpoint said which were bound");
         }
     }
 
@@ -247,8 +262,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     };
     heartbeat.renew().await.context("writing the agent Lease")?;
     tokio::spawn(heartbeat.run(Duration::from_secs(args.lease_renew_seconds.max(1))));
+    let spares_wake = core.spares_wake();
     let allocator = allocator::NodeAllocator::new(core).start();
     tokio::spawn(answer_marks(allocator.clone(), marks));
+    tokio::spawn(tend_spares(allocator.clone(), spares_wake));
     let listener =
         server::bind(&args.socket).with_context(|| format!("binding the CNI socket {}", args.socket.display()))?;
     ready.store(true, Ordering::Relaxed);
@@ -278,6 +295,17 @@ async fn answer_marks(allocator: actix::Addr<allocator::NodeAllocator>, marks: A
     loop {
         let _woken = tokio::time::timeout(MARK_RESCAN_INTERVAL, marks.notified()).await;
         if allocator.send(allocator::AnswerMarks).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Asks the allocation actor to tend the node's spare IPs whenever an ADD bound some, and
+/// every [`spares::TEND_INTERVAL`] in any case.
+async fn tend_spares(allocator: actix::Addr<allocator::NodeAllocator>, wake: Arc<Notify>) {
+    loop {
+        let _woken = tokio::time::timeout(spares::TEND_INTERVAL, wake.notified()).await;
+        if allocator.send(allocator::TendSpares).await.is_err() {
             return;
         }
     }

@@ -14,7 +14,7 @@ use super::error::Error;
 use crate::crd::{Allocation, IPBlock};
 use crate::gc::adopt::by_block;
 use crate::gc::index::PodFacts;
-use crate::ipam::blocks;
+use crate::ipam::{blocks, spares};
 
 impl Core {
     /// Start-up GC, before the agent serves CNI: releases this node's records that no local
@@ -24,6 +24,8 @@ impl Core {
     /// the CNI result; the record and the checkpoint are the node's own word). Releases are
     /// conditional on the sandbox and UID, and a sticky record its owner wants stays reserved.
     pub async fn startup_gc(&self) -> Result<usize, Error> {
+        // Spares bound before a stop get their records first, so the releases below see them.
+        self.convert_bound_spares().await;
         let node = &self.settings.node;
         let params = kube::api::ListParams::default().fields(&format!("spec.nodeName={node}"));
         let pods = Api::<Pod>::all(self.client.clone())
@@ -88,6 +90,19 @@ impl Core {
                 container_id: container_id.clone(),
                 ifname: ifname.clone(),
             })
+        }));
+        // A sandbox holding a spare whose record could not be written yet keeps its entry:
+        // the next pass of the spares' tending writes the record.
+        recorded.extend(self.checkpoint.read(|c| {
+            c.entries()
+                .filter(|e| e.spare_record.is_some())
+                .filter(|e| {
+                    e.ips.iter().any(|i| {
+                        blocks.items.iter().any(|b| b.name_any() == i.block && spares::is_bindable(&b.spec, &i.ip))
+                    })
+                })
+                .map(|e| e.key.clone())
+                .collect::<Vec<_>>()
         }));
         for entry in self.checkpoint.retain_recorded(recorded).await? {
             tracing::info!(container_id = %entry.key.container_id, pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name), "start-up GC: no record names this checkpoint entry any more");
@@ -158,7 +173,12 @@ impl Core {
                 let resolved = self.resolve_pool(&block.spec.pool);
                 entries
                     .entry(key.clone())
-                    .or_insert_with(|| CheckpointEntry { key, pod: record.pod.clone(), ips: Vec::new() })
+                    .or_insert_with(|| CheckpointEntry {
+                        key,
+                        pod: record.pod.clone(),
+                        ips: Vec::new(),
+                        spare_record: None,
+                    })
                     .ips
                     .push(CheckpointIp {
                         ip: ip.clone(),

@@ -5,7 +5,7 @@
 // Several printcolumn(...) entries share `type_ = "string"`; that is not a mistake.
 #![allow(clippy::duplicated_attributes)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::CustomResource;
@@ -42,6 +42,12 @@ pub struct IPBlockSpec {
     /// Allocation records by IP address.
     #[serde(default)]
     pub allocations: BTreeMap<String, Allocation>,
+    /// IPs the node of `affinity` holds ready in this block (`--spare-ips`): its agent hands
+    /// one to a pod and answers the CNI ADD before the pod's record is written here, which
+    /// happens right after. No other node and no other pod takes a spare; an IP that has a
+    /// record is not a spare, whatever this set says.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub spares: BTreeSet<String>,
     /// When each free IP's last use ended (its pod's end where known, else its release), so
     /// the longest-free is reused first and the reuse cooldown counts from there.
     #[serde(default)]
@@ -49,7 +55,7 @@ pub struct IPBlockSpec {
 }
 
 /// Who holds one IP.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Allocation {
     /// The pod holding (or, for a sticky reservation, last holding) the IP.

@@ -8,8 +8,8 @@ use std::collections::BTreeSet;
 
 use ipnet::IpNet;
 
-use super::PoolLayout;
 use super::pools::block_name;
+use super::{PoolLayout, blocks};
 use crate::crd::IPBlockSpec;
 
 /// One block of the pool as the node's cache shows it.
@@ -112,7 +112,7 @@ pub fn take_for(block: &mut IPBlockSpec, node: &str, how: Use) -> bool {
         // after the block was deleted and made anew) is claimed again.
         Use::Own | Use::Claim => match block.affinity.as_deref() {
             Some(owner) => owner == node,
-            None if block.allocations.is_empty() => {
+            None if blocks::holds_nothing(block) => {
                 block.affinity = Some(node.to_string());
                 true
             }
@@ -122,11 +122,13 @@ pub fn take_for(block: &mut IPBlockSpec, node: &str, how: Use) -> bool {
 }
 
 /// Clears the affinity of `block` to `gone` (a node that no longer exists) if the block holds
-/// no record: the block is free for any node to claim. Says whether it changed.
+/// no record, with the spares `gone` held there (no pod of a node that is gone uses them): the
+/// block is free for any node to claim. Says whether it changed.
 pub fn release(block: &mut IPBlockSpec, gone: &str) -> bool {
     let releasable = block.affinity.as_deref() == Some(gone) && block.allocations.is_empty();
     if releasable {
         block.affinity = None;
+        block.spares.clear();
     }
     releasable
 }
@@ -265,6 +267,10 @@ mod test {
         assert!(!release(&mut empty, "other"));
         assert!(release(&mut empty, "gone"));
         assert_eq!(empty.affinity, None);
+        let mut spares_only = IPBlockSpec { affinity: Some("gone".into()), ..IPBlockSpec::default() };
+        spares_only.spares.insert("10.0.0.2".into());
+        assert!(release(&mut spares_only, "gone"), "the spares of a gone node go with its affinity");
+        assert!(spares_only.affinity.is_none() && spares_only.spares.is_empty());
         let mut held = IPBlockSpec { affinity: Some("gone".into()), ..IPBlockSpec::default() };
         held.allocations.insert("10.0.0.1".into(), serde_json::from_value(record()).unwrap());
         assert!(!release(&mut held, "gone"));

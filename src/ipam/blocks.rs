@@ -9,10 +9,11 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use crate::crd::{Allocation, IPBlock, IPBlockSpec, MigrationTarget, OwnerRef, PodRef};
 
-/// The allocated IPs and the release times of a block, as the chooser wants them. Keys that
-/// do not parse as IPs (hand-edited objects) are left out and so never handed out again.
+/// The taken IPs (records and spares) and the release times of a block, as the chooser wants
+/// them. Keys that do not parse as IPs (hand-edited objects) are left out and so never handed
+/// out again.
 pub fn usage(spec: &IPBlockSpec) -> (BTreeSet<IpAddr>, BTreeMap<IpAddr, Timestamp>) {
-    let allocated = spec.allocations.keys().filter_map(|ip| ip.parse().ok()).collect();
+    let allocated = spec.allocations.keys().chain(&spec.spares).filter_map(|ip| ip.parse().ok()).collect();
     let released = spec.released.iter().filter_map(|(ip, at)| Some((ip.parse().ok()?, at.0))).collect();
     (allocated, released)
 }
@@ -39,6 +40,12 @@ pub fn allocate(spec: &mut IPBlockSpec, ip: IpAddr, allocation: Allocation) -> P
         Some(held) => Prior::Held(Box::new(held)),
         None => Prior::Free(released),
     }
+}
+
+/// Whether the block holds nothing: no record and no spare. Only then may its node's
+/// affinity go, or its pool's deletion remove it.
+pub fn holds_nothing(spec: &IPBlockSpec) -> bool {
+    spec.allocations.is_empty() && spec.spares.is_empty()
 }
 
 /// Whether `record` still names the sandbox `container_id` / `ifname` (and, when given, the

@@ -156,6 +156,15 @@ pub enum FixedError {
         /// `namespace/name` of its last pod.
         pod: String,
     },
+    /// The IP is a spare another node holds ready (`--spare-ips`): that node hands it out
+    /// or gives it back.
+    #[error("fixed IP {ip} is a spare IP held ready by node {node}")]
+    Spare {
+        /// The IP.
+        ip: IpAddr,
+        /// The node holding it.
+        node: String,
+    },
     /// The IP was released lately and cools down before reuse.
     #[error("fixed IP {ip} was released lately and cools down before reuse until {until}")]
     Cooling {
@@ -180,7 +189,7 @@ impl FixedError {
     /// What the refusal lets the runtime do: a list refuses as its most hopeful IP does.
     pub fn refusal(&self) -> Refusal {
         match self {
-            Self::Held { .. } | Self::Reserved { .. } => Refusal::InUse,
+            Self::Held { .. } | Self::Reserved { .. } | Self::Spare { .. } => Refusal::InUse,
             Self::Cooling { .. } => Refusal::Cooling,
             Self::ListTaken { reasons, .. } => reasons.iter().map(Self::refusal).max().unwrap_or(Refusal::Never),
             _ => Refusal::Never,
@@ -372,8 +381,10 @@ pub fn check_free(
 
 /// Takes `ip` of block `spec` for `record` on `node` ([`check_free`]): a free block is
 /// claimed for the node, as its first allocation there would; another node's block lends the
-/// IP. Returns what the IP held before (for a rollback), or `None` when `record`'s sandbox
-/// holds it already (a retried ADD whose answer was lost: nothing to write).
+/// IP. A spare IP is taken only when `spare_withdrawn` (the node's own spare, which its agent
+/// has kept from its other calls); otherwise its node holds it. Returns what the IP held
+/// before (for a rollback), or `None` when `record`'s sandbox holds it already (a retried
+/// ADD whose answer was lost: nothing to write).
 pub fn take(
     spec: &mut IPBlockSpec,
     node: &str,
@@ -381,12 +392,21 @@ pub fn take(
     record: &Allocation,
     now: Timestamp,
     cooldown: Duration,
+    spare_withdrawn: bool,
 ) -> Result<Option<blocks::Prior>, FixedError> {
-    let mine = spec.allocations.get(&ip.to_string()).is_some_and(|held| {
+    let key = ip.to_string();
+    let mine = spec.allocations.get(&key).is_some_and(|held| {
         blocks::holds_sandbox(held, &record.container_id, &record.interface) && held.pod.uid == record.pod.uid
     });
     if mine {
         return Ok(None);
+    }
+    if super::spares::is_bindable(spec, &key) {
+        let holder = spec.affinity.clone().unwrap_or_default();
+        if !(spare_withdrawn && holder == node) {
+            return Err(FixedError::Spare { ip, node: holder });
+        }
+        spec.spares.remove(&key);
     }
     check_free(spec, ip, record, now, cooldown)?;
     affinity::take_for(spec, node, Use::Claim);
@@ -636,15 +656,36 @@ mod test {
         let now = Timestamp::from_second(1_700_000_000).unwrap();
         let mut spec = IPBlockSpec::default();
         let me = record("ns", "web", "c1");
-        let prior = take(&mut spec, "node-1", ip("10.0.0.7"), &me, now, Duration::ZERO).unwrap();
+        let prior = take(&mut spec, "node-1", ip("10.0.0.7"), &me, now, Duration::ZERO, false).unwrap();
         assert_eq!(prior, Some(blocks::Prior::Free(None)));
         assert_eq!(spec.affinity.as_deref(), Some("node-1"), "the free block is claimed");
         assert_eq!(spec.allocations.get("10.0.0.7"), Some(&me));
-        assert_eq!(take(&mut spec, "node-1", ip("10.0.0.7"), &me, now, Duration::ZERO), Ok(None), "same sandbox");
-        let err = take(&mut spec, "node-2", ip("10.0.0.7"), &record("ns", "web2", "c2"), now, Duration::ZERO);
+        assert_eq!(
+            take(&mut spec, "node-1", ip("10.0.0.7"), &me, now, Duration::ZERO, false),
+            Ok(None),
+            "same sandbox"
+        );
+        let err = take(&mut spec, "node-2", ip("10.0.0.7"), &record("ns", "web2", "c2"), now, Duration::ZERO, false);
         assert!(matches!(err, Err(FixedError::Held { .. })), "{err:?}");
-        let lent = take(&mut spec, "node-2", ip("10.0.0.8"), &record("ns", "web2", "c2"), now, Duration::ZERO);
+        let lent = take(&mut spec, "node-2", ip("10.0.0.8"), &record("ns", "web2", "c2"), now, Duration::ZERO, false);
         assert!(lent.is_ok(), "another node's block lends the IP: {lent:?}");
         assert_eq!(spec.affinity.as_deref(), Some("node-1"), "and stays node-1's");
+    }
+
+    #[test]
+    fn a_spare_is_taken_only_by_its_own_node_once_its_agent_withdrew_it() {
+        let now = Timestamp::from_second(1_700_000_000).unwrap();
+        let mut spec = IPBlockSpec { affinity: Some("node-1".into()), ..IPBlockSpec::default() };
+        spec.spares.insert("10.0.0.7".into());
+        let me = record("ns", "web", "c1");
+        let other_node = take(&mut spec, "node-2", ip("10.0.0.7"), &me, now, Duration::ZERO, true);
+        assert_eq!(other_node, Err(FixedError::Spare { ip: ip("10.0.0.7"), node: "node-1".into() }));
+        assert_eq!(other_node.unwrap_err().refusal(), Refusal::InUse);
+        let not_withdrawn = take(&mut spec, "node-1", ip("10.0.0.7"), &me, now, Duration::ZERO, false);
+        assert!(matches!(not_withdrawn, Err(FixedError::Spare { .. })), "{not_withdrawn:?}");
+        let taken = take(&mut spec, "node-1", ip("10.0.0.7"), &me, now, Duration::ZERO, true);
+        assert_eq!(taken, Ok(Some(blocks::Prior::Free(None))));
+        assert!(spec.spares.is_empty());
+        assert_eq!(spec.allocations.get("10.0.0.7"), Some(&me));
     }
 }

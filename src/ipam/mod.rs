@@ -1,7 +1,8 @@
 //! The pure allocation domain: pool geometry and the choice of one IP within a block, which
 //! pool a pod uses and which blocks a pool owns (`pools`), which blocks a node tries first
 //! (`affinity`), the edits of a block's records (`blocks`), the IPs a pod asks for by name
-//! (`fixed`), and what a workload's owner wants (`workload`).
+//! (`fixed`), the IPs a node holds ready (`spares`), and what a workload's owner wants
+//! (`workload`).
 //!
 //! Nothing here does I/O: the node agent and the controller feed it what they read and
 //! write back what it returns.
@@ -12,6 +13,7 @@ mod choose;
 pub mod fixed;
 mod layout;
 pub mod pools;
+pub mod spares;
 pub mod workload;
 
 pub use choose::{BlockUsage, ChooseError, choose_ip};

@@ -95,7 +95,8 @@ pub struct BlockSummary {
     pub pool: String,
     /// Its CIDR as written.
     pub cidr: String,
-    /// How many records it holds.
+    /// How many records and spare IPs it holds (a spare may be in use by a pod whose record
+    /// is about to be written).
     pub records: usize,
 }
 
@@ -106,7 +107,7 @@ impl BlockSummary {
             name: block.name_any(),
             pool: block.spec.pool.clone(),
             cidr: block.spec.cidr.clone(),
-            records: block.spec.allocations.len(),
+            records: block.spec.allocations.len() + block.spec.spares.len(),
         }
     }
 }
@@ -122,7 +123,7 @@ pub struct OrphanedBlock {
     pub pool: String,
     /// Its CIDR; `None` when it does not parse (it then overlaps nothing).
     pub cidr: Option<IpNet>,
-    /// How many records it holds.
+    /// How many records and spare IPs it holds.
     pub records: usize,
 }
 

@@ -1,0 +1,284 @@
+//! Spare IPs (`IPBlock.spec.spares`, the agent's `--spare-ips`): addresses a node's agent
+//! holds ready in the blocks affine to its node. An ADD binds one to its sandbox in the node's
+//! checkpoint and answers at once; the pod's record replaces the spare in a write right after
+//! ([`convert`]). Until then the block shows the IP as a spare, which no other node and no
+//! other allocation takes, so the IP is never handed out twice; the checkpoint tells which
+//! sandbox holds it. These are the pure edits; the agent's `spares` module does the I/O.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use super::choose::{BlockUsage, choose_ip};
+use super::{PoolLayout, blocks};
+use crate::crd::{Allocation, IPBlockSpec};
+
+/// Whether `ip` is a spare of the block that no record holds: one its node's agent may bind.
+pub fn is_bindable(spec: &IPBlockSpec, ip: &str) -> bool {
+    spec.spares.contains(ip) && !spec.allocations.contains_key(ip)
+}
+
+/// The bindable spares of the block ([`is_bindable`]), in address order.
+pub fn bindable(spec: &IPBlockSpec) -> Vec<IpAddr> {
+    let mut ips: Vec<IpAddr> =
+        spec.spares.iter().filter(|ip| !spec.allocations.contains_key(*ip)).filter_map(|ip| ip.parse().ok()).collect();
+    ips.sort();
+    ips
+}
+
+/// Adds up to `count` IPs of block `net` (of the pool laid out as `layout`) to its spares:
+/// ready ones (no record, not a spare, past their cooldown, not in `exclude`: the IPs the
+/// node's checkpoint holds), chosen as an allocation would choose them. Returns those added.
+pub fn reserve(
+    spec: &mut IPBlockSpec,
+    layout: &PoolLayout,
+    net: IpNet,
+    count: usize,
+    exclude: &BTreeSet<IpAddr>,
+    now: Timestamp,
+    cooldown: Duration,
+) -> Vec<IpAddr> {
+    let (mut taken, released) = blocks::usage(spec);
+    taken.extend(exclude.iter().copied());
+    let mut added = Vec::new();
+    while added.len() < count {
+        let usage = BlockUsage { allocated: &taken, released: &released };
+        let Ok(ip) = choose_ip(layout, net, usage, now, cooldown) else { break };
+        taken.insert(ip);
+        spec.spares.insert(ip.to_string());
+        added.push(ip);
+    }
+    added
+}
+
+/// Gives back the spares `ips` that are still bindable: they leave the spare set and are free
+/// at once (no pod ever had them, so there is nothing to cool down). Returns how many left.
+pub fn give_back(spec: &mut IPBlockSpec, ips: &[IpAddr]) -> usize {
+    let mut gone = 0;
+    for ip in ips.iter().map(IpAddr::to_string) {
+        if is_bindable(spec, &ip) {
+            spec.spares.remove(&ip);
+            gone += 1;
+        }
+    }
+    gone
+}
+
+/// What [`convert`] found at the IP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Converted {
+    /// The spare is now `record`.
+    Written,
+    /// The IP is no spare (converted before, or released by its sandbox's DEL): nothing to do.
+    NotSpare,
+    /// Another pod's record holds the IP: left alone (never happens while only the node's
+    /// agent binds its spares; said so the caller can report it).
+    HeldByOther,
+}
+
+/// Turns the spare `ip`, bound on the node to `record`'s sandbox, into `record`. A record of
+/// the same pod already there (written by an adoption meanwhile) is replaced by the
+/// sandbox's own.
+pub fn convert(spec: &mut IPBlockSpec, ip: &str, record: &Allocation) -> Converted {
+    if !spec.spares.contains(ip) {
+        return Converted::NotSpare;
+    }
+    if spec.allocations.get(ip).is_some_and(|held| held.pod.uid != record.pod.uid) {
+        return Converted::HeldByOther;
+    }
+    spec.spares.remove(ip);
+    spec.released.remove(ip);
+    spec.allocations.insert(ip.to_string(), record.clone());
+    Converted::Written
+}
+
+/// Releases the spare `ip` whose sandbox ended before its record was written (a DEL, or the
+/// node's GC, right after the ADD): it leaves the spares and cools down from `now`, as a
+/// released record's IP does. Says whether the block changed.
+pub fn release_bound(spec: &mut IPBlockSpec, ip: &str, now: Timestamp) -> bool {
+    if !is_bindable(spec, ip) {
+        return false;
+    }
+    spec.spares.remove(ip);
+    spec.released.insert(ip.to_string(), Time(now));
+    true
+}
+
+/// Settles the spares of a node whose checkpoint was lost (no one knows which were bound):
+/// a spare some pod of the node reports (`reported`: IP → that pod) becomes its record, as a
+/// repair writes it ([`blocks::adopted_record`], on `network`); the others leave the spares
+/// and cool down from `now`, as a released IP does. Returns how many it settled.
+pub fn settle_unknown(
+    spec: &mut IPBlockSpec,
+    reported: &BTreeMap<String, blocks::Adopter>,
+    network: &str,
+    now: Timestamp,
+) -> usize {
+    let spares: Vec<String> = spec.spares.iter().filter(|ip| !spec.allocations.contains_key(*ip)).cloned().collect();
+    for ip in &spares {
+        match reported.get(ip) {
+            Some(adopter) => {
+                spec.spares.remove(ip);
+                spec.allocations.insert(ip.clone(), blocks::adopted_record(adopter, network, now));
+            }
+            None => {
+                release_bound(spec, ip, now);
+            }
+        }
+    }
+    spec.spares.retain(|ip| !spec.allocations.contains_key(ip));
+    spares.len()
+}
+
+/// How many spares a node keeps in a pool: `wanted` while the pool has a block no node has
+/// claimed yet (`free_blocks`), none otherwise, since then other nodes may have to borrow
+/// single IPs from this node's blocks and spares are never lent.
+pub fn target(wanted: usize, free_blocks: bool) -> usize {
+    if free_blocks { wanted } else { 0 }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+    use crate::crd::PodRef;
+
+    fn layout() -> PoolLayout {
+        PoolLayout::new("10.0.0.0/24", &[], &[], Some("10.0.0.1"), None).unwrap()
+    }
+
+    fn net() -> IpNet {
+        "10.0.0.0/24".parse().unwrap()
+    }
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
+    fn at(seconds: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + seconds).unwrap()
+    }
+
+    fn record(uid: &str) -> Allocation {
+        Allocation {
+            pod: PodRef { namespace: "ns".into(), name: format!("pod-{uid}"), uid: uid.into() },
+            node: "n1".into(),
+            network: "net".into(),
+            container_id: format!("c-{uid}"),
+            interface: "eth0".into(),
+            owner: None,
+            sticky: false,
+            held_for: None,
+            allocated_at: Time(at(0)),
+            release_handshake: None,
+            migration_target: None,
+            repaired_at: None,
+        }
+    }
+
+    fn spec() -> IPBlockSpec {
+        IPBlockSpec { pool: "p".into(), cidr: "10.0.0.0/24".into(), affinity: Some("n1".into()), ..Default::default() }
+    }
+
+    #[test]
+    fn spares_are_ready_ips_no_record_no_checkpoint_entry_and_no_cooldown_holds() {
+        let mut spec = spec();
+        spec.allocations.insert("10.0.0.2".into(), record("a"));
+        spec.released.insert("10.0.0.3".into(), Time(at(0)));
+        let exclude = BTreeSet::from([ip("10.0.0.4")]);
+        let added = reserve(&mut spec, &layout(), net(), 3, &exclude, at(10), Duration::from_secs(30));
+        assert_eq!(added, vec![ip("10.0.0.5"), ip("10.0.0.6"), ip("10.0.0.7")]);
+        assert_eq!(bindable(&spec), added);
+        // Spares count as taken: the next reserve and every allocation pass them by.
+        let more = reserve(&mut spec, &layout(), net(), 1, &BTreeSet::new(), at(10), Duration::from_secs(30));
+        assert_eq!(more, vec![ip("10.0.0.4")]);
+        let (taken, _) = blocks::usage(&spec);
+        assert!(added.iter().all(|ip| taken.contains(ip)));
+    }
+
+    #[test]
+    fn a_full_block_reserves_what_it_has() {
+        let layout = PoolLayout::new("10.0.0.0/30", &[], &[], None, None).unwrap();
+        let mut spec = IPBlockSpec { cidr: "10.0.0.0/30".into(), ..spec() };
+        let added =
+            reserve(&mut spec, &layout, "10.0.0.0/30".parse().unwrap(), 5, &BTreeSet::new(), at(0), Duration::ZERO);
+        assert_eq!(added, vec![ip("10.0.0.1"), ip("10.0.0.2")]);
+    }
+
+    #[test]
+    fn a_bound_spare_becomes_its_record_once_and_never_overwrites_another_pods_record() {
+        let mut spec = spec();
+        spec.spares.insert("10.0.0.5".into());
+        assert_eq!(convert(&mut spec, "10.0.0.5", &record("a")), Converted::Written);
+        assert_eq!(spec.allocations.get("10.0.0.5"), Some(&record("a")));
+        assert!(spec.spares.is_empty());
+        assert_eq!(convert(&mut spec, "10.0.0.5", &record("a")), Converted::NotSpare, "a second conversion");
+
+        spec.spares.insert("10.0.0.6".into());
+        spec.allocations.insert("10.0.0.6".into(), record("other"));
+        assert_eq!(convert(&mut spec, "10.0.0.6", &record("a")), Converted::HeldByOther);
+        assert_eq!(spec.allocations.get("10.0.0.6"), Some(&record("other")));
+        assert!(!is_bindable(&spec, "10.0.0.6"), "a recorded IP is no spare");
+    }
+
+    #[test]
+    fn a_del_before_the_conversion_and_the_conversion_after_it_leave_the_ip_cooling_and_unrecorded() {
+        // Either order of the two edits ends the same: the IP cools down, no record names it.
+        let mut del_first = spec();
+        del_first.spares.insert("10.0.0.5".into());
+        assert!(release_bound(&mut del_first, "10.0.0.5", at(5)));
+        assert_eq!(convert(&mut del_first, "10.0.0.5", &record("a")), Converted::NotSpare);
+        assert!(del_first.allocations.is_empty() && del_first.spares.is_empty());
+        assert_eq!(del_first.released.get("10.0.0.5"), Some(&Time(at(5))));
+
+        let mut converted_first = spec();
+        converted_first.spares.insert("10.0.0.5".into());
+        assert_eq!(convert(&mut converted_first, "10.0.0.5", &record("a")), Converted::Written);
+        assert!(!release_bound(&mut converted_first, "10.0.0.5", at(5)), "the record's release is the DEL's");
+        let outcome =
+            blocks::release_attachment(&mut converted_first, "10.0.0.5", "c-a", "eth0", Some("a"), false, at(5));
+        assert_eq!(outcome, blocks::ReleaseOutcome::Released);
+        assert!(converted_first.allocations.is_empty() && converted_first.spares.is_empty());
+        assert!(converted_first.released.contains_key("10.0.0.5"));
+    }
+
+    #[test]
+    fn spares_given_back_are_free_at_once_and_a_recorded_one_stays() {
+        let mut spec = spec();
+        spec.spares.extend(["10.0.0.5".to_string(), "10.0.0.6".to_string()]);
+        spec.allocations.insert("10.0.0.6".into(), record("a"));
+        assert_eq!(give_back(&mut spec, &[ip("10.0.0.5"), ip("10.0.0.6"), ip("10.0.0.9")]), 1);
+        assert_eq!(spec.spares, BTreeSet::from(["10.0.0.6".to_string()]));
+        assert_eq!(spec.released, BTreeMap::new());
+    }
+
+    #[test]
+    fn after_a_lost_checkpoint_a_spare_a_pod_reports_becomes_its_record_and_the_others_cool_down() {
+        let mut spec = spec();
+        spec.spares.extend(["10.0.0.5".to_string(), "10.0.0.6".to_string(), "10.0.0.7".to_string()]);
+        spec.allocations.insert("10.0.0.7".into(), record("a"));
+        let adopter = blocks::Adopter {
+            pod: PodRef { namespace: "ns".into(), name: "web".into(), uid: "w".into() },
+            node: "n1".into(),
+            owner: None,
+            sticky: false,
+        };
+        let reported = BTreeMap::from([("10.0.0.5".to_string(), adopter)]);
+        assert_eq!(settle_unknown(&mut spec, &reported, "net", at(9)), 2);
+        assert!(spec.spares.is_empty());
+        let adopted = &spec.allocations["10.0.0.5"];
+        assert_eq!((adopted.pod.uid.as_str(), adopted.repaired_at.is_some()), ("w", true));
+        assert!(!spec.allocations.contains_key("10.0.0.6"));
+        assert_eq!(spec.released.get("10.0.0.6"), Some(&Time(at(9))));
+        assert_eq!(spec.allocations["10.0.0.7"], record("a"), "a recorded IP is left alone");
+    }
+
+    #[test]
+    fn a_pool_without_a_free_block_gets_no_spares() {
+        assert_eq!(target(8, true), 8);
+        assert_eq!(target(8, false), 0);
+    }
+}
