@@ -102,6 +102,17 @@ async fn a_node_hands_out_its_spares_each_pod_gets_its_own_ip_and_record_and_del
     assert!(refilled.keys().all(|ip| !ips.contains(ip)), "spares are no pod's IP: {refilled:?}");
     let bound = metric(&ipwarden.scrape_agent(0).await, "ipwarden_agent_spare_ips_bound_total");
     assert!(bound >= SPARES as f64, "ADDs bound {bound} spares");
+    wait::until("the pool's status counting the spares", TIMEOUT, || async {
+        let pool = Api::<IPPool>::all(client.clone()).get("pool").await.expect("read pool");
+        let status = pool.status.unwrap_or_default();
+        Ok(if (status.spares, status.allocated) == (SPARES as i64, 13) {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("spares {}, allocated {}", status.spares, status.allocated))
+        })
+    })
+    .await
+    .expect("the leader counts the spares apart from the allocated IPs");
 
     // A pod asking for one of the node's spares as its fixed IP gets it.
     let wanted = refilled.keys().next().expect("a spare").clone();

@@ -206,6 +206,7 @@ struct PoolCounts {
     total: i64,
     allocated: i64,
     sticky: i64,
+    spares: i64,
     /// [`crate::ipam::blocks::fingerprint`] of the pool's blocks in the cache the counts came from.
     counted_blocks: String,
 }
@@ -214,16 +215,16 @@ struct PoolCounts {
 /// the pool shows.
 async fn write_pool_counts(context: PoolContext, counts: Vec<PoolCounts>) {
     let api: Api<IPPool> = Api::all(context.client.clone());
-    for PoolCounts { pool: name, total, allocated, sticky, counted_blocks } in counts {
+    for PoolCounts { pool: name, total, allocated, sticky, spares, counted_blocks } in counts {
         let current = context.index.read().pool(&name).cloned();
         let shown = current.and_then(|p| p.status.clone()).unwrap_or_default();
-        if (shown.total, shown.allocated, shown.sticky_reserved, shown.counted_blocks.as_deref())
-            == (total, allocated, sticky, Some(counted_blocks.as_str()))
+        if (shown.total, shown.allocated, shown.sticky_reserved, shown.spares, shown.counted_blocks.as_deref())
+            == (total, allocated, sticky, spares, Some(counted_blocks.as_str()))
         {
             continue;
         }
         let patch = serde_json::json!({"status": {"total": total, "allocated": allocated, "stickyReserved": sticky,
-            "countedBlocks": counted_blocks}});
+            "spares": spares, "countedBlocks": counted_blocks}});
         if !context.leading.is_leading() {
             return;
         }
@@ -241,6 +242,7 @@ impl PoolSupervisor {
     fn update_pool_gauges(&self) -> Vec<PoolCounts> {
         let mut counts = Vec::new();
         let mut allocated: BTreeMap<String, (i64, i64, i64)> = BTreeMap::new();
+        let mut spares: BTreeMap<String, i64> = BTreeMap::new();
         let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         let index = self.context.index.read();
         let blocks = index.blocks();
@@ -250,6 +252,8 @@ impl PoolSupervisor {
             entry.0 += count(records.len());
             entry.1 += count(records.clone().filter(|a| crate::ipam::blocks::counts_as_sticky(a)).count());
             entry.2 += count(records.filter(|a| a.release_handshake.is_some()).count());
+            *spares.entry(block.spec.pool.clone()).or_default() +=
+                count(crate::ipam::spares::bindable(&block.spec).len());
         }
         // Only pools that still exist: a deleted pool's series must not stay at 1.
         self.context.metrics.pool_deleting.clear();
@@ -266,11 +270,13 @@ impl PoolSupervisor {
             let deleting = i64::from(pool.metadata.deletion_timestamp.is_some());
             self.context.metrics.pool_deleting.get_or_create(&labels).set(deleting);
             let counted_blocks = crate::ipam::blocks::pool_fingerprint(&blocks, &name);
+            let spares = spares.get(&name).copied().unwrap_or_default();
             counts.push(PoolCounts {
                 pool: name,
                 total: i64::try_from(total).unwrap_or(i64::MAX),
                 allocated: used,
                 sticky,
+                spares,
                 counted_blocks,
             });
         }

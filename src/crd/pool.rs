@@ -29,6 +29,7 @@ pub const POOL_FINALIZER: &str = "ipwarden.io/pool-in-use";
     printcolumn(name = "Total", type_ = "integer", json_path = ".status.total"),
     printcolumn(name = "Allocated", type_ = "integer", json_path = ".status.allocated"),
     printcolumn(name = "Sticky", type_ = "integer", json_path = ".status.stickyReserved"),
+    printcolumn(name = "Spare", type_ = "integer", json_path = ".status.spares"),
     printcolumn(name = "Deleting", type_ = "date", json_path = ".metadata.deletionTimestamp"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
@@ -126,6 +127,10 @@ pub struct IPPoolStatus {
     /// How many of those are sticky reservations of StatefulSet or KubeVirt workloads.
     #[serde(default)]
     pub sticky_reserved: i64,
+    /// How many IPs nodes hold ready as spares (the agents' `--spare-ips`): not allocated,
+    /// and not free for anyone but their node.
+    #[serde(default)]
+    pub spares: i64,
     /// The blocks (names and resourceVersions, as [`crate::ipam::blocks::fingerprint`]) the counts
     /// were taken from: `ipwarden check` compares the counts only with those same blocks, so
     /// a status not yet rewritten after a change (or a leader change) is not called drift.

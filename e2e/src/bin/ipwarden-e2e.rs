@@ -66,6 +66,11 @@ enum Command {
         /// The ipwarden binary to measure (needed with --ipam ipwarden).
         #[arg(long)]
         ipwarden: Option<PathBuf>,
+        /// With --ipwarden: a flag added to every agent's command line in the churn's (or the
+        /// bursts') cluster, e.g. `--agent-arg=--spare-ips=64`; repeat for more. The storm's
+        /// cluster keeps its own flags.
+        #[arg(long = "agent-arg", value_name = "FLAG", allow_hyphen_values = true, requires = "ipwarden")]
+        agent_args: Vec<String>,
         /// How many simulated nodes to register.
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
         nodes: u64,
@@ -181,6 +186,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Churn {
             ipam,
             ipwarden,
+            agent_args,
             nodes,
             rate,
             duration_seconds,
@@ -202,7 +208,7 @@ async fn main() -> anyhow::Result<()> {
                     running_timeout: Duration::from_secs(burst_timeout_seconds),
                     release_timeout: Duration::from_secs(settle_timeout_seconds),
                 };
-                return burst_each(nodes, &ipam, ipwarden.as_deref(), &options, output).await;
+                return burst_each(nodes, &ipam, ipwarden.as_deref(), &agent_args, &options, output).await;
             }
             anyhow::ensure!(
                 rate > 0.0 && rate <= 1000.0,
@@ -220,7 +226,7 @@ async fn main() -> anyhow::Result<()> {
             let storm = e2e::storm::StormOptions { cycles: storm_cycles, handover_timeout: STORM_HANDOVER_TIMEOUT };
             let mut reports = Vec::new();
             for ipam in ipam {
-                reports.push(churn(nodes, ipam, ipwarden.as_deref(), &options, &storm).await?);
+                reports.push(churn(nodes, ipam, ipwarden.as_deref(), &agent_args, &options, &storm).await?);
             }
             for report in &reports {
                 match output {
@@ -320,6 +326,7 @@ async fn start_ipam(
     nodes: usize,
     ipam: e2e::peers::Ipam,
     ipwarden: Option<&Path>,
+    agent_args: &[String],
     pool: Pool,
 ) -> anyhow::Result<(e2e::Cluster, e2e::peers::Installed)> {
     use e2e::peers::{Installed, Ipam, whereabouts};
@@ -328,8 +335,10 @@ async fn start_ipam(
         Ipam::Ipwarden => {
             let binary = ipwarden.context("--ipam ipwarden needs --ipwarden <binary>")?;
             if let Pool::Churn = pool {
+                let agent_args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
+                let plugin_dir = Path::new(CHURN_PLUGIN_DIR);
                 let (cluster, installation) =
-                    e2e::up::start_cluster(nodes, Some(binary), Path::new(CHURN_PLUGIN_DIR), &[], &[], &|line| {
+                    e2e::up::start_cluster(nodes, Some(binary), plugin_dir, &agent_args, &[], &|line| {
                         tracing::info!("{line}")
                     })
                     .await?;
@@ -383,11 +392,12 @@ async fn churn(
     nodes: usize,
     ipam: e2e::peers::Ipam,
     ipwarden: Option<&Path>,
+    agent_args: &[String],
     options: &e2e::churn::ChurnOptions,
     storm: &e2e::storm::StormOptions,
 ) -> anyhow::Result<e2e::churn::Report> {
     let measured = async {
-        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, Pool::Churn).await?;
+        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, agent_args, Pool::Churn).await?;
         eprintln!(
             "churn: {ipam} on a cluster ready ({} nodes, run dir {}); creating {} pods/s for {:?}",
             nodes,
@@ -402,7 +412,7 @@ async fn churn(
             report.storm_skipped = reason;
             return anyhow::Ok(report);
         }
-        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, Pool::Storm).await?;
+        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, &[], Pool::Storm).await?;
         eprintln!(
             "storm: {ipam} on a cluster ready (run dir {}); {} handovers of 5 IPs",
             cluster.dir().display(),
@@ -434,13 +444,14 @@ async fn burst_each(
     nodes: usize,
     ipams: &[e2e::peers::Ipam],
     ipwarden: Option<&Path>,
+    agent_args: &[String],
     options: &e2e::burst::BurstOptions,
     output: Output,
 ) -> anyhow::Result<()> {
     let mut reports = Vec::new();
     for &ipam in ipams {
         let measured = async {
-            let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, Pool::Churn).await?;
+            let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, agent_args, Pool::Churn).await?;
             eprintln!(
                 "burst: {ipam} on a cluster ready ({nodes} nodes, run dir {}); {} bursts of {} pods on each node",
                 cluster.dir().display(),
