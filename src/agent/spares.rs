@@ -24,7 +24,7 @@ use super::checkpoint::CheckpointIp;
 use super::core::{Core, ResolvedPool};
 use crate::crd::{Allocation, IPBlock};
 use crate::ipam::blocks;
-use crate::ipam::spares::{self, Converted};
+use crate::ipam::spares;
 
 /// How often the spares are tended when no ADD wakes them: conversions that failed are
 /// retried, and pools that changed (deleted, disabled, full) get theirs given back.
@@ -139,146 +139,161 @@ impl Core {
     }
 
     /// Writes the records of the spares bound since the last pass (each replaces its spare),
-    /// then brings each pool's ready spares to what [`spares::target`] says: reserves more in
+    /// and brings each pool's ready spares to what [`spares::target`] says: reserves more in
     /// the node's own blocks, or gives back what it holds beyond it (all of a pool being
-    /// deleted or disabled, or without a free block left for others to claim).
+    /// deleted or disabled, or without a free block left for others to claim). What one block
+    /// gets is one edit, so a pass writes each block at most once.
     pub async fn tend_spares(&self) {
-        self.convert_bound_spares().await;
-        let node = self.settings.node.clone();
-        let known = self.known_blocks();
-        let mut pools: BTreeSet<String> = known
-            .iter()
-            .filter(|b| b.spec.affinity.as_deref() == Some(node.as_str()))
-            .map(|b| b.spec.pool.clone())
-            .collect();
-        if self.spares.wanted == 0 {
-            // Only to give back what an earlier run with spares left.
-            pools.retain(|pool| known.iter().any(|b| b.spec.pool == *pool && !b.spec.spares.is_empty()));
-        }
-        for pool in pools {
-            self.tend_pool(&pool, &known).await;
-        }
+        self.tend(true).await;
     }
 
-    /// Writes the record of every spare the checkpoint binds and the node's newest copy of
-    /// its block still shows as a spare, all at once (the node's writes of one block share a
-    /// write). A failure is retried by the next pass.
-    pub(super) async fn convert_bound_spares(&self) {
+    /// Writes the records of the spares bound before the agent stopped: start-up, before the
+    /// start-up GC reads the blocks.
+    pub(super) async fn write_bound_spares(&self) {
+        self.tend(false).await;
+    }
+
+    /// One pass of the tending; `reserve`: also reserve and give back spares.
+    async fn tend(&self, reserve: bool) {
+        let in_checkpoint = self.held_in_checkpoint();
+        let mut plans: BTreeMap<String, spares::Tending> = BTreeMap::new();
         let bound: Vec<(String, String, Allocation)> = self.checkpoint.read(|c| {
             c.entries()
                 .filter_map(|e| Some((e, e.spare_record.as_ref()?)))
                 .flat_map(|(e, record)| e.ips.iter().map(move |i| (i.block.clone(), i.ip.clone(), (**record).clone())))
                 .collect()
         });
-        let due: Vec<(String, String, Allocation)> = bound
-            .into_iter()
-            .filter(|(block, ip, _)| self.newest_block(block).is_some_and(|b| b.spec.spares.contains(ip)))
-            .collect();
-        let writes = due.into_iter().map(|(block, ip, record)| async move {
-            let converted = self
-                .edit_in_batch(&block, None, {
-                    let (ip, record) = (ip.clone(), record.clone());
-                    move |spec| {
-                        let converted = spares::convert(spec, &ip, &record);
-                        (converted == Converted::Written, converted)
+        for (block, ip, record) in bound {
+            if self.newest_block(&block).is_some_and(|b| b.spec.spares.contains(&ip)) {
+                plans.entry(block).or_default().convert.push((ip, record));
+            }
+        }
+        let mut withdrawn = Vec::new();
+        if reserve {
+            for pool in self.pools_to_tend() {
+                self.plan_pool(&pool, &in_checkpoint, &mut plans, &mut withdrawn);
+            }
+        }
+        let cooldown = self.settings.cooldown;
+        let writes = plans.into_iter().map(|(block, plan)| {
+            let exclude = in_checkpoint.clone();
+            async move {
+                let done = self
+                    .edit_in_batch(&block, None, move |spec| {
+                        let done = spares::tend(spec, &plan, &exclude, Timestamp::now(), cooldown);
+                        (done.changed(), done)
+                    })
+                    .await;
+                match done {
+                    Some(done) => {
+                        for (ip, pod) in done.held_by_other {
+                            tracing::error!(%ip, %block, %pod,
+                                "a spare bound on this node holds another pod's record; its record was not written");
+                        }
                     }
-                })
-                .await;
-            match converted {
-                Some(Converted::HeldByOther) => {
-                    tracing::error!(%ip, %block, pod = %format!("{}/{}", record.pod.namespace, record.pod.name),
-                    "a spare bound on this node holds another pod's record; its record was not written")
-                }
-                Some(_) => {}
-                None => {
-                    tracing::debug!(%ip, %block, "writing a bound spare's record failed; retrying on the next pass")
+                    None => tracing::debug!(%block, "tending the block's spares failed; retrying on the next pass"),
                 }
             }
         });
         join_all(writes).await;
+        self.spares.release(withdrawn);
+        if reserve {
+            self.count_ready_spares();
+        }
     }
 
-    /// Brings the ready spares of `pool` on this node to their target.
-    async fn tend_pool(&self, pool: &str, known: &[Arc<IPBlock>]) {
-        let Some(resolved) = self.resolve_pool(pool) else {
-            return self.give_back_all(pool).await;
+    /// The pools whose spares this node tends: those with a block affine to it (the pools it
+    /// allocates from); with `--spare-ips 0`, only those where it still holds spares (from an
+    /// earlier run), to give them back.
+    fn pools_to_tend(&self) -> BTreeSet<String> {
+        let node = self.settings.node.as_str();
+        let known = self.known_blocks();
+        known
+            .iter()
+            .filter(|b| b.spec.affinity.as_deref() == Some(node))
+            .filter(|b| self.spares.wanted > 0 || !b.spec.spares.is_empty())
+            .map(|b| b.spec.pool.clone())
+            .collect()
+    }
+
+    /// Plans what the node's blocks of `pool` get to bring its ready spares to their target:
+    /// spares to reserve, block by block (as many as each has ready IPs for), or spares to give
+    /// back, withdrawn from the book (`withdrawn`) so no ADD takes them meanwhile.
+    fn plan_pool(
+        &self,
+        pool: &str,
+        in_checkpoint: &BTreeSet<IpAddr>,
+        plans: &mut BTreeMap<String, spares::Tending>,
+        withdrawn: &mut Vec<IpAddr>,
+    ) {
+        let resolved = self.resolve_pool(pool);
+        let target = match &resolved {
+            Some(resolved) if !resolved.deleting && !self.pool_disabled(pool) => {
+                spares::target(self.spares.wanted, self.pool_has_free_block(pool, &resolved.layout))
+            }
+            _ => 0,
         };
-        let usable = !resolved.deleting && !self.pool_disabled(pool);
-        let claimed = known
-            .iter()
-            .filter(|b| b.spec.pool == pool && (b.spec.affinity.is_some() || !blocks::holds_nothing(&b.spec)))
-            .count();
-        let free_blocks = u128::try_from(claimed).is_ok_and(|claimed| claimed < resolved.layout.block_count());
-        let target = if usable { spares::target(self.spares.wanted, free_blocks) } else { 0 };
-        let in_checkpoint = self.held_in_checkpoint();
         let own = self.own_blocks_of(pool);
-        let ready: Vec<(String, IpAddr)> = own
-            .iter()
-            .flat_map(|b| spares::bindable(&b.spec).into_iter().map(|ip| (b.name_any(), ip)))
-            .filter(|(_, ip)| !in_checkpoint.contains(ip))
-            .collect();
-        self.metrics
-            .spare_ips
-            .get_or_create(&super::metrics::PoolLabels { pool: pool.to_string() })
-            .set(i64::try_from(ready.len()).unwrap_or(i64::MAX));
+        let ready = self.ready_spares(&own, in_checkpoint);
         if ready.len() > target {
-            let extra = ready[target..].to_vec();
-            return self.give_back(extra).await;
+            let mut held = self.spares.held();
+            for (block, ip) in &ready[target..] {
+                if held.insert(*ip) {
+                    withdrawn.push(*ip);
+                    plans.entry(block.clone()).or_default().give_back.push(*ip);
+                }
+            }
+            return;
         }
-        let mut missing = target - ready.len();
+        let (Some(resolved), mut missing) = (resolved, target - ready.len()) else { return };
+        let now = Timestamp::now();
         for block in &own {
+            let Ok(net) = block.spec.cidr.parse() else { continue };
             if missing == 0 {
                 break;
             }
-            let Ok(net) = block.spec.cidr.parse() else { continue };
-            let (layout, exclude, cooldown) = (resolved.layout.clone(), in_checkpoint.clone(), self.settings.cooldown);
-            let added = self
-                .edit_in_batch(&block.name_any(), None, move |spec| {
-                    let added = spares::reserve(spec, &layout, net, missing, &exclude, Timestamp::now(), cooldown);
-                    (!added.is_empty(), added.len())
-                })
-                .await
-                .unwrap_or(0);
-            missing = missing.saturating_sub(added);
-        }
-    }
-
-    /// Gives back the spares `ready` ((block, IP)) that no call holds: withdrawn from the
-    /// book while their blocks are written, so no ADD binds one meanwhile.
-    async fn give_back(&self, ready: Vec<(String, IpAddr)>) {
-        let withdrawn: Vec<(String, IpAddr)> = {
-            let mut held = self.spares.held();
-            ready.into_iter().filter(|(_, ip)| held.insert(*ip)).collect()
-        };
-        let mut by_block: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
-        for (block, ip) in &withdrawn {
-            by_block.entry(block.clone()).or_default().push(*ip);
-        }
-        let writes = by_block.into_iter().map(|(block, ips)| async move {
-            let gone = self
-                .edit_in_batch(&block, None, move |spec| {
-                    let gone = spares::give_back(spec, &ips);
-                    (gone > 0, gone)
-                })
-                .await;
-            if gone.is_none() {
-                tracing::debug!(%block, "giving spares back failed; retrying on the next pass");
+            // As many as the block has ready IPs for (a dry run on the copy held).
+            let mut copy = block.spec.clone();
+            let room =
+                spares::reserve(&mut copy, &resolved.layout, net, missing, in_checkpoint, now, self.settings.cooldown);
+            if room.is_empty() {
+                continue;
             }
-        });
-        join_all(writes).await;
-        self.spares.release(withdrawn.into_iter().map(|(_, ip)| ip));
+            missing -= room.len();
+            plans.entry(block.name_any()).or_default().reserve =
+                Some(spares::Reserve { layout: resolved.layout.clone(), net, count: room.len() });
+        }
     }
 
-    /// Gives back every ready spare of `pool` (a pool the cache no longer has).
-    async fn give_back_all(&self, pool: &str) {
-        let in_checkpoint = self.held_in_checkpoint();
-        let ready: Vec<(String, IpAddr)> = self
-            .own_blocks_of(pool)
+    /// Whether pool `pool` (laid out as `layout`) has a block no node has claimed, as far as
+    /// this node knows.
+    fn pool_has_free_block(&self, pool: &str, layout: &crate::ipam::PoolLayout) -> bool {
+        let claimed = self
+            .known_blocks()
             .iter()
+            .filter(|b| b.spec.pool == pool && (b.spec.affinity.is_some() || !blocks::holds_nothing(&b.spec)))
+            .count();
+        u128::try_from(claimed).is_ok_and(|claimed| claimed < layout.block_count())
+    }
+
+    /// The ready spares ((block, IP)) of `own` blocks: bindable, and in no checkpoint entry.
+    fn ready_spares(&self, own: &[IPBlock], in_checkpoint: &BTreeSet<IpAddr>) -> Vec<(String, IpAddr)> {
+        own.iter()
             .flat_map(|b| spares::bindable(&b.spec).into_iter().map(|ip| (b.name_any(), ip)))
             .filter(|(_, ip)| !in_checkpoint.contains(ip))
-            .collect();
-        self.give_back(ready).await;
+            .collect()
+    }
+
+    /// Sets `ipwarden_agent_spare_ips` for every pool the node tends.
+    fn count_ready_spares(&self) {
+        let in_checkpoint = self.held_in_checkpoint();
+        for pool in self.pools_to_tend() {
+            let ready = self.ready_spares(&self.own_blocks_of(&pool), &in_checkpoint).len();
+            self.metrics
+                .spare_ips
+                .get_or_create(&super::metrics::PoolLabels { pool })
+                .set(i64::try_from(ready).unwrap_or(i64::MAX));
+        }
     }
 
     /// Whether the cached pool `pool` is disabled (`spec.disabled`).

@@ -25,7 +25,7 @@ impl Core {
     /// conditional on the sandbox and UID, and a sticky record its owner wants stays reserved.
     pub async fn startup_gc(&self) -> Result<usize, Error> {
         // Spares bound before a stop get their records first, so the releases below see them.
-        self.convert_bound_spares().await;
+        self.write_bound_spares().await;
         let node = &self.settings.node;
         let params = kube::api::ListParams::default().fields(&format!("spec.nodeName={node}"));
         let pods = Api::<Pod>::all(self.client.clone())

@@ -134,6 +134,76 @@ pub fn settle_unknown(
     spares.len()
 }
 
+/// Spares to reserve in one block ([`reserve`]).
+#[derive(Clone, Debug)]
+pub struct Reserve {
+    /// The pool's layout.
+    pub layout: PoolLayout,
+    /// The block's CIDR.
+    pub net: IpNet,
+    /// How many.
+    pub count: usize,
+}
+
+/// What one pass of a node's tending does to one of its blocks, in one write: records for
+/// bound spares ([`convert`]), spares given back ([`give_back`]), spares reserved ([`reserve`]).
+#[derive(Clone, Debug, Default)]
+pub struct Tending {
+    /// (IP, record) of each spare bound on the node whose record is to be written.
+    pub convert: Vec<(String, Allocation)>,
+    /// Spares to give back.
+    pub give_back: Vec<IpAddr>,
+    /// Spares to reserve.
+    pub reserve: Option<Reserve>,
+}
+
+/// What [`tend`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tended {
+    /// Records written in place of spares.
+    pub converted: usize,
+    /// Spares given back.
+    pub given_back: usize,
+    /// Spares reserved.
+    pub reserved: usize,
+    /// (IP, `namespace/name`) of each bound spare another pod's record holds.
+    pub held_by_other: Vec<(String, String)>,
+}
+
+impl Tended {
+    /// Whether the block changed.
+    pub fn changed(&self) -> bool {
+        self.converted + self.given_back + self.reserved > 0
+    }
+}
+
+/// Applies `plan` to the block: the records first, then the spares given back, then those
+/// reserved (ready IPs not in `exclude`, the node's checkpoint).
+pub fn tend(
+    spec: &mut IPBlockSpec,
+    plan: &Tending,
+    exclude: &BTreeSet<IpAddr>,
+    now: Timestamp,
+    cooldown: Duration,
+) -> Tended {
+    let mut done = Tended::default();
+    for (ip, record) in &plan.convert {
+        match convert(spec, ip, record) {
+            Converted::Written => done.converted += 1,
+            Converted::HeldByOther => {
+                let holder = spec.allocations.get(ip).map(|r| format!("{}/{}", r.pod.namespace, r.pod.name));
+                done.held_by_other.push((ip.clone(), holder.unwrap_or_default()));
+            }
+            Converted::NotSpare => {}
+        }
+    }
+    done.given_back = give_back(spec, &plan.give_back);
+    if let Some(Reserve { layout, net, count }) = &plan.reserve {
+        done.reserved = reserve(spec, layout, *net, *count, exclude, now, cooldown).len();
+    }
+    done
+}
+
 /// How many spares a node keeps in a pool: `wanted` while the pool has a block no node has
 /// claimed yet (`free_blocks`), none otherwise, since then other nodes may have to borrow
 /// single IPs from this node's blocks and spares are never lent.
@@ -274,6 +344,28 @@ mod test {
         assert!(!spec.allocations.contains_key("10.0.0.6"));
         assert_eq!(spec.released.get("10.0.0.6"), Some(&Time(at(9))));
         assert_eq!(spec.allocations["10.0.0.7"], record("a"), "a recorded IP is left alone");
+    }
+
+    #[test]
+    fn one_pass_writes_records_gives_back_and_reserves_in_one_edit() {
+        let mut spec = spec();
+        spec.spares.extend(["10.0.0.5".to_string(), "10.0.0.6".to_string(), "10.0.0.7".to_string()]);
+        spec.allocations.insert("10.0.0.7".into(), record("other"));
+        let plan = Tending {
+            convert: vec![("10.0.0.5".into(), record("a")), ("10.0.0.7".into(), record("b"))],
+            give_back: vec![ip("10.0.0.6")],
+            reserve: Some(Reserve { layout: layout(), net: net(), count: 2 }),
+        };
+        let exclude = BTreeSet::from([ip("10.0.0.2")]);
+        let done = tend(&mut spec, &plan, &exclude, at(0), Duration::ZERO);
+        assert_eq!((done.converted, done.given_back, done.reserved), (1, 1, 2));
+        assert_eq!(done.held_by_other, vec![("10.0.0.7".to_string(), "ns/pod-other".to_string())]);
+        assert!(done.changed());
+        assert_eq!(spec.allocations["10.0.0.5"], record("a"));
+        // The reserve takes the lowest ready IPs: .1 is the gateway, .2 in the checkpoint.
+        assert_eq!(bindable(&spec), vec![ip("10.0.0.3"), ip("10.0.0.4")]);
+        assert!(spec.spares.contains("10.0.0.7"), "another pod's record: the spare entry stays for the report");
+        assert!(!tend(&mut spec, &Tending::default(), &exclude, at(0), Duration::ZERO).changed());
     }
 
     #[test]
