@@ -1,5 +1,5 @@
 //! Spare IPs (`--spare-ips`) on the real control plane: a node keeps IPs ready in its own
-//! block, its ADDs take them and their records replace them right after, every pod ends with
+//! block of the default pool from its start, its ADDs take them and their records replace them right after, every pod ends with
 //! an IP of its own that its record names, a pod asking for one of the node's spares as its
 //! fixed IP gets it, a spare bound just before the agent stopped gets its record at the next
 //! start, the agent gives its spares back when their pool is deleted, and the leader clears
@@ -85,9 +85,11 @@ async fn a_node_hands_out_its_spares_each_pod_gets_its_own_ip_and_record_and_del
     let controller = ipwarden.start_controller("only", &[]);
     ipwarden.wait_leader(controller).await;
 
-    // The first ADD claims a block the usual way; the node then keeps its spares there.
+    // The node claims a block of the default pool for its spares before its first pod.
+    let spares = wait_spares(&client, "node-0", SPARES).await;
     create_pods(&client, "first", "node-0", 1, "first").await;
-    wait_pods_with_ips(&client, NS, "app=first", 1).await;
+    let first = wait_pods_with_ips(&client, NS, "app=first", 1).await;
+    assert!(spares.contains_key(&ip_of(&first["first-0"])), "the first pod got a spare: {spares:?}");
     let spares = wait_spares(&client, "node-0", SPARES).await;
 
     // A burst takes the spares first and ordinary allocations for the rest: distinct IPs, each
@@ -105,7 +107,8 @@ async fn a_node_hands_out_its_spares_each_pod_gets_its_own_ip_and_record_and_del
     wait::until("the pool's status counting the spares", TIMEOUT, || async {
         let pool = Api::<IPPool>::all(client.clone()).get("pool").await.expect("read pool");
         let status = pool.status.unwrap_or_default();
-        Ok(if (status.spares, status.allocated) == (SPARES as i64, 13) {
+        // Both nodes keep spares in the default pool, node-1 before its first pod.
+        Ok(if (status.spares, status.allocated) == (2 * SPARES as i64, 13) {
             Probe::Done(())
         } else {
             Probe::Pending(format!("spares {}, allocated {}", status.spares, status.allocated))

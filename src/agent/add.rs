@@ -31,6 +31,7 @@ use crate::ipam::affinity::{self, KnownBlock};
 use crate::ipam::blocks;
 use crate::ipam::fixed;
 use crate::ipam::pools::{self, PodPlacement, PoolSet};
+use crate::ipam::spares;
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
 use crate::protocol::{AttachmentRequest, IpamResult};
 
@@ -411,7 +412,8 @@ impl Core {
                         return None;
                     }
                     let Some(current) = spec.allocations.get_mut(&key) else {
-                        let free = pool.layout.is_allocatable(ip);
+                        // A node's spare (maybe bound, its record not written yet) is not free.
+                        let free = pool.layout.is_allocatable(ip) && !spares::is_bindable(spec, &key);
                         return free.then(|| Reclaim::Taken(blocks::allocate(spec, ip, record.clone())));
                     };
                     let step = reclaim_step(ClaimedRecord {
@@ -539,8 +541,11 @@ impl Core {
                 gateway: view.spec.gateway.clone(),
                 deleting: view.deleting,
             };
-            // A pod whose workload keeps no IP may take one of the node's spares.
-            if let Some(ip) = (!sticky).then(|| self.pick_spare(&pool)).flatten() {
+            // A pod whose workload keeps no IP may take one of the node's spares on its own
+            // network's interface (the one its status reports, which a lost checkpoint's
+            // recovery reads).
+            let spare = !sticky && request.ifname == fixed::POD_INTERFACE;
+            if let Some(ip) = spare.then(|| self.pick_spare(&pool)).flatten() {
                 written.push(Written { ip, prior: None });
                 continue;
             }
@@ -651,7 +656,7 @@ impl Core {
         };
         let taken = self.take_fixed_written(&block, &pool, net, take).await;
         if withdrawn {
-            self.let_go_of_spare(ip);
+            self.spare_write_done(ip);
         }
         let prior = match taken? {
             Ok(prior) => prior,

@@ -70,15 +70,8 @@ impl Core {
     ) -> Result<(), Error> {
         let mut targets: BTreeSet<(String, String)> =
             entry.iter().flat_map(|e| e.ips.iter()).map(|ip| (ip.block.clone(), ip.ip.clone())).collect();
-        // A spare the sandbox got whose record is not written yet (module `spares`).
-        let bound_spares: Vec<(String, String)> = targets
-            .iter()
-            .filter(|(block, ip)| self.newest_block(block).is_some_and(|b| spares::is_bindable(&b.spec, ip)))
-            .cloned()
-            .collect();
-        for (block, ip) in &bound_spares {
-            targets.remove(&(block.clone(), ip.clone()));
-            self.release_bound_spare(block, ip, container_id, ifname, uid).await?;
+        for spare in self.release_bound_spares(entry, container_id, ifname, uid).await? {
+            targets.remove(&spare);
         }
         targets.extend(self.records_of_sandbox(container_id, ifname).into_iter().map(|(block, ip, _)| (block, ip)));
         let ips: Vec<RecordAt> = targets.into_iter().map(|(block, ip)| RecordAt { block, ip }).collect();
@@ -89,6 +82,31 @@ impl Core {
             self.delete_claim_of(&claim).await;
         }
         Ok(())
+    }
+
+    /// Releases the spares of checkpoint entry `entry` whose records are not written yet
+    /// ([`Core::release_bound_spare`]): before the entry goes, whatever removes it (a DEL, the
+    /// node's GC, a release mark answered for a sandbox counted as gone, the start-up GC).
+    /// Returns them as (block, IP).
+    pub(super) async fn release_bound_spares(
+        &self,
+        entry: Option<&CheckpointEntry>,
+        container_id: &str,
+        ifname: &str,
+        uid: Option<&str>,
+    ) -> Result<Vec<(String, String)>, Error> {
+        let node = self.settings.node.as_str();
+        let bound: Vec<(String, String)> = entry
+            .iter()
+            .filter(|e| e.spare_record.is_some())
+            .flat_map(|e| e.ips.iter())
+            .filter(|i| self.newest_block(&i.block).is_some_and(|b| spares::is_bindable_for(&b.spec, node, &i.ip)))
+            .map(|i| (i.block.clone(), i.ip.clone()))
+            .collect();
+        for (block, ip) in &bound {
+            self.release_bound_spare(block, ip, container_id, ifname, uid).await?;
+        }
+        Ok(bound)
     }
 
     /// Releases the spare `ip` of block `block` that the sandbox got before its record was
@@ -106,9 +124,10 @@ impl Core {
     ) -> Result<(), Error> {
         let (ip, sandbox, interface, pod_uid) =
             (ip.to_string(), container_id.to_string(), ifname.to_string(), uid.map(str::to_string));
+        let node = self.settings.node.clone();
         let release = move |spec: &mut IPBlockSpec| {
             let now = Timestamp::now();
-            if spares::release_bound(spec, &ip, now) {
+            if spares::release_bound(spec, &node, &ip, now) {
                 return Some(ReleaseOutcome::Released);
             }
             match blocks::release_attachment(spec, &ip, &sandbox, &interface, pod_uid.as_deref(), false, now) {

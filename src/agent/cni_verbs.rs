@@ -9,7 +9,7 @@ use super::checkpoint::{AttachmentKey, CheckpointEntry};
 use super::core::{Core, attachment_key};
 use super::error::Error;
 use crate::crd::IPBlock;
-use crate::ipam::blocks;
+use crate::ipam::{blocks, spares};
 use crate::protocol::{AttachmentRequest, GcRequest, StatusRequest};
 
 impl Core {
@@ -38,11 +38,16 @@ impl Core {
         let mut found = BTreeSet::new();
         for (block, ip) in targets {
             let fresh = api.get_opt(&block).await.map_err(Error::api(format!("reading IPBlock {block}")))?;
+            // A spare the sandbox got, whose record the agent is about to write (module `spares`).
+            let bound_spare = entry.as_ref().is_some_and(|e| e.spare_record.is_some())
+                && fresh.as_ref().is_some_and(|b| spares::is_bindable_for(&b.spec, &self.settings.node, &ip));
             let held = fresh.and_then(|b| b.spec.allocations.get(&ip).cloned());
             let uid = entry.as_ref().map(|e| e.pod.uid.as_str());
-            if held.is_some_and(|r| {
-                blocks::holds_sandbox(&r, &request.container_id, &request.ifname) || blocks::adopted_by(&r, uid)
-            }) {
+            if bound_spare
+                || held.is_some_and(|r| {
+                    blocks::holds_sandbox(&r, &request.container_id, &request.ifname) || blocks::adopted_by(&r, uid)
+                })
+            {
                 found.insert(ip);
             }
         }

@@ -261,6 +261,18 @@ impl Core {
         Ok(outcome)
     }
 
+    /// Reads block `name` fresh, as its writer (so no write of this node lands in between),
+    /// and keeps what it read as the newest copy: after a write whose outcome is unknown.
+    pub(super) async fn refresh_block(&self, name: &str) -> Result<Option<IPBlock>, Error> {
+        let _writer = self.block_writer(name).await;
+        let fresh = Api::<IPBlock>::all(self.client.clone())
+            .get_opt(name)
+            .await
+            .map_err(Error::api(format!("reading IPBlock {name}")))?;
+        self.written.remember(name, fresh.clone(), Instant::now());
+        Ok(fresh)
+    }
+
     pub(super) fn resolve_pool(&self, name: &str) -> Option<ResolvedPool> {
         let pool = self.pools.state().into_iter().find(|p| p.name_any() == name)?;
         let layout = pools::layout(&pool.spec).ok()?;

@@ -104,6 +104,9 @@ impl Core {
             }
             if answer == AgentAnswer::Ready {
                 for key in &attached {
+                    let entry = self.checkpoint.read(|c| c.get(key).cloned());
+                    let uid = entry.as_ref().map(|e| e.pod.uid.clone());
+                    self.release_bound_spares(entry.as_ref(), &key.container_id, &key.ifname, uid.as_deref()).await?;
                     self.checkpoint.remove(key).await?;
                 }
             }

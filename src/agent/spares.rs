@@ -5,40 +5,76 @@
 //! woken by the ADD), in one batched write with the node's other block edits. The pure edits
 //! are in [`crate::ipam::spares`].
 //!
-//! Which spare is free to bind: a bindable spare of the node's newest copy of the block that
-//! no checkpoint entry holds and no other call of this node has picked or withdrawn
-//! ([`SpareBook`]). An ADD holds its pick until its checkpoint entry is saved (or it failed),
-//! so two ADDs never bind one spare, and a spare bound before a crash is found in the
-//! checkpoint at the next start.
+//! Which spare is free to bind: a bindable spare of the node's newest copy of its block that
+//! no checkpoint entry holds, that no other call of this node has picked, and that is not
+//! withdrawn ([`SpareBook`]). An ADD holds its pick until its checkpoint entry is saved (or it
+//! failed), so two ADDs never bind one spare, and a spare bound before a crash is found in the
+//! checkpoint at the next start. A spare being given back, or taken as a fixed IP, is
+//! withdrawn until a copy known to be current shows what became of it: a write whose outcome
+//! is unknown (a timeout) leaves the node's copy behind, and that copy must not hand out an IP
+//! the apiserver may already have freed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use futures::future::join_all;
 use jiff::Timestamp;
 use kube::ResourceExt;
+use kube::runtime::reflector::ObjectRef;
 use tokio::sync::Notify;
 
 use super::checkpoint::CheckpointIp;
 use super::core::{Core, ResolvedPool};
+use super::error::Error;
 use crate::crd::{Allocation, IPBlock};
-use crate::ipam::blocks;
-use crate::ipam::spares;
+use crate::ipam::affinity::{self, Candidate, KnownBlock, Use};
+use crate::ipam::{PoolLayout, blocks, pools, spares};
 
-/// How often the spares are tended when no ADD wakes them: conversions that failed are
-/// retried, and pools that changed (deleted, disabled, full) get theirs given back.
+/// How often the spares are tended when no ADD wakes them: records that failed are written,
+/// withdrawn spares settled, and pools that changed (deleted, disabled, full) get theirs back.
 pub const TEND_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// The node's spare IPs in use by its calls: how many it keeps per pool, and which it has
-/// picked or withdrawn.
+/// What one pass of the tending writes to one block, and the block to make when it does
+/// not exist yet (a free block claimed for spares).
+#[derive(Default)]
+struct Planned {
+    tending: spares::Tending,
+    create: Option<(String, ipnet::IpNet)>,
+}
+
+/// The spares the node's calls keep from each other.
+#[derive(Default)]
+struct Held {
+    /// Picked by an ADD whose checkpoint entry is not saved yet.
+    picked: BTreeSet<IpAddr>,
+    /// Being given back or taken as a fixed IP: until a current copy of the block shows what
+    /// became of them.
+    withdrawn: BTreeMap<IpAddr, Withdrawn>,
+}
+
+/// A withdrawn spare.
+struct Withdrawn {
+    /// Its block.
+    block: String,
+    /// Whether the call that withdrew it (a fixed IP's ADD) has not written yet: no copy, not
+    /// even a fresh one, tells its outcome before that write.
+    busy: bool,
+}
+
+impl Held {
+    fn holds(&self, ip: &IpAddr) -> bool {
+        self.picked.contains(ip) || self.withdrawn.contains_key(ip)
+    }
+}
+
+/// The node's spare IPs in use by its calls: how many it keeps per pool, and which its calls
+/// hold.
 pub struct SpareBook {
     /// How many spares the node keeps ready in each pool it allocates from (0: none).
     wanted: usize,
-    /// Spares an ADD picked and has not saved in the checkpoint yet, or that are being given
-    /// back: no other call takes them.
-    held: Mutex<BTreeSet<IpAddr>>,
-    /// Wakes [`Core::tend_spares`]: an ADD bound spares.
+    held: Mutex<Held>,
+    /// Wakes [`Core::tend_spares`]: an ADD bound spares, or a spare was withdrawn.
     wake: Arc<Notify>,
 }
 
@@ -48,20 +84,17 @@ impl SpareBook {
         Self { wanted, held: Mutex::default(), wake: Arc::default() }
     }
 
-    fn held(&self) -> std::sync::MutexGuard<'_, BTreeSet<IpAddr>> {
+    fn held(&self) -> MutexGuard<'_, Held> {
         self.held.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Lets go of `ips` (picked or withdrawn).
-    fn release(&self, ips: impl IntoIterator<Item = IpAddr>) {
-        let mut held = self.held();
-        for ip in ips {
-            held.remove(&ip);
-        }
     }
 }
 
 impl Core {
+    /// What an ADD that bound spares notifies, so [`Core::tend_spares`] runs at once.
+    pub fn spares_wake(&self) -> Arc<Notify> {
+        self.spares.wake.clone()
+    }
+
     /// Picks a spare of `pool` for an ADD, if the node keeps spares and has one ready: the
     /// lowest bindable spare of its own blocks that no checkpoint entry and no other call
     /// holds. The caller saves it in the checkpoint, then calls [`Core::spares_saved`].
@@ -69,15 +102,15 @@ impl Core {
         if self.spares.wanted == 0 || pool.deleting {
             return None;
         }
-        let in_checkpoint = self.held_in_checkpoint();
-        let own = self.own_blocks_of(&pool.name);
+        let own = self.own_blocks_of(&pool.name, &pool.layout);
+        // Held first: a spare let go of after this point is in the checkpoint already.
         let mut held = self.spares.held();
+        let in_checkpoint = self.held_in_checkpoint();
         for block in &own {
             let free =
-                spares::bindable(&block.spec).into_iter().find(|ip| !held.contains(ip) && !in_checkpoint.contains(ip));
+                spares::bindable(&block.spec).into_iter().find(|ip| !held.holds(ip) && !in_checkpoint.contains(ip));
             if let Some(ip) = free {
-                held.insert(ip);
-                self.metrics.spare_ips_bound.inc();
+                held.picked.insert(ip);
                 return Some(CheckpointIp {
                     ip: ip.to_string(),
                     prefix_len: pool.layout.cidr().prefix_len(),
@@ -97,26 +130,42 @@ impl Core {
         if picked.is_empty() {
             return;
         }
-        self.spares.release(picked.iter().filter_map(|ip| ip.ip.parse().ok()));
+        let mut held = self.spares.held();
+        for ip in picked.iter().filter_map(|ip| ip.ip.parse::<IpAddr>().ok()) {
+            held.picked.remove(&ip);
+        }
+        drop(held);
         if bound {
+            self.metrics.spare_ips_bound.inc_by(u64::try_from(picked.len()).unwrap_or(u64::MAX));
             self.spares.wake.notify_one();
         }
     }
 
-    /// Keeps `ip` from the node's other calls if it is a ready spare of this node's block
-    /// `block` (a fixed IP the pod asks for): says whether it did; the caller then takes it
-    /// and lets go with [`Core::let_go_of_spare`].
+    /// Withdraws `ip` if it is a ready spare of this node's block `block` (a fixed IP the pod
+    /// asks for): says whether it did; the caller then takes it in a write of the block and
+    /// calls [`Core::spare_write_done`].
     pub(super) fn withdraw_spare(&self, block: &str, ip: IpAddr) -> bool {
-        let spare = self.newest_block(block).is_some_and(|b| {
-            b.spec.affinity.as_deref() == Some(self.settings.node.as_str())
-                && spares::is_bindable(&b.spec, &ip.to_string())
-        });
-        spare && !self.held_in_checkpoint().contains(&ip) && self.spares.held().insert(ip)
+        let node = self.settings.node.as_str();
+        let spare = self.newest_block(block).is_some_and(|b| spares::is_bindable_for(&b.spec, node, &ip.to_string()));
+        let mut held = self.spares.held();
+        if !spare || held.holds(&ip) || self.held_in_checkpoint().contains(&ip) {
+            return false;
+        }
+        held.withdrawn.insert(ip, Withdrawn { block: block.to_string(), busy: true });
+        true
     }
 
-    /// Lets go of a spare [`Core::withdraw_spare`] kept.
-    pub(super) fn let_go_of_spare(&self, ip: IpAddr) {
-        self.spares.release([ip]);
+    /// After the write that took the withdrawn spare `ip` as a fixed IP (or failed to): lets
+    /// go of it if the node's newest copy shows it settled (the write stored), and wakes the
+    /// tending to settle it from a fresh read otherwise.
+    pub(super) fn spare_write_done(&self, ip: IpAddr) {
+        if let Some(withdrawn) = self.spares.held().withdrawn.get_mut(&ip) {
+            withdrawn.busy = false;
+        }
+        self.settle_from_copies();
+        if !self.spares.held().withdrawn.is_empty() {
+            self.spares.wake.notify_one();
+        }
     }
 
     /// Every IP the checkpoint holds.
@@ -124,27 +173,30 @@ impl Core {
         self.checkpoint.read(|c| c.entries().flat_map(|e| &e.ips).filter_map(|i| i.ip.parse().ok()).collect())
     }
 
-    /// The newest copies of this node's blocks of `pool`, by address.
-    fn own_blocks_of(&self, pool: &str) -> Vec<IPBlock> {
+    /// The newest copies of this node's blocks of `pool` (laid out as `layout`: a block written
+    /// under an earlier layout of the name is not the pool's), by address.
+    fn own_blocks_of(&self, pool: &str, layout: &PoolLayout) -> Vec<IPBlock> {
         let node = self.settings.node.as_str();
-        let mut own: Vec<IPBlock> =
-            self.newest_blocks_of(pool).into_iter().filter(|b| b.spec.affinity.as_deref() == Some(node)).collect();
-        own.sort_by_key(|b| b.spec.cidr.parse::<ipnet::IpNet>().ok());
-        own
-    }
-
-    /// What an ADD that bound spares notifies, so [`Core::tend_spares`] runs at once.
-    pub fn spares_wake(&self) -> Arc<Notify> {
-        self.spares.wake.clone()
+        let mut own: Vec<(ipnet::IpNet, IPBlock)> = self
+            .newest_blocks_of(pool)
+            .into_iter()
+            .filter(|b| b.spec.affinity.as_deref() == Some(node))
+            .filter_map(|b| Some((b.spec.cidr.parse().ok().filter(|net| layout.is_block(*net))?, b)))
+            .collect();
+        own.sort_by_key(|(net, _)| *net);
+        own.into_iter().map(|(_, b)| b).collect()
     }
 
     /// Writes the records of the spares bound since the last pass (each replaces its spare),
-    /// and brings each pool's ready spares to what [`spares::target`] says: reserves more in
-    /// the node's own blocks, or gives back what it holds beyond it (all of a pool being
-    /// deleted or disabled, or without a free block left for others to claim). What one block
-    /// gets is one edit, so a pass writes each block at most once.
+    /// settles the withdrawn spares, and brings each pool's ready spares to what
+    /// [`spares::target`] says: reserves more in the node's own blocks (or a free block it
+    /// claims), or gives back what it holds beyond it (all of a pool being deleted or
+    /// disabled, or without a free block left for others to claim). What one block gets is
+    /// one edit, so a pass writes each block at most once.
     pub async fn tend_spares(&self) {
+        self.settle_withdrawn().await;
         self.tend(true).await;
+        self.count_ready_spares();
     }
 
     /// Writes the records of the spares bound before the agent stopped: start-up, before the
@@ -155,32 +207,38 @@ impl Core {
 
     /// One pass of the tending; `reserve`: also reserve and give back spares.
     async fn tend(&self, reserve: bool) {
-        let in_checkpoint = self.held_in_checkpoint();
-        let mut plans: BTreeMap<String, spares::Tending> = BTreeMap::new();
+        let node = self.settings.node.clone();
+        let mut plans: BTreeMap<String, Planned> = BTreeMap::new();
         let bound: Vec<(String, String, Allocation)> = self.checkpoint.read(|c| {
             c.entries()
                 .filter_map(|e| Some((e, e.spare_record.as_ref()?)))
                 .flat_map(|(e, record)| e.ips.iter().map(move |i| (i.block.clone(), i.ip.clone(), (**record).clone())))
                 .collect()
         });
+        let mut copies: BTreeMap<String, Option<IPBlock>> = BTreeMap::new();
         for (block, ip, record) in bound {
-            if self.newest_block(&block).is_some_and(|b| b.spec.spares.contains(&ip)) {
-                plans.entry(block).or_default().convert.push((ip, record));
+            let copy = copies.entry(block.clone()).or_insert_with(|| self.newest_block(&block));
+            if copy
+                .as_ref()
+                .is_some_and(|b| b.spec.affinity.as_deref() == Some(node.as_str()) && b.spec.spares.contains(&ip))
+            {
+                plans.entry(block).or_default().tending.convert.push((ip, record));
             }
         }
-        let mut withdrawn = Vec::new();
         if reserve {
+            let in_checkpoint = self.held_in_checkpoint();
             for pool in self.pools_to_tend() {
-                self.plan_pool(&pool, &in_checkpoint, &mut plans, &mut withdrawn);
+                self.plan_pool(&pool, &in_checkpoint, &mut plans);
             }
         }
+        let in_checkpoint = self.held_in_checkpoint();
         let cooldown = self.settings.cooldown;
-        let writes = plans.into_iter().map(|(block, plan)| {
-            let exclude = in_checkpoint.clone();
+        let writes = plans.into_iter().map(|(block, Planned { tending, create })| {
+            let (exclude, node) = (in_checkpoint.clone(), node.clone());
             async move {
                 let done = self
-                    .edit_in_batch(&block, None, move |spec| {
-                        let done = spares::tend(spec, &plan, &exclude, Timestamp::now(), cooldown);
+                    .edit_in_batch(&block, create, move |spec| {
+                        let done = spares::tend(spec, &node, &tending, &exclude, Timestamp::now(), cooldown);
                         (done.changed(), done)
                     })
                     .await;
@@ -196,84 +254,143 @@ impl Core {
             }
         });
         join_all(writes).await;
-        self.spares.release(withdrawn);
-        if reserve {
-            self.count_ready_spares();
+        self.settle_from_copies();
+    }
+
+    /// Lets go of the withdrawn spares that the node's newest copy of their block no longer
+    /// shows as its spares: what withdrew them was written.
+    fn settle_from_copies(&self) {
+        let node = self.settings.node.as_str();
+        let withdrawn: Vec<(IpAddr, String)> = self
+            .spares
+            .held()
+            .withdrawn
+            .iter()
+            .filter(|(_, w)| !w.busy)
+            .map(|(ip, w)| (*ip, w.block.clone()))
+            .collect();
+        let settled: Vec<IpAddr> = withdrawn
+            .into_iter()
+            .filter(|(ip, block)| {
+                !self.newest_block(block).is_some_and(|b| spares::is_bindable_for(&b.spec, node, &ip.to_string()))
+            })
+            .map(|(ip, _)| ip)
+            .collect();
+        let mut held = self.spares.held();
+        for ip in settled {
+            held.withdrawn.remove(&ip);
+        }
+    }
+
+    /// Settles the withdrawn spares the node's copies still show as spares: their blocks are
+    /// read fresh, and whatever a fresh copy shows is the truth (given back or taken, or still
+    /// a spare because the write did not happen), so they are let go of. A block that cannot
+    /// be read keeps its spares withdrawn until the next pass.
+    async fn settle_withdrawn(&self) {
+        self.settle_from_copies();
+        let blocks: BTreeSet<String> =
+            self.spares.held().withdrawn.values().filter(|w| !w.busy).map(|w| w.block.clone()).collect();
+        for block in blocks {
+            match self.refresh_block(&block).await {
+                Ok(_) => self.spares.held().withdrawn.retain(|_, w| w.busy || w.block != block),
+                Err(e) => tracing::debug!(%block, error = %e, "reading a block with withdrawn spares failed; retrying"),
+            }
         }
     }
 
     /// The pools whose spares this node tends: those with a block affine to it (the pools it
-    /// allocates from); with `--spare-ips 0`, only those where it still holds spares (from an
-    /// earlier run), to give them back.
+    /// allocated from) and, with `--spare-ips` above 0, the default pools that select its node
+    /// (where its first pods go, so even the first burst finds spares); with `--spare-ips 0`,
+    /// only those where it still holds spares (from an earlier run), to give them back.
     fn pools_to_tend(&self) -> BTreeSet<String> {
         let node = self.settings.node.as_str();
-        let known = self.known_blocks();
-        known
+        let mut tended: BTreeSet<String> = self
+            .known_blocks()
             .iter()
             .filter(|b| b.spec.affinity.as_deref() == Some(node))
             .filter(|b| self.spares.wanted > 0 || !b.spec.spares.is_empty())
             .map(|b| b.spec.pool.clone())
-            .collect()
+            .collect();
+        if self.spares.wanted > 0 {
+            let labels = self.node.get(&ObjectRef::new(node)).map(|n| n.labels().clone()).unwrap_or_default();
+            tended.extend(
+                self.pools
+                    .state()
+                    .iter()
+                    .filter(|p| p.spec.default && p.metadata.deletion_timestamp.is_none() && !p.spec.disabled)
+                    .filter(|p| pools::selector_matches(p.spec.node_selector.as_ref(), &labels))
+                    .map(|p| p.name_any()),
+            );
+        }
+        tended
     }
 
     /// Plans what the node's blocks of `pool` get to bring its ready spares to their target:
-    /// spares to reserve, block by block (as many as each has ready IPs for), or spares to give
-    /// back, withdrawn from the book (`withdrawn`) so no ADD takes them meanwhile.
-    fn plan_pool(
-        &self,
-        pool: &str,
-        in_checkpoint: &BTreeSet<IpAddr>,
-        plans: &mut BTreeMap<String, spares::Tending>,
-        withdrawn: &mut Vec<IpAddr>,
-    ) {
-        let resolved = self.resolve_pool(pool);
-        let target = match &resolved {
-            Some(resolved) if !resolved.deleting && !self.pool_disabled(pool) => {
-                spares::target(self.spares.wanted, self.pool_has_free_block(pool, &resolved.layout))
-            }
-            _ => 0,
-        };
-        let own = self.own_blocks_of(pool);
+    /// spares to reserve, block by block (as many as each has ready IPs for, then in a free
+    /// block it claims), or spares to give back, withdrawn so no ADD takes them meanwhile.
+    fn plan_pool(&self, pool: &str, in_checkpoint: &BTreeSet<IpAddr>, plans: &mut BTreeMap<String, Planned>) {
+        let Some(resolved) = self.resolve_pool(pool) else { return };
+        let own = self.own_blocks_of(pool, &resolved.layout);
+        let free = self.free_block(pool, &resolved.layout);
+        let usable = !resolved.deleting && !self.pool_disabled(pool);
+        let target = if usable { spares::target(self.spares.wanted, free.is_some()) } else { 0 };
         let ready = self.ready_spares(&own, in_checkpoint);
         if ready.len() > target {
             let mut held = self.spares.held();
             for (block, ip) in &ready[target..] {
-                if held.insert(*ip) {
-                    withdrawn.push(*ip);
-                    plans.entry(block.clone()).or_default().give_back.push(*ip);
+                if !held.holds(ip) {
+                    held.withdrawn.insert(*ip, Withdrawn { block: block.clone(), busy: false });
+                    plans.entry(block.clone()).or_default().tending.give_back.push(*ip);
                 }
             }
             return;
         }
-        let (Some(resolved), mut missing) = (resolved, target - ready.len()) else { return };
-        let now = Timestamp::now();
+        let mut missing = target - ready.len();
+        let (now, cooldown) = (Timestamp::now(), self.settings.cooldown);
         for block in &own {
             let Ok(net) = block.spec.cidr.parse() else { continue };
             if missing == 0 {
-                break;
+                return;
             }
             // As many as the block has ready IPs for (a dry run on the copy held).
-            let mut copy = block.spec.clone();
             let room =
-                spares::reserve(&mut copy, &resolved.layout, net, missing, in_checkpoint, now, self.settings.cooldown);
-            if room.is_empty() {
-                continue;
+                spares::reserve(&mut block.spec.clone(), &resolved.layout, net, missing, in_checkpoint, now, cooldown);
+            if !room.is_empty() {
+                missing -= room.len();
+                let reserve = spares::Reserve { layout: resolved.layout.clone(), net, count: room.len(), claim: false };
+                plans.entry(block.name_any()).or_default().tending.reserve = Some(reserve);
             }
-            missing -= room.len();
-            plans.entry(block.name_any()).or_default().reserve =
-                Some(spares::Reserve { layout: resolved.layout.clone(), net, count: room.len() });
+        }
+        // The node's own blocks have no room: it claims a free block for the rest, as an ADD
+        // would, in the write that reserves them (which makes the block when it does not exist
+        // yet, and leaves it when another node claimed it first).
+        if let Some(free) = free.filter(|_| missing > 0) {
+            let count = missing.min(resolved.layout.allocatable_in(free.net).count());
+            let reserve = spares::Reserve { layout: resolved.layout.clone(), net: free.net, count, claim: true };
+            let planned = plans.entry(free.name).or_default();
+            planned.tending.reserve = Some(reserve);
+            planned.create = Some((pool.to_string(), free.net));
         }
     }
 
-    /// Whether pool `pool` (laid out as `layout`) has a block no node has claimed, as far as
-    /// this node knows.
-    fn pool_has_free_block(&self, pool: &str, layout: &crate::ipam::PoolLayout) -> bool {
-        let claimed = self
-            .known_blocks()
+    /// A block of pool `pool` (laid out as `layout`) that no node has claimed and that has an
+    /// allocatable address, as an ADD would claim it ([`affinity::plan`]); `None` when the
+    /// pool has none left, as far as this node knows.
+    fn free_block(&self, pool: &str, layout: &PoolLayout) -> Option<Candidate> {
+        let blocks = self.newest_blocks_of(pool);
+        let known: Vec<KnownBlock<'_>> = blocks
             .iter()
-            .filter(|b| b.spec.pool == pool && (b.spec.affinity.is_some() || !blocks::holds_nothing(&b.spec)))
-            .count();
-        u128::try_from(claimed).is_ok_and(|claimed| claimed < layout.block_count())
+            .filter_map(|b| {
+                Some(KnownBlock {
+                    name: b.metadata.name.as_deref()?,
+                    net: b.spec.cidr.parse().ok()?,
+                    affinity: b.spec.affinity.as_deref(),
+                    records: b.spec.allocations.len() + b.spec.spares.len(),
+                })
+            })
+            .collect();
+        let node = self.settings.node.as_str();
+        affinity::plan(node, pool, layout, &known, 1).into_iter().find(|c| c.how == Use::Claim)
     }
 
     /// The ready spares ((block, IP)) of `own` blocks: bindable, and in no checkpoint entry.
@@ -284,11 +401,13 @@ impl Core {
             .collect()
     }
 
-    /// Sets `ipwarden_agent_spare_ips` for every pool the node tends.
+    /// Sets `ipwarden_agent_spare_ips` for every pool the node tends (and only those).
     fn count_ready_spares(&self) {
         let in_checkpoint = self.held_in_checkpoint();
+        self.metrics.spare_ips.clear();
         for pool in self.pools_to_tend() {
-            let ready = self.ready_spares(&self.own_blocks_of(&pool), &in_checkpoint).len();
+            let Some(resolved) = self.resolve_pool(&pool) else { continue };
+            let ready = self.ready_spares(&self.own_blocks_of(&pool, &resolved.layout), &in_checkpoint).len();
             self.metrics
                 .spare_ips
                 .get_or_create(&super::metrics::PoolLabels { pool })
@@ -304,8 +423,10 @@ impl Core {
     /// After the checkpoint was rebuilt from the records (lost or corrupt), no one knows which
     /// of this node's spares were bound: each one a pod of this node reports becomes that
     /// pod's record (as a repair writes it: its sandbox unknown), and the others leave the
-    /// spares and cool down, as a released IP does. Written before the agent serves.
-    pub async fn settle_spares_after_rebuild(&self, network: &str) -> Result<usize, super::error::Error> {
+    /// spares and cool down, as a released IP does. Only a pod's own network's interface
+    /// ([`crate::ipam::fixed::POD_INTERFACE`], the one its status reports) takes spares. Written before the
+    /// agent serves.
+    pub async fn settle_spares_after_rebuild(&self, network: &str) -> Result<usize, Error> {
         let node = self.settings.node.clone();
         let reported: BTreeMap<String, blocks::Adopter> = self
             .pods
@@ -329,10 +450,10 @@ impl Core {
                 continue;
             }
             let Ok(net) = block.spec.cidr.parse() else { continue };
-            let (reported, network) = (reported.clone(), network.to_string());
+            let (reported, network, node) = (reported.clone(), network.to_string(), node.clone());
             let changed = self
                 .write_block(&block.name_any(), &block.spec.pool, net, move |spec| {
-                    let changed = spares::settle_unknown(spec, &reported, &network, Timestamp::now());
+                    let changed = spares::settle_unknown(spec, &node, &reported, &network, Timestamp::now());
                     (changed > 0).then_some(changed)
                 })
                 .await?;

@@ -63,6 +63,9 @@ impl Core {
                 container_id: record.container_id.clone(),
                 ifname: record.interface.clone(),
             };
+            let entry = self.checkpoint.read(|c| c.get(&key).cloned());
+            self.release_bound_spares(entry.as_ref(), &record.container_id, &record.interface, Some(&record.pod.uid))
+                .await?;
             self.checkpoint.remove(&key).await?;
         }
         // The attachments that records name on this node: a record's own sandbox, a live

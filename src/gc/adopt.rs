@@ -199,7 +199,8 @@ pub fn by_block<'a>(adoptions: impl IntoIterator<Item = &'a Adoption>) -> BTreeM
 }
 
 /// Writes `adoptions` (all of one block) into `spec` as repaired records of `network`
-/// ([`blocks::adopted_record`]), each only while its IP is still free there; gives the block
+/// ([`blocks::adopted_record`]), each only while its IP is still free there (no record, no
+/// node's spare); gives the block
 /// the first adopter's node as affinity when it has none. Returns the IPs written.
 pub fn apply(
     spec: &mut crate::crd::IPBlockSpec,
@@ -210,7 +211,9 @@ pub fn apply(
     let mut written = Vec::new();
     for adoption in adoptions {
         let Ok(ip) = adoption.ip.parse::<IpAddr>() else { continue };
-        if spec.allocations.contains_key(&adoption.ip) {
+        // A node's spare may be bound to a pod whose record is about to be written: its agent
+        // writes that record, nobody else.
+        if spec.allocations.contains_key(&adoption.ip) || crate::ipam::spares::is_bindable(spec, &adoption.ip) {
             continue;
         }
         blocks::allocate(spec, ip, blocks::adopted_record(&adoption.adopter, network, now));

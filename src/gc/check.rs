@@ -138,6 +138,13 @@ pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -
     }
     let layouts: Vec<_> =
         snapshot.pools.iter().filter_map(|p| Some((p.name_any(), pools::layout(&p.spec).ok()?))).collect();
+    // A node's spare that its pod reports: the agent writes the record right after the ADD.
+    let spares: HashMap<String, &str> = snapshot
+        .blocks
+        .iter()
+        .filter_map(|b| Some((b, b.spec.affinity.as_deref()?)))
+        .flat_map(|(b, node)| crate::ipam::spares::bindable(&b.spec).into_iter().map(move |ip| (ip.to_string(), node)))
+        .collect();
     for facts in &pod_facts {
         if facts.terminal() || facts.host_network {
             continue;
@@ -145,7 +152,10 @@ pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -
         for ip in &facts.ips {
             let Ok(addr) = ip.parse() else { continue };
             let Some((pool, _)) = layouts.iter().find(|(_, l)| l.contains(addr)) else { continue };
-            if records.get(ip.as_str()).is_none_or(|(_, r)| !crate::ipam::blocks::names_pod(r, &facts.uid)) {
+            let bound_spare = spares.get(ip.as_str()) == Some(&facts.node.as_str());
+            if !bound_spare
+                && records.get(ip.as_str()).is_none_or(|(_, r)| !crate::ipam::blocks::names_pod(r, &facts.uid))
+            {
                 problems.push(Problem {
                     kind: ProblemKind::UnrecordedPodIp,
                     subject: ip.clone(),

@@ -401,14 +401,14 @@ pub fn take(
     if mine {
         return Ok(None);
     }
-    if super::spares::is_bindable(spec, &key) {
-        let holder = spec.affinity.clone().unwrap_or_default();
-        if !(spare_withdrawn && holder == node) {
-            return Err(FixedError::Spare { ip, node: holder });
-        }
-        spec.spares.remove(&key);
+    let spare = super::spares::is_bindable(spec, &key);
+    if spare && !(spare_withdrawn && spec.affinity.as_deref() == Some(node)) {
+        return Err(FixedError::Spare { ip, node: spec.affinity.clone().unwrap_or_default() });
     }
     check_free(spec, ip, record, now, cooldown)?;
+    if spare {
+        spec.spares.remove(&key);
+    }
     affinity::take_for(spec, node, Use::Claim);
     Ok(Some(blocks::allocate(spec, ip, record.clone())))
 }

@@ -13,6 +13,7 @@ use ipnet::IpNet;
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
+use super::affinity::{self, Use};
 use super::choose::{BlockUsage, choose_ip};
 use super::{PoolLayout, blocks};
 use crate::crd::{Allocation, IPBlockSpec};
@@ -20,6 +21,13 @@ use crate::crd::{Allocation, IPBlockSpec};
 /// Whether `ip` is a spare of the block that no record holds: one its node's agent may bind.
 pub fn is_bindable(spec: &IPBlockSpec, ip: &str) -> bool {
     spec.spares.contains(ip) && !spec.allocations.contains_key(ip)
+}
+
+/// Whether `ip` is a bindable spare ([`is_bindable`]) of `node`'s, the block's affinity: every
+/// edit of a spare's node checks it, so a node never touches another's spares (a block freed
+/// and claimed by another node meanwhile).
+pub fn is_bindable_for(spec: &IPBlockSpec, node: &str, ip: &str) -> bool {
+    spec.affinity.as_deref() == Some(node) && is_bindable(spec, ip)
 }
 
 /// The bindable spares of the block ([`is_bindable`]), in address order.
@@ -55,12 +63,12 @@ pub fn reserve(
     added
 }
 
-/// Gives back the spares `ips` that are still bindable: they leave the spare set and are free
+/// Gives back `node`'s spares `ips` that are still bindable: they leave the spare set and are free
 /// at once (no pod ever had them, so there is nothing to cool down). Returns how many left.
-pub fn give_back(spec: &mut IPBlockSpec, ips: &[IpAddr]) -> usize {
+pub fn give_back(spec: &mut IPBlockSpec, node: &str, ips: &[IpAddr]) -> usize {
     let mut gone = 0;
     for ip in ips.iter().map(IpAddr::to_string) {
-        if is_bindable(spec, &ip) {
+        if is_bindable_for(spec, node, &ip) {
             spec.spares.remove(&ip);
             gone += 1;
         }
@@ -73,18 +81,18 @@ pub fn give_back(spec: &mut IPBlockSpec, ips: &[IpAddr]) -> usize {
 pub enum Converted {
     /// The spare is now `record`.
     Written,
-    /// The IP is no spare (converted before, or released by its sandbox's DEL): nothing to do.
+    /// The IP is no spare of the node (converted before, released by its sandbox's DEL, or
+    /// the block is no longer the node's): nothing to do.
     NotSpare,
-    /// Another pod's record holds the IP: left alone (never happens while only the node's
-    /// agent binds its spares; said so the caller can report it).
+    /// Another pod's record holds the IP: left alone. Only a write that ignored the spare
+    /// (a component older than spares) leads here; the caller reports it.
     HeldByOther,
 }
 
-/// Turns the spare `ip`, bound on the node to `record`'s sandbox, into `record`. A record of
-/// the same pod already there (written by an adoption meanwhile) is replaced by the
-/// sandbox's own.
-pub fn convert(spec: &mut IPBlockSpec, ip: &str, record: &Allocation) -> Converted {
-    if !spec.spares.contains(ip) {
+/// Turns `node`'s spare `ip`, bound on the node to `record`'s sandbox, into `record`. A record
+/// of the same pod already there is replaced by the sandbox's own.
+pub fn convert(spec: &mut IPBlockSpec, node: &str, ip: &str, record: &Allocation) -> Converted {
+    if spec.affinity.as_deref() != Some(node) || !spec.spares.contains(ip) {
         return Converted::NotSpare;
     }
     if spec.allocations.get(ip).is_some_and(|held| held.pod.uid != record.pod.uid) {
@@ -96,11 +104,11 @@ pub fn convert(spec: &mut IPBlockSpec, ip: &str, record: &Allocation) -> Convert
     Converted::Written
 }
 
-/// Releases the spare `ip` whose sandbox ended before its record was written (a DEL, or the
+/// Releases `node`'s spare `ip` whose sandbox ended before its record was written (a DEL, or the
 /// node's GC, right after the ADD): it leaves the spares and cools down from `now`, as a
 /// released record's IP does. Says whether the block changed.
-pub fn release_bound(spec: &mut IPBlockSpec, ip: &str, now: Timestamp) -> bool {
-    if !is_bindable(spec, ip) {
+pub fn release_bound(spec: &mut IPBlockSpec, node: &str, ip: &str, now: Timestamp) -> bool {
+    if !is_bindable_for(spec, node, ip) {
         return false;
     }
     spec.spares.remove(ip);
@@ -114,10 +122,14 @@ pub fn release_bound(spec: &mut IPBlockSpec, ip: &str, now: Timestamp) -> bool {
 /// and cool down from `now`, as a released IP does. Returns how many it settled.
 pub fn settle_unknown(
     spec: &mut IPBlockSpec,
+    node: &str,
     reported: &BTreeMap<String, blocks::Adopter>,
     network: &str,
     now: Timestamp,
 ) -> usize {
+    if spec.affinity.as_deref() != Some(node) {
+        return 0;
+    }
     let spares: Vec<String> = spec.spares.iter().filter(|ip| !spec.allocations.contains_key(*ip)).cloned().collect();
     for ip in &spares {
         match reported.get(ip) {
@@ -126,7 +138,7 @@ pub fn settle_unknown(
                 spec.allocations.insert(ip.clone(), blocks::adopted_record(adopter, network, now));
             }
             None => {
-                release_bound(spec, ip, now);
+                release_bound(spec, node, ip, now);
             }
         }
     }
@@ -143,6 +155,9 @@ pub struct Reserve {
     pub net: IpNet,
     /// How many.
     pub count: usize,
+    /// Whether the block is a free one the node claims in the same write
+    /// ([`affinity::take_for`]); nothing is reserved when another node claimed it first.
+    pub claim: bool,
 }
 
 /// What one pass of a node's tending does to one of its blocks, in one write: records for
@@ -181,6 +196,7 @@ impl Tended {
 /// reserved (ready IPs not in `exclude`, the node's checkpoint).
 pub fn tend(
     spec: &mut IPBlockSpec,
+    node: &str,
     plan: &Tending,
     exclude: &BTreeSet<IpAddr>,
     now: Timestamp,
@@ -188,7 +204,7 @@ pub fn tend(
 ) -> Tended {
     let mut done = Tended::default();
     for (ip, record) in &plan.convert {
-        match convert(spec, ip, record) {
+        match convert(spec, node, ip, record) {
             Converted::Written => done.converted += 1,
             Converted::HeldByOther => {
                 let holder = spec.allocations.get(ip).map(|r| format!("{}/{}", r.pod.namespace, r.pod.name));
@@ -197,9 +213,12 @@ pub fn tend(
             Converted::NotSpare => {}
         }
     }
-    done.given_back = give_back(spec, &plan.give_back);
-    if let Some(Reserve { layout, net, count }) = &plan.reserve {
-        done.reserved = reserve(spec, layout, *net, *count, exclude, now, cooldown).len();
+    done.given_back = give_back(spec, node, &plan.give_back);
+    if let Some(Reserve { layout, net, count, claim }) = &plan.reserve {
+        let how = if *claim { Use::Claim } else { Use::Own };
+        if affinity::take_for(spec, node, how) {
+            done.reserved = reserve(spec, layout, *net, *count, exclude, now, cooldown).len();
+        }
     }
     done
 }
@@ -282,14 +301,14 @@ mod test {
     fn a_bound_spare_becomes_its_record_once_and_never_overwrites_another_pods_record() {
         let mut spec = spec();
         spec.spares.insert("10.0.0.5".into());
-        assert_eq!(convert(&mut spec, "10.0.0.5", &record("a")), Converted::Written);
+        assert_eq!(convert(&mut spec, "n1", "10.0.0.5", &record("a")), Converted::Written);
         assert_eq!(spec.allocations.get("10.0.0.5"), Some(&record("a")));
         assert!(spec.spares.is_empty());
-        assert_eq!(convert(&mut spec, "10.0.0.5", &record("a")), Converted::NotSpare, "a second conversion");
+        assert_eq!(convert(&mut spec, "n1", "10.0.0.5", &record("a")), Converted::NotSpare, "a second conversion");
 
         spec.spares.insert("10.0.0.6".into());
         spec.allocations.insert("10.0.0.6".into(), record("other"));
-        assert_eq!(convert(&mut spec, "10.0.0.6", &record("a")), Converted::HeldByOther);
+        assert_eq!(convert(&mut spec, "n1", "10.0.0.6", &record("a")), Converted::HeldByOther);
         assert_eq!(spec.allocations.get("10.0.0.6"), Some(&record("other")));
         assert!(!is_bindable(&spec, "10.0.0.6"), "a recorded IP is no spare");
     }
@@ -299,15 +318,15 @@ mod test {
         // Either order of the two edits ends the same: the IP cools down, no record names it.
         let mut del_first = spec();
         del_first.spares.insert("10.0.0.5".into());
-        assert!(release_bound(&mut del_first, "10.0.0.5", at(5)));
-        assert_eq!(convert(&mut del_first, "10.0.0.5", &record("a")), Converted::NotSpare);
+        assert!(release_bound(&mut del_first, "n1", "10.0.0.5", at(5)));
+        assert_eq!(convert(&mut del_first, "n1", "10.0.0.5", &record("a")), Converted::NotSpare);
         assert!(del_first.allocations.is_empty() && del_first.spares.is_empty());
         assert_eq!(del_first.released.get("10.0.0.5"), Some(&Time(at(5))));
 
         let mut converted_first = spec();
         converted_first.spares.insert("10.0.0.5".into());
-        assert_eq!(convert(&mut converted_first, "10.0.0.5", &record("a")), Converted::Written);
-        assert!(!release_bound(&mut converted_first, "10.0.0.5", at(5)), "the record's release is the DEL's");
+        assert_eq!(convert(&mut converted_first, "n1", "10.0.0.5", &record("a")), Converted::Written);
+        assert!(!release_bound(&mut converted_first, "n1", "10.0.0.5", at(5)), "the record's release is the DEL's");
         let outcome =
             blocks::release_attachment(&mut converted_first, "10.0.0.5", "c-a", "eth0", Some("a"), false, at(5));
         assert_eq!(outcome, blocks::ReleaseOutcome::Released);
@@ -316,11 +335,24 @@ mod test {
     }
 
     #[test]
+    fn a_node_never_touches_the_spares_of_a_block_that_is_not_its_own() {
+        let mut spec = IPBlockSpec { affinity: Some("n2".into()), ..spec() };
+        spec.spares.insert("10.0.0.5".into());
+        assert!(!is_bindable_for(&spec, "n1", "10.0.0.5") && is_bindable_for(&spec, "n2", "10.0.0.5"));
+        assert_eq!(convert(&mut spec, "n1", "10.0.0.5", &record("a")), Converted::NotSpare);
+        assert!(!release_bound(&mut spec, "n1", "10.0.0.5", at(0)));
+        assert_eq!(give_back(&mut spec, "n1", &[ip("10.0.0.5")]), 0);
+        assert_eq!(settle_unknown(&mut spec, "n1", &BTreeMap::new(), "net", at(0)), 0);
+        assert_eq!(spec.spares, BTreeSet::from(["10.0.0.5".to_string()]));
+        assert!(spec.allocations.is_empty() && spec.released.is_empty());
+    }
+
+    #[test]
     fn spares_given_back_are_free_at_once_and_a_recorded_one_stays() {
         let mut spec = spec();
         spec.spares.extend(["10.0.0.5".to_string(), "10.0.0.6".to_string()]);
         spec.allocations.insert("10.0.0.6".into(), record("a"));
-        assert_eq!(give_back(&mut spec, &[ip("10.0.0.5"), ip("10.0.0.6"), ip("10.0.0.9")]), 1);
+        assert_eq!(give_back(&mut spec, "n1", &[ip("10.0.0.5"), ip("10.0.0.6"), ip("10.0.0.9")]), 1);
         assert_eq!(spec.spares, BTreeSet::from(["10.0.0.6".to_string()]));
         assert_eq!(spec.released, BTreeMap::new());
     }
@@ -337,7 +369,7 @@ mod test {
             sticky: false,
         };
         let reported = BTreeMap::from([("10.0.0.5".to_string(), adopter)]);
-        assert_eq!(settle_unknown(&mut spec, &reported, "net", at(9)), 2);
+        assert_eq!(settle_unknown(&mut spec, "n1", &reported, "net", at(9)), 2);
         assert!(spec.spares.is_empty());
         let adopted = &spec.allocations["10.0.0.5"];
         assert_eq!((adopted.pod.uid.as_str(), adopted.repaired_at.is_some()), ("w", true));
@@ -354,10 +386,10 @@ mod test {
         let plan = Tending {
             convert: vec![("10.0.0.5".into(), record("a")), ("10.0.0.7".into(), record("b"))],
             give_back: vec![ip("10.0.0.6")],
-            reserve: Some(Reserve { layout: layout(), net: net(), count: 2 }),
+            reserve: Some(Reserve { layout: layout(), net: net(), count: 2, claim: false }),
         };
         let exclude = BTreeSet::from([ip("10.0.0.2")]);
-        let done = tend(&mut spec, &plan, &exclude, at(0), Duration::ZERO);
+        let done = tend(&mut spec, "n1", &plan, &exclude, at(0), Duration::ZERO);
         assert_eq!((done.converted, done.given_back, done.reserved), (1, 1, 2));
         assert_eq!(done.held_by_other, vec![("10.0.0.7".to_string(), "ns/pod-other".to_string())]);
         assert!(done.changed());
@@ -365,7 +397,29 @@ mod test {
         // The reserve takes the lowest ready IPs: .1 is the gateway, .2 in the checkpoint.
         assert_eq!(bindable(&spec), vec![ip("10.0.0.3"), ip("10.0.0.4")]);
         assert!(spec.spares.contains("10.0.0.7"), "another pod's record: the spare entry stays for the report");
-        assert!(!tend(&mut spec, &Tending::default(), &exclude, at(0), Duration::ZERO).changed());
+        assert!(!tend(&mut spec, "n1", &Tending::default(), &exclude, at(0), Duration::ZERO).changed());
+    }
+
+    #[test]
+    fn spares_go_only_into_the_nodes_own_block_or_a_free_block_it_claims() {
+        let reserve = |claim| Tending {
+            reserve: Some(Reserve { layout: layout(), net: net(), count: 1, claim }),
+            ..Tending::default()
+        };
+        let none = BTreeSet::new();
+        // (affinity, claim, reserved, affinity after)
+        let cases = [
+            (Some("n1"), false, 1, Some("n1")),
+            (None, true, 1, Some("n1")),
+            (Some("n2"), true, 0, Some("n2")),
+            (Some("n2"), false, 0, Some("n2")),
+        ];
+        for (owner, claim, reserved, after) in cases {
+            let mut spec = IPBlockSpec { affinity: owner.map(String::from), ..spec() };
+            let done = tend(&mut spec, "n1", &reserve(claim), &none, at(0), Duration::ZERO);
+            assert_eq!(done.reserved, reserved, "{owner:?} claim {claim}");
+            assert_eq!(spec.affinity.as_deref(), after, "{owner:?} claim {claim}");
+        }
     }
 
     #[test]
