@@ -300,13 +300,13 @@ async fn answer_marks(allocator: actix::Addr<allocator::NodeAllocator>, marks: A
     }
 }
 
-/// Asks the allocation actor to tend the node's spare IPs whenever an ADD bound some, and
-/// every [`spares::TEND_INTERVAL`] in any case.
+/// Asks the allocation actor to tend the node's spare IPs at once (the first pods find
+/// spares), then whenever an ADD bound some, and every [`spares::TEND_INTERVAL`] in any case.
 async fn tend_spares(allocator: actix::Addr<allocator::NodeAllocator>, wake: Arc<Notify>) {
     loop {
-        let _woken = tokio::time::timeout(spares::TEND_INTERVAL, wake.notified()).await;
         if allocator.send(allocator::TendSpares).await.is_err() {
             return;
         }
+        let _woken = tokio::time::timeout(spares::TEND_INTERVAL, wake.notified()).await;
     }
 }
