@@ -2,8 +2,8 @@
 //! block of the default pool from its start, its ADDs take them and their records replace them right after, every pod ends with
 //! an IP of its own that its record names, a pod asking for one of the node's spares as its
 //! fixed IP gets it, a spare bound just before the agent stopped gets its record at the next
-//! start, the agent gives its spares back when their pool is deleted, and the leader clears
-//! the spares of a node that is gone.
+//! start, a lost checkpoint settles every spare, the agent gives its spares back when their
+//! pool is deleted, and the leader clears the spares of a node that is gone.
 
 mod support;
 
@@ -246,4 +246,33 @@ async fn a_spare_bound_just_before_the_agent_stopped_gets_its_record_at_the_next
     create_pods(&client, "more", "node-0", 6, "more").await;
     let more = wait_pods_with_ips(&client, NS, "app=more", 6).await;
     assert!(more.values().all(|p| ip_of(p) != *spare), "the bound spare went to no other pod");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_lost_checkpoint_the_nodes_spares_leave_the_spares_and_cool_down_and_its_pods_keep_their_records() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pool = json!({"cidr": "10.97.0.0/24", "blockSize": 26, "default": true});
+    let spares_flag = format!("--spare-ips={SPARES}");
+    let mut ipwarden = Ipwarden::start(1, &[("pool", pool)], &[spares_flag.as_str()]).await;
+    let client = ipwarden.client();
+    wait_spares(&client, "node-0", SPARES).await;
+    create_pods(&client, "kept", "node-0", 2, "kept").await;
+    let kept = wait_pods_with_ips(&client, NS, "app=kept", 2).await;
+    wait_records_of(&client, &kept).await;
+    let before = wait_spares(&client, "node-0", SPARES).await;
+
+    // The node's disk is replaced while the agent is down: nobody knows which spares were bound.
+    ipwarden.agents[0].stop();
+    std::fs::remove_file(ipwarden.cluster.nodes()[0].dir().join("checkpoint.json")).expect("remove the checkpoint");
+    ipwarden.agents[0].restart().expect("restart");
+    ipwarden.wait_agent_serving(0).await;
+
+    let block = blocks(&client).await.remove(before.values().next().expect("a block")).expect("the block");
+    for ip in before.keys() {
+        assert!(!block.spec.spares.contains(ip), "{ip} is no spare after the lost checkpoint: {:?}", block.spec.spares);
+        assert!(block.spec.released.contains_key(ip), "{ip} cools down like a released IP");
+    }
+    wait_records_of(&client, &kept).await;
+    let after = wait_spares(&client, "node-0", SPARES).await;
+    assert!(after.keys().all(|ip| !before.contains_key(ip)), "new spares, none of the cooling ones: {after:?}");
 }

@@ -106,13 +106,13 @@ impl Handler<AnswerMarks> for NodeAllocator {
 }
 
 /// Tend the node's spare IPs ([`Core::tend_spares`]): write the records of bound spares, and
-/// reserve or give back spares.
+/// reserve or give back spares; answers whether every write went through.
 #[derive(Message)]
-#[rtype(result = "()")]
+#[rtype(result = "bool")]
 pub struct TendSpares;
 
 impl Handler<TendSpares> for NodeAllocator {
-    type Result = ResponseFuture<()>;
+    type Result = ResponseFuture<bool>;
 
     fn handle(&mut self, _msg: TendSpares, _ctx: &mut Context<Self>) -> Self::Result {
         let core = self.core.clone();

@@ -262,6 +262,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     };
     heartbeat.renew().await.context("writing the agent Lease")?;
     tokio::spawn(heartbeat.run(Duration::from_secs(args.lease_renew_seconds.max(1))));
+    // Spares ready before the first CNI call (a node taking its first burst).
+    if !core.tend_spares().await {
+        tracing::warn!("reserving spare IPs before serving failed; the tending retries");
+    }
     let spares_wake = core.spares_wake();
     let allocator = allocator::NodeAllocator::new(core).start();
     tokio::spawn(answer_marks(allocator.clone(), marks));
@@ -300,13 +304,21 @@ async fn answer_marks(allocator: actix::Addr<allocator::NodeAllocator>, marks: A
     }
 }
 
-/// Asks the allocation actor to tend the node's spare IPs at once (the first pods find
-/// spares), then whenever an ADD bound some, and every [`spares::TEND_INTERVAL`] in any case.
+/// Asks the allocation actor to tend the node's spare IPs whenever an ADD bound some, every
+/// [`spares::TEND_INTERVAL`] in any case, and soon again after a pass whose writes did not all
+/// go through ([`spares::TEND_RETRY`], doubling up to the interval).
 async fn tend_spares(allocator: actix::Addr<allocator::NodeAllocator>, wake: Arc<Notify>) {
+    let mut failed: u32 = 0;
     loop {
-        if allocator.send(allocator::TendSpares).await.is_err() {
-            return;
+        let wait = match failed {
+            0 => spares::TEND_INTERVAL,
+            n => spares::TEND_RETRY.saturating_mul(1 << (n - 1).min(6)).min(spares::TEND_INTERVAL),
+        };
+        let _woken = tokio::time::timeout(wait, wake.notified()).await;
+        match allocator.send(allocator::TendSpares).await {
+            Ok(true) => failed = 0,
+            Ok(false) => failed = failed.saturating_add(1),
+            Err(_) => return,
         }
-        let _woken = tokio::time::timeout(spares::TEND_INTERVAL, wake.notified()).await;
     }
 }

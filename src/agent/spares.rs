@@ -35,6 +35,9 @@ use crate::ipam::{PoolLayout, blocks, pools, spares};
 /// withdrawn spares settled, and pools that changed (deleted, disabled, full) get theirs back.
 pub const TEND_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// How soon the tending tries again after a pass whose writes did not all go through.
+pub const TEND_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// What one pass of the tending writes to one block, and the block to make when it does
 /// not exist yet (a free block claimed for spares).
 #[derive(Default)]
@@ -193,20 +196,26 @@ impl Core {
     /// claims), or gives back what it holds beyond it (all of a pool being deleted or
     /// disabled, or without a free block left for others to claim). What one block gets is
     /// one edit, so a pass writes each block at most once.
-    pub async fn tend_spares(&self) {
+    /// Returns whether every write of the pass went through (else the caller tries again
+    /// soon: a free block another node claimed first, a conflict, an apiserver error).
+    pub async fn tend_spares(&self) -> bool {
         self.settle_withdrawn().await;
-        self.tend(true).await;
+        let done = self.tend(true).await;
         self.count_ready_spares();
+        done
     }
 
     /// Writes the records of the spares bound before the agent stopped: start-up, before the
     /// start-up GC reads the blocks.
     pub(super) async fn write_bound_spares(&self) {
-        self.tend(false).await;
+        if !self.tend(false).await {
+            tracing::warn!("writing the records of spares bound before the stop failed; the tending retries");
+        }
     }
 
-    /// One pass of the tending; `reserve`: also reserve and give back spares.
-    async fn tend(&self, reserve: bool) {
+    /// One pass of the tending; `reserve`: also reserve and give back spares. Returns whether
+    /// every write went through.
+    async fn tend(&self, reserve: bool) -> bool {
         let node = self.settings.node.clone();
         let mut plans: BTreeMap<String, Planned> = BTreeMap::new();
         let bound: Vec<(String, String, Allocation)> = self.checkpoint.read(|c| {
@@ -248,13 +257,18 @@ impl Core {
                             tracing::error!(%ip, %block, %pod,
                                 "a spare bound on this node holds another pod's record; its record was not written");
                         }
+                        true
                     }
-                    None => tracing::debug!(%block, "tending the block's spares failed; retrying on the next pass"),
+                    None => {
+                        tracing::debug!(%block, "tending the block's spares failed; retrying on the next pass");
+                        false
+                    }
                 }
             }
         });
-        join_all(writes).await;
+        let written = join_all(writes).await;
         self.settle_from_copies();
+        written.into_iter().all(|ok| ok)
     }
 
     /// Lets go of the withdrawn spares that the node's newest copy of their block no longer

@@ -14,6 +14,7 @@ use super::connect::{ClusterArgs, connect};
 use super::{Listed, Output, list_cluster, table};
 use crate::gc::rules::{NotReadyPolicy, RuleSettings, Verdict};
 use crate::ipam::blocks::{counts_as_sticky, may_be_attached};
+use crate::ipam::spares;
 
 /// `ipwarden status` flags.
 #[derive(clap::Args, Debug, Clone)]
@@ -71,6 +72,8 @@ struct Counts {
     /// column of `kubectl get ippools` counts.
     sticky: usize,
     cooling: usize,
+    /// Spare IPs the node holds ready (`--spare-ips`).
+    spares: usize,
     leak_candidates: usize,
     /// Blocks of the pool affine to the node (its agent allocates from them first).
     affine_blocks: usize,
@@ -96,6 +99,22 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             let (pool, node) = (block.spec.pool.clone(), record.node.clone());
             let (interface, network) = (record.interface.clone(), record.network.clone());
             rows.push(IpRow { ip: ip.clone(), pool, node, state, sticky, pod, interface, network });
+        }
+        let spare_of = block.spec.affinity.clone().filter(|_| args.namespace.is_none());
+        for (ip, node) in
+            spare_of.iter().flat_map(|node| spares::bindable(&block.spec).into_iter().map(move |ip| (ip, node)))
+        {
+            let row = IpRow {
+                ip: ip.to_string(),
+                pool: block.spec.pool.clone(),
+                node: node.clone(),
+                state: "spare",
+                sticky: false,
+                pod: String::new(),
+                interface: String::new(),
+                network: String::new(),
+            };
+            rows.push(row);
         }
         let released = block.spec.released.iter().filter(|_| args.namespace.is_none());
         for (ip, at) in released {
@@ -125,6 +144,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             "used" => entry.used += 1,
             "reserved" => entry.reserved += 1,
             "cooling" => entry.cooling += 1,
+            "spare" => entry.spares += 1,
             _ => entry.leak_candidates += 1,
         }
     }
@@ -156,12 +176,13 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
                 c.reserved.to_string(),
                 c.sticky.to_string(),
                 c.cooling.to_string(),
+                c.spares.to_string(),
                 c.leak_candidates.to_string(),
                 c.affine_blocks.to_string(),
             ]
         })
         .collect();
-    let headers = ["POOL", "NODE", "USED", "RESERVED", "STICKY", "COOLING", "LEAK CANDIDATES", "BLOCKS"];
+    let headers = ["POOL", "NODE", "USED", "RESERVED", "STICKY", "COOLING", "SPARE", "LEAK CANDIDATES", "BLOCKS"];
     print!("{}", table(&headers, &summary));
     if args.all {
         println!();
