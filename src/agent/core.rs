@@ -57,6 +57,9 @@ pub struct Caches {
     pub node: Store<Node>,
     /// This node's pods (`spec.nodeName`), without their managed fields: an ADD's pod.
     pub pods: Store<Pod>,
+    /// Notified on every event of the node's pod watch: an ADD whose pod the cache has not
+    /// seen yet waits for it a moment ([`POD_CACHE_WAIT`]) before reading it live.
+    pub pod_events: Arc<tokio::sync::Notify>,
     /// What this agent's block writes stored, until the block watch shows them (the watch
     /// feeds it [`OwnWrites::observe`]).
     pub own_block_writes: Arc<OwnWrites<IPBlock>>,
@@ -71,6 +74,7 @@ pub struct Core {
     pub(super) namespaces: Store<Namespace>,
     pub(super) node: Store<Node>,
     pub(super) pods: Store<Pod>,
+    pod_events: Arc<tokio::sync::Notify>,
     pub(super) checkpoint: CheckpointStore,
     pub(super) metrics: Arc<AgentMetrics>,
     pub(super) store: BlockStore,
@@ -122,6 +126,10 @@ fn cache_serves_add(cached_uid: Option<&str>, runtime_uid: Option<&str>, sticky:
 }
 
 pub(super) use crate::ipam::blocks::new_block;
+
+/// How long an ADD waits for the node's pod cache to show its pod (with the runtime's UID)
+/// before it reads the pod live.
+pub const POD_CACHE_WAIT: Duration = Duration::from_millis(100);
 
 /// The field manager of this node's agent on the objects it writes.
 pub(super) fn field_manager(node: &str) -> String {
@@ -175,7 +183,7 @@ impl Core {
             field_manager(&settings.node),
             Some(metrics.conflict_retries.clone()),
         );
-        let Caches { pools, blocks, namespaces, node, pods, own_block_writes } = caches;
+        let Caches { pools, blocks, namespaces, node, pods, pod_events, own_block_writes } = caches;
         let spares = SpareBook::new(settings.spare_ips);
         Self {
             client,
@@ -185,6 +193,7 @@ impl Core {
             namespaces,
             node,
             pods,
+            pod_events,
             checkpoint: CheckpointStore::new(checkpoint),
             metrics,
             store,
@@ -261,18 +270,6 @@ impl Core {
         Ok(outcome)
     }
 
-    /// Reads block `name` fresh, as its writer (so no write of this node lands in between),
-    /// and keeps what it read as the newest copy: after a write whose outcome is unknown.
-    pub(super) async fn refresh_block(&self, name: &str) -> Result<Option<IPBlock>, Error> {
-        let _writer = self.block_writer(name).await;
-        let fresh = Api::<IPBlock>::all(self.client.clone())
-            .get_opt(name)
-            .await
-            .map_err(Error::api(format!("reading IPBlock {name}")))?;
-        self.written.remember(name, fresh.clone(), Instant::now());
-        Ok(fresh)
-    }
-
     pub(super) fn resolve_pool(&self, name: &str) -> Option<ResolvedPool> {
         let pool = self.pools.state().into_iter().find(|p| p.name_any() == name)?;
         let layout = pools::layout(&pool.spec).ok()?;
@@ -314,15 +311,33 @@ impl Core {
     }
 
     /// The pod of an ADD from this node's pod cache when [`cache_serves_add`]; read live
-    /// otherwise: the cache has not seen it yet, the runtime gave no UID (only a live read
-    /// tells a recreated pod of the same name), or the pod is sticky.
+    /// otherwise: the cache has not seen it within [`POD_CACHE_WAIT`] (the kubelet's watch and
+    /// the agent's see a new pod at about the same time, and a live read under a burst waits in
+    /// the apiserver's queue), the runtime gave no UID (only a live read tells a recreated pod
+    /// of the same name), or the pod is sticky.
     pub(super) async fn pod(&self, pod_ref: &RuntimePodRef) -> Result<Option<Arc<Pod>>, Error> {
-        let cached = self.pods.get(&ObjectRef::new(&pod_ref.name).within(&pod_ref.namespace));
-        if let Some(cached) = cached {
-            let sticky = workload::is_sticky(workload::controller_of(&cached).as_ref(), &self.settings.sticky_kinds);
-            if cache_serves_add(cached.metadata.uid.as_deref(), pod_ref.uid.as_deref(), sticky) {
-                self.metrics.pod_read("cache");
-                return Ok(Some(cached));
+        let key = ObjectRef::new(&pod_ref.name).within(&pod_ref.namespace);
+        let deadline = tokio::time::Instant::now() + POD_CACHE_WAIT;
+        loop {
+            // Registered before the look, so an event between the two is not missed.
+            let event = self.pod_events.notified();
+            tokio::pin!(event);
+            event.as_mut().enable();
+            let cached = self.pods.get(&key);
+            let cached_uid = cached.as_ref().and_then(|p| p.metadata.uid.clone());
+            if let Some(cached) = cached {
+                let sticky =
+                    workload::is_sticky(workload::controller_of(&cached).as_ref(), &self.settings.sticky_kinds);
+                if cache_serves_add(cached.metadata.uid.as_deref(), pod_ref.uid.as_deref(), sticky) {
+                    self.metrics.pod_read("cache");
+                    return Ok(Some(cached));
+                }
+                if cached_uid.as_deref() == pod_ref.uid.as_deref() {
+                    break; // The pod itself, but sticky: read live.
+                }
+            }
+            if pod_ref.uid.is_none() || tokio::time::timeout_at(deadline, event).await.is_err() {
+                break;
             }
         }
         self.metrics.pod_read("apiserver");

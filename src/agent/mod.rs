@@ -137,13 +137,18 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let (pod_cache, pod_writer) = reflector::store::<Pod>();
     let only_this_node = watcher::Config::default().fields(&format!("metadata.name={}", args.node_name));
     let pods_of_this_node = watcher::Config::default().fields(&format!("spec.nodeName={}", args.node_name));
+    let pod_events = Arc::new(Notify::new());
+    let pod_changed = pod_events.clone();
     tokio::spawn(
         reflector(
             pod_writer,
             watcher(Api::<Pod>::all(client.clone()), pods_of_this_node).modify(|pod| pod.managed_fields_mut().clear()),
         )
         .default_backoff()
-        .for_each(|_| async {}),
+        .for_each(move |_| {
+            pod_changed.notify_waiters();
+            async {}
+        }),
     );
     tokio::spawn(
         reflector(namespaces_writer, watcher(Api::<Namespace>::all(client.clone()), watcher::Config::default()))
@@ -213,12 +218,22 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         sandbox_grace: Duration::from_secs(args.release_sandbox_grace_seconds),
         spare_ips: args.spare_ips,
     };
-    let caches = core::Caches { pools, blocks, namespaces, node: node_cache, pods: pod_cache, own_block_writes };
+    let caches =
+        core::Caches { pools, blocks, namespaces, node: node_cache, pods: pod_cache, pod_events, own_block_writes };
     let core = Arc::new(core::Core::new(client.clone(), settings, caches, checkpoint, metrics));
     let path = args.checkpoint.display();
     if restored == Restored::Loaded {
         tracing::info!(%path, "checkpoint restored");
     } else {
+        // Before the rebuilt file is saved: a stop in between leaves it missing, so the next
+        // start settles them again (the settling is idempotent).
+        let settled = core
+            .settle_spares_after_rebuild(&args.adopt_network)
+            .await
+            .context("settling the node's spare IPs before rebuilding the checkpoint")?;
+        if settled > 0 {
+            tracing::warn!(settled, "spare IPs of this node settled: the lost checkpoint said which were bound");
+        }
         // A lost file (new disk, changed path) is rebuilt like a corrupt one: the handshake
         // needs to know which sandboxes are still attached.
         let count = core.rebuild_checkpoint().await.context("rebuilding the checkpoint")?;
@@ -230,13 +245,6 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             _ => {
                 tracing::warn!(%path, entries = count, "no checkpoint: rebuilt from this node's records in the IPBlocks")
             }
-        }
-        let settled = core
-            .settle_spares_after_rebuild(&args.adopt_network)
-            .await
-            .context("settling the node's spare IPs after rebuilding the checkpoint")?;
-        if settled > 0 {
-            tracing::warn!(settled, "spare IPs of this node settled: the lost checkpoint said which were bound");
         }
     }
 

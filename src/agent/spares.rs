@@ -10,9 +10,10 @@
 //! withdrawn ([`SpareBook`]). An ADD holds its pick until its checkpoint entry is saved (or it
 //! failed), so two ADDs never bind one spare, and a spare bound before a crash is found in the
 //! checkpoint at the next start. A spare being given back, or taken as a fixed IP, is
-//! withdrawn until a copy known to be current shows what became of it: a write whose outcome
-//! is unknown (a timeout) leaves the node's copy behind, and that copy must not hand out an IP
-//! the apiserver may already have freed.
+//! withdrawn for good: it is given back (again) on every pass until the node's copy of the
+//! block shows it is no spare any more. A write whose outcome is unknown (a timeout) leaves
+//! that copy behind, and no read tells whether such a write will still land, so the only safe
+//! way back for the IP is through a write of the node's own.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -51,17 +52,19 @@ struct Planned {
 struct Held {
     /// Picked by an ADD whose checkpoint entry is not saved yet.
     picked: BTreeSet<IpAddr>,
-    /// Being given back or taken as a fixed IP: until a current copy of the block shows what
-    /// became of them.
+    /// Being given back or taken as a fixed IP: until the node's copy of the block shows them
+    /// no spares any more.
     withdrawn: BTreeMap<IpAddr, Withdrawn>,
+    /// Bound spares found lost (neither a spare nor their pod's record, or another pod's
+    /// record), reported once.
+    lost: BTreeSet<IpAddr>,
 }
 
 /// A withdrawn spare.
 struct Withdrawn {
     /// Its block.
     block: String,
-    /// Whether the call that withdrew it (a fixed IP's ADD) has not written yet: no copy, not
-    /// even a fresh one, tells its outcome before that write.
+    /// Whether the call that withdrew it (a fixed IP's ADD) has not written yet.
     busy: bool,
 }
 
@@ -159,8 +162,8 @@ impl Core {
     }
 
     /// After the write that took the withdrawn spare `ip` as a fixed IP (or failed to): lets
-    /// go of it if the node's newest copy shows it settled (the write stored), and wakes the
-    /// tending to settle it from a fresh read otherwise.
+    /// go of it if the node's newest copy shows it settled (the write stored), and otherwise
+    /// wakes the tending, which gives it back.
     pub(super) fn spare_write_done(&self, ip: IpAddr) {
         if let Some(withdrawn) = self.spares.held().withdrawn.get_mut(&ip) {
             withdrawn.busy = false;
@@ -199,7 +202,6 @@ impl Core {
     /// Returns whether every write of the pass went through (else the caller tries again
     /// soon: a free block another node claimed first, a conflict, an apiserver error).
     pub async fn tend_spares(&self) -> bool {
-        self.settle_withdrawn().await;
         let done = self.tend(true).await;
         self.count_ready_spares();
         done
@@ -227,17 +229,32 @@ impl Core {
         let mut copies: BTreeMap<String, Option<IPBlock>> = BTreeMap::new();
         for (block, ip, record) in bound {
             let copy = copies.entry(block.clone()).or_insert_with(|| self.newest_block(&block));
-            if copy
-                .as_ref()
-                .is_some_and(|b| b.spec.affinity.as_deref() == Some(node.as_str()) && b.spec.spares.contains(&ip))
-            {
+            let Some(copy) = copy.as_ref() else { continue };
+            if copy.spec.affinity.as_deref() == Some(node.as_str()) && copy.spec.spares.contains(&ip) {
                 plans.entry(block).or_default().tending.convert.push((ip, record));
+            } else if copy.spec.allocations.get(&ip).is_none_or(|r| r.pod.uid != record.pod.uid) {
+                self.report_lost(&block, &ip, &record);
+            }
+        }
+        // Withdrawn spares the node's copy still shows: given back (again).
+        let withdrawn: Vec<(IpAddr, String)> = self
+            .spares
+            .held()
+            .withdrawn
+            .iter()
+            .filter(|(_, w)| !w.busy)
+            .map(|(ip, w)| (*ip, w.block.clone()))
+            .collect();
+        for (ip, block) in withdrawn {
+            let spare =
+                self.newest_block(&block).is_some_and(|b| spares::is_bindable_for(&b.spec, &node, &ip.to_string()));
+            if spare && reserve {
+                plans.entry(block).or_default().tending.give_back.push(ip);
             }
         }
         if reserve {
-            let in_checkpoint = self.held_in_checkpoint();
             for pool in self.pools_to_tend() {
-                self.plan_pool(&pool, &in_checkpoint, &mut plans);
+                self.plan_pool(&pool, &mut plans);
             }
         }
         let in_checkpoint = self.held_in_checkpoint();
@@ -254,8 +271,11 @@ impl Core {
                 match done {
                     Some(done) => {
                         for (ip, pod) in done.held_by_other {
-                            tracing::error!(%ip, %block, %pod,
-                                "a spare bound on this node holds another pod's record; its record was not written");
+                            let first = ip.parse::<IpAddr>().is_ok_and(|addr| self.spares.held().lost.insert(addr));
+                            if first {
+                                tracing::error!(%ip, %block, %pod,
+                                    "a spare bound on this node holds another pod's record; its record was not written");
+                            }
                         }
                         true
                     }
@@ -269,6 +289,17 @@ impl Core {
         let written = join_all(writes).await;
         self.settle_from_copies();
         written.into_iter().all(|ok| ok)
+    }
+
+    /// Logs, once per IP, a spare bound on this node that is neither a spare nor its pod's
+    /// record any more: its pod runs with an IP no record holds (something that does not know
+    /// spares rewrote the block).
+    fn report_lost(&self, block: &str, ip: &str, record: &Allocation) {
+        let Ok(addr) = ip.parse::<IpAddr>() else { return };
+        if self.spares.held().lost.insert(addr) {
+            tracing::error!(%ip, %block, pod = %format!("{}/{}", record.pod.namespace, record.pod.name),
+                "a spare bound on this node is no spare and not its pod's record any more; its record was not written");
+        }
     }
 
     /// Lets go of the withdrawn spares that the node's newest copy of their block no longer
@@ -296,22 +327,6 @@ impl Core {
         }
     }
 
-    /// Settles the withdrawn spares the node's copies still show as spares: their blocks are
-    /// read fresh, and whatever a fresh copy shows is the truth (given back or taken, or still
-    /// a spare because the write did not happen), so they are let go of. A block that cannot
-    /// be read keeps its spares withdrawn until the next pass.
-    async fn settle_withdrawn(&self) {
-        self.settle_from_copies();
-        let blocks: BTreeSet<String> =
-            self.spares.held().withdrawn.values().filter(|w| !w.busy).map(|w| w.block.clone()).collect();
-        for block in blocks {
-            match self.refresh_block(&block).await {
-                Ok(_) => self.spares.held().withdrawn.retain(|_, w| w.busy || w.block != block),
-                Err(e) => tracing::debug!(%block, error = %e, "reading a block with withdrawn spares failed; retrying"),
-            }
-        }
-    }
-
     /// The pools whose spares this node tends: those with a block affine to it (the pools it
     /// allocated from) and, with `--spare-ips` above 0, the default pools that select its node
     /// (where its first pods go, so even the first burst finds spares); with `--spare-ips 0`,
@@ -326,7 +341,7 @@ impl Core {
             .map(|b| b.spec.pool.clone())
             .collect();
         if self.spares.wanted > 0 {
-            let labels = self.node.get(&ObjectRef::new(node)).map(|n| n.labels().clone()).unwrap_or_default();
+            let labels = self.node_labels_cached();
             tended.extend(
                 self.pools
                     .state()
@@ -342,15 +357,19 @@ impl Core {
     /// Plans what the node's blocks of `pool` get to bring its ready spares to their target:
     /// spares to reserve, block by block (as many as each has ready IPs for, then in a free
     /// block it claims), or spares to give back, withdrawn so no ADD takes them meanwhile.
-    fn plan_pool(&self, pool: &str, in_checkpoint: &BTreeSet<IpAddr>, plans: &mut BTreeMap<String, Planned>) {
+    fn plan_pool(&self, pool: &str, plans: &mut BTreeMap<String, Planned>) {
         let Some(resolved) = self.resolve_pool(pool) else { return };
         let own = self.own_blocks_of(pool, &resolved.layout);
-        let free = self.free_block(pool, &resolved.layout);
-        let usable = !resolved.deleting && !self.pool_disabled(pool);
-        let target = if usable { spares::target(self.spares.wanted, free.is_some()) } else { 0 };
-        let ready = self.ready_spares(&own, in_checkpoint);
+        let free = self.free_blocks(pool, &resolved.layout);
+        let usable = !resolved.deleting && self.pool_usable_here(pool);
+        // Spares never take the pool's last free block: that one goes to a node's first pod.
+        let target = if usable { spares::target(self.spares.wanted, !free.is_empty()) } else { 0 };
+        // Held first, then the checkpoint: a pick let go of after this is in the checkpoint.
+        let mut held = self.spares.held();
+        let in_checkpoint = self.held_in_checkpoint();
+        let ready: Vec<(String, IpAddr)> =
+            self.ready_spares(&own, &in_checkpoint).into_iter().filter(|(_, ip)| !held.holds(ip)).collect();
         if ready.len() > target {
-            let mut held = self.spares.held();
             for (block, ip) in &ready[target..] {
                 if !held.holds(ip) {
                     held.withdrawn.insert(*ip, Withdrawn { block: block.clone(), busy: false });
@@ -359,6 +378,7 @@ impl Core {
             }
             return;
         }
+        drop(held);
         let mut missing = target - ready.len();
         let (now, cooldown) = (Timestamp::now(), self.settings.cooldown);
         for block in &own {
@@ -368,7 +388,7 @@ impl Core {
             }
             // As many as the block has ready IPs for (a dry run on the copy held).
             let room =
-                spares::reserve(&mut block.spec.clone(), &resolved.layout, net, missing, in_checkpoint, now, cooldown);
+                spares::reserve(&mut block.spec.clone(), &resolved.layout, net, missing, &in_checkpoint, now, cooldown);
             if !room.is_empty() {
                 missing -= room.len();
                 let reserve = spares::Reserve { layout: resolved.layout.clone(), net, count: room.len(), claim: false };
@@ -378,7 +398,7 @@ impl Core {
         // The node's own blocks have no room: it claims a free block for the rest, as an ADD
         // would, in the write that reserves them (which makes the block when it does not exist
         // yet, and leaves it when another node claimed it first).
-        if let Some(free) = free.filter(|_| missing > 0) {
+        if let Some(free) = free.into_iter().next().filter(|_| missing > 0) {
             let count = missing.min(resolved.layout.allocatable_in(free.net).count());
             let reserve = spares::Reserve { layout: resolved.layout.clone(), net: free.net, count, claim: true };
             let planned = plans.entry(free.name).or_default();
@@ -387,10 +407,10 @@ impl Core {
         }
     }
 
-    /// A block of pool `pool` (laid out as `layout`) that no node has claimed and that has an
-    /// allocatable address, as an ADD would claim it ([`affinity::plan`]); `None` when the
-    /// pool has none left, as far as this node knows.
-    fn free_block(&self, pool: &str, layout: &PoolLayout) -> Option<Candidate> {
+    /// The blocks of pool `pool` (laid out as `layout`) that no node has claimed and that have
+    /// an allocatable address, in the order an ADD would claim them ([`affinity::plan`]), but
+    /// the last one: empty when the pool has at most one left, as far as this node knows.
+    fn free_blocks(&self, pool: &str, layout: &PoolLayout) -> Vec<Candidate> {
         let blocks = self.newest_blocks_of(pool);
         let known: Vec<KnownBlock<'_>> = blocks
             .iter()
@@ -404,7 +424,10 @@ impl Core {
             })
             .collect();
         let node = self.settings.node.as_str();
-        affinity::plan(node, pool, layout, &known, 1).into_iter().find(|c| c.how == Use::Claim)
+        let mut free: Vec<Candidate> =
+            affinity::plan(node, pool, layout, &known, 2).into_iter().filter(|c| c.how == Use::Claim).collect();
+        free.pop();
+        free
     }
 
     /// The ready spares ((block, IP)) of `own` blocks: bindable, and in no checkpoint entry.
@@ -429,9 +452,18 @@ impl Core {
         }
     }
 
-    /// Whether the cached pool `pool` is disabled (`spec.disabled`).
-    fn pool_disabled(&self, pool: &str) -> bool {
-        self.pools.state().iter().any(|p| p.name_any() == pool && p.spec.disabled)
+    /// Whether the cached pool `pool` hands out IPs on this node: not disabled, and its
+    /// nodeSelector (if any) selects the node.
+    fn pool_usable_here(&self, pool: &str) -> bool {
+        let labels = self.node_labels_cached();
+        self.pools.state().iter().any(|p| {
+            p.name_any() == pool && !p.spec.disabled && pools::selector_matches(p.spec.node_selector.as_ref(), &labels)
+        })
+    }
+
+    /// This node's labels, as the node cache has them.
+    fn node_labels_cached(&self) -> BTreeMap<String, String> {
+        self.node.get(&ObjectRef::new(&self.settings.node)).map(|n| n.labels().clone()).unwrap_or_default()
     }
 
     /// After the checkpoint was rebuilt from the records (lost or corrupt), no one knows which

@@ -101,7 +101,9 @@ impl Core {
                 .filter(|e| e.spare_record.is_some())
                 .filter(|e| {
                     e.ips.iter().any(|i| {
-                        blocks.items.iter().any(|b| b.name_any() == i.block && spares::is_bindable(&b.spec, &i.ip))
+                        blocks.items.iter().any(|b| {
+                            b.name_any() == i.block && spares::is_bindable_for(&b.spec, &self.settings.node, &i.ip)
+                        })
                     })
                 })
                 .map(|e| e.key.clone())

@@ -158,7 +158,7 @@ pub enum FixedError {
     },
     /// The IP is a spare another node holds ready (`--spare-ips`): that node hands it out
     /// or gives it back.
-    #[error("fixed IP {ip} is a spare IP held ready by node {node}")]
+    #[error("fixed IP {ip} is a spare IP of node {node}, held ready for its pods or just handed to one")]
     Spare {
         /// The IP.
         ip: IpAddr,
