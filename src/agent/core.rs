@@ -63,6 +63,9 @@ pub struct Caches {
     /// What this agent's block writes stored, until the block watch shows them (the watch
     /// feeds it [`OwnWrites::observe`]).
     pub own_block_writes: Arc<OwnWrites<IPBlock>>,
+    /// Wakes the spares' tending (module `spares`): notified by the pool watch on every change
+    /// of the pools, and by ADDs that bound spares.
+    pub spares_wake: Arc<tokio::sync::Notify>,
 }
 
 /// The agent's state: caches, the checkpoint, and the client.
@@ -183,8 +186,8 @@ impl Core {
             field_manager(&settings.node),
             Some(metrics.conflict_retries.clone()),
         );
-        let Caches { pools, blocks, namespaces, node, pods, pod_events, own_block_writes } = caches;
-        let spares = SpareBook::new(settings.spare_ips);
+        let Caches { pools, blocks, namespaces, node, pods, pod_events, own_block_writes, spares_wake } = caches;
+        let spares = SpareBook::new(settings.spare_ips, spares_wake);
         Self {
             client,
             settings,

@@ -176,10 +176,13 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         own_block_writes.clone(),
         conditions.clone(),
     ));
-    let pools_changed = conditions.clone();
+    let (pools_changed, spares_wake) = (conditions.clone(), Arc::new(Notify::new()));
+    let tend_on_pool_change = spares_wake.clone();
     tokio::spawn(pool_events.default_backoff().for_each(move |event| {
         if matches!(event, Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone)) {
             pools_changed.notify_one();
+            // A new default pool gets the node's spares before its first pods.
+            tend_on_pool_change.notify_one();
         }
         async {}
     }));
@@ -218,8 +221,16 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         sandbox_grace: Duration::from_secs(args.release_sandbox_grace_seconds),
         spare_ips: args.spare_ips,
     };
-    let caches =
-        core::Caches { pools, blocks, namespaces, node: node_cache, pods: pod_cache, pod_events, own_block_writes };
+    let caches = core::Caches {
+        pools,
+        blocks,
+        namespaces,
+        node: node_cache,
+        pods: pod_cache,
+        pod_events,
+        own_block_writes,
+        spares_wake: spares_wake.clone(),
+    };
     let core = Arc::new(core::Core::new(client.clone(), settings, caches, checkpoint, metrics));
     let path = args.checkpoint.display();
     if restored == Restored::Loaded {
@@ -274,7 +285,6 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     if !core.tend_spares().await {
         tracing::warn!("reserving spare IPs before serving failed; the tending retries");
     }
-    let spares_wake = core.spares_wake();
     let allocator = allocator::NodeAllocator::new(core).start();
     tokio::spawn(answer_marks(allocator.clone(), marks));
     tokio::spawn(tend_spares(allocator.clone(), spares_wake));

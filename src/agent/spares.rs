@@ -80,14 +80,15 @@ pub struct SpareBook {
     /// How many spares the node keeps ready in each pool it allocates from (0: none).
     wanted: usize,
     held: Mutex<Held>,
-    /// Wakes [`Core::tend_spares`]: an ADD bound spares, or a spare was withdrawn.
+    /// Wakes [`Core::tend_spares`]: an ADD bound spares, a spare was withdrawn, or the pools
+    /// changed.
     wake: Arc<Notify>,
 }
 
 impl SpareBook {
-    /// A book keeping `wanted` spares per pool.
-    pub fn new(wanted: usize) -> Self {
-        Self { wanted, held: Mutex::default(), wake: Arc::default() }
+    /// A book keeping `wanted` spares per pool, whose tending `wake` wakes.
+    pub fn new(wanted: usize, wake: Arc<Notify>) -> Self {
+        Self { wanted, held: Mutex::default(), wake }
     }
 
     fn held(&self) -> MutexGuard<'_, Held> {
@@ -96,11 +97,6 @@ impl SpareBook {
 }
 
 impl Core {
-    /// What an ADD that bound spares notifies, so [`Core::tend_spares`] runs at once.
-    pub fn spares_wake(&self) -> Arc<Notify> {
-        self.spares.wake.clone()
-    }
-
     /// Picks a spare of `pool` for an ADD, if the node keeps spares and has one ready: the
     /// lowest bindable spare of its own blocks that no checkpoint entry and no other call
     /// holds. The caller saves it in the checkpoint, then calls [`Core::spares_saved`].
@@ -237,18 +233,8 @@ impl Core {
             }
         }
         // Withdrawn spares the node's copy still shows: given back (again).
-        let withdrawn: Vec<(IpAddr, String)> = self
-            .spares
-            .held()
-            .withdrawn
-            .iter()
-            .filter(|(_, w)| !w.busy)
-            .map(|(ip, w)| (*ip, w.block.clone()))
-            .collect();
-        for (ip, block) in withdrawn {
-            let spare =
-                self.newest_block(&block).is_some_and(|b| spares::is_bindable_for(&b.spec, &node, &ip.to_string()));
-            if spare && reserve {
+        if reserve {
+            for (ip, block) in self.withdrawn_by_copy().0 {
                 plans.entry(block).or_default().tending.give_back.push(ip);
             }
         }
@@ -305,6 +291,16 @@ impl Core {
     /// Lets go of the withdrawn spares that the node's newest copy of their block no longer
     /// shows as its spares: what withdrew them was written.
     fn settle_from_copies(&self) {
+        let settled = self.withdrawn_by_copy().1;
+        let mut held = self.spares.held();
+        for ip in settled {
+            held.withdrawn.remove(&ip);
+        }
+    }
+
+    /// The withdrawn spares no call is writing, by what the node's newest copy of their block
+    /// shows: still its spares ((IP, block)), and no spares any more.
+    fn withdrawn_by_copy(&self) -> (Vec<(IpAddr, String)>, Vec<IpAddr>) {
         let node = self.settings.node.as_str();
         let withdrawn: Vec<(IpAddr, String)> = self
             .spares
@@ -314,17 +310,10 @@ impl Core {
             .filter(|(_, w)| !w.busy)
             .map(|(ip, w)| (*ip, w.block.clone()))
             .collect();
-        let settled: Vec<IpAddr> = withdrawn
-            .into_iter()
-            .filter(|(ip, block)| {
-                !self.newest_block(block).is_some_and(|b| spares::is_bindable_for(&b.spec, node, &ip.to_string()))
-            })
-            .map(|(ip, _)| ip)
-            .collect();
-        let mut held = self.spares.held();
-        for ip in settled {
-            held.withdrawn.remove(&ip);
-        }
+        let (still, gone): (Vec<_>, Vec<_>) = withdrawn.into_iter().partition(|(ip, block)| {
+            self.newest_block(block).is_some_and(|b| spares::is_bindable_for(&b.spec, node, &ip.to_string()))
+        });
+        (still, gone.into_iter().map(|(ip, _)| ip).collect())
     }
 
     /// The pools whose spares this node tends: those with a block affine to it (the pools it
