@@ -339,7 +339,10 @@ impl Core {
                     break; // The pod itself, but sticky: read live.
                 }
             }
-            if pod_ref.uid.is_none() || tokio::time::timeout_at(deadline, event).await.is_err() {
+            if pod_ref.uid.is_none()
+                || tokio::time::Instant::now() >= deadline
+                || tokio::time::timeout_at(deadline, event).await.is_err()
+            {
                 break;
             }
         }

@@ -228,7 +228,10 @@ impl Core {
             let Some(copy) = copy.as_ref() else { continue };
             if copy.spec.affinity.as_deref() == Some(node.as_str()) && copy.spec.spares.contains(&ip) {
                 plans.entry(block).or_default().tending.convert.push((ip, record));
-            } else if copy.spec.allocations.get(&ip).is_none_or(|r| r.pod.uid != record.pod.uid) {
+            } else if copy.spec.allocations.get(&ip).is_none_or(|r| r.pod.uid != record.pod.uid)
+                // A DEL releases the IP (stamping it) before its entry goes: no loss.
+                && copy.spec.released.get(&ip).is_none_or(|at| at.0 < record.allocated_at.0)
+            {
                 self.report_lost(&block, &ip, &record);
             }
         }
@@ -256,6 +259,7 @@ impl Core {
                     .await;
                 match done {
                     Some(done) => {
+                        let claimed = !done.claim_lost;
                         for (ip, pod) in done.held_by_other {
                             let first = ip.parse::<IpAddr>().is_ok_and(|addr| self.spares.held().lost.insert(addr));
                             if first {
@@ -263,7 +267,7 @@ impl Core {
                                     "a spare bound on this node holds another pod's record; its record was not written");
                             }
                         }
-                        true
+                        claimed
                     }
                     None => {
                         tracing::debug!(%block, "tending the block's spares failed; retrying on the next pass");
@@ -360,10 +364,8 @@ impl Core {
             self.ready_spares(&own, &in_checkpoint).into_iter().filter(|(_, ip)| !held.holds(ip)).collect();
         if ready.len() > target {
             for (block, ip) in &ready[target..] {
-                if !held.holds(ip) {
-                    held.withdrawn.insert(*ip, Withdrawn { block: block.clone(), busy: false });
-                    plans.entry(block.clone()).or_default().tending.give_back.push(*ip);
-                }
+                held.withdrawn.insert(*ip, Withdrawn { block: block.clone(), busy: false });
+                plans.entry(block.clone()).or_default().tending.give_back.push(*ip);
             }
             return;
         }
@@ -387,7 +389,10 @@ impl Core {
         // The node's own blocks have no room: it claims a free block for the rest, as an ADD
         // would, in the write that reserves them (which makes the block when it does not exist
         // yet, and leaves it when another node claimed it first).
-        if let Some(free) = free.into_iter().next().filter(|_| missing > 0) {
+        // Only when another free block stays after it: else the next pass's target is 0 and the
+        // block would be claimed for spares given back at once.
+        let claimable = free.len() >= 2;
+        if let Some(free) = free.into_iter().next().filter(|_| missing > 0 && claimable) {
             let count = missing.min(resolved.layout.allocatable_in(free.net).count());
             let reserve = spares::Reserve { layout: resolved.layout.clone(), net: free.net, count, claim: true };
             let planned = plans.entry(free.name).or_default();
@@ -414,7 +419,7 @@ impl Core {
             .collect();
         let node = self.settings.node.as_str();
         let mut free: Vec<Candidate> =
-            affinity::plan(node, pool, layout, &known, 2).into_iter().filter(|c| c.how == Use::Claim).collect();
+            affinity::plan(node, pool, layout, &known, 3).into_iter().filter(|c| c.how == Use::Claim).collect();
         free.pop();
         free
     }

@@ -133,9 +133,19 @@ pub fn release(block: &mut IPBlockSpec, gone: &str) -> bool {
     releasable
 }
 
-/// A stable hash of the node name, so each node starts borrowing at its own offset.
+/// A stable hash of the node name, so each node starts borrowing, and looking for blocks not
+/// created yet, at its own offset. Names that differ in one character (`node-1`, `node-2`) land
+/// far apart (FNV-1a, then a 64-bit mix), so their first blocks are not neighbours that the next
+/// claim of one would race the other for.
 fn node_hash(node: &str) -> usize {
-    node.bytes().fold(0usize, |h, b| h.wrapping_mul(31).wrapping_add(usize::from(b)))
+    let fnv = node.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    let mut x = fnv ^ (fnv >> 33);
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^= x >> 33;
+    // Truncated on 32-bit targets, which only narrows the spread.
+    x as usize
 }
 
 #[cfg(test)]
@@ -233,6 +243,21 @@ mod test {
             .map(|node| plan(node, "p", &layout(), &blocks, 0)[0].net)
             .collect();
         assert!(firsts.len() > 1, "every node starts borrowing at the same block: {firsts:?}");
+    }
+
+    #[test]
+    fn nodes_named_alike_start_looking_for_new_blocks_far_apart() {
+        let layout = PoolLayout::new("10.244.0.0/16", &[], &[], None, Some(24)).unwrap();
+        let starts: Vec<IpNet> = ["node-0", "node-1", "node-2", "node-3"]
+            .iter()
+            .map(|node| fresh_blocks(node, &layout, &BTreeSet::new(), 1)[0])
+            .collect();
+        let index = |net: &IpNet| u32::from(net.network().to_string().parse::<std::net::Ipv4Addr>().unwrap()) >> 8;
+        for (i, a) in starts.iter().enumerate() {
+            for b in &starts[i + 1..] {
+                assert!(index(a).abs_diff(index(b)) > 1, "neighbouring first blocks: {starts:?}");
+            }
+        }
     }
 
     #[test]

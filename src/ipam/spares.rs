@@ -183,6 +183,8 @@ pub struct Tended {
     pub reserved: usize,
     /// (IP, `namespace/name`) of each bound spare another pod's record holds.
     pub held_by_other: Vec<(String, String)>,
+    /// The free block to claim for the reserve was claimed by another node first.
+    pub claim_lost: bool,
 }
 
 impl Tended {
@@ -193,7 +195,7 @@ impl Tended {
 }
 
 /// Applies `plan` to the block: the records first, then the spares given back, then those
-/// reserved (ready IPs not in `exclude`, the node's checkpoint).
+/// reserved (ready IPs not in `exclude`, the node's checkpoint, nor just given back).
 pub fn tend(
     spec: &mut IPBlockSpec,
     node: &str,
@@ -217,7 +219,11 @@ pub fn tend(
     if let Some(Reserve { layout, net, count, claim }) = &plan.reserve {
         let how = if *claim { Use::Claim } else { Use::Own };
         if affinity::take_for(spec, node, how) {
-            done.reserved = reserve(spec, layout, *net, *count, exclude, now, cooldown).len();
+            let mut exclude = exclude.clone();
+            exclude.extend(&plan.give_back);
+            done.reserved = reserve(spec, layout, *net, *count, &exclude, now, cooldown).len();
+        } else {
+            done.claim_lost = *claim;
         }
     }
     done
@@ -398,6 +404,23 @@ mod test {
         assert_eq!(bindable(&spec), vec![ip("10.0.0.3"), ip("10.0.0.4")]);
         assert!(spec.spares.contains("10.0.0.7"), "another pod's record: the spare entry stays for the report");
         assert!(!tend(&mut spec, "n1", &Tending::default(), &exclude, at(0), Duration::ZERO).changed());
+
+        // A spare given back is not reserved again by the same edit (it would stay withdrawn).
+        let mut spec = spec_of(&["10.0.0.2"]);
+        let plan = Tending {
+            give_back: vec![ip("10.0.0.2")],
+            reserve: Some(Reserve { layout: layout(), net: net(), count: 1, claim: false }),
+            ..Tending::default()
+        };
+        let done = tend(&mut spec, "n1", &plan, &BTreeSet::new(), at(0), Duration::ZERO);
+        assert_eq!((done.given_back, done.reserved), (1, 1));
+        assert_eq!(bindable(&spec), vec![ip("10.0.0.3")]);
+    }
+
+    fn spec_of(spares: &[&str]) -> IPBlockSpec {
+        let mut spec = spec();
+        spec.spares.extend(spares.iter().map(|ip| ip.to_string()));
+        spec
     }
 
     #[test]
@@ -407,17 +430,17 @@ mod test {
             ..Tending::default()
         };
         let none = BTreeSet::new();
-        // (affinity, claim, reserved, affinity after)
+        // (affinity, claim, reserved, affinity after, claim lost)
         let cases = [
-            (Some("n1"), false, 1, Some("n1")),
-            (None, true, 1, Some("n1")),
-            (Some("n2"), true, 0, Some("n2")),
-            (Some("n2"), false, 0, Some("n2")),
+            (Some("n1"), false, 1, Some("n1"), false),
+            (None, true, 1, Some("n1"), false),
+            (Some("n2"), true, 0, Some("n2"), true),
+            (Some("n2"), false, 0, Some("n2"), false),
         ];
-        for (owner, claim, reserved, after) in cases {
+        for (owner, claim, reserved, after, lost) in cases {
             let mut spec = IPBlockSpec { affinity: owner.map(String::from), ..spec() };
             let done = tend(&mut spec, "n1", &reserve(claim), &none, at(0), Duration::ZERO);
-            assert_eq!(done.reserved, reserved, "{owner:?} claim {claim}");
+            assert_eq!((done.reserved, done.claim_lost), (reserved, lost), "{owner:?} claim {claim}");
             assert_eq!(spec.affinity.as_deref(), after, "{owner:?} claim {claim}");
         }
     }
