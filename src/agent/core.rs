@@ -335,8 +335,10 @@ impl Core {
                     self.metrics.pod_read("cache");
                     return Ok(Some(cached));
                 }
-                if cached_uid.as_deref() == pod_ref.uid.as_deref() {
-                    break; // The pod itself, but sticky: read live.
+                // A sticky pod (this one, or its predecessor of the same name) is read live at
+                // once; so is the pod itself when the cache cannot serve it.
+                if sticky || cached_uid.as_deref() == pod_ref.uid.as_deref() {
+                    break;
                 }
             }
             if pod_ref.uid.is_none()

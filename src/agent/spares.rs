@@ -190,13 +190,13 @@ impl Core {
     }
 
     /// Writes the records of the spares bound since the last pass (each replaces its spare),
-    /// settles the withdrawn spares, and brings each pool's ready spares to what
+    /// gives back the withdrawn spares again, and brings each pool's ready spares to what
     /// [`spares::target`] says: reserves more in the node's own blocks (or a free block it
-    /// claims), or gives back what it holds beyond it (all of a pool being deleted or
-    /// disabled, or without a free block left for others to claim). What one block gets is
-    /// one edit, so a pass writes each block at most once.
-    /// Returns whether every write of the pass went through (else the caller tries again
-    /// soon: a free block another node claimed first, a conflict, an apiserver error).
+    /// claims), or gives back what it holds beyond it (all of a pool being deleted, disabled,
+    /// no longer selecting the node, or with at most one free block left for others to claim).
+    /// What one block gets is one edit, so a pass writes each block at most once. Returns
+    /// whether every write of the pass went through (else the caller tries again soon: a free
+    /// block another node claimed first, a conflict, an apiserver error).
     pub async fn tend_spares(&self) -> bool {
         let done = self.tend(true).await;
         self.count_ready_spares();
@@ -235,13 +235,11 @@ impl Core {
                 self.report_lost(&block, &ip, &record);
             }
         }
-        // Withdrawn spares the node's copy still shows: given back (again).
         if reserve {
+            // Withdrawn spares the node's copy still shows: given back (again).
             for (ip, block) in self.withdrawn_by_copy().0 {
                 plans.entry(block).or_default().tending.give_back.push(ip);
             }
-        }
-        if reserve {
             for pool in self.pools_to_tend() {
                 self.plan_pool(&pool, &mut plans);
             }

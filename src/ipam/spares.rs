@@ -229,9 +229,10 @@ pub fn tend(
     done
 }
 
-/// How many spares a node keeps in a pool: `wanted` while the pool has a block no node has
-/// claimed yet (`free_blocks`), none otherwise, since then other nodes may have to borrow
-/// single IPs from this node's blocks and spares are never lent.
+/// How many spares a node keeps in a pool: `wanted` while the pool has free blocks to spare
+/// (`free_blocks`: more than one no node has claimed yet; the last goes to a node's first pod),
+/// none otherwise, since then other nodes may soon have to borrow single IPs from this node's
+/// blocks and spares are never lent.
 pub fn target(wanted: usize, free_blocks: bool) -> usize {
     if free_blocks { wanted } else { 0 }
 }
