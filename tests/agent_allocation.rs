@@ -131,18 +131,24 @@ async fn an_agent_killed_in_the_middle_of_adds_restarts_without_a_duplicate_or_a
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let mut ipwarden = Ipwarden::start(2, &[("pool", json!({"cidr": "10.52.0.0/24", "default": true}))], &[]).await;
     let client = ipwarden.client();
+    // The agent's checkpoint saves are held: records get written, no ADD is answered, so the
+    // kill lands with every ADD due whatever the machine's speed.
+    let node0_dir = ipwarden.cluster.nodes()[0].dir().to_path_buf();
+    let hold = e2e::ipwarden::CheckpointHold::start(&node0_dir).expect("hold node-0's checkpoint saves");
     for i in 0..30 {
         create_pod(&client, NS, &format!("crash-{i}"), "node-0", json!({"app": "crash"})).await;
     }
-    wait::until("some ADDs served on node-0", TIMEOUT, || async {
+    wait::until("some records written on node-0", TIMEOUT, || async {
         let n = records(&client).await.len();
         Ok(if n >= 5 { Probe::Done(()) } else { Probe::Pending(format!("{n} records")) })
     })
     .await
     .expect("ADDs start");
     ipwarden.agents[0].kill();
-    // The agent's write batches can serve the rest of the first pods before the kill lands;
-    // pods created while it is down make sure ADDs are due when it restarts.
+    drop(hold);
+    let saved = std::fs::read_to_string(e2e::ipwarden::checkpoint_path(&node0_dir)).unwrap_or_default();
+    assert!(!saved.contains("crash-"), "the held checkpoint saved no pod: {saved}");
+    // Pods created while the agent is down: ADDs due at its restart too.
     for i in 30..40 {
         create_pod(&client, NS, &format!("crash-{i}"), "node-0", json!({"app": "crash"})).await;
     }

@@ -48,6 +48,43 @@ pub fn agent_socket(cluster: &Cluster, node: usize) -> PathBuf {
     cluster.nodes()[node].dir().join("agent.sock")
 }
 
+/// The checkpoint file of a node's agent.
+pub fn checkpoint_path(node_dir: &Path) -> PathBuf {
+    node_dir.join("checkpoint.json")
+}
+
+/// Holds every checkpoint save of a node's agent until dropped: the agent saves by writing
+/// `checkpoint.tmp` beside the file and renaming it into place, so a FIFO at that path makes
+/// the save block in open(2) (no reader) with its records already written. A test stages "the
+/// agent crashed between its block write and its checkpoint save" with it, then kills the
+/// agent, instead of racing a kill against the agent's writes. The FIFO is removed on drop,
+/// so the next agent saves normally.
+#[derive(Debug)]
+pub struct CheckpointHold {
+    fifo: PathBuf,
+}
+
+impl CheckpointHold {
+    /// Starts holding the saves of the agent whose node directory is `node_dir`.
+    pub fn start(node_dir: &Path) -> Result<Self> {
+        let fifo = checkpoint_path(node_dir).with_extension("tmp");
+        match std::fs::remove_file(&fifo) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("removing a stale checkpoint temp file", &fifo)(e)),
+        }
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR)
+            .map_err(|e| Error::io("making the checkpoint hold FIFO", &fifo)(e.into()))?;
+        Ok(Self { fifo })
+    }
+}
+
+impl Drop for CheckpointHold {
+    fn drop(&mut self) {
+        let _gone = std::fs::remove_file(&self.fifo);
+    }
+}
+
 /// Who an ipwarden process talks to the apiserver as, and where the controller keeps its
 /// Lease and trigger ConfigMap.
 #[derive(Clone, Debug)]
@@ -100,7 +137,7 @@ pub fn start_agent_as(
         "agent".to_string(),
         format!("--node-name={}", handle.name()),
         format!("--socket={}", dir.join("agent.sock").display()),
-        format!("--checkpoint={}", dir.join("checkpoint.json").display()),
+        format!("--checkpoint={}", checkpoint_path(dir).display()),
         format!("--metrics-address=127.0.0.1:{metrics_port}"),
         format!("--namespace={}", run_as.namespace),
     ];
