@@ -10,6 +10,7 @@ use std::time::Duration;
 use e2e::wait::{self, Probe};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Event;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
@@ -446,4 +447,59 @@ async fn a_sticky_pod_does_not_take_back_the_ips_of_a_stateless_claim_an_older_v
     })
     .await
     .expect("web-0's claim is sticky and bound to it");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaks_released_in_one_batch_leave_an_event_each_findable_by_its_pod_and_by_its_pool() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &pool(), &[]).await;
+    let client = ipwarden.client();
+    // Five leaks of one pool in place before the controller starts: its first sweep releases
+    // them together (their node is gone, so no handshake spreads them out).
+    let leaks: Vec<(String, String)> = (0..5).map(|i| (format!("10.70.0.{}", 200 + i), format!("gone-{i}"))).collect();
+    for (ip, pod) in &leaks {
+        leak(&client, ip, record_json(NS, pod, &format!("uid-{pod}"), "no-such-node", None, false)).await;
+    }
+    let controller = ipwarden.start_controller("solo", &[]);
+    ipwarden.wait_leader(controller).await;
+    for (ip, _) in &leaks {
+        wait_record_gone(&client, ip, "the leak released").await;
+    }
+
+    let events: Api<Event> = Api::namespaced(client.clone(), NS);
+    let released = |list: Vec<Event>| -> Vec<Event> {
+        list.into_iter().filter(|e| e.reason.as_deref() == Some("IPReleased")).collect()
+    };
+    for (ip, pod) in &leaks {
+        // What `kubectl get events --field-selector involvedObject.name=<pod>` asks (core/v1,
+        // the version kubectl reads: the controller writes events.k8s.io/v1).
+        let by_pod = ListParams::default().fields(&format!("involvedObject.name={pod}"));
+        let found = wait::until(&format!("the Event of {pod}"), TIMEOUT, || async {
+            let list = events.list(&by_pod).await.map_err(e2e::Error::kube("events"))?;
+            let found = released(list.items);
+            Ok(if found.is_empty() { Probe::Pending("none yet".into()) } else { Probe::Done(found) })
+        })
+        .await
+        .expect("an Event regarding the pod");
+        assert_eq!(found.len(), 1, "one Event for {pod}: {found:?}");
+        let event = &found[0];
+        let note = event.message.clone().unwrap_or_default();
+        for part in [ip.as_str(), pod.as_str(), &format!("uid-{pod}"), "no-such-node", POOL] {
+            assert!(note.contains(part), "{part} in the note of {pod}'s Event: {note}");
+        }
+        let regarding = &event.involved_object;
+        assert_eq!(
+            (regarding.kind.as_deref(), regarding.uid.as_deref()),
+            (Some("Pod"), Some(format!("uid-{pod}").as_str())),
+            "{pod}'s Event regards its pod"
+        );
+    }
+    let by_pool = ListParams::default().labels(&format!("ipwarden.io/pool={POOL}"));
+    let of_pool = released(Api::<Event>::all(client.clone()).list(&by_pool).await.expect("events").items);
+    let ips: BTreeSet<String> = of_pool
+        .iter()
+        .filter_map(|e| e.message.clone())
+        .filter_map(|n| leaks.iter().find(|(ip, _)| n.contains(&format!("released {ip} "))).map(|(ip, _)| ip.clone()))
+        .collect();
+    assert_eq!(ips.len(), leaks.len(), "every release found by the pool's label: {of_pool:?}");
 }

@@ -57,6 +57,8 @@ pub struct ControllerMetrics {
     pub repairs: Family<FailureLabels, Counter>,
     /// Releases or repairs that failed to be written, by pool.
     pub release_failures: Family<FailureLabels, Counter>,
+    /// Release and repair Events the apiserver did not take.
+    pub event_failures: Counter,
     /// Records of terminating pods being traced until their deadline.
     pub candidates: Gauge,
     /// How long a full sweep took.
@@ -100,6 +102,7 @@ impl ControllerMetrics {
             releases: Family::default(),
             repairs: Family::default(),
             release_failures: Family::default(),
+            event_failures: Counter::default(),
             candidates: Gauge::default(),
             sweep_duration: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             records_scanned: Counter::default(),
@@ -122,6 +125,11 @@ impl ControllerMetrics {
         r.register("gc_releases", "Records released by the GC, by pool, rule and trigger", m.releases.clone());
         r.register("gc_repairs", "Records adopted by the pod that reports their IP", m.repairs.clone());
         r.register("gc_release_failures", "GC changes that could not be written", m.release_failures.clone());
+        r.register(
+            "gc_event_failures",
+            "Release and repair Events the apiserver did not take",
+            m.event_failures.clone(),
+        );
         r.register("gc_candidates", "Records of terminating pods traced until their deadline", m.candidates.clone());
         r.register("gc_sweep_duration_seconds", "Duration of full sweeps", m.sweep_duration.clone());
         r.register("gc_sweep_records_scanned", "Records looked at by full sweeps", m.records_scanned.clone());

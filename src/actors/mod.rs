@@ -13,6 +13,7 @@
 //! watches keep; these actors read it and write.
 
 pub mod affinity;
+pub mod events;
 pub mod finalizer;
 pub mod janitor;
 pub mod kubevirt;
@@ -36,7 +37,6 @@ use futures::StreamExt;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
@@ -183,10 +183,8 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             }
         },
     };
-    let recorder = Recorder::new(
-        client.clone(),
-        Reporter { controller: "ipwarden-controller".into(), instance: Some(identity.clone()) },
-    );
+    let events =
+        events::EventWriter::new(client.clone(), "ipwarden-controller", &identity, metrics.event_failures.clone());
     let pool_context = pool::PoolContext {
         client: client.clone(),
         index: index.clone(),
@@ -199,7 +197,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         ),
         own_writes: own_block_writes,
         batch_window: Duration::from_millis(args.batch_window_ms),
-        recorder,
+        events,
     };
 
     let mut subscribers = Vec::new();

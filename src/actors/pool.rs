@@ -15,14 +15,15 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::Api;
-use kube::runtime::events::{Event, EventType, Recorder};
-use kube::{Client, Resource, ResourceExt};
+use kube::{Client, ResourceExt};
 use tokio::sync::oneshot;
 
+use super::events::EventWriter;
 use super::metrics::{ControllerMetrics, FailureLabels, PoolLabels, ReleaseLabels};
 use super::watches::SharedIndex;
 use crate::block_store::{BlockStore, CasOutcome};
 use crate::crd::{HandshakeState, IPBlock, IPBlockSpec, IPPool, ReleaseHandshake};
+use crate::gc::events::{RecordEvent, RecordEventKind};
 use crate::gc::handshake::{ControllerStep, controller_step, mark_settles_release, takeover_marked};
 use crate::gc::index::PodFacts;
 use crate::gc::rules::recheck_release;
@@ -146,8 +147,8 @@ pub struct PoolContext {
     pub own_writes: Arc<OwnWrites<IPBlock>>,
     /// How long changes are collected before one write per block.
     pub batch_window: Duration,
-    /// Event recorder.
-    pub recorder: Recorder,
+    /// The writer of release and repair Events.
+    pub events: EventWriter,
 }
 
 /// Starts and stops pool actors and routes changes to them.
@@ -438,33 +439,15 @@ async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outco
                     tracing::warn!(claim = %change.claim, error = %e, "deleting the claim failed; the janitor will retry");
                 }
             }
-            let note = format!(
-                "released {} of pod {}/{} (uid {}): rule {}, trigger {}",
-                change.ip,
-                change.pod.namespace,
-                change.pod.name,
-                change.pod.uid,
-                reason.label(),
-                pending.trigger.label()
-            );
-            publish(context, pool, "IPReleased", note).await;
-            tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), reason = reason.label(), trigger = pending.trigger.label(), "released");
+            let event = record_event(context, pool, change, &change.pod, &change.node, reason.label(), pending.trigger);
+            context.events.write(&RecordEvent { kind: RecordEventKind::Released, ..event }).await;
+            tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), uid = %change.pod.uid, node = %change.node, reason = reason.label(), trigger = pending.trigger.label(), "released");
         }
         (ChangeOutcome::Repaired, ChangeAction::Repair { adopter }) => {
             metrics.repairs.get_or_create(&FailureLabels { pool: pool.to_string() }).inc();
-            let pod = &adopter.pod;
-            let note = format!(
-                "record of {} adopted by pod {}/{} (uid {}) on node {}, which reports it; it named pod {}/{} (uid {})",
-                change.ip,
-                pod.namespace,
-                pod.name,
-                pod.uid,
-                adopter.node,
-                change.pod.namespace,
-                change.pod.name,
-                change.pod.uid
-            );
-            publish(context, pool, "IPRecordRepaired", note).await;
+            let event = record_event(context, pool, change, &adopter.pod, &adopter.node, REPAIR_RULE, pending.trigger);
+            let kind = RecordEventKind::Repaired { former: change.pod.clone(), former_node: change.node.clone() };
+            context.events.write(&RecordEvent { kind, ..event }).await;
         }
         (ChangeOutcome::Marked, ChangeAction::Release { reason, .. }) => {
             metrics.handshake(pool, "marked");
@@ -487,18 +470,30 @@ async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outco
     }
 }
 
-async fn publish(context: &PoolContext, pool: &str, reason: &str, note: String) {
-    let Some(object) = context.index.read().pool(pool).cloned() else { return };
-    let reference = IPPool::object_ref(&object, &());
-    let event = Event {
-        type_: EventType::Normal,
-        reason: reason.to_string(),
-        note: Some(note),
-        action: "GarbageCollect".to_string(),
-        secondary: None,
-    };
-    if let Err(e) = context.recorder.publish(&event, &reference).await {
-        tracing::debug!(error = %e, "publishing an Event failed");
+/// The rule label of a repair's Event (gc-rules.md, row 11: the IP is in another pod's `podIPs`).
+const REPAIR_RULE: &str = "repair";
+
+/// The Event of `change` regarding `pod` on `node` (the released record's pod, or the pod a
+/// repair moved the record to); the caller sets what happened.
+fn record_event(
+    context: &PoolContext,
+    pool: &str,
+    change: &RecordChange,
+    pod: &crate::crd::PodRef,
+    node: &str,
+    rule: &str,
+    trigger: Trigger,
+) -> RecordEvent {
+    let pool_uid = context.index.read().pool(pool).and_then(|p| p.metadata.uid.clone());
+    RecordEvent {
+        ip: change.ip.clone(),
+        pool: pool.to_string(),
+        pool_uid,
+        pod: pod.clone(),
+        node: node.to_string(),
+        rule: rule.to_string(),
+        trigger: trigger.label().to_string(),
+        kind: RecordEventKind::Released,
     }
 }
 
@@ -769,6 +764,7 @@ mod test {
             block: "b".into(),
             ip: IP.into(),
             pod: PodRef { namespace: "default".into(), name: "web-0".into(), uid: "u1".into() },
+            node: "node-0".into(),
             claim: "web-0".into(),
             via_agent,
             retired: false,

@@ -27,6 +27,58 @@ pub(super) struct ReleaseSummary {
     claim: Option<BoundClaim>,
 }
 
+/// What made the agent release a sandbox's IPs: the `trigger` and `rule` of the info line
+/// each release logs (docs/agent.md, "Releases"), the agent's counterpart of the controller's
+/// release Events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ReleaseTrigger {
+    /// The runtime's CNI DEL.
+    Del,
+    /// The runtime's CNI GC did not list the sandbox.
+    CniGc,
+    /// The start-up GC found no local pod holding the record (also after a lost checkpoint,
+    /// whose rebuilt entries it checks the same way).
+    StartupGc,
+    /// The agent answered the controller's release mark: no sandbox holds the IP.
+    ReleaseMark,
+}
+
+impl ReleaseTrigger {
+    /// The log line's `trigger`.
+    fn label(self) -> &'static str {
+        match self {
+            Self::Del => "del",
+            Self::CniGc => "cni_gc",
+            Self::StartupGc => "startup_gc",
+            Self::ReleaseMark => "release_mark",
+        }
+    }
+
+    /// The log line's `rule`: why the IP is free.
+    fn rule(self) -> &'static str {
+        match self {
+            Self::Del => "sandbox_deleted",
+            Self::CniGc => "sandbox_not_listed",
+            Self::StartupGc => "no_local_pod",
+            Self::ReleaseMark => "no_sandbox_holds_it",
+        }
+    }
+
+    /// Logs, at info, that `ip` of block `block`, held by `pod` on `node`, was released.
+    fn log_released(self, block: &str, ip: &str, pod: &crate::crd::PodRef, node: &str) {
+        tracing::info!(
+            %ip,
+            %block,
+            pod = %format!("{}/{}", pod.namespace, pod.name),
+            uid = %pod.uid,
+            %node,
+            rule = self.rule(),
+            trigger = self.label(),
+            "released"
+        );
+    }
+}
+
 /// Where a record to release lives.
 pub(super) struct RecordAt {
     /// The IPBlock.
@@ -61,21 +113,24 @@ impl Core {
         Ok(self.cas_block(name, Base::Newest, Some(&create), |block| mutate(&mut block.spec)).await?.written())
     }
 
+    /// Releases the IPs of a sandbox (`entry`, when the checkpoint holds it, and every record
+    /// naming the sandbox), for `trigger`.
     pub(super) async fn release_attachment(
         &self,
         entry: Option<&CheckpointEntry>,
         container_id: &str,
         ifname: &str,
         uid: Option<&str>,
+        trigger: ReleaseTrigger,
     ) -> Result<(), Error> {
         let mut targets: BTreeSet<(String, String)> =
             entry.iter().flat_map(|e| e.ips.iter()).map(|ip| (ip.block.clone(), ip.ip.clone())).collect();
-        for spare in self.release_bound_spares(entry, container_id, ifname, uid).await? {
+        for spare in self.release_bound_spares(entry, container_id, ifname, uid, trigger).await? {
             targets.remove(&spare);
         }
         targets.extend(self.records_of_sandbox(container_id, ifname).into_iter().map(|(block, ip, _)| (block, ip)));
         let ips: Vec<RecordAt> = targets.into_iter().map(|(block, ip)| RecordAt { block, ip }).collect();
-        let summary = self.release_ips(&ips, container_id, ifname, uid).await;
+        let summary = self.release_ips(&ips, container_id, ifname, uid, trigger).await;
         // Only the claim of a record this sandbox really released: a superseded sandbox's
         // records and claim belong to the new pod now (leftover claims are the janitor's).
         if let (false, Some(claim)) = (summary.kept, summary.claim) {
@@ -94,6 +149,7 @@ impl Core {
         container_id: &str,
         ifname: &str,
         uid: Option<&str>,
+        trigger: ReleaseTrigger,
     ) -> Result<Vec<(String, String)>, Error> {
         let node = self.settings.node.as_str();
         let bound: Vec<(String, String)> = entry
@@ -104,7 +160,11 @@ impl Core {
             .map(|i| (i.block.clone(), i.ip.clone()))
             .collect();
         for (block, ip) in &bound {
-            self.release_bound_spare(block, ip, container_id, ifname, uid).await?;
+            if self.release_bound_spare(block, ip, container_id, ifname, uid).await?
+                && let Some(entry) = entry
+            {
+                trigger.log_released(block, ip, &entry.pod, node);
+            }
         }
         Ok(bound)
     }
@@ -113,7 +173,7 @@ impl Core {
     /// written ([`spares::release_bound`]); if the record was written meanwhile, releases the
     /// record as any stateless pod's (a spare's pod keeps no IP). A failure fails the call
     /// (the runtime retries its DEL): a spare left behind would be handed out again without
-    /// its cooldown once the checkpoint entry is gone.
+    /// its cooldown once the checkpoint entry is gone. Says whether it released the IP.
     async fn release_bound_spare(
         &self,
         block: &str,
@@ -121,7 +181,7 @@ impl Core {
         container_id: &str,
         ifname: &str,
         uid: Option<&str>,
-    ) -> Result<(), Error> {
+    ) -> Result<bool, Error> {
         let (ip, sandbox, interface, pod_uid) =
             (ip.to_string(), container_id.to_string(), ifname.to_string(), uid.map(str::to_string));
         let node = self.settings.node.clone();
@@ -152,14 +212,16 @@ impl Core {
                 .map(CasOutcome::written),
         };
         match outcome {
-            Ok(Some(_)) => self.metrics.release("released"),
-            Ok(None) => {}
+            Ok(Some(outcome)) => {
+                self.metrics.release("released");
+                Ok(outcome == ReleaseOutcome::Released)
+            }
+            Ok(None) => Ok(false),
             Err(e) => {
                 self.metrics.release("error");
-                return Err(e.into());
+                Err(e.into())
             }
         }
-        Ok(())
     }
 
     /// Releases `ips` of a sandbox; says whether any was kept as a sticky reservation and
@@ -171,6 +233,7 @@ impl Core {
         container_id: &str,
         ifname: &str,
         uid: Option<&str>,
+        trigger: ReleaseTrigger,
     ) -> ReleaseSummary {
         let mut summary = ReleaseSummary::default();
         for target in ips {
@@ -237,6 +300,7 @@ impl Core {
                 Ok(Some((ReleaseOutcome::Released, claim, _))) => {
                     summary.claim = claim;
                     self.metrics.release("released");
+                    trigger.log_released(&target.block, &target.ip, &record.pod, &record.node);
                 }
                 Ok(Some((ReleaseOutcome::Reserved, _, _))) => {
                     summary.kept = true;

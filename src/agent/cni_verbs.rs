@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use kube::api::Api;
 
+use super::block_writes::ReleaseTrigger;
 use super::checkpoint::{AttachmentKey, CheckpointEntry};
 use super::core::{Core, attachment_key};
 use super::error::Error;
@@ -20,7 +21,14 @@ impl Core {
         let entry = self.checkpoint.read(|c| c.get(&key).cloned());
         let uid =
             request.pod.as_ref().and_then(|p| p.uid.clone()).or_else(|| entry.as_ref().map(|e| e.pod.uid.clone()));
-        self.release_attachment(entry.as_ref(), &request.container_id, &request.ifname, uid.as_deref()).await?;
+        self.release_attachment(
+            entry.as_ref(),
+            &request.container_id,
+            &request.ifname,
+            uid.as_deref(),
+            ReleaseTrigger::Del,
+        )
+        .await?;
         self.checkpoint.remove(&key).await?;
         Ok(())
     }
@@ -99,7 +107,8 @@ impl Core {
         });
         for entry in stale {
             tracing::info!(container_id = %entry.key.container_id, pod = %entry.pod.name, "GC: releasing a stale attachment");
-            self.release_attachment(Some(&entry), &entry.key.container_id, &entry.key.ifname, Some(&entry.pod.uid))
+            let (container_id, ifname) = (&entry.key.container_id, &entry.key.ifname);
+            self.release_attachment(Some(&entry), container_id, ifname, Some(&entry.pod.uid), ReleaseTrigger::CniGc)
                 .await?;
             self.checkpoint.remove(&entry.key).await?;
         }

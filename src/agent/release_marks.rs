@@ -9,6 +9,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::Api;
 
+use super::block_writes::ReleaseTrigger;
 use super::checkpoint::AttachmentKey;
 use super::core::Core;
 use super::error::Error;
@@ -106,7 +107,9 @@ impl Core {
                 for key in &attached {
                     let entry = self.checkpoint.read(|c| c.get(key).cloned());
                     let uid = entry.as_ref().map(|e| e.pod.uid.clone());
-                    self.release_bound_spares(entry.as_ref(), &key.container_id, &key.ifname, uid.as_deref()).await?;
+                    let trigger = ReleaseTrigger::ReleaseMark;
+                    self.release_bound_spares(entry.as_ref(), &key.container_id, &key.ifname, uid.as_deref(), trigger)
+                        .await?;
                     self.checkpoint.remove(key).await?;
                 }
             }

@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::Api;
 
-use super::block_writes::RecordAt;
+use super::block_writes::{RecordAt, ReleaseTrigger};
 use super::checkpoint::{AttachmentKey, CheckpointEntry, CheckpointIp};
 use super::core::{Core, field_manager};
 use super::error::Error;
@@ -57,15 +57,16 @@ impl Core {
         for (block, ip, record) in &stale {
             tracing::info!(%ip, pod = %format!("{}/{}", record.pod.namespace, record.pod.name), "start-up GC: no local pod holds it");
             let target = RecordAt { block: block.clone(), ip: ip.clone() };
-            self.release_ips(&[target], &record.container_id, &record.interface, Some(&record.pod.uid)).await;
+            let trigger = ReleaseTrigger::StartupGc;
+            self.release_ips(&[target], &record.container_id, &record.interface, Some(&record.pod.uid), trigger).await;
             let key = AttachmentKey {
                 network: record.network.clone(),
                 container_id: record.container_id.clone(),
                 ifname: record.interface.clone(),
             };
             let entry = self.checkpoint.read(|c| c.get(&key).cloned());
-            self.release_bound_spares(entry.as_ref(), &record.container_id, &record.interface, Some(&record.pod.uid))
-                .await?;
+            let uid = Some(record.pod.uid.as_str());
+            self.release_bound_spares(entry.as_ref(), &record.container_id, &record.interface, uid, trigger).await?;
             self.checkpoint.remove(&key).await?;
         }
         // The attachments that records name on this node: a record's own sandbox, a live

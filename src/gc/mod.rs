@@ -6,6 +6,7 @@ pub mod adopt;
 pub mod agents;
 pub mod check;
 pub mod claims;
+pub mod events;
 pub mod handshake;
 pub mod index;
 pub mod manual;

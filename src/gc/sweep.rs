@@ -25,6 +25,8 @@ pub struct RecordChange {
     pub ip: String,
     /// The pod the record named when the decision was made (its UID is the CAS condition).
     pub pod: PodRef,
+    /// The record's node when the decision was made.
+    pub node: String,
     /// The claim name of the record's workload.
     pub claim: String,
     /// Whether the record's node has an agent to answer the release handshake.
@@ -44,6 +46,7 @@ impl RecordChange {
             pool: block.spec.pool.clone(),
             ip: ip.to_string(),
             pod: record.pod.clone(),
+            node: record.node.clone(),
             claim: crate::ipam::workload::claim_name(&record.pod.name, record.owner.as_ref()),
             via_agent: index.agent_can_answer(record),
             retired: index.retired(&name),
