@@ -14,7 +14,7 @@ use futures::StreamExt;
 use ipwarden::crd::{IPBlock, IPPool};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use support::{Ipwarden, TIMEOUT, create_pod, ip_of, metric, records, wait_pods_with_ips};
 
@@ -275,4 +275,78 @@ async fn after_a_lost_checkpoint_the_nodes_spares_leave_the_spares_and_cool_down
     wait_records_of(&client, &kept).await;
     let after = wait_spares(&client, "node-0", SPARES).await;
     assert!(after.keys().all(|ip| !before.contains_key(ip)), "new spares, none of the cooling ones: {after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spares_an_edit_of_the_pool_excludes_go_back_and_no_pod_gets_one() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pool = json!({"cidr": "10.96.0.0/24", "blockSize": 26, "default": true});
+    let spares_flag = format!("--spare-ips={SPARES}");
+    let ipwarden = Ipwarden::start(1, &[("pool", pool)], &[spares_flag.as_str()]).await;
+    let client = ipwarden.client();
+    let before = wait_spares(&client, "node-0", SPARES).await;
+
+    // The operator excludes the addresses that are the node's spares now.
+    let excluded: Vec<String> = before.keys().cloned().collect();
+    let patch = json!({"spec": {"exclude": excluded}});
+    Api::<IPPool>::all(client.clone())
+        .patch("pool", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("exclude the spares");
+    wait::until("the excluded spares given back and others reserved", TIMEOUT, || async {
+        let now = spares_of(&client, "node-0").await;
+        let kept: Vec<&String> = excluded.iter().filter(|ip| now.contains_key(*ip)).collect();
+        Ok(if kept.is_empty() && now.len() == SPARES {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("spares {now:?}, excluded still spare: {kept:?}"))
+        })
+    })
+    .await
+    .expect("the node gives back the spares its pool no longer allows");
+
+    create_pods(&client, "after", "node-0", SPARES + 1, "after").await;
+    let pods = wait_pods_with_ips(&client, NS, "app=after", SPARES + 1).await;
+    let ips: BTreeSet<String> = pods.values().map(ip_of).collect();
+    assert!(ips.iter().all(|ip| !excluded.contains(ip)), "no pod got an excluded IP {excluded:?}: {ips:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gone_nodes_spares_are_cleared_also_in_a_block_that_still_holds_a_record() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pool = json!({"cidr": "10.97.0.0/24", "blockSize": 26, "default": true});
+    let spares_flag = format!("--spare-ips={SPARES}");
+    let mut ipwarden = Ipwarden::start(2, &[("pool", pool)], &[spares_flag.as_str()]).await;
+    let client = ipwarden.client();
+    let controller = ipwarden.start_controller("only", &[]);
+    ipwarden.wait_leader(controller).await;
+
+    // node-1's block keeps a record the GC must keep: a live pod on node-0 holds an IP there
+    // (as a borrowed IP, or a StatefulSet pod recreated on another node, keeps its record).
+    let node1_spares = wait_spares(&client, "node-1", SPARES).await;
+    let node1_block = node1_spares.values().next().expect("a block").clone();
+    create_pods(&client, "keeper", "node-0", 1, "keeper").await;
+    let keeper = wait_pods_with_ips(&client, NS, "app=keeper", 1).await;
+    let keeper = &keeper["keeper-0"];
+    let cidr: ipnet::IpNet = blocks(&client).await[&node1_block].spec.cidr.parse().expect("block CIDR");
+    let kept_ip = cidr.hosts().last().expect("an address").to_string();
+    assert!(!node1_spares.contains_key(&kept_ip), "{kept_ip} is no spare: {node1_spares:?}");
+    let uid = keeper.uid().expect("uid");
+    let record = support::record_json(NS, "keeper-0", &uid, "node-0", None, false);
+    support::inject_record(&client, "pool", &node1_block, &cidr.to_string(), &kept_ip, record).await;
+
+    ipwarden.agents[1].kill();
+    ipwarden.cluster.delete_node(1).await.expect("node-1 deleted");
+    wait::until("the gone node's spares cleared", TIMEOUT, || async {
+        let block = blocks(&client).await.remove(&node1_block).expect("the block stays");
+        Ok(if block.spec.spares.is_empty() {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("spares {:?}", block.spec.spares))
+        })
+    })
+    .await
+    .expect("the leader clears a gone node's spares where a record stays");
+    let held = records(&client).await;
+    assert_eq!(held.get(&kept_ip).map(|r| r.pod.uid.clone()), Some(uid), "the live pod's record stays");
 }

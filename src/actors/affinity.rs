@@ -1,8 +1,9 @@
-//! Block affinities of nodes that are gone, released by the leader on the pool supervisor's
-//! timer: a block affine to a node the cluster no longer has is freed for any node to claim
-//! once it holds no record ([`crate::ipam::affinity::release`]), with the node's spares, once
-//! no pod reports one of them. Until then its records (a sticky reservation, a leak the GC has
-//! not reclaimed yet) keep it, and other nodes may only borrow from it.
+//! Block affinities and spares of nodes that are gone, released by the leader on the pool
+//! supervisor's timer ([`crate::ipam::affinity::release`]), once no pod reports one of the
+//! node's spares: the spares go at once, even from a block that keeps records; the block is
+//! freed for any node to claim once it holds no record. Until then its records (a sticky
+//! reservation, an IP another node's pod holds, a leak the GC has not reclaimed yet) keep it,
+//! and other nodes may only borrow from it.
 
 use kube::ResourceExt;
 
@@ -17,12 +18,14 @@ pub async fn reconcile(context: PoolContext) {
         index
             .blocks_by_name()
             .values()
-            .filter(|b| b.spec.allocations.is_empty())
             // A spare a pod still reports was bound by the node's agent just before the node
             // went (its record not written yet): the block waits for that pod to go.
             .filter(|b| b.spec.spares.iter().all(|ip| index.live_holder(ip).is_none()))
-            .filter_map(|b| Some((b.name_any(), b.spec.affinity.clone()?)))
-            .filter(|(_, node)| index.node(node) == NodeState::Deleted)
+            .filter_map(|b| {
+                let node = b.spec.affinity.as_deref()?;
+                let frees = index.node(node) == NodeState::Deleted && crate::ipam::affinity::releasable(&b.spec, node);
+                frees.then(|| (b.name_any(), node.to_string()))
+            })
             .collect()
     };
     for (block, node) in gone {
@@ -35,7 +38,7 @@ pub async fn reconcile(context: PoolContext) {
             .await;
         match released {
             Ok(CasOutcome::Written(())) => {
-                tracing::info!(%block, %node, "released the block's affinity to a node that is gone")
+                tracing::info!(%block, %node, "released what a node that is gone held in the block (its spares; its affinity once no record is left)")
             }
             Ok(_) => {}
             Err(e) => {

@@ -109,8 +109,9 @@ impl Core {
         let mut held = self.spares.held();
         let in_checkpoint = self.held_in_checkpoint();
         for block in &own {
-            let free =
-                spares::bindable(&block.spec).into_iter().find(|ip| !held.holds(ip) && !in_checkpoint.contains(ip));
+            let free = spares::bindable_in(&block.spec, &pool.layout)
+                .into_iter()
+                .find(|ip| !held.holds(ip) && !in_checkpoint.contains(ip));
             if let Some(ip) = free {
                 held.picked.insert(ip);
                 return Some(CheckpointIp {
@@ -358,8 +359,21 @@ impl Core {
         // Held first, then the checkpoint: a pick let go of after this is in the checkpoint.
         let mut held = self.spares.held();
         let in_checkpoint = self.held_in_checkpoint();
-        let ready: Vec<(String, IpAddr)> =
-            self.ready_spares(&own, &in_checkpoint).into_iter().filter(|(_, ip)| !held.holds(ip)).collect();
+        // Spares the pool's current layout no longer hands out go back whatever the target.
+        let stale: Vec<(String, IpAddr)> = own
+            .iter()
+            .flat_map(|b| spares::out_of_layout(&b.spec, &resolved.layout).into_iter().map(|ip| (b.name_any(), ip)))
+            .filter(|(_, ip)| !in_checkpoint.contains(ip) && !held.holds(ip))
+            .collect();
+        for (block, ip) in &stale {
+            held.withdrawn.insert(*ip, Withdrawn { block: block.clone(), busy: false });
+            plans.entry(block.clone()).or_default().tending.give_back.push(*ip);
+        }
+        let ready: Vec<(String, IpAddr)> = self
+            .ready_spares(&own, &resolved.layout, &in_checkpoint)
+            .into_iter()
+            .filter(|(_, ip)| !held.holds(ip))
+            .collect();
         if ready.len() > target {
             for (block, ip) in &ready[target..] {
                 held.withdrawn.insert(*ip, Withdrawn { block: block.clone(), busy: false });
@@ -422,10 +436,16 @@ impl Core {
         free
     }
 
-    /// The ready spares ((block, IP)) of `own` blocks: bindable, and in no checkpoint entry.
-    fn ready_spares(&self, own: &[IPBlock], in_checkpoint: &BTreeSet<IpAddr>) -> Vec<(String, IpAddr)> {
+    /// The ready spares ((block, IP)) of `own` blocks: bindable under the pool's current
+    /// `layout`, and in no checkpoint entry.
+    fn ready_spares(
+        &self,
+        own: &[IPBlock],
+        layout: &PoolLayout,
+        in_checkpoint: &BTreeSet<IpAddr>,
+    ) -> Vec<(String, IpAddr)> {
         own.iter()
-            .flat_map(|b| spares::bindable(&b.spec).into_iter().map(|ip| (b.name_any(), ip)))
+            .flat_map(|b| spares::bindable_in(&b.spec, layout).into_iter().map(|ip| (b.name_any(), ip)))
             .filter(|(_, ip)| !in_checkpoint.contains(ip))
             .collect()
     }
@@ -436,7 +456,8 @@ impl Core {
         self.metrics.spare_ips.clear();
         for pool in self.pools_to_tend() {
             let Some(resolved) = self.resolve_pool(&pool) else { continue };
-            let ready = self.ready_spares(&self.own_blocks_of(&pool, &resolved.layout), &in_checkpoint).len();
+            let own = self.own_blocks_of(&pool, &resolved.layout);
+            let ready = self.ready_spares(&own, &resolved.layout, &in_checkpoint).len();
             self.metrics
                 .spare_ips
                 .get_or_create(&super::metrics::PoolLabels { pool })

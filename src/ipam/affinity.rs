@@ -121,16 +121,25 @@ pub fn take_for(block: &mut IPBlockSpec, node: &str, how: Use) -> bool {
     }
 }
 
-/// Clears the affinity of `block` to `gone` (a node that no longer exists) if the block holds
-/// no record, with the spares `gone` held there (no pod of a node that is gone uses them): the
-/// block is free for any node to claim. Says whether it changed.
+/// Whether [`release`] would change `block` for `gone`: the block is affine to it and holds
+/// spares, or no record.
+pub fn releasable(block: &IPBlockSpec, gone: &str) -> bool {
+    block.affinity.as_deref() == Some(gone) && (!block.spares.is_empty() || block.allocations.is_empty())
+}
+
+/// Frees what `gone` (a node that no longer exists) holds in `block`: its spares, whatever
+/// records the block keeps (no sandbox of a node that is gone binds one any more; the caller
+/// waits while a pod reports one), and its affinity once the block holds no record, so any
+/// node may claim the block. Says whether it changed.
 pub fn release(block: &mut IPBlockSpec, gone: &str) -> bool {
-    let releasable = block.affinity.as_deref() == Some(gone) && block.allocations.is_empty();
-    if releasable {
-        block.affinity = None;
-        block.spares.clear();
+    if !releasable(block, gone) {
+        return false;
     }
-    releasable
+    block.spares.clear();
+    if block.allocations.is_empty() {
+        block.affinity = None;
+    }
+    true
 }
 
 /// A stable hash of the node name, so each node starts borrowing, and looking for blocks not
@@ -287,7 +296,7 @@ mod test {
     }
 
     #[test]
-    fn only_an_empty_block_of_the_gone_node_is_released() {
+    fn a_gone_nodes_spares_always_go_and_its_affinity_once_the_block_holds_no_record() {
         let mut empty = IPBlockSpec { affinity: Some("gone".into()), ..IPBlockSpec::default() };
         assert!(!release(&mut empty, "other"));
         assert!(release(&mut empty, "gone"));
@@ -298,8 +307,13 @@ mod test {
         assert!(spares_only.affinity.is_none() && spares_only.spares.is_empty());
         let mut held = IPBlockSpec { affinity: Some("gone".into()), ..IPBlockSpec::default() };
         held.allocations.insert("10.0.0.1".into(), serde_json::from_value(record()).unwrap());
-        assert!(!release(&mut held, "gone"));
+        assert!(!releasable(&held, "gone") && !release(&mut held, "gone"), "a record and no spare: nothing to free");
         assert_eq!(held.affinity.as_deref(), Some("gone"));
+        held.spares.insert("10.0.0.2".into());
+        assert!(!releasable(&held, "other") && !release(&mut held, "other"));
+        assert!(release(&mut held, "gone"), "the spares go where a record stays");
+        assert!(held.spares.is_empty() && held.allocations.len() == 1);
+        assert_eq!(held.affinity.as_deref(), Some("gone"), "the record keeps the block the gone node's");
     }
 
     fn record() -> serde_json::Value {

@@ -38,6 +38,19 @@ pub fn bindable(spec: &IPBlockSpec) -> Vec<IpAddr> {
     ips
 }
 
+/// The bindable spares of the block ([`bindable`]) that the pool's current `layout` still hands
+/// out, in address order: the ones an ADD may bind. A spare the layout no longer allows (its pool
+/// edited since: `exclude`, `gateway` or `ranges`) is never bound, and is given back.
+pub fn bindable_in(spec: &IPBlockSpec, layout: &PoolLayout) -> Vec<IpAddr> {
+    bindable(spec).into_iter().filter(|ip| layout.is_allocatable(*ip)).collect()
+}
+
+/// The bindable spares of the block that the pool's current `layout` no longer hands out: given
+/// back whatever the node's target.
+pub fn out_of_layout(spec: &IPBlockSpec, layout: &PoolLayout) -> Vec<IpAddr> {
+    bindable(spec).into_iter().filter(|ip| !layout.is_allocatable(*ip)).collect()
+}
+
 /// Adds up to `count` IPs of block `net` (of the pool laid out as `layout`) to its spares:
 /// ready ones (no record, not a spare, past their cooldown, not in `exclude`: the IPs the
 /// node's checkpoint holds), chosen as an allocation would choose them. Returns those added.
@@ -293,6 +306,18 @@ mod test {
         assert_eq!(more, vec![ip("10.0.0.4")]);
         let (taken, _) = blocks::usage(&spec);
         assert!(added.iter().all(|ip| taken.contains(ip)));
+    }
+
+    #[test]
+    fn a_spare_the_pools_layout_no_longer_allows_is_not_bindable_and_goes_back() {
+        let mut spec = spec();
+        spec.spares = ["10.0.0.4", "10.0.0.5", "10.0.0.6"].map(String::from).into();
+        // The pool's layout after an edit: 10.0.0.5 excluded, 10.0.0.6 the gateway.
+        let edited = PoolLayout::new("10.0.0.0/24", &[], &["10.0.0.5"], Some("10.0.0.6"), None).unwrap();
+        assert_eq!(bindable_in(&spec, &edited), vec![ip("10.0.0.4")]);
+        assert_eq!(out_of_layout(&spec, &edited), vec![ip("10.0.0.5"), ip("10.0.0.6")]);
+        assert_eq!(bindable_in(&spec, &layout()), vec![ip("10.0.0.4"), ip("10.0.0.5"), ip("10.0.0.6")]);
+        assert!(out_of_layout(&spec, &layout()).is_empty());
     }
 
     #[test]
