@@ -350,3 +350,55 @@ async fn a_gone_nodes_spares_are_cleared_also_in_a_block_that_still_holds_a_reco
     let held = records(&client).await;
     assert_eq!(held.get(&kept_ip).map(|r| r.pod.uid.clone()), Some(uid), "the live pod's record stays");
 }
+
+/// Creates pod `name` on `node` asking for `ip` as its fixed IP.
+async fn create_fixed_pod(client: &kube::Client, name: &str, node: &str, ip: &str) {
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": NS, "labels": {"app": name}, "annotations": {"ipwarden.io/ips": ip}},
+        "spec": {"nodeName": node, "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "app", "image": "registry.invalid/ipwarden-test/app:1"}]},
+    }))
+    .expect("pod");
+    Api::<Pod>::namespaced(client.clone(), NS).create(&PostParams::default(), &pod).await.expect("create fixed pod");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_used_for_fixed_ips_keeps_no_spares_so_another_nodes_pod_gets_the_fixed_ip_it_asks_for() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pools = [
+        ("default", json!({"cidr": "10.98.0.0/24", "blockSize": 26, "default": true})),
+        ("pinned", json!({"cidr": "10.99.0.0/24", "blockSize": 26})),
+    ];
+    let spares_flag = format!("--spare-ips={SPARES}");
+    let ipwarden = Ipwarden::start(2, &pools, &[spares_flag.as_str()]).await;
+    let client = ipwarden.client();
+    wait_spares(&client, "node-0", SPARES).await;
+
+    // A fixed IP of the non-default pool: node-0 claims that pool's block 10.99.0.0/26.
+    create_fixed_pod(&client, "pinned-a", "node-0", "10.99.0.10").await;
+    wait_pods_with_ips(&client, NS, "app=pinned-a", 1).await;
+    // A stateless pod binds a spare and wakes the tending: once the default pool's spares are
+    // back, a pass ran that knew node-0's block of the pinned pool.
+    create_pods(&client, "tick", "node-0", 1, "tick").await;
+    let tick = ip_of(&wait_pods_with_ips(&client, NS, "app=tick", 1).await["tick-0"]);
+    wait::until("node-0's default spares refilled after the tick", TIMEOUT, || async {
+        let spares = spares_of(&client, "node-0").await;
+        let recorded = records(&client).await;
+        let ready = spares.iter().filter(|(ip, b)| b.starts_with("default-") && !recorded.contains_key(*ip)).count();
+        Ok(if ready == SPARES && !spares.contains_key(&tick) {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("{spares:?}"))
+        })
+    })
+    .await
+    .expect("the tending ran");
+    let pinned_spares: Vec<String> =
+        spares_of(&client, "node-0").await.into_iter().filter(|(_, b)| b.starts_with("pinned-")).map(|(ip, _)| ip).collect();
+    assert!(pinned_spares.is_empty(), "no spares in a pool stateless pods do not take: {pinned_spares:?}");
+
+    // Another workload's fixed IP in the same block, the lowest free address, on node-1.
+    create_fixed_pod(&client, "pinned-b", "node-1", "10.99.0.1").await;
+    let b = wait_pods_with_ips(&client, NS, "app=pinned-b", 1).await;
+    assert_eq!(ip_of(&b["pinned-b"]), "10.99.0.1");
+}

@@ -30,7 +30,7 @@ use super::core::{Core, ResolvedPool};
 use super::error::Error;
 use crate::crd::{Allocation, IPBlock};
 use crate::ipam::affinity::{self, Candidate, KnownBlock, Use};
-use crate::ipam::{PoolLayout, blocks, pools, spares};
+use crate::ipam::{PoolLayout, blocks, spares};
 
 /// How often the spares are tended when no ADD wakes them: records that failed are written,
 /// withdrawn spares settled, and pools that changed (deleted, disabled, full) get theirs back.
@@ -319,29 +319,21 @@ impl Core {
         (still, gone.into_iter().map(|(ip, _)| ip).collect())
     }
 
-    /// The pools whose spares this node tends: those with a block affine to it (the pools it
-    /// allocated from) and, with `--spare-ips` above 0, the default pools that select its node
-    /// (where its first pods go, so even the first burst finds spares); with `--spare-ips 0`,
-    /// only those where it still holds spares (from an earlier run), to give them back.
+    /// The pools whose spares this node tends: with `--spare-ips` above 0, those it keeps
+    /// spares in ([`spares::kept_in`]: where its stateless pods go, so even its first burst finds
+    /// spares), and every pool where it still holds spares (from an earlier run, or a pool that
+    /// no longer keeps them), to give them back.
     fn pools_to_tend(&self) -> BTreeSet<String> {
         let node = self.settings.node.as_str();
         let mut tended: BTreeSet<String> = self
             .known_blocks()
             .iter()
-            .filter(|b| b.spec.affinity.as_deref() == Some(node))
-            .filter(|b| self.spares.wanted > 0 || !b.spec.spares.is_empty())
+            .filter(|b| b.spec.affinity.as_deref() == Some(node) && !b.spec.spares.is_empty())
             .map(|b| b.spec.pool.clone())
             .collect();
         if self.spares.wanted > 0 {
             let labels = self.node_labels_cached();
-            tended.extend(
-                self.pools
-                    .state()
-                    .iter()
-                    .filter(|p| p.spec.default && p.metadata.deletion_timestamp.is_none() && !p.spec.disabled)
-                    .filter(|p| pools::selector_matches(p.spec.node_selector.as_ref(), &labels))
-                    .map(|p| p.name_any()),
-            );
+            tended.extend(self.pools.state().iter().filter(|p| spares::kept_in(p, &labels)).map(|p| p.name_any()));
         }
         tended
     }
@@ -353,7 +345,7 @@ impl Core {
         let Some(resolved) = self.resolve_pool(pool) else { return };
         let own = self.own_blocks_of(pool, &resolved.layout);
         let free = self.free_blocks(pool, &resolved.layout);
-        let usable = !resolved.deleting && self.pool_usable_here(pool);
+        let usable = self.keeps_spares_in(pool);
         // Spares never take the pool's last free block: that one goes to a node's first pod.
         let target = if usable { spares::target(self.spares.wanted, !free.is_empty()) } else { 0 };
         // Held first, then the checkpoint: a pick let go of after this is in the checkpoint.
@@ -465,13 +457,10 @@ impl Core {
         }
     }
 
-    /// Whether the cached pool `pool` hands out IPs on this node: not disabled, and its
-    /// nodeSelector (if any) selects the node.
-    fn pool_usable_here(&self, pool: &str) -> bool {
+    /// Whether this node keeps spares in the cached pool `pool` ([`spares::kept_in`]).
+    fn keeps_spares_in(&self, pool: &str) -> bool {
         let labels = self.node_labels_cached();
-        self.pools.state().iter().any(|p| {
-            p.name_any() == pool && !p.spec.disabled && pools::selector_matches(p.spec.node_selector.as_ref(), &labels)
-        })
+        self.pools.state().iter().any(|p| p.name_any() == pool && spares::kept_in(p, &labels))
     }
 
     /// This node's labels, as the node cache has them.

@@ -16,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use super::affinity::{self, Use};
 use super::choose::{BlockUsage, choose_ip};
 use super::{PoolLayout, blocks};
-use crate::crd::{Allocation, IPBlockSpec};
+use crate::crd::{Allocation, IPBlockSpec, IPPool};
 
 /// Whether `ip` is a spare of the block that no record holds: one its node's agent may bind.
 pub fn is_bindable(spec: &IPBlockSpec, ip: &str) -> bool {
@@ -36,6 +36,25 @@ pub fn bindable(spec: &IPBlockSpec) -> Vec<IpAddr> {
         spec.spares.iter().filter(|ip| !spec.allocations.contains_key(*ip)).filter_map(|ip| ip.parse().ok()).collect();
     ips.sort();
     ips
+}
+
+/// Whether a node labelled `node_labels` keeps spares in `pool`: only in the pools a stateless
+/// pod's first interface takes there without naming one (default, not disabled nor being
+/// deleted, selecting the node, not `Overlapping`), since only such ADDs bind spares. A pool
+/// the node allocated from for fixed or list IPs, or for a secondary network, keeps none: its
+/// spares would be the lowest free addresses, other workloads' fixed IPs, which other nodes
+/// could then never take (issue 26, F4).
+pub fn kept_in(pool: &IPPool, node_labels: &BTreeMap<String, String>) -> bool {
+    let overlapping = pool
+        .status
+        .iter()
+        .flat_map(|s| &s.conditions)
+        .any(|c| c.type_ == super::pools::OVERLAPPING_CONDITION && c.status == "True");
+    pool.spec.default
+        && !pool.spec.disabled
+        && pool.metadata.deletion_timestamp.is_none()
+        && !overlapping
+        && super::pools::selector_matches(pool.spec.node_selector.as_ref(), node_labels)
 }
 
 /// The bindable spares of the block ([`bindable`]) that the pool's current `layout` still hands
@@ -318,6 +337,36 @@ mod test {
         assert_eq!(out_of_layout(&spec, &edited), vec![ip("10.0.0.5"), ip("10.0.0.6")]);
         assert_eq!(bindable_in(&spec, &layout()), vec![ip("10.0.0.4"), ip("10.0.0.5"), ip("10.0.0.6")]);
         assert!(out_of_layout(&spec, &layout()).is_empty());
+    }
+
+    #[test]
+    fn spares_are_kept_only_in_the_default_pools_a_stateless_pod_of_the_node_takes() {
+        let pool = |extra: serde_json::Value| -> IPPool {
+            let mut object = serde_json::json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPPool",
+                "metadata": {"name": "p"}, "spec": {"cidr": "10.0.0.0/24", "default": true}});
+            for (key, value) in extra.as_object().into_iter().flatten() {
+                match key.as_str() {
+                    "metadata" | "status" => object[key] = value.clone(),
+                    _ => object["spec"][key] = value.clone(),
+                }
+            }
+            serde_json::from_value(object).unwrap()
+        };
+        let labels = BTreeMap::from([("zone".to_string(), "a".to_string())]);
+        let overlapping = serde_json::json!({"conditions": [{"type": "Overlapping", "status": "True",
+            "reason": "CidrOverlap", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
+        let cases = [
+            (serde_json::json!({}), true),
+            (serde_json::json!({"default": false}), false),
+            (serde_json::json!({"disabled": true}), false),
+            (serde_json::json!({"metadata": {"name": "p", "deletionTimestamp": "2026-01-01T00:00:00Z"}}), false),
+            (serde_json::json!({"status": overlapping}), false),
+            (serde_json::json!({"nodeSelector": {"matchLabels": {"zone": "b"}}}), false),
+            (serde_json::json!({"nodeSelector": {"matchLabels": {"zone": "a"}}}), true),
+        ];
+        for (extra, kept) in cases {
+            assert_eq!(kept_in(&pool(extra.clone()), &labels), kept, "{extra}");
+        }
     }
 
     #[test]
