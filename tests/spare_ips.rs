@@ -402,3 +402,34 @@ async fn a_pool_used_for_fixed_ips_keeps_no_spares_so_another_nodes_pod_gets_the
     let b = wait_pods_with_ips(&client, NS, "app=pinned-b", 1).await;
     assert_eq!(ip_of(&b["pinned-b"]), "10.99.0.1");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spares_of_a_block_whose_pool_vanished_go_back_so_a_new_pool_over_it_serves() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pool = json!({"cidr": "10.93.0.0/24", "blockSize": 26, "default": true});
+    let spares_flag = format!("--spare-ips={SPARES}");
+    // No controller: nothing puts the pool's finalizer on, so its deletion is immediate (as
+    // for a pool deleted while no controller leads, or with its finalizer removed by hand).
+    let ipwarden = Ipwarden::start(1, &[("old", pool)], &[spares_flag.as_str()]).await;
+    let client = ipwarden.client();
+    let spares = wait_spares(&client, "node-0", SPARES).await;
+    let orphan = spares.values().next().expect("a block").clone();
+    Api::<IPPool>::all(client.clone()).delete("old", &DeleteParams::default()).await.expect("delete the pool");
+    e2e::ipwarden::create_pool(&client, "new", json!({"cidr": "10.93.0.0/24", "blockSize": 26, "default": true}))
+        .await
+        .expect("a new pool over the same CIDR");
+
+    wait::until("the orphaned block's spares given back", TIMEOUT, || async {
+        let block = blocks(&client).await.remove(&orphan);
+        Ok(match block {
+            Some(b) if !b.spec.spares.is_empty() => Probe::Pending(format!("spares {:?}", b.spec.spares)),
+            _ => Probe::Done(()),
+        })
+    })
+    .await
+    .expect("the node gives back the spares no pool keeps");
+    create_pods(&client, "fresh", "node-0", 1, "fresh").await;
+    let fresh = wait_pods_with_ips(&client, NS, "app=fresh", 1).await;
+    let ip: std::net::IpAddr = ip_of(&fresh["fresh-0"]).parse().expect("an IP");
+    assert!("10.93.0.0/24".parse::<ipnet::IpNet>().expect("cidr").contains(&ip), "{ip} from the new pool");
+}

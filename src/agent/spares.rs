@@ -30,7 +30,7 @@ use super::core::{Core, ResolvedPool};
 use super::error::Error;
 use crate::crd::{Allocation, IPBlock};
 use crate::ipam::affinity::{self, Candidate, KnownBlock, Use};
-use crate::ipam::{PoolLayout, blocks, spares};
+use crate::ipam::{PoolLayout, blocks, pools, spares};
 
 /// How often the spares are tended when no ADD wakes them: records that failed are written,
 /// withdrawn spares settled, and pools that changed (deleted, disabled, full) get theirs back.
@@ -244,6 +244,7 @@ impl Core {
             for pool in self.pools_to_tend() {
                 self.plan_pool(&pool, &mut plans);
             }
+            self.plan_orphaned(&mut plans);
         }
         let in_checkpoint = self.held_in_checkpoint();
         let cooldown = self.settings.cooldown;
@@ -402,6 +403,40 @@ impl Core {
             let planned = plans.entry(free.name).or_default();
             planned.tending.reserve = Some(reserve);
             planned.create = Some((pool.to_string(), free.net));
+        }
+    }
+
+    /// Plans giving back every ready spare of this node's orphaned blocks (their pool is gone,
+    /// or laid out anew so it no longer has them: [`pools::block_is_retired`] of a pool not being
+    /// deleted): no pool's tending reaches them, and an orphan holding spares would stay, keeping
+    /// every pool over its CIDR `Overlapping` (issue 26, F1). A spare a checkpoint entry holds
+    /// (a pod bound it before the pool went) stays until that pod's DEL releases it.
+    fn plan_orphaned(&self, plans: &mut BTreeMap<String, Planned>) {
+        let node = self.settings.node.as_str();
+        let orphaned: Vec<Arc<IPBlock>> = self
+            .known_blocks()
+            .into_iter()
+            .filter(|b| b.spec.affinity.as_deref() == Some(node) && !b.spec.spares.is_empty())
+            .filter(|b| {
+                let pool = self.pools.get(&ObjectRef::new(&b.spec.pool));
+                pools::block_is_retired(pool.as_deref().map(|p| (&p.spec, false)), &b.spec.cidr)
+            })
+            .collect();
+        if orphaned.is_empty() {
+            return;
+        }
+        // Held first, then the checkpoint: a pick let go of after this is in the checkpoint.
+        let mut held = self.spares.held();
+        let in_checkpoint = self.held_in_checkpoint();
+        for block in orphaned {
+            let name = block.name_any();
+            for ip in spares::bindable(&block.spec) {
+                if in_checkpoint.contains(&ip) || held.holds(&ip) {
+                    continue;
+                }
+                held.withdrawn.insert(ip, Withdrawn { block: name.clone(), busy: false });
+                plans.entry(name.clone()).or_default().tending.give_back.push(ip);
+            }
         }
     }
 
