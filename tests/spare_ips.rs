@@ -393,8 +393,12 @@ async fn a_pool_used_for_fixed_ips_keeps_no_spares_so_another_nodes_pod_gets_the
     })
     .await
     .expect("the tending ran");
-    let pinned_spares: Vec<String> =
-        spares_of(&client, "node-0").await.into_iter().filter(|(_, b)| b.starts_with("pinned-")).map(|(ip, _)| ip).collect();
+    let pinned_spares: Vec<String> = spares_of(&client, "node-0")
+        .await
+        .into_iter()
+        .filter(|(_, b)| b.starts_with("pinned-"))
+        .map(|(ip, _)| ip)
+        .collect();
     assert!(pinned_spares.is_empty(), "no spares in a pool stateless pods do not take: {pinned_spares:?}");
 
     // Another workload's fixed IP in the same block, the lowest free address, on node-1.
