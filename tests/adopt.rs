@@ -129,9 +129,11 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
         create_pod(&client, NS, &format!("new-{index}"), &format!("node-{}", index % 2), json!({"app": "new"})).await;
     }
     let new_pods = wait_pods_with_ips(&client, NS, "app=new", 10).await;
-    // Each agent ran, its block cache empty, when adopt created its node's block: its ADDs
-    // take that block (no fresh one claimed), and their writes keep adopt's records (a
-    // stale cached copy costs a 409 and a retry, never a record).
+    // Each agent ran, its block cache empty, when adopt created its node's block: the blocks
+    // adopt made stay affine to their nodes, each new pod's IP comes from a block of its own
+    // node (adopt's, once the agent's watch has shown it; a fresh claim when the watch lags
+    // under load), and the ADDs' writes keep adopt's records (a stale cached copy costs a 409
+    // and a retry, never a record).
     let blocks = Api::<IPBlock>::all(client.clone()).list(&Default::default()).await.expect("list blocks").items;
     let affinities: BTreeMap<String, Option<String>> =
         blocks.iter().map(|b| (b.name_any(), b.spec.affinity.clone())).collect();
@@ -141,7 +143,18 @@ async fn host_local_pods_are_adopted_without_restart_and_ipwarden_never_hands_th
         .flatten()
         .map(|a| (a["block"].as_str().unwrap_or_default().to_string(), a["node"].as_str().map(String::from)))
         .collect();
-    assert_eq!(affinities, adopted_blocks, "the new pods' IPs come from the blocks adopt made, affine to their nodes");
+    for (block, node) in &adopted_blocks {
+        assert_eq!(affinities.get(block), Some(node), "adopt's block {block} stays affine to its node");
+    }
+    for pod in new_pods.values() {
+        let ip = ip_of(pod);
+        let block = blocks.iter().find(|b| b.spec.allocations.contains_key(&ip)).expect("the new pod's block");
+        assert_eq!(
+            block.spec.affinity,
+            pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+            "{ip} from its node's block"
+        );
+    }
     let churned = records(&client).await;
     for (ip, uid) in &old_ips {
         assert_eq!(churned.get(ip).map(|r| &r.pod.uid), Some(uid), "{ip}'s adopted record outlives the churn");
@@ -323,4 +336,37 @@ async fn adopt_takes_over_the_stale_claim_of_an_older_pod_of_the_same_name_and_s
     // A later run finds the claim as it would write it.
     let (ok, again) = adopt(&ipwarden, true, &[]);
     assert!(ok && action(&again).starts_with("unchanged"), "{again:#}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ip_that_is_a_nodes_spare_is_adopted_and_no_new_pod_gets_it() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pool = json!({"cidr": "10.94.0.0/24", "blockSize": 26, "default": true});
+    let ipwarden = Ipwarden::start(1, &[("pool", pool)], &["--spare-ips=4"]).await;
+    let client = ipwarden.client();
+    let spares = wait::until("node-0's spares", TIMEOUT, || async {
+        let blocks = Api::<IPBlock>::all(client.clone()).list(&Default::default()).await.expect("list blocks").items;
+        let spares: BTreeSet<String> = blocks.into_iter().flat_map(|b| b.spec.spares).collect();
+        Ok(if spares.len() == 4 { Probe::Done(spares) } else { Probe::Pending(format!("{spares:?}")) })
+    })
+    .await
+    .expect("spares reserved");
+    // A pod of the old IPAM reports one of them (it got the address before ipwarden ran).
+    let taken = spares.iter().next().expect("a spare").clone();
+    ghost_pod(&ipwarden, "old-ipam", &taken).await;
+
+    let (ok, report) = adopt(&ipwarden, false, &[]);
+    assert!(ok, "adopt records the IP: {report:#}");
+    assert_eq!(ips(&report, "adopt"), std::slice::from_ref(&taken), "{report:#}");
+    let recorded = records(&client).await;
+    let uid = Api::<Pod>::namespaced(client.clone(), NS).get("old-ipam").await.expect("pod").uid();
+    assert_eq!(recorded.get(&taken).map(|r| r.pod.uid.clone()), uid, "{taken} recorded for the old IPAM's pod");
+    let blocks = Api::<IPBlock>::all(client.clone()).list(&Default::default()).await.expect("list blocks").items;
+    assert!(blocks.iter().all(|b| !b.spec.spares.contains(&taken)), "{taken} is no spare any more");
+
+    for index in 0..6 {
+        create_pod(&client, NS, &format!("new-{index}"), "node-0", json!({"app": "new"})).await;
+    }
+    let new = wait_pods_with_ips(&client, NS, "app=new", 6).await;
+    assert!(new.values().all(|p| ip_of(p) != taken), "no new pod got the adopted {taken}");
 }

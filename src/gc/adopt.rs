@@ -199,9 +199,15 @@ pub fn by_block<'a>(adoptions: impl IntoIterator<Item = &'a Adoption>) -> BTreeM
 }
 
 /// Writes `adoptions` (all of one block) into `spec` as repaired records of `network`
-/// ([`blocks::adopted_record`]), each only while its IP is still free there (no record, no
-/// node's spare); gives the block
+/// ([`blocks::adopted_record`]), each only while no record holds its IP there; gives the block
 /// the first adopter's node as affinity when it has none. Returns the IPs written.
+///
+/// An IP that is a node's spare is adopted too, and leaves the spares: the pod of the old IPAM
+/// reporting it holds it, so no ADD may bind it (issue 26, F5: skipping it left the spare to be
+/// handed to a new pod while the old one still used it). Should the spare's agent have bound it
+/// to a pod that has not posted its IP yet, that pod and the adopted one share the IP whatever
+/// adopt does; the agent's record write then finds the adopted record and says so (an error
+/// line, and `ipwarden check` reports the conflict) instead of overwriting it.
 pub fn apply(
     spec: &mut crate::crd::IPBlockSpec,
     adoptions: &[&Adoption],
@@ -211,11 +217,10 @@ pub fn apply(
     let mut written = Vec::new();
     for adoption in adoptions {
         let Ok(ip) = adoption.ip.parse::<IpAddr>() else { continue };
-        // A node's spare may be bound to a pod whose record is about to be written: its agent
-        // writes that record, nobody else.
-        if spec.allocations.contains_key(&adoption.ip) || crate::ipam::spares::is_bindable(spec, &adoption.ip) {
+        if spec.allocations.contains_key(&adoption.ip) {
             continue;
         }
+        spec.spares.remove(&adoption.ip);
         blocks::allocate(spec, ip, blocks::adopted_record(&adoption.adopter, network, now));
         if spec.affinity.is_none() {
             spec.affinity = Some(adoption.node.clone());
@@ -719,5 +724,18 @@ mod test {
         spec.allocations.remove("10.9.0.7");
         apply(&mut spec, &all, "pods", now);
         assert_eq!(spec.affinity.as_deref(), Some("node-1"), "a block another node holds keeps its affinity");
+    }
+
+    #[test]
+    fn an_ip_that_is_a_nodes_spare_is_adopted_and_leaves_the_spares() {
+        let plan = plan(&[pod("a", "ua", &["10.9.0.7"])], &pools(), &[], &[]);
+        let mut spec = IPBlockSpec { pool: "v4".into(), cidr: "10.9.0.0/24".into(), ..IPBlockSpec::default() };
+        spec.affinity = Some("node-1".into());
+        spec.spares = ["10.9.0.7", "10.9.0.9"].map(String::from).into();
+        let all: Vec<&Adoption> = plan.adopt.iter().collect();
+        assert_eq!(apply(&mut spec, &all, "pods", Timestamp::UNIX_EPOCH), ["10.9.0.7"]);
+        assert!(blocks::adopted_by(&spec.allocations["10.9.0.7"], Some("ua")));
+        assert_eq!(spec.spares, ["10.9.0.9".to_string()].into(), "only the adopted IP left the spares");
+        assert!(crate::ipam::spares::bindable(&spec).iter().all(|ip| ip.to_string() != "10.9.0.7"));
     }
 }
