@@ -56,7 +56,7 @@ struct Held {
     /// no spares any more.
     withdrawn: BTreeMap<IpAddr, Withdrawn>,
     /// Bound spares found lost (neither a spare nor their pod's record, or another pod's
-    /// record), reported once.
+    /// record), reported once; forgotten once no checkpoint entry binds them any more.
     lost: BTreeSet<IpAddr>,
 }
 
@@ -223,6 +223,8 @@ impl Core {
                 .flat_map(|(e, record)| e.ips.iter().map(move |i| (i.block.clone(), i.ip.clone(), (**record).clone())))
                 .collect()
         });
+        let still_bound: BTreeSet<IpAddr> = bound.iter().filter_map(|(_, ip, _)| ip.parse().ok()).collect();
+        self.spares.held().lost.retain(|ip| still_bound.contains(ip));
         let mut copies: BTreeMap<String, Option<IPBlock>> = BTreeMap::new();
         for (block, ip, record) in bound {
             let copy = copies.entry(block.clone()).or_insert_with(|| self.newest_block(&block));
