@@ -57,8 +57,10 @@ pub fn checkpoint_path(node_dir: &Path) -> PathBuf {
 /// `checkpoint.tmp` beside the file and renaming it into place, so a FIFO at that path makes
 /// the save block in open(2) (no reader) with its records already written. A test stages "the
 /// agent crashed between its block write and its checkpoint save" with it, then kills the
-/// agent, instead of racing a kill against the agent's writes. The FIFO is removed on drop,
-/// so the next agent saves normally.
+/// agent, instead of racing a kill against the agent's writes. Kill the agent before dropping
+/// the hold: the FIFO is removed on drop, so the next agent saves normally, but a save already
+/// blocked on it stays blocked in the running agent. Start the hold while the agent saves
+/// nothing (no ADD or DEL under way on the node), so no save in flight meets the FIFO half made.
 #[derive(Debug)]
 pub struct CheckpointHold {
     fifo: PathBuf,

@@ -1,6 +1,8 @@
 //! Block affinities and spares of nodes that are gone, released by the leader on the pool
-//! supervisor's timer ([`crate::ipam::affinity::release`]), once no pod reports one of the
-//! node's spares: the spares go at once, even from a block that keeps records; the block is
+//! supervisor's timer ([`crate::ipam::affinity::release`]), once the node has been gone for an
+//! agent Lease duration (an agent still running on a Node deleted by hand has failed a Lease
+//! renewal and stopped by then) and no pod reports one of its spares: the spares go at once,
+//! even from a block that keeps records; the block is
 //! freed for any node to claim once it holds no record. Until then its records (a sticky
 //! reservation, an IP another node's pod holds, a leak the GC has not reclaimed yet) keep it,
 //! and other nodes may only borrow from it.
@@ -9,23 +11,30 @@ use kube::ResourceExt;
 
 use super::pool::PoolContext;
 use crate::block_store::CasOutcome;
-use crate::gc::rules::NodeState;
 
 /// One pass over the indexed blocks; does nothing unless this replica leads.
 pub async fn reconcile(context: PoolContext) {
+    let now = std::time::Instant::now();
     let gone: Vec<(String, String)> = {
         let index = context.index.read();
+        // A node gone for less than an agent Lease may still run its agent (a Node deleted by
+        // hand): until that agent has failed a Lease renewal and stopped, it may bind a spare
+        // whose pod has not posted its IP yet.
+        let grace = index.default_agent_lease();
         index
             .blocks_by_name()
             .values()
-            // A spare a pod still reports was bound by the node's agent just before the node
-            // went (its record not written yet): the block waits for that pod to go.
-            .filter(|b| b.spec.spares.iter().all(|ip| index.live_holder(ip).is_none()))
             .filter_map(|b| {
                 let node = b.spec.affinity.as_deref()?;
-                let frees = index.node(node) == NodeState::Deleted && crate::ipam::affinity::releasable(&b.spec, node);
-                frees.then(|| (b.name_any(), node.to_string()))
+                let gone_long = index.node_gone_for(node, now).is_some_and(|gone| gone >= grace);
+                (gone_long && crate::ipam::affinity::releasable(&b.spec, node)).then_some((b, node))
             })
+            // A spare a pod still reports was bound by the node's agent just before the node
+            // went (its record not written yet): the block waits for that pod to go.
+            .filter(|(b, _)| {
+                crate::ipam::spares::bindable(&b.spec).iter().all(|ip| index.live_holder(&ip.to_string()).is_none())
+            })
+            .map(|(b, node)| (b.name_any(), node.to_string()))
             .collect()
     };
     for (block, node) in gone {
@@ -42,7 +51,7 @@ pub async fn reconcile(context: PoolContext) {
             }
             Ok(_) => {}
             Err(e) => {
-                tracing::warn!(%block, %node, error = %e, "releasing a block's affinity failed; retrying on the next pass")
+                tracing::warn!(%block, %node, error = %e, "releasing what a node that is gone held in the block failed; retrying on the next pass")
             }
         }
     }

@@ -17,6 +17,9 @@ use crate::gc::events::{EventNames, EventSource, RecordEvent, event_name};
 /// the next line (and in `ipwarden_gc_event_failures_total`).
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
+/// The longest `reportingInstance` the apiserver takes.
+const REPORTING_INSTANCE_LIMIT: usize = 128;
+
 /// Writes release and repair Events as this controller replica.
 #[derive(Clone)]
 pub struct EventWriter {
@@ -28,11 +31,13 @@ pub struct EventWriter {
 }
 
 impl EventWriter {
-    /// A writer reporting as `controller`, instance `instance`; failures counted in `failures`.
+    /// A writer reporting as `controller`, instance `instance` (cut to the apiserver's 128
+    /// characters: a pod name may be longer); failures counted in `failures`.
     pub fn new(client: Client, controller: &str, instance: &str, failures: Counter) -> Self {
+        let instance: String = instance.chars().take(REPORTING_INSTANCE_LIMIT).collect();
         Self {
             client,
-            source: EventSource { controller: controller.into(), instance: instance.into() },
+            source: EventSource { controller: controller.into(), instance },
             names: Arc::default(),
             warnings: Arc::new(WarnLimit::new(WARN_EVERY)),
             failures,

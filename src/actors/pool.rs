@@ -439,15 +439,19 @@ async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outco
                     tracing::warn!(claim = %change.claim, error = %e, "deleting the claim failed; the janitor will retry");
                 }
             }
-            let event = record_event(context, pool, change, &change.pod, &change.node, reason.label(), pending.trigger);
-            context.events.write(&RecordEvent { kind: RecordEventKind::Released, ..event }).await;
+            let event =
+                record_event(context, pool, change, (&change.pod, &change.node), reason.label(), pending.trigger);
+            context.events.write(&event(RecordEventKind::Released)).await;
             tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), uid = %change.pod.uid, node = %change.node, reason = reason.label(), trigger = pending.trigger.label(), "released");
         }
         (ChangeOutcome::Repaired, ChangeAction::Repair { adopter }) => {
+            let pod = &adopter.pod;
             metrics.repairs.get_or_create(&FailureLabels { pool: pool.to_string() }).inc();
-            let event = record_event(context, pool, change, &adopter.pod, &adopter.node, REPAIR_RULE, pending.trigger);
+            let event =
+                record_event(context, pool, change, (&adopter.pod, &adopter.node), REPAIR_RULE, pending.trigger);
             let kind = RecordEventKind::Repaired { former: change.pod.clone(), former_node: change.node.clone() };
-            context.events.write(&RecordEvent { kind, ..event }).await;
+            context.events.write(&event(kind)).await;
+            tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", pod.namespace, pod.name), uid = %pod.uid, node = %adopter.node, former = %format!("{}/{}", change.pod.namespace, change.pod.name), former_uid = %change.pod.uid, trigger = pending.trigger.label(), "repaired");
         }
         (ChangeOutcome::Marked, ChangeAction::Release { reason, .. }) => {
             metrics.handshake(pool, "marked");
@@ -473,28 +477,20 @@ async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outco
 /// The rule label of a repair's Event (gc-rules.md, row 11: the IP is in another pod's `podIPs`).
 const REPAIR_RULE: &str = "repair";
 
-/// The Event of `change` regarding `pod` on `node` (the released record's pod, or the pod a
-/// repair moved the record to); the caller sets what happened.
+/// The Event of `change` regarding `(pod, node)` (the released record's pod, or the pod a
+/// repair moved the record to), for the kind of change the caller passes.
 fn record_event(
     context: &PoolContext,
     pool: &str,
     change: &RecordChange,
-    pod: &crate::crd::PodRef,
-    node: &str,
+    (pod, node): (&crate::crd::PodRef, &str),
     rule: &str,
     trigger: Trigger,
-) -> RecordEvent {
+) -> impl FnOnce(RecordEventKind) -> RecordEvent {
     let pool_uid = context.index.read().pool(pool).and_then(|p| p.metadata.uid.clone());
-    RecordEvent {
-        ip: change.ip.clone(),
-        pool: pool.to_string(),
-        pool_uid,
-        pod: pod.clone(),
-        node: node.to_string(),
-        rule: rule.to_string(),
-        trigger: trigger.label().to_string(),
-        kind: RecordEventKind::Released,
-    }
+    let (ip, pool, pod, node) = (change.ip.clone(), pool.to_string(), pod.clone(), node.to_string());
+    let (rule, trigger) = (rule.to_string(), trigger.label().to_string());
+    move |kind| RecordEvent { ip, pool, pool_uid, pod, node, rule, trigger, kind }
 }
 
 /// The non-terminal pod reporting each of `ips`, from the index.

@@ -41,7 +41,7 @@ pub struct Settings {
     /// How long a sandbox still attached on the node holds a record marked for release
     /// before its DEL counts as lost.
     pub sandbox_grace: Duration,
-    /// How many spare IPs the node keeps ready per pool it allocates from (module `spares`).
+    /// How many spare IPs the node keeps ready per default pool selecting it (module `spares`).
     pub spare_ips: usize,
 }
 

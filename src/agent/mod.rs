@@ -108,12 +108,13 @@ pub struct AgentArgs {
     /// Seconds between renewals of the agent Lease.
     #[arg(long, env = "IPWARDEN_AGENT_LEASE_RENEW_SECONDS", default_value_t = 5)]
     pub lease_renew_seconds: u64,
-    /// Spare IPs the node keeps ready in each pool it allocates from (and each default pool
-    /// selecting it): an ADD of a pod whose workload keeps no IPs takes one on its own network's
+    /// Spare IPs the node keeps ready in each default pool selecting it (where its stateless
+    /// pods go without naming a pool): an ADD of a pod whose workload keeps no IPs takes one on its own network's
     /// interface and answers before its record is written (0: none, every ADD waits for its
     /// record's write). They sit in the node's own blocks (or a free block it claims), count as
     /// used for everyone else, and go back while the pool is being deleted or disabled, no
-    /// longer selects the node, or has at most one block no node has claimed.
+    /// longer selects the node, is no default pool, or has at most one block no node has
+    /// claimed.
     #[arg(long, env = "IPWARDEN_SPARE_IPS", default_value_t = 0)]
     pub spare_ips: usize,
 }

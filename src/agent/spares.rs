@@ -77,7 +77,7 @@ impl Held {
 /// The node's spare IPs in use by its calls: how many it keeps per pool, and which its calls
 /// hold.
 pub struct SpareBook {
-    /// How many spares the node keeps ready in each pool it allocates from (0: none).
+    /// How many spares the node keeps ready in each pool it keeps spares in (0: none).
     wanted: usize,
     held: Mutex<Held>,
     /// Wakes [`Core::tend_spares`]: an ADD bound spares, a spare was withdrawn, or the pools

@@ -136,8 +136,13 @@ impl Core {
         for refused in plan.refused.iter().filter(|r| local_ips.contains(&r.ip)) {
             tracing::warn!(ip = %refused.ip, pods = %refused.pods.join(", "), reason = %refused.reason, "start-up adoption: refused");
         }
+        // An IP this node's checkpoint holds is its own sandbox's (a spare bound whose record
+        // the start-up could not write yet): the tending writes its record, adoption does not.
+        let attached: BTreeSet<String> =
+            self.checkpoint.read(|c| c.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect());
         let mut written = BTreeSet::new();
-        for (name, adoptions) in by_block(plan.adopt.iter().filter(|a| a.node == *node)) {
+        let local = plan.adopt.iter().filter(|a| a.node == *node && !attached.contains(&a.ip));
+        for (name, adoptions) in by_block(local) {
             let first = adoptions[0];
             let Ok(cidr) = first.block_cidr.parse() else { continue };
             let ips = self

@@ -32,7 +32,7 @@ const NAME_LIMIT: usize = 253;
 pub struct RecordEvent {
     /// The record's IP.
     pub ip: String,
-    /// The record's IPPool, and its UID when the pool still exists.
+    /// The record's IPPool.
     pub pool: String,
     /// The pool's UID, when it still exists.
     pub pool_uid: Option<String>,

@@ -277,6 +277,9 @@ fn node_state(node: &Node) -> NodeState {
     }
 }
 
+/// How long the index remembers when a node was deleted.
+const FORGET_DELETED_NODES: Duration = Duration::from_secs(3600);
+
 /// The index.
 #[derive(Clone, Debug, Default)]
 pub struct ClusterIndex {
@@ -296,6 +299,11 @@ pub struct ClusterIndex {
     workloads: HashMap<WorkloadKind, ByNamespace<bool>>,
     /// Node states by name.
     nodes: Map<String, NodeState>,
+    /// When this controller saw each node deleted, on its monotonic clock (forgotten when the
+    /// node comes back, or an hour later).
+    nodes_deleted_at: HashMap<String, Instant>,
+    /// When the index was made: a node never seen counts as deleted since then.
+    created: Option<Instant>,
     /// The agent Leases by node, as last seen.
     leases: HashMap<String, AgentLease>,
     /// When this controller last saw each node's agent Lease change, on its monotonic clock.
@@ -323,7 +331,28 @@ impl ClusterIndex {
     /// An empty index judging stickiness by `sticky_kinds` and agent Leases by
     /// `default_agent_lease` where a Lease names no duration.
     pub fn new(sticky_kinds: &[String], default_agent_lease: Duration) -> Self {
-        Self { sticky_kinds: sticky_kinds.to_vec(), default_agent_lease, ..Self::default() }
+        Self {
+            sticky_kinds: sticky_kinds.to_vec(),
+            default_agent_lease,
+            created: Some(Instant::now()),
+            ..Self::default()
+        }
+    }
+
+    /// How long node `name` has been gone at `now`, as this controller saw it: `None` while it
+    /// exists; a node never seen counts from the index's making (an index made without a clock,
+    /// the CLI's, counts it gone for ever).
+    pub fn node_gone_for(&self, name: &str, now: Instant) -> Option<Duration> {
+        if self.nodes.contains_key(name) {
+            return None;
+        }
+        let since = self.nodes_deleted_at.get(name).copied().or(self.created);
+        Some(since.map_or(Duration::MAX, |at| now.saturating_duration_since(at)))
+    }
+
+    /// The agent Lease duration that judges agents whose Lease names none.
+    pub fn default_agent_lease(&self) -> Duration {
+        self.default_agent_lease
     }
 
     /// An index of listed objects (the CLI's), applied as a watch would apply them. Agent
@@ -346,6 +375,7 @@ impl ClusterIndex {
         match object {
             Watched::Pod(pod) => self.apply_pod(PodFacts::of(pod)),
             Watched::Node(node) => {
+                self.nodes_deleted_at.remove(&key.name);
                 self.nodes.insert(key.name, node_state(node));
             }
             Watched::Claim(claim) => {
@@ -443,7 +473,9 @@ impl ClusterIndex {
                 }
             }
             Kind::Node => {
-                self.nodes.remove(&key.name);
+                if self.nodes.remove(&key.name).is_some() {
+                    self.nodes_deleted_at.insert(key.name.clone(), Instant::now());
+                }
             }
             Kind::Claim => {
                 remove(&mut self.claims, &key.namespace, &key.name);
@@ -572,6 +604,7 @@ impl ClusterIndex {
         if !self.synced.contains(&Kind::AgentLease) {
             return;
         }
+        self.nodes_deleted_at.retain(|_, at| now.saturating_duration_since(*at) < FORGET_DELETED_NODES);
         let nodes = self.nodes.keys().map(String::as_str);
         self.stale_agents = stale_agents(nodes, &self.leases, &mut self.observed, self.default_agent_lease, now, wall);
     }
@@ -861,6 +894,23 @@ mod test {
         pool.metadata.deletion_timestamp =
             deleting.then(|| k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(0)));
         Arc::new(pool)
+    }
+
+    #[test]
+    fn a_node_counts_as_gone_from_its_deletion_and_one_never_seen_from_the_index_start() {
+        let mut index = ClusterIndex::new(&[], Duration::from_secs(20));
+        let start = Instant::now();
+        index.apply(Watched::Node(&node("n", true)));
+        assert_eq!(index.node_gone_for("n", start), None, "it exists");
+        index.delete(Watched::Node(&node("n", true)));
+        let later = Instant::now() + Duration::from_secs(30);
+        assert!(index.node_gone_for("n", later).is_some_and(|d| d >= Duration::from_secs(30)));
+        assert!(index.node_gone_for("n", Instant::now()).is_some_and(|d| d < Duration::from_secs(30)));
+        index.apply(Watched::Node(&node("n", true)));
+        assert_eq!(index.node_gone_for("n", later), None, "it came back");
+        assert!(index.node_gone_for("never", later).is_some_and(|d| d >= Duration::from_secs(30)), "since the start");
+        let cli = ClusterIndex::default();
+        assert_eq!(cli.node_gone_for("never", later), Some(Duration::MAX));
     }
 
     #[test]
