@@ -720,17 +720,7 @@ impl Core {
     async fn allocate_in_pool(&self, pool: &ResolvedPool, record: &Allocation) -> Result<Written, Error> {
         let node = self.settings.node.as_str();
         let blocks = self.newest_blocks_of(&pool.name);
-        let known: Vec<KnownBlock<'_>> = blocks
-            .iter()
-            .filter_map(|b| {
-                Some(KnownBlock {
-                    name: b.metadata.name.as_deref()?,
-                    net: b.spec.cidr.parse().ok()?,
-                    affinity: b.spec.affinity.as_deref(),
-                    records: b.spec.allocations.len(),
-                })
-            })
-            .collect();
+        let known: Vec<KnownBlock<'_>> = blocks.iter().filter_map(KnownBlock::of).collect();
         let candidates = affinity::plan(node, &pool.name, &pool.layout, &known, NEW_BLOCK_PROBES);
         let (mut cooling, mut next_free) = (0usize, None::<Timestamp>);
         // First from the copies held (batched with the node's other ADDs); before saying the

@@ -21,8 +21,22 @@ pub struct KnownBlock<'a> {
     pub net: IpNet,
     /// The node it is affine to, if any.
     pub affinity: Option<&'a str>,
-    /// How many records it holds.
+    /// How many records it holds, its spares counted ([`blocks::holds_nothing`]'s notion:
+    /// a block holding spares is nobody's to claim).
     pub records: usize,
+}
+
+impl<'a> KnownBlock<'a> {
+    /// What `plan` needs of `block`; `None` for a block without a name or with a CIDR that
+    /// does not parse.
+    pub fn of(block: &'a crate::crd::IPBlock) -> Option<Self> {
+        Some(Self {
+            name: block.metadata.name.as_deref()?,
+            net: block.spec.cidr.parse().ok()?,
+            affinity: block.spec.affinity.as_deref(),
+            records: block.spec.allocations.len() + block.spec.spares.len(),
+        })
+    }
 }
 
 /// How a node may use one block it tries.
