@@ -1,7 +1,8 @@
 //! The allocation speed benchmark (`ipwarden-e2e churn --burst`, docs/benchmarks.md
 //! "Allocation speed") through its own code at a small size, so it cannot rot between the
 //! runs that measure: pods created at once on each node, every one Running with its own IP,
-//! then deleted at once and every record released, with the report's counts.
+//! then deleted at once and every record released, with the report's counts; release marks
+//! staged on a node before each burst answered and released.
 
 use std::path::Path;
 use std::time::Duration;
@@ -23,6 +24,7 @@ async fn two_small_bursts_on_two_nodes_run_every_pod_with_its_own_ip_and_release
         bursts: 2,
         running_timeout: Duration::from_secs(120),
         release_timeout: Duration::from_secs(120),
+        marks: 20,
     };
     let report = burst::run(&cluster, &installed, &options).await.expect("the bursts run");
     assert!(report.completed, "{report}");

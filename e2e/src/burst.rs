@@ -59,6 +59,102 @@ pub struct BurstOptions {
     pub running_timeout: Duration,
     /// How long a burst's records may take to all be released after the deletions.
     pub release_timeout: Duration,
+    /// Release marks staged on the first node right before each burst's creations (ipwarden
+    /// only; [`stage_marks`]): the node answers them while its burst's ADDs come in.
+    pub marks: usize,
+}
+
+/// The pool and block [`stage_marks`] writes into: the top /24 of the harness's default pool
+/// (10.244.0.0/16 with /24 blocks), which bursts of fewer than 255 pods a node never reach.
+const MARKS_POOL: &str = "default";
+const MARKS_BLOCK: &str = "default-10-244-255-0-24";
+const MARKS_CIDR: &str = "10.244.255.0/24";
+
+/// The most marks [`stage_marks`] can stage: the addresses of its block but the network and
+/// broadcast ones.
+pub const MAX_MARKS: usize = 254;
+
+/// [`stage_marks`]'s block now: how many records it holds, and how many of those still wait
+/// for their node's answer.
+async fn staged_marks(client: &Client) -> Result<(usize, usize)> {
+    let resource = crate::scale::ipwarden_resource("IPBlock");
+    let api: Api<kube::api::DynamicObject> = Api::all_with(client.clone(), &resource);
+    let block = api.get_opt(MARKS_BLOCK).await.map_err(Error::kube(format!("reading IPBlock {MARKS_BLOCK}")))?;
+    let records = block.and_then(|b| b.data.get("spec")?.get("allocations")?.as_object().cloned()).unwrap_or_default();
+    let waiting = records
+        .values()
+        .filter(|r| r.pointer("/releaseHandshake/state").and_then(|s| s.as_str()) == Some("marked-for-release"))
+        .count();
+    Ok((records.len(), waiting))
+}
+
+/// Waits (bounded) until [`staged_marks`] says `done` of (records, waiting).
+async fn await_marks(client: &Client, what: &str, timeout: Duration, done: fn(usize, usize) -> bool) -> Result<()> {
+    wait::until(what, timeout, || {
+        let client = client.clone();
+        async move {
+            let (records, waiting) = staged_marks(&client).await?;
+            Ok(if done(records, waiting) {
+                Probe::Done(())
+            } else {
+                Probe::Pending(format!("{records} staged records, {waiting} waiting for an answer"))
+            })
+        }
+    })
+    .await
+}
+
+/// Writes `count` records of pods that never existed, on `node`, each already marked for
+/// release by the controller, into one block: what a node finds after its runtime lost the
+/// sandboxes of that many pods that are now gone (the controller marks such records in one
+/// sweep). The node's agent answers them all in its next pass (no sandbox of its holds them:
+/// `ready-for-release`), and the controller releases them. The block holds no record when
+/// this is called, so conflicts come only from the node's other writes.
+async fn stage_marks(client: &Client, node: &str, burst: u32, count: usize) -> Result<()> {
+    use kube::api::DynamicObject;
+    let resource = crate::scale::ipwarden_resource("IPBlock");
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &resource);
+    let now = jiff::Timestamp::now().to_string();
+    let records: serde_json::Map<String, serde_json::Value> = (1..=count.min(MAX_MARKS))
+        .map(|i| {
+            let uid = format!("00000000-0000-4000-8000-{burst:04}{i:08}");
+            let record = serde_json::json!({
+                "pod": {"namespace": NAMESPACE, "name": format!("gone-{burst:03}-{i:03}"), "uid": uid},
+                "node": node, "network": "ipwarden", "containerId": format!("lost-{uid}"), "interface": "eth0",
+                "sticky": false, "allocatedAt": now,
+                "releaseHandshake": {"state": "marked-for-release", "markedAt": now, "reason": "pod_gone"},
+            });
+            (format!("10.244.255.{i}"), record)
+        })
+        .collect();
+    for _ in 0..20 {
+        let written =
+            match api.get_opt(MARKS_BLOCK).await.map_err(Error::kube(format!("reading IPBlock {MARKS_BLOCK}")))? {
+                Some(mut block) => {
+                    let spec = block.data.get_mut("spec").and_then(|s| s.as_object_mut());
+                    let Some(spec) = spec else {
+                        return Err(Error::Churn(format!("IPBlock {MARKS_BLOCK} has no spec")));
+                    };
+                    let allocations = spec.entry("allocations").or_insert_with(|| serde_json::json!({}));
+                    if let Some(allocations) = allocations.as_object_mut() {
+                        allocations.extend(records.clone());
+                    }
+                    api.replace(MARKS_BLOCK, &PostParams::default(), &block).await.map(drop)
+                }
+                None => {
+                    let mut block = DynamicObject::new(MARKS_BLOCK, &resource);
+                    block.data =
+                        serde_json::json!({"spec": {"pool": MARKS_POOL, "cidr": MARKS_CIDR, "allocations": records}});
+                    api.create(&PostParams::default(), &block).await.map(drop)
+                }
+            };
+        match written {
+            Ok(()) => return Ok(()),
+            Err(kube::Error::Api(status)) if status.code == 409 => continue,
+            Err(e) => return Err(Error::kube(format!("staging {count} release marks in IPBlock {MARKS_BLOCK}"))(e)),
+        }
+    }
+    Err(Error::Churn(format!("staging release marks in IPBlock {MARKS_BLOCK}: 20 conflicts in a row")))
 }
 
 /// One pod of a burst, as measured.
@@ -313,6 +409,17 @@ async fn one_burst(
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let no_leases = AtomicU64::new(0);
     let before = snapshot(client, installed, &no_leases).await?;
+    if options.marks > 0 {
+        // The last burst's marks gone first, so staging does not race their answers; the burst
+        // starts with the node's first answer written, while it answers the others.
+        await_marks(client, "the last burst's staged marks released", options.release_timeout, |records, _| {
+            records == 0
+        })
+        .await?;
+        stage_marks(client, &nodes[0], index, options.marks).await?;
+        let first = |records, waiting| waiting < records;
+        await_marks(client, "the node's first answer to the staged marks", options.running_timeout, first).await?;
+    }
     let start = Instant::now();
     let mut creates = Vec::new();
     for (n, node) in nodes.iter().enumerate() {
@@ -422,6 +529,13 @@ pub async fn run(cluster: &Cluster, installed: &Installed, options: &BurstOption
         if let Some(why) = stopped {
             failure = format!("burst {index}: {why}");
             break;
+        }
+    }
+    if options.marks > 0 && failure.is_empty() {
+        let all_released = |records, _| records == 0;
+        if let Err(e) = await_marks(&client, "every staged mark released", options.release_timeout, all_released).await
+        {
+            failure = format!("the staged release marks: {e}");
         }
     }
     background.abort_all();

@@ -419,7 +419,8 @@ pub struct ScaleReport {
     pub leaks: Leaks,
 }
 
-fn ipwarden_resource(kind: &str) -> ApiResource {
+/// The API resource of ipwarden's custom resource `kind`, for dynamic objects.
+pub(crate) fn ipwarden_resource(kind: &str) -> ApiResource {
     ApiResource::from_gvk(&GroupVersionKind::gvk("ipwarden.io", "v1alpha1", kind))
 }
 

@@ -87,18 +87,14 @@ impl Handler<AnswerMarks> for NodeAllocator {
             if !core.has_marks_to_answer() {
                 return;
             }
-            // Decided first without the node to itself: marks that must wait (a sandbox the
-            // runtime still lists) would otherwise stall every CNI call on each pass.
-            match core.answers_due().await {
-                Ok(due) if due.is_empty() => return,
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, "deciding the answers to release marks failed; retrying on the next pass");
-                    return;
-                }
+            // The pods are read first without the node to itself, and marks that must wait (a
+            // sandbox the runtime still lists) are left out: only the writes stall CNI calls.
+            let marks = core.marks_to_answer().await;
+            if marks.is_empty() {
+                return;
             }
             let _alone = core.serial.alone().await;
-            if let Err(e) = core.answer_marks().await {
+            if let Err(e) = core.answer_marks(marks).await {
                 tracing::warn!(error = %e, "answering release marks failed; retrying on the next pass");
             }
         })

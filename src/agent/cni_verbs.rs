@@ -1,8 +1,9 @@
 //! CNI DEL, CHECK, GC and STATUS (ADD has its own file, `add`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
+use futures::StreamExt;
 use kube::api::Api;
 
 use super::block_writes::ReleaseTrigger;
@@ -12,6 +13,9 @@ use super::error::Error;
 use crate::crd::IPBlock;
 use crate::ipam::{blocks, spares};
 use crate::protocol::{AttachmentRequest, GcRequest, StatusRequest};
+
+/// How many pods' stale attachments a CNI GC releases at once.
+const STALE_PODS_AT_ONCE: usize = 16;
 
 impl Core {
     /// CNI DEL: releases the sandbox's IPs (keeping a wanted sticky reservation). Unknown
@@ -105,14 +109,28 @@ impl Core {
                 .cloned()
                 .collect()
         });
+        // One pod's entries one after the other, as its DELs would be; different pods' at
+        // once, so their block writes share compare-and-swaps (`batch`) and a GC after a
+        // runtime crash holds the node for a few writes per block, not one per entry.
+        let mut by_pod: BTreeMap<(String, String), Vec<CheckpointEntry>> = BTreeMap::new();
         for entry in stale {
-            tracing::info!(container_id = %entry.key.container_id, pod = %entry.pod.name, "GC: releasing a stale attachment");
-            let (container_id, ifname) = (&entry.key.container_id, &entry.key.ifname);
-            self.release_attachment(Some(&entry), container_id, ifname, Some(&entry.pod.uid), ReleaseTrigger::CniGc)
-                .await?;
-            self.checkpoint.remove(&entry.key).await?;
+            by_pod.entry((entry.pod.namespace.clone(), entry.pod.name.clone())).or_default().push(entry);
         }
-        Ok(())
+        let released: Vec<Result<(), Error>> = futures::stream::iter(by_pod.into_values())
+            .map(|entries| async move {
+                for entry in entries {
+                    tracing::info!(container_id = %entry.key.container_id, pod = %entry.pod.name, "GC: releasing a stale attachment");
+                    let (container_id, ifname) = (&entry.key.container_id, &entry.key.ifname);
+                    let trigger = ReleaseTrigger::CniGc;
+                    self.release_attachment(Some(&entry), container_id, ifname, Some(&entry.pod.uid), trigger).await?;
+                    self.checkpoint.remove(&entry.key).await?;
+                }
+                Ok(())
+            })
+            .buffer_unordered(STALE_PODS_AT_ONCE)
+            .collect()
+            .await;
+        released.into_iter().collect()
     }
 
     /// CNI STATUS: ready once any IPPool exists. STATUS gates the node's readiness

@@ -1,8 +1,14 @@
 //! Answering the controller's release marks on this node's records
-//! ([`crate::gc::handshake`]), under the allocation lock.
+//! ([`crate::gc::handshake`]). The live reads of the records' pods happen first, without the
+//! node gate; only the local decision (which checkpoint entries hold the IP), the writes (one
+//! compare-and-swap per block, every mark of the block in it) and the checkpoint edits run with
+//! the node to itself, so hundreds of marks after a runtime crash stall the node's ADDs for a
+//! block write or two, not for a pod read and a write per mark (issue 26).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
+use futures::StreamExt;
 use ipnet::IpNet;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
@@ -13,30 +19,39 @@ use super::block_writes::ReleaseTrigger;
 use super::checkpoint::AttachmentKey;
 use super::core::Core;
 use super::error::Error;
-use crate::crd::{Allocation, HandshakeState};
-use crate::gc::handshake::{AgentAnswer, PodOnNode, SandboxOnNode, agent_answer};
+use crate::crd::Allocation;
+use crate::gc::handshake::{AgentAnswer, MarkAnswer, PodOnNode, SandboxOnNode, agent_answer, write_answers};
 
-/// A release mark on this node's record and the answer decided for it.
-pub struct Due {
+/// How many pods of marked records are read at once.
+const POD_READS_AT_ONCE: usize = 16;
+
+/// A release mark on this node's record, with its pod as read live before the node gate.
+/// A pod's life only moves on (running, ending, gone), so by the time the answer is written
+/// the pod is at least this far along: an answer decided from this read never releases the
+/// IP of a pod that runs.
+pub struct Marked {
     block: String,
     pool: String,
     cidr: IpNet,
     ip: String,
     record: Allocation,
+    pod: PodOnNode,
+}
+
+/// The answer decided for a [`Marked`] record with the node to itself.
+struct Decided {
     answer: AgentAnswer,
-    state: HandshakeState,
-    sandbox: SandboxOnNode,
+    detail: String,
     /// The checkpoint entries holding the IP (dropped with a `ready-for-release`).
     attached: Vec<AttachmentKey>,
 }
 
 impl Core {
-    /// The marks on this node's records that have an answer to write now
-    /// ([`crate::gc::handshake`]), decided from the cache, the checkpoint and a live read of
-    /// each record's pod; marks that must wait are left out. Read without the node to itself
-    /// first, so a pass with nothing to write never stalls an ADD, and again by
-    /// [`Core::answer_marks`] with the node to itself.
-    pub async fn answers_due(&self) -> Result<Vec<Due>, Error> {
+    /// The marks on this node's records, from the cache, each with its pod read live
+    /// ([`POD_READS_AT_ONCE`] at a time), and only those that have an answer to write by the
+    /// checkpoint as it is now: a pass with nothing to write never takes the node gate. A
+    /// pod whose read failed leaves its mark for the next pass.
+    pub async fn marks_to_answer(&self) -> Vec<Marked> {
         let marked: Vec<(String, String, IpNet, String, Allocation)> = self
             .blocks
             .state()
@@ -50,74 +65,121 @@ impl Core {
                     .map(move |(ip, r)| (b.name_any(), b.spec.pool.clone(), cidr, ip.clone(), r.clone()))
             })
             .collect();
-        let mut due = Vec::new();
-        for (block, pool, cidr, ip, record) in marked {
-            let pod = self.pod_on_node(&record).await?;
-            let (attached, listed_ago) = self.checkpoint.read(|checkpoint| {
-                let attached: Vec<AttachmentKey> =
-                    checkpoint.entries().filter(|e| e.ips.iter().any(|i| i.ip == ip)).map(|e| e.key.clone()).collect();
-                let listed = attached.iter().filter_map(|k| checkpoint.listed_at(k)).max();
-                (attached, listed.map(|at| at.elapsed()))
-            });
-            // Until the runtime's first CNI GC since the agent started, the runtime has not
-            // said which sandboxes it still has: count them as listed at the start.
-            let listed_ago = listed_ago.or_else(|| self.runtime_gc_pending().then(|| self.started.elapsed()));
-            let marked_at = record.release_handshake.as_ref().map_or(Timestamp::UNIX_EPOCH, |h| h.marked_at.0);
-            let marked_for = Duration::try_from(Timestamp::now().duration_since(marked_at)).unwrap_or(Duration::ZERO);
-            let grace = self.settings.sandbox_grace;
-            let sandbox = SandboxOnNode::of(!attached.is_empty(), listed_ago, grace);
-            let answer = agent_answer(pod, sandbox, marked_for, grace);
-            let Some(state) = answer.state() else { continue };
-            due.push(Due { block, pool, cidr, ip, record, answer, state, sandbox, attached });
-        }
-        Ok(due)
-    }
-
-    /// Answers the controller's release marks on this node's records that have an answer
-    /// now ([`Core::answers_due`]). Runs with the node to itself (module `serial`), so no
-    /// ADD, DEL or GC interleaves: after `ready-for-release` the IP is in no checkpoint entry,
-    /// and only a new record (which clears the mark) could hand it out again. Returns how
-    /// many marks were answered; marks that must wait are left for the next pass.
-    pub async fn answer_marks(&self) -> Result<usize, Error> {
-        let mut answered = 0;
-        for due in self.answers_due().await? {
-            let Due { block, pool, cidr, ip, record, answer, state, sandbox, attached } = due;
-            let detail = match (answer, sandbox) {
-                (AgentAnswer::DoNotRelease, _) => "the pod is running on this node".to_string(),
-                (_, SandboxOnNode::Detached) => "no sandbox on this node holds the IP".to_string(),
-                (_, _) => format!(
-                    "its sandbox got no DEL within {} s of the mark; counted as lost",
-                    self.settings.sandbox_grace.as_secs()
-                ),
-            };
-            let written = self
-                .write_block(&block, &pool, cidr, |spec| {
-                    let current = spec.allocations.get_mut(&ip).filter(|r| r.pod.uid == record.pod.uid)?;
-                    let handshake =
-                        current.release_handshake.as_mut().filter(|h| h.state == HandshakeState::MarkedForRelease)?;
-                    handshake.state = state;
-                    handshake.detail = Some(detail.clone());
-                    Some(())
-                })
-                .await?;
-            if written.is_none() {
-                continue;
-            }
-            if answer == AgentAnswer::Ready {
-                for key in &attached {
-                    let entry = self.checkpoint.read(|c| c.get(key).cloned());
-                    let uid = entry.as_ref().map(|e| e.pod.uid.clone());
-                    let trigger = ReleaseTrigger::ReleaseMark;
-                    self.release_bound_spares(entry.as_ref(), &key.container_id, &key.ifname, uid.as_deref(), trigger)
-                        .await?;
-                    self.checkpoint.remove(key).await?;
+        let read: Vec<Result<Marked, Error>> = futures::stream::iter(marked)
+            .map(|(block, pool, cidr, ip, record)| async move {
+                let pod = self.pod_on_node(&record).await?;
+                Ok(Marked { block, pool, cidr, ip, record, pod })
+            })
+            .buffered(POD_READS_AT_ONCE)
+            .collect()
+            .await;
+        let (mut due, mut failed, mut first_error) = (Vec::new(), 0usize, None);
+        for marked in read {
+            match marked {
+                Ok(marked) if self.decide(&marked).answer.state().is_some() => due.push(marked),
+                Ok(_) => {}
+                Err(e) => {
+                    failed += 1;
+                    first_error.get_or_insert(e);
                 }
             }
-            self.metrics.handshake_answer(answer.label());
-            tracing::info!(%ip, pod = %format!("{}/{}", record.pod.namespace, record.pod.name), answer = answer.label(), %detail, "answered a release mark");
-            answered += 1;
+        }
+        if let Some(e) = first_error {
+            tracing::warn!(failed, error = %e, "reading the pods of marked records failed; their marks wait for the next pass");
+        }
+        due
+    }
+
+    /// The answer to `marked` by its pod (read before) and the checkpoint as it is now.
+    fn decide(&self, marked: &Marked) -> Decided {
+        let (attached, listed_ago) = self.checkpoint.read(|checkpoint| {
+            let attached: Vec<AttachmentKey> = checkpoint
+                .entries()
+                .filter(|e| e.ips.iter().any(|i| i.ip == marked.ip))
+                .map(|e| e.key.clone())
+                .collect();
+            let listed = attached.iter().filter_map(|k| checkpoint.listed_at(k)).max();
+            (attached, listed.map(|at| at.elapsed()))
+        });
+        // Until the runtime's first CNI GC since the agent started, the runtime has not
+        // said which sandboxes it still has: count them as listed at the start.
+        let listed_ago = listed_ago.or_else(|| self.runtime_gc_pending().then(|| self.started.elapsed()));
+        let marked_at = marked.record.release_handshake.as_ref().map_or(Timestamp::UNIX_EPOCH, |h| h.marked_at.0);
+        let marked_for = Duration::try_from(Timestamp::now().duration_since(marked_at)).unwrap_or(Duration::ZERO);
+        let grace = self.settings.sandbox_grace;
+        let sandbox = SandboxOnNode::of(!attached.is_empty(), listed_ago, grace);
+        let answer = agent_answer(marked.pod, sandbox, marked_for, grace);
+        let detail = match (answer, sandbox) {
+            (AgentAnswer::DoNotRelease, _) => "the pod is running on this node".to_string(),
+            (_, SandboxOnNode::Detached) => "no sandbox on this node holds the IP".to_string(),
+            (_, _) => format!("its sandbox got no DEL within {} s of the mark; counted as lost", grace.as_secs()),
+        };
+        Decided { answer, detail, attached }
+    }
+
+    /// Answers `marks` ([`Core::marks_to_answer`]). Runs with the node to itself (module
+    /// `serial`), so no ADD, DEL or GC interleaves: each answer is decided again from the
+    /// checkpoint as it is now, the answers of one block are written in one compare-and-swap,
+    /// and after `ready-for-release` the IP is in no checkpoint entry, so only a new record
+    /// (which clears the mark) could hand it out again. Returns how many marks were answered;
+    /// marks that must wait are left for the next pass.
+    pub async fn answer_marks(&self, marks: Vec<Marked>) -> Result<usize, Error> {
+        let mut by_block: BTreeMap<(String, String, IpNet), Vec<(Marked, Decided)>> = BTreeMap::new();
+        for marked in marks {
+            let decided = self.decide(&marked);
+            if decided.answer.state().is_some() {
+                by_block
+                    .entry((marked.block.clone(), marked.pool.clone(), marked.cidr))
+                    .or_default()
+                    .push((marked, decided));
+            }
+        }
+        let mut answered = 0;
+        for ((block, pool, cidr), marks) in by_block {
+            let answers: Vec<MarkAnswer> = marks
+                .iter()
+                .filter_map(|(marked, decided)| {
+                    Some(MarkAnswer {
+                        ip: marked.ip.clone(),
+                        uid: marked.record.pod.uid.clone(),
+                        state: decided.answer.state()?,
+                        detail: decided.detail.clone(),
+                    })
+                })
+                .collect();
+            let written = self
+                .write_block(&block, &pool, cidr, |spec| {
+                    let written = write_answers(&mut spec.allocations, &answers);
+                    (!written.is_empty()).then_some(written)
+                })
+                .await?
+                .unwrap_or_default();
+            for (marked, decided) in marks.iter().filter(|(m, _)| written.contains(&m.ip)) {
+                self.answered(marked, decided).await?;
+                answered += 1;
+            }
         }
         Ok(answered)
+    }
+
+    /// What follows a written answer: after `ready-for-release`, the checkpoint entries holding
+    /// the IP go (with the spares bound to them whose records are not written yet); the
+    /// metric and the log line.
+    async fn answered(&self, marked: &Marked, decided: &Decided) -> Result<(), Error> {
+        if decided.answer == AgentAnswer::Ready {
+            for key in &decided.attached {
+                let entry = self.checkpoint.read(|c| c.get(key).cloned());
+                let uid = entry.as_ref().map(|e| e.pod.uid.clone());
+                let trigger = ReleaseTrigger::ReleaseMark;
+                self.release_bound_spares(entry.as_ref(), &key.container_id, &key.ifname, uid.as_deref(), trigger)
+                    .await?;
+                self.checkpoint.remove(key).await?;
+            }
+        }
+        self.metrics.handshake_answer(decided.answer.label());
+        let pod = format!("{}/{}", marked.record.pod.namespace, marked.record.pod.name);
+        tracing::info!(ip = %marked.ip, %pod, answer = decided.answer.label(), detail = %decided.detail, "answered a release mark");
+        Ok(())
     }
 
     /// The record's pod as the handshake needs it, from a live read (not the cache). A

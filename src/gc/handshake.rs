@@ -193,6 +193,41 @@ pub fn agent_answer(
     }
 }
 
+/// An agent's answer to the mark on the record at `ip`, to write when the record there is
+/// still `uid`'s and still marked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MarkAnswer {
+    /// The record's IP.
+    pub ip: String,
+    /// The record's pod UID, as the answer was decided for.
+    pub uid: String,
+    /// The answer.
+    pub state: HandshakeState,
+    /// Why, for the record's `detail`.
+    pub detail: String,
+}
+
+/// Writes `answers` into a block's records, all in one edit: each only where the record is
+/// still its pod's and still `marked-for-release` (a new record, a DEL or another answer since
+/// leaves it alone). Returns the IPs answered, in `answers`' order.
+pub fn write_answers(
+    records: &mut std::collections::BTreeMap<String, Allocation>,
+    answers: &[MarkAnswer],
+) -> Vec<String> {
+    let mut written = Vec::new();
+    for answer in answers {
+        let Some(record) = records.get_mut(&answer.ip).filter(|r| r.pod.uid == answer.uid) else { continue };
+        let Some(handshake) = record.release_handshake.as_mut().filter(|h| h.state == HandshakeState::MarkedForRelease)
+        else {
+            continue;
+        };
+        handshake.state = answer.state;
+        handshake.detail = Some(answer.detail.clone());
+        written.push(answer.ip.clone());
+    }
+    written
+}
+
 /// The record of a claimed IP as a recreated sticky pod's ADD sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ClaimedRecord {
@@ -294,6 +329,54 @@ mod test {
         Some(HandshakeState::ReadyForRelease),
         Some(HandshakeState::DoNotRelease),
     ];
+
+    #[test]
+    fn answers_are_written_only_where_the_record_is_still_its_pods_and_still_marked() {
+        use crate::crd::ReleaseHandshake;
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let marked = |uid: &str, state: HandshakeState| {
+            let mut record = crate::ipam::blocks::test::record(uid, "c");
+            record.release_handshake = Some(ReleaseHandshake {
+                state,
+                marked_at: Time(Timestamp::UNIX_EPOCH),
+                reason: "pod_gone".into(),
+                detail: None,
+                pod_ended_at: None,
+                takeover: None,
+            });
+            record
+        };
+        let mut records = std::collections::BTreeMap::from([
+            ("10.0.0.1".to_string(), marked("a", HandshakeState::MarkedForRelease)),
+            ("10.0.0.2".to_string(), marked("b", HandshakeState::MarkedForRelease)),
+            ("10.0.0.3".to_string(), marked("new", HandshakeState::MarkedForRelease)),
+            ("10.0.0.4".to_string(), marked("d", HandshakeState::DoNotRelease)),
+            ("10.0.0.5".to_string(), crate::ipam::blocks::test::record("e", "c")),
+        ]);
+        let answer = |ip: &str, uid: &str, state| MarkAnswer {
+            ip: ip.into(),
+            uid: uid.into(),
+            state,
+            detail: format!("because {uid}"),
+        };
+        let answers = [
+            answer("10.0.0.1", "a", HandshakeState::ReadyForRelease),
+            answer("10.0.0.2", "b", HandshakeState::DoNotRelease),
+            answer("10.0.0.3", "old", HandshakeState::ReadyForRelease),
+            answer("10.0.0.4", "d", HandshakeState::ReadyForRelease),
+            answer("10.0.0.5", "e", HandshakeState::ReadyForRelease),
+            answer("10.0.0.6", "f", HandshakeState::ReadyForRelease),
+        ];
+        let before = records.clone();
+        assert_eq!(write_answers(&mut records, &answers), ["10.0.0.1", "10.0.0.2"]);
+        let state = |ip: &str| records[ip].release_handshake.as_ref().map(|h| (h.state, h.detail.clone()));
+        assert_eq!(state("10.0.0.1"), Some((HandshakeState::ReadyForRelease, Some("because a".into()))));
+        assert_eq!(state("10.0.0.2"), Some((HandshakeState::DoNotRelease, Some("because b".into()))));
+        for untouched in ["10.0.0.3", "10.0.0.4", "10.0.0.5"] {
+            assert_eq!(records[untouched], before[untouched], "{untouched} changed");
+        }
+        assert!(!records.contains_key("10.0.0.6"), "an answer wrote a record");
+    }
 
     #[test]
     fn the_controller_releases_only_after_the_agent_said_ready() {

@@ -112,6 +112,11 @@ enum Command {
         /// With --burst: how long the pods of one burst may take to all run with their IPs.
         #[arg(long, default_value_t = 120, requires = "burst")]
         burst_timeout_seconds: u64,
+        /// With --burst (ipwarden only): release marks staged on the first node right before each
+        /// burst, records of gone pods whose sandboxes its runtime lost, which the node answers
+        /// while the burst's ADDs come in (docs/benchmarks.md, "ADDs while a node answers marks").
+        #[arg(long, default_value_t = 0, requires = "burst", value_parser = clap::value_parser!(u64).range(0..=e2e::burst::MAX_MARKS as u64))]
+        marks_per_burst: u64,
         /// `table` for people, `json` for scripts.
         #[arg(long, value_enum, default_value_t = Output::Table)]
         output: Output,
@@ -198,6 +203,7 @@ async fn main() -> anyhow::Result<()> {
             burst,
             bursts,
             burst_timeout_seconds,
+            marks_per_burst,
             output,
         } => {
             let nodes = usize::try_from(nodes)?;
@@ -207,7 +213,12 @@ async fn main() -> anyhow::Result<()> {
                     bursts,
                     running_timeout: Duration::from_secs(burst_timeout_seconds),
                     release_timeout: Duration::from_secs(settle_timeout_seconds),
+                    marks: usize::try_from(marks_per_burst)?,
                 };
+                anyhow::ensure!(
+                    options.marks == 0 || ipam.iter().all(|i| *i == e2e::peers::Ipam::Ipwarden),
+                    "--marks-per-burst stages ipwarden's release marks: measure --ipam ipwarden alone"
+                );
                 return burst_each(nodes, &ipam, ipwarden.as_deref(), &agent_args, &options, output).await;
             }
             anyhow::ensure!(
