@@ -437,3 +437,50 @@ async fn spares_of_a_block_whose_pool_vanished_go_back_so_a_new_pool_over_it_ser
     let ip: std::net::IpAddr = ip_of(&fresh["fresh-0"]).parse().expect("an IP");
     assert!("10.93.0.0/24".parse::<ipnet::IpNet>().expect("cidr").contains(&ip), "{ip} from the new pool");
 }
+
+/// Issue 26, S1: the leader clears the spares of a Node that is gone; a spare its still-running
+/// agent bound meanwhile, whose record it had not written yet, would then go to another node's
+/// pod too. So a node whose Node object is gone binds none of its spares and gives them back;
+/// an ADD there gets an IP whose record is written before the answer, as without spares; once
+/// the Node is registered again, the spares come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_node_object_is_gone_gives_its_spares_back_and_binds_none() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pool = json!({"cidr": "10.99.0.0/24", "blockSize": 26, "default": true});
+    let spares_flag = format!("--spare-ips={SPARES}");
+    let mut ipwarden = Ipwarden::start(2, &[("pool", pool)], &[spares_flag.as_str()]).await;
+    let client = ipwarden.client();
+    let before = wait_spares(&client, "node-1", SPARES).await;
+
+    // node-1's kubelet stops and its Node is deleted; its agent runs on (no controller runs, so
+    // nothing but the agent itself takes the spares away).
+    ipwarden.cluster.delete_node(1).await.expect("node-1 deleted");
+    wait_spares(&client, "node-1", 0).await;
+
+    create_pod(&client, NS, "late", "node-1", json!({"app": "late"})).await;
+    let pod = Api::<Pod>::namespaced(client.clone(), NS).get("late").await.expect("pod late");
+    let uid = pod.uid().expect("uid");
+    let args = e2e::cni::PodArgs { namespace: NS.into(), name: "late".into(), uid: uid.clone() };
+    let netconf = json!({"cniVersion": "1.1.0", "name": "ipwarden", "type": "ipwarden-cni",
+                         "socket": ipwarden.cluster.nodes()[1].dir().join("agent.sock")});
+    let add = e2e::cni::Invocation {
+        command: "ADD",
+        container_id: "late",
+        ifname: "eth0",
+        pod: Some(&args),
+        netconf: &netconf,
+    };
+    let result = support::network().invoke(&add).await.expect("ADD").expect("a result");
+    let address = result["ips"][0]["address"].as_str().expect("an address");
+    let ip = address.split('/').next().expect("an IP").to_string();
+    let recorded = records(&client).await;
+    assert_eq!(
+        recorded.get(&ip).map(|r| r.pod.uid.clone()),
+        Some(uid),
+        "{ip} was answered before its record was written (a spare bound; node-1's spares were {before:?})"
+    );
+    assert!(spares_of(&client, "node-1").await.is_empty(), "node-1 reserved spares while its Node is gone");
+
+    ipwarden.cluster.reregister_node(1).await.expect("node-1 registered again");
+    wait_spares(&client, "node-1", SPARES).await;
+}

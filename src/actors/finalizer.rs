@@ -25,7 +25,7 @@ pub async fn reconcile(context: PoolContext) {
         let records: usize = blocks
             .iter()
             .filter(|b| b.spec.pool == name && !set.orphans().iter().any(|o| o.name == b.name_any()))
-            .map(|b| b.spec.allocations.len() + b.spec.spares.len())
+            .map(|b| crate::ipam::blocks::held(&b.spec))
             .sum();
         let has = pool.finalizers().iter().any(|f| f == POOL_FINALIZER);
         let deleting = pool.metadata.deletion_timestamp.is_some();

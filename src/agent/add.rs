@@ -30,8 +30,8 @@ use crate::gc::handshake::{ClaimedRecord, ReclaimStep, reclaim_step};
 use crate::ipam::affinity::{self, KnownBlock};
 use crate::ipam::blocks;
 use crate::ipam::fixed;
+use crate::ipam::free;
 use crate::ipam::pools::{self, PodPlacement, PoolSet};
-use crate::ipam::spares;
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
 use crate::protocol::{AttachmentRequest, IpamResult};
 
@@ -412,8 +412,10 @@ impl Core {
                         return None;
                     }
                     let Some(current) = spec.allocations.get_mut(&key) else {
-                        // A node's spare (maybe bound, its record not written yet) is not free.
-                        let free = pool.layout.is_allocatable(ip) && !spares::is_bindable(spec, &key);
+                        // No record: free unless the pool's layout no longer hands it out or it
+                        // is a node's spare (maybe bound, its record not written yet).
+                        let free =
+                            free::hold(spec, &pool.layout, ip, &free::Asker::RECLAIM, Timestamp::now()).is_none();
                         return free.then(|| Reclaim::Taken(blocks::allocate(spec, ip, record.clone())));
                     };
                     let step = reclaim_step(ClaimedRecord {
@@ -648,10 +650,12 @@ impl Core {
         let (pool, net) = (place.pool.name.to_string(), place.block);
         let block = pools::block_name(&pool, net);
         let (node, cooldown, owned) = (self.settings.node.clone(), self.settings.cooldown, record.clone());
+        let layout = place.layout.clone();
         // The node's own spare is kept from its other calls while this write takes it.
         let withdrawn = self.withdraw_spare(&block, ip);
         let take = move |spec: &mut IPBlockSpec| {
-            let taken = fixed::take(spec, &node, ip, &owned, Timestamp::now(), cooldown, withdrawn);
+            let asker = fixed::asker(&node, withdrawn, cooldown);
+            let taken = fixed::take(spec, &node, &layout, ip, &owned, &asker, Timestamp::now());
             (matches!(taken, Ok(Some(_))), taken)
         };
         let taken = self.take_fixed_written(&block, &pool, net, take).await;

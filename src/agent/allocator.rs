@@ -102,7 +102,8 @@ impl Handler<AnswerMarks> for NodeAllocator {
 }
 
 /// Tend the node's spare IPs ([`Core::tend_spares`]): write the records of bound spares, and
-/// reserve or give back spares; answers whether every write went through.
+/// reserve or give back spares, never while a node GC or mark answer runs; answers whether
+/// every write went through.
 #[derive(Message)]
 #[rtype(result = "bool")]
 pub struct TendSpares;
@@ -112,6 +113,9 @@ impl Handler<TendSpares> for NodeAllocator {
 
     fn handle(&mut self, _msg: TendSpares, _ctx: &mut Context<Self>) -> Self::Result {
         let core = self.core.clone();
-        Box::pin(async move { core.tend_spares().await })
+        Box::pin(async move {
+            let _beside = core.serial.beside_verbs().await;
+            core.tend_spares().await
+        })
     }
 }

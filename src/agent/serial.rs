@@ -52,7 +52,7 @@ impl Drop for KeyGuard<'_> {
 }
 
 /// The node's locks: the gate that node GC and release-mark answers take alone and the CNI
-/// verbs share, one lock per pod, and one per sticky workload (taken after the pod's).
+/// verbs and the spares' tending share, one lock per pod, and one per sticky workload (taken after the pod's).
 #[derive(Default)]
 pub struct Serial {
     gate: RwLock<()>,
@@ -80,6 +80,13 @@ impl Serial {
     /// names but share the VM's IPs.
     pub async fn workload(&self, workload: &str) -> KeyGuard<'_> {
         self.workloads.lock(workload).await
+    }
+
+    /// Waits until no node GC or mark answer runs, and keeps them out until dropped, beside
+    /// the CNI verbs: the spares' tending, whose block edits go through the same block writers
+    /// as the verbs' (decision 0016).
+    pub async fn beside_verbs(&self) -> RwLockReadGuard<'_, ()> {
+        self.gate.read().await
     }
 
     /// Waits until no CNI verb runs, and keeps them out until dropped.

@@ -16,7 +16,8 @@ use serde::Serialize;
 use super::index::PodFacts;
 use crate::crd::{Allocation, ClaimedInterface, ClaimedIp, IPBlock, IPClaimSpec, IPPool, PodRef};
 use crate::ipam::blocks::{self, Adopter};
-use crate::ipam::{fixed, pools, workload};
+use crate::ipam::free::{self, Asker};
+use crate::ipam::{PoolLayout, fixed, pools, workload};
 
 /// The network name adopted records carry unless told otherwise: the chart's
 /// `cni.networkName`, the `name` of the netconf it installs.
@@ -45,6 +46,9 @@ pub struct Adoption {
     /// adopted ([`sticky_claims`]).
     #[serde(skip)]
     pub pod_ips: Vec<IpAddr>,
+    /// The pool's layout the plan was made with, which [`apply`] checks the IP against again.
+    #[serde(skip)]
+    pub layout: PoolLayout,
 }
 
 /// An IP left alone, and why.
@@ -155,7 +159,7 @@ pub fn plan(
         match records.get(&(block.as_str(), text.as_str())) {
             Some(record) if record.pod.uid == pod.uid => {
                 out.skipped.push(skip(format!("already recorded for this pod in {block}")));
-                let adoption = adoption(pod, pool, &block, net, text.clone(), sticky_kinds);
+                let adoption = adoption(pod, (pool, layout), &block, net, text.clone(), sticky_kinds);
                 if adoption.adopter.sticky && blocks::adopted_by(record, Some(&pod.uid)) {
                     out.recorded.push(adoption);
                 }
@@ -165,13 +169,20 @@ pub fn plan(
                 pods: vec![named(&pod.pod_ref()), named(&record.pod)],
                 reason: format!("recorded in {block} for another pod"),
             }),
-            None => out.adopt.push(adoption(pod, pool, &block, net, text.clone(), sticky_kinds)),
+            None => out.adopt.push(adoption(pod, (pool, layout), &block, net, text.clone(), sticky_kinds)),
         }
     }
     out
 }
 
-fn adoption(pod: &PodFacts, pool: &str, block: &str, net: IpNet, ip: String, sticky_kinds: &[String]) -> Adoption {
+fn adoption(
+    pod: &PodFacts,
+    (pool, layout): (&str, &PoolLayout),
+    block: &str,
+    net: IpNet,
+    ip: String,
+    sticky_kinds: &[String],
+) -> Adoption {
     let sticky = workload::is_sticky(pod.owner.as_ref(), sticky_kinds);
     let adopter = Adopter { pod: pod.pod_ref(), node: pod.node.clone(), owner: pod.owner.clone(), sticky };
     let mut pod_ips: Vec<IpAddr> = pod.ips.iter().filter_map(|ip| ip.parse().ok()).collect();
@@ -186,6 +197,7 @@ fn adoption(pod: &PodFacts, pool: &str, block: &str, net: IpNet, ip: String, sti
         node: pod.node.clone(),
         adopter,
         pod_ips,
+        layout: layout.clone(),
     }
 }
 
@@ -217,7 +229,9 @@ pub fn apply(
     let mut written = Vec::new();
     for adoption in adoptions {
         let Ok(ip) = adoption.ip.parse::<IpAddr>() else { continue };
-        if spec.allocations.contains_key(&adoption.ip) {
+        // A live pod uses the IP: only a record (another pod's, or one written since the plan)
+        // or a pool edit since keeps it from the adopted record.
+        if free::hold(spec, &adoption.layout, ip, &Asker::ADOPT, now).is_some() {
             continue;
         }
         spec.spares.remove(&adoption.ip);

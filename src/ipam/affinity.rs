@@ -21,8 +21,8 @@ pub struct KnownBlock<'a> {
     pub net: IpNet,
     /// The node it is affine to, if any.
     pub affinity: Option<&'a str>,
-    /// How many records it holds, its spares counted ([`blocks::holds_nothing`]'s notion:
-    /// a block holding spares is nobody's to claim).
+    /// How many addresses it holds, its spares counted ([`blocks::held`]): a block holding
+    /// spares is nobody's to claim.
     pub records: usize,
 }
 
@@ -34,7 +34,7 @@ impl<'a> KnownBlock<'a> {
             name: block.metadata.name.as_deref()?,
             net: block.spec.cidr.parse().ok()?,
             affinity: block.spec.affinity.as_deref(),
-            records: block.spec.allocations.len() + block.spec.spares.len(),
+            records: blocks::held(&block.spec),
         })
     }
 }

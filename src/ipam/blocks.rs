@@ -42,10 +42,17 @@ pub fn allocate(spec: &mut IPBlockSpec, ip: IpAddr, allocation: Allocation) -> P
     }
 }
 
-/// Whether the block holds nothing: no record and no spare. Only then may its node's
-/// affinity go, or its pool's deletion remove it.
+/// How many addresses the block holds: its records, and its spares no record holds. The one
+/// count of "what is in a block" that its node's affinity, its pool's deletion and the pools
+/// that overlap it go by.
+pub fn held(spec: &IPBlockSpec) -> usize {
+    spec.allocations.len() + spec.spares.iter().filter(|ip| !spec.allocations.contains_key(*ip)).count()
+}
+
+/// Whether the block holds nothing ([`held`]): no record and no spare. Only then may its
+/// node's affinity go, or its pool's deletion remove it.
 pub fn holds_nothing(spec: &IPBlockSpec) -> bool {
-    spec.allocations.is_empty() && spec.spares.is_empty()
+    held(spec) == 0
 }
 
 /// Whether `record` still names the sandbox `container_id` / `ifname` (and, when given, the
@@ -576,6 +583,18 @@ pub(crate) mod test {
         let other =
             release_attachment(&mut spec.clone(), "10.0.0.5", "c2", "eth0", Some("u3"), false, Timestamp::UNIX_EPOCH);
         assert_eq!(other, ReleaseOutcome::NotOurs, "the target's sandbox under another pod UID is not ours");
+    }
+
+    #[test]
+    fn a_block_holds_its_records_and_the_spares_no_record_holds_each_once() {
+        let mut spec = IPBlockSpec::default();
+        assert_eq!((held(&spec), holds_nothing(&spec)), (0, true));
+        spec.spares.insert("10.0.0.4".into());
+        assert_eq!((held(&spec), holds_nothing(&spec)), (1, false), "a spare alone");
+        spec.allocations.insert("10.0.0.4".into(), record("u1", "c1"));
+        spec.allocations.insert("10.0.0.5".into(), record("u2", "c2"));
+        spec.spares.insert("10.0.0.6".into());
+        assert_eq!(held(&spec), 3, "a recorded spare counts once");
     }
 
     #[test]

@@ -19,6 +19,7 @@ use jiff::Timestamp;
 use super::PoolLayout;
 use super::affinity::{self, Use};
 use super::blocks;
+use super::free::{self, Asker, Hold, SpareRight};
 use super::pools::{self, OrphanedBlock, PodPlacement, PoolView};
 use crate::crd::{Allocation, IPBlockSpec, IPPoolSpec};
 
@@ -333,66 +334,73 @@ fn why_not_allocatable(spec: &IPPoolSpec, layout: &PoolLayout, ip: IpAddr) -> St
     "it lies outside the pool's spec.ranges".to_string()
 }
 
-/// Whether `record` may take `ip` of block `spec` now: free and past its cooldown, or held
-/// only by a reservation (no sandbox holds it) of the same pod name (a recreated StatefulSet
-/// pod's own sticky IP) or, for a list reservation, held for the same workload as `record`
-/// (`heldFor`: a pod of the workload whose list names the IP; a namesake outside it is not).
-/// A record of the same sandbox is the caller's idempotent case.
-pub fn check_free(
-    spec: &IPBlockSpec,
-    ip: IpAddr,
-    record: &Allocation,
-    now: Timestamp,
-    cooldown: Duration,
-) -> Result<(), FixedError> {
-    let key = ip.to_string();
-    if let Some(held) = spec.allocations.get(&key) {
-        let reservation = !blocks::may_be_attached(held);
-        let same_namespace = held.pod.namespace == record.pod.namespace;
-        let own_reservation = reservation
-            && same_namespace
-            && match held.held_for.as_ref() {
-                // A list reservation is its workload's, not its last pod's name's.
-                Some(workload) => record.held_for.as_ref() == Some(workload),
-                None => held.pod.name == record.pod.name,
-            };
-        if own_reservation {
-            return Ok(());
-        }
-        if let Some(workload) = held.held_for.as_ref().filter(|_| reservation) {
-            return Err(FixedError::Reserved {
-                ip,
-                workload: format!("{} {}/{}", workload.kind, held.pod.namespace, workload.name),
-                pod: format!("{}/{}", held.pod.namespace, held.pod.name),
-            });
-        }
-        return Err(FixedError::Held {
-            ip,
-            pod: format!("{}/{}", held.pod.namespace, held.pod.name),
-            node: held.node.clone(),
-        });
-    }
-    let released = spec.released.get(&key).map(|at| at.0);
-    match released.and_then(|at| at.checked_add(cooldown).ok()) {
-        Some(until) if !cooldown.is_zero() && until > now => Err(FixedError::Cooling { ip, until }),
-        _ => Ok(()),
-    }
+/// How a fixed or list IP's ADD on `node` asks for its IP ([`free::Asker`]): it binds the
+/// node's own spare only when `spare_withdrawn` (its agent kept the spare from its other calls
+/// first), and a release holds the IP back for `cooldown`.
+pub fn asker(node: &str, spare_withdrawn: bool, cooldown: Duration) -> Asker<'_> {
+    let spares = if spare_withdrawn { SpareRight::Own(node) } else { SpareRight::None };
+    Asker { spares, cooldown }
 }
 
-/// Takes `ip` of block `spec` for `record` on `node` ([`check_free`]): a free block is
-/// claimed for the node, as its first allocation there would; another node's block lends the
-/// IP. A spare IP is taken only when `spare_withdrawn` (the node's own spare, which its agent
-/// has kept from its other calls); otherwise its node holds it. Returns what the IP held
-/// before (for a rollback), or `None` when `record`'s sandbox holds it already (a retried
-/// ADD whose answer was lost: nothing to write).
+/// Whether `record` may take `ip` of block `spec` (of the pool laid out as `layout`) now, by
+/// [`free::hold`]; and where a record holds the IP, whether it is only a reservation (no
+/// sandbox holds it) of the same pod name (a recreated StatefulSet pod's own sticky IP) or, for
+/// a list reservation, held for the same workload as `record` (`heldFor`: a pod of the workload
+/// whose list names the IP; a namesake outside it is not). A record of the same sandbox is the
+/// caller's idempotent case.
+pub fn check_free(
+    spec: &IPBlockSpec,
+    layout: &PoolLayout,
+    ip: IpAddr,
+    record: &Allocation,
+    asker: &Asker<'_>,
+    now: Timestamp,
+) -> Result<(), FixedError> {
+    let held = match free::hold(spec, layout, ip, asker, now) {
+        None => return Ok(()),
+        Some(Hold::Record(held)) => held,
+        Some(Hold::Layout) => {
+            let reason = "the pool's current layout does not hand it out".to_string();
+            return Err(FixedError::NotAllocatable { ip, pool: spec.pool.clone(), reason });
+        }
+        Some(Hold::Spare(node)) => return Err(FixedError::Spare { ip, node: node.unwrap_or_default().to_string() }),
+        Some(Hold::Cooling { until }) => return Err(FixedError::Cooling { ip, until }),
+    };
+    let reservation = !blocks::may_be_attached(held);
+    let same_namespace = held.pod.namespace == record.pod.namespace;
+    let own_reservation = reservation
+        && same_namespace
+        && match held.held_for.as_ref() {
+            // A list reservation is its workload's, not its last pod's name's.
+            Some(workload) => record.held_for.as_ref() == Some(workload),
+            None => held.pod.name == record.pod.name,
+        };
+    if own_reservation {
+        return Ok(());
+    }
+    if let Some(workload) = held.held_for.as_ref().filter(|_| reservation) {
+        return Err(FixedError::Reserved {
+            ip,
+            workload: format!("{} {}/{}", workload.kind, held.pod.namespace, workload.name),
+            pod: format!("{}/{}", held.pod.namespace, held.pod.name),
+        });
+    }
+    Err(FixedError::Held { ip, pod: format!("{}/{}", held.pod.namespace, held.pod.name), node: held.node.clone() })
+}
+
+/// Takes `ip` of block `spec` for `record` on `node` ([`check_free`], asking as `asker`): a
+/// free block is claimed for the node, as its first allocation there would; another node's
+/// block lends the IP; the node's own spare, when `asker` may bind it, leaves the spares.
+/// Returns what the IP held before (for a rollback), or `None` when `record`'s sandbox holds it
+/// already (a retried ADD whose answer was lost: nothing to write).
 pub fn take(
     spec: &mut IPBlockSpec,
     node: &str,
+    layout: &PoolLayout,
     ip: IpAddr,
     record: &Allocation,
+    asker: &Asker<'_>,
     now: Timestamp,
-    cooldown: Duration,
-    spare_withdrawn: bool,
 ) -> Result<Option<blocks::Prior>, FixedError> {
     let key = ip.to_string();
     let mine = spec.allocations.get(&key).is_some_and(|held| {
@@ -401,12 +409,8 @@ pub fn take(
     if mine {
         return Ok(None);
     }
-    let spare = super::spares::is_bindable(spec, &key);
-    if spare && !(spare_withdrawn && spec.affinity.as_deref() == Some(node)) {
-        return Err(FixedError::Spare { ip, node: spec.affinity.clone().unwrap_or_default() });
-    }
-    check_free(spec, ip, record, now, cooldown)?;
-    if spare {
+    check_free(spec, layout, ip, record, asker, now)?;
+    if super::spares::is_bindable(spec, &key) {
         spec.spares.remove(&key);
     }
     affinity::take_for(spec, node, Use::Claim);
@@ -420,6 +424,10 @@ mod test {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use std::collections::BTreeMap;
     use std::sync::Arc;
+
+    fn layout() -> PoolLayout {
+        PoolLayout::new("10.0.0.0/24", &[], &[], None, None).unwrap()
+    }
 
     fn ip(text: &str) -> IpAddr {
         text.parse().unwrap()
@@ -586,7 +594,8 @@ mod test {
         spec.allocations.insert("10.0.0.8".into(), record("ns", "db-0", ""));
         spec.released.insert("10.0.0.9".into(), released_at);
         let me = record("ns", "db-0", "c2");
-        let check = |text: &str, cooldown| check_free(&spec, ip(text), &me, now, cooldown);
+        let check =
+            |text: &str, cooldown| check_free(&spec, &layout(), ip(text), &me, &asker("node-1", false, cooldown), now);
         assert_eq!(
             check("10.0.0.7", minute).unwrap_err().to_string(),
             "fixed IP 10.0.0.7 is held by pod ns/web on node node-1"
@@ -598,7 +607,10 @@ mod test {
         assert_eq!(check("10.0.0.9", Duration::from_secs(10)), Ok(()), "cooled down");
         assert_eq!(check("10.0.0.10", minute), Ok(()), "never used");
         let other = record("other", "db-0", "c3");
-        assert!(check_free(&spec, ip("10.0.0.8"), &other, now, minute).is_err(), "same name, other namespace");
+        assert!(
+            check_free(&spec, &layout(), ip("10.0.0.8"), &other, &asker("node-1", false, minute), now).is_err(),
+            "same name, other namespace"
+        );
     }
 
     #[test]
@@ -611,7 +623,9 @@ mod test {
         spec.allocations.insert("10.0.0.7".into(), reserved.clone());
         let attached = Allocation { container_id: "c1".into(), ..reserved };
         spec.allocations.insert("10.0.0.8".into(), attached);
-        let check = |text: &str, me: &Allocation| check_free(&spec, ip(text), me, now, Duration::ZERO);
+        let check = |text: &str, me: &Allocation| {
+            check_free(&spec, &layout(), ip(text), me, &asker("node-1", false, Duration::ZERO), now)
+        };
         let mut sibling = record("ns", "api-9c-fghij", "c2");
         sibling.held_for = held_for("Deployment", "api");
         assert_eq!(check("10.0.0.7", &sibling), Ok(()), "a pod of the workload takes its reservation back");
@@ -646,7 +660,14 @@ mod test {
             (held_for("Deployment", "api"), true, "a pod of the same name in the workload"),
         ];
         for (workload, free, case) in cases {
-            let checked = check_free(&spec, ip("10.0.0.7"), &namesake(workload), now, Duration::ZERO);
+            let checked = check_free(
+                &spec,
+                &layout(),
+                ip("10.0.0.7"),
+                &namesake(workload),
+                &asker("node-1", false, Duration::ZERO),
+                now,
+            );
             assert_eq!(checked.is_ok(), free, "{case}: {checked:?}");
         }
     }
@@ -656,18 +677,36 @@ mod test {
         let now = Timestamp::from_second(1_700_000_000).unwrap();
         let mut spec = IPBlockSpec::default();
         let me = record("ns", "web", "c1");
-        let prior = take(&mut spec, "node-1", ip("10.0.0.7"), &me, now, Duration::ZERO, false).unwrap();
+        let prior =
+            take(&mut spec, "node-1", &layout(), ip("10.0.0.7"), &me, &asker("node-1", false, Duration::ZERO), now)
+                .unwrap();
         assert_eq!(prior, Some(blocks::Prior::Free(None)));
         assert_eq!(spec.affinity.as_deref(), Some("node-1"), "the free block is claimed");
         assert_eq!(spec.allocations.get("10.0.0.7"), Some(&me));
         assert_eq!(
-            take(&mut spec, "node-1", ip("10.0.0.7"), &me, now, Duration::ZERO, false),
+            take(&mut spec, "node-1", &layout(), ip("10.0.0.7"), &me, &asker("node-1", false, Duration::ZERO), now),
             Ok(None),
             "same sandbox"
         );
-        let err = take(&mut spec, "node-2", ip("10.0.0.7"), &record("ns", "web2", "c2"), now, Duration::ZERO, false);
+        let err = take(
+            &mut spec,
+            "node-2",
+            &layout(),
+            ip("10.0.0.7"),
+            &record("ns", "web2", "c2"),
+            &asker("node-2", false, Duration::ZERO),
+            now,
+        );
         assert!(matches!(err, Err(FixedError::Held { .. })), "{err:?}");
-        let lent = take(&mut spec, "node-2", ip("10.0.0.8"), &record("ns", "web2", "c2"), now, Duration::ZERO, false);
+        let lent = take(
+            &mut spec,
+            "node-2",
+            &layout(),
+            ip("10.0.0.8"),
+            &record("ns", "web2", "c2"),
+            &asker("node-2", false, Duration::ZERO),
+            now,
+        );
         assert!(lent.is_ok(), "another node's block lends the IP: {lent:?}");
         assert_eq!(spec.affinity.as_deref(), Some("node-1"), "and stays node-1's");
     }
@@ -678,14 +717,29 @@ mod test {
         let mut spec = IPBlockSpec { affinity: Some("node-1".into()), ..IPBlockSpec::default() };
         spec.spares.insert("10.0.0.7".into());
         let me = record("ns", "web", "c1");
-        let other_node = take(&mut spec, "node-2", ip("10.0.0.7"), &me, now, Duration::ZERO, true);
+        let other_node =
+            take(&mut spec, "node-2", &layout(), ip("10.0.0.7"), &me, &asker("node-2", true, Duration::ZERO), now);
         assert_eq!(other_node, Err(FixedError::Spare { ip: ip("10.0.0.7"), node: "node-1".into() }));
         assert_eq!(other_node.unwrap_err().refusal(), Refusal::InUse);
-        let not_withdrawn = take(&mut spec, "node-1", ip("10.0.0.7"), &me, now, Duration::ZERO, false);
+        let not_withdrawn =
+            take(&mut spec, "node-1", &layout(), ip("10.0.0.7"), &me, &asker("node-1", false, Duration::ZERO), now);
         assert!(matches!(not_withdrawn, Err(FixedError::Spare { .. })), "{not_withdrawn:?}");
-        let taken = take(&mut spec, "node-1", ip("10.0.0.7"), &me, now, Duration::ZERO, true);
+        let taken =
+            take(&mut spec, "node-1", &layout(), ip("10.0.0.7"), &me, &asker("node-1", true, Duration::ZERO), now);
         assert_eq!(taken, Ok(Some(blocks::Prior::Free(None))));
         assert!(spec.spares.is_empty());
         assert_eq!(spec.allocations.get("10.0.0.7"), Some(&me));
+    }
+
+    #[test]
+    fn a_fixed_ip_the_pools_current_layout_excludes_is_refused_at_the_write() {
+        let now = Timestamp::from_second(1_700_000_000).unwrap();
+        let mut spec = IPBlockSpec { pool: "p".into(), ..IPBlockSpec::default() };
+        let edited = PoolLayout::new("10.0.0.0/24", &[], &["10.0.0.7"], None, None).unwrap();
+        let me = record("ns", "web", "c1");
+        let taken =
+            take(&mut spec, "node-1", &edited, ip("10.0.0.7"), &me, &asker("node-1", true, Duration::ZERO), now);
+        assert!(matches!(taken, Err(FixedError::NotAllocatable { .. })), "{taken:?}");
+        assert!(spec.allocations.is_empty() && spec.affinity.is_none());
     }
 }

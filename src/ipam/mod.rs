@@ -1,7 +1,7 @@
 //! The pure allocation domain: pool geometry and the choice of one IP within a block, which
 //! pool a pod uses and which blocks a pool owns (`pools`), which blocks a node tries first
 //! (`affinity`), the edits of a block's records (`blocks`), the IPs a pod asks for by name
-//! (`fixed`), the IPs a node holds ready (`spares`), and what a workload's owner wants
+//! (`fixed`), the IPs a node holds ready (`spares`), whether an IP may go to a request (`free`), and what a workload's owner wants
 //! (`workload`).
 //!
 //! Nothing here does I/O: the node agent and the controller feed it what they read and
@@ -11,6 +11,7 @@ pub mod affinity;
 pub mod blocks;
 mod choose;
 pub mod fixed;
+pub mod free;
 mod layout;
 pub mod pools;
 pub mod spares;

@@ -107,7 +107,7 @@ impl BlockSummary {
             name: block.name_any(),
             pool: block.spec.pool.clone(),
             cidr: block.spec.cidr.clone(),
-            records: block.spec.allocations.len() + block.spec.spares.len(),
+            records: super::blocks::held(&block.spec),
         }
     }
 }
@@ -435,12 +435,37 @@ fn family(layout: &PoolLayout) -> &'static str {
     if layout.family_is_v4() { "IPv4" } else { "IPv6" }
 }
 
-/// Why `pool` cannot serve the pod, or `None` when it can.
+/// Why `pool` cannot serve the pod, or `None` when it can: [`unusable_on_node`]'s reasons, and
+/// its namespace selector.
 pub(super) fn unusable(
     pool: &PoolView<'_>,
     placement: &PodPlacement<'_>,
     overlapping: &BTreeMap<String, BTreeSet<String>>,
 ) -> Option<String> {
+    if let Some(why) = unusable_state(pool, overlapping) {
+        return Some(why);
+    }
+    if !selector_matches(pool.spec.namespace_selector.as_ref(), placement.namespace_labels) {
+        return Some("its namespaceSelector does not match the pod's namespace".to_string());
+    }
+    node_unselected(pool, placement.node_labels)
+}
+
+/// Why no pod on a node labelled `node_labels` may take IPs of `pool`, whatever the pod and its
+/// namespace, or `None`: being deleted, disabled, without a valid layout, overlapping another pool
+/// or an orphaned block that holds records (`overlapping`, from [`overlaps`]), or not selecting
+/// the node. The one rule of "may this node use this pool" that ADDs ([`select`], through
+/// [`unusable`]) and the spares (`spares::kept_in`) share.
+pub fn unusable_on_node(
+    pool: &PoolView<'_>,
+    node_labels: &BTreeMap<String, String>,
+    overlapping: &BTreeMap<String, BTreeSet<String>>,
+) -> Option<String> {
+    unusable_state(pool, overlapping).or_else(|| node_unselected(pool, node_labels))
+}
+
+/// Why `pool` hands out nothing to anyone now, or `None`.
+fn unusable_state(pool: &PoolView<'_>, overlapping: &BTreeMap<String, BTreeSet<String>>) -> Option<String> {
     if pool.deleting {
         return Some(
             "it is being deleted: it hands out no IP, and goes once its pods have released theirs".to_string(),
@@ -458,13 +483,13 @@ pub(super) fn unusable(
         let others: Vec<&str> = others.iter().map(String::as_str).collect();
         return Some(format!("it overlaps {}", others.join(", ")));
     }
-    if !selector_matches(pool.spec.namespace_selector.as_ref(), placement.namespace_labels) {
-        return Some("its namespaceSelector does not match the pod's namespace".to_string());
-    }
-    if !selector_matches(pool.spec.node_selector.as_ref(), placement.node_labels) {
-        return Some("its nodeSelector does not match the node".to_string());
-    }
     None
+}
+
+/// Why `pool` does not serve a node labelled `node_labels`, or `None`.
+fn node_unselected(pool: &PoolView<'_>, node_labels: &BTreeMap<String, String>) -> Option<String> {
+    (!selector_matches(pool.spec.node_selector.as_ref(), node_labels))
+        .then(|| "its nodeSelector does not match the node".to_string())
 }
 
 /// The pools an interface of a pod allocates from ([`named_pools`]): those the pod's

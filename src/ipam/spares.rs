@@ -15,8 +15,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::affinity::{self, Use};
 use super::choose::{BlockUsage, choose_ip};
+use super::free::{self, Asker, Hold, SpareRight};
+use super::pools::PoolView;
 use super::{PoolLayout, blocks};
-use crate::crd::{Allocation, IPBlockSpec, IPPool};
+use crate::crd::{Allocation, IPBlockSpec};
 
 /// Whether `ip` is a spare of the block that no record holds: one its node's agent may bind.
 pub fn is_bindable(spec: &IPBlockSpec, ip: &str) -> bool {
@@ -39,35 +41,38 @@ pub fn bindable(spec: &IPBlockSpec) -> Vec<IpAddr> {
 }
 
 /// Whether a node labelled `node_labels` keeps spares in `pool`: only in the pools a stateless
-/// pod's first interface takes there without naming one (default, not disabled nor being
-/// deleted, selecting the node, not `Overlapping`), since only such ADDs bind spares. A pool
-/// the node allocated from for fixed or list IPs, or for a secondary network, keeps none: its
-/// spares would be the lowest free addresses, other workloads' fixed IPs, which other nodes
-/// could then never take (issue 26, F4).
-pub fn kept_in(pool: &IPPool, node_labels: &BTreeMap<String, String>) -> bool {
-    let overlapping = pool
-        .status
-        .iter()
-        .flat_map(|s| &s.conditions)
-        .any(|c| c.type_ == super::pools::OVERLAPPING_CONDITION && c.status == "True");
-    pool.spec.default
-        && !pool.spec.disabled
-        && pool.metadata.deletion_timestamp.is_none()
-        && !overlapping
-        && super::pools::selector_matches(pool.spec.node_selector.as_ref(), node_labels)
+/// pod's first interface takes there without naming one (default, and usable on the node by the
+/// same rule as every ADD's, [`super::pools::unusable_on_node`]: not being deleted nor disabled,
+/// with a valid layout, not overlapping (`overlapping`), selecting the node), since only such
+/// ADDs bind spares. A pool the node allocated from for fixed or list IPs, or for a secondary
+/// network, keeps none: its spares would be the lowest free addresses, other workloads' fixed
+/// IPs, which other nodes could then never take (issue 26, F4).
+pub fn kept_in(
+    pool: &PoolView<'_>,
+    node_labels: &BTreeMap<String, String>,
+    overlapping: &BTreeMap<String, BTreeSet<String>>,
+) -> bool {
+    pool.spec.default && super::pools::unusable_on_node(pool, node_labels, overlapping).is_none()
 }
 
-/// The bindable spares of the block ([`bindable`]) that the pool's current `layout` still hands
-/// out, in address order: the ones an ADD may bind. A spare the layout no longer allows (its pool
-/// edited since: `exclude`, `gateway` or `ranges`) is never bound, and is given back.
-pub fn bindable_in(spec: &IPBlockSpec, layout: &PoolLayout) -> Vec<IpAddr> {
-    bindable(spec).into_iter().filter(|ip| layout.is_allocatable(*ip)).collect()
+/// The spares of `node`'s block that an ADD of the node may bind now, in address order: those
+/// the one rule of [`free::hold`] leaves to the node (no record, and the pool's current
+/// `layout` still hands them out). A spare the layout no longer allows (its pool edited since:
+/// `exclude`, `gateway` or `ranges`) is never bound, and is given back ([`out_of_layout`]).
+pub fn bindable_in(spec: &IPBlockSpec, layout: &PoolLayout, node: &str) -> Vec<IpAddr> {
+    let asker = Asker { spares: SpareRight::Own(node), cooldown: Duration::ZERO };
+    let now = Timestamp::now();
+    bindable(spec).into_iter().filter(|ip| free::hold(spec, layout, *ip, &asker, now).is_none()).collect()
 }
 
 /// The bindable spares of the block that the pool's current `layout` no longer hands out: given
 /// back whatever the node's target.
 pub fn out_of_layout(spec: &IPBlockSpec, layout: &PoolLayout) -> Vec<IpAddr> {
-    bindable(spec).into_iter().filter(|ip| !layout.is_allocatable(*ip)).collect()
+    let now = Timestamp::now();
+    bindable(spec)
+        .into_iter()
+        .filter(|ip| free::hold(spec, layout, *ip, &Asker::ADOPT, now) == Some(Hold::Layout))
+        .collect()
 }
 
 /// Adds up to `count` IPs of block `net` (of the pool laid out as `layout`) to its spares:
@@ -333,39 +338,47 @@ mod test {
         spec.spares = ["10.0.0.4", "10.0.0.5", "10.0.0.6"].map(String::from).into();
         // The pool's layout after an edit: 10.0.0.5 excluded, 10.0.0.6 the gateway.
         let edited = PoolLayout::new("10.0.0.0/24", &[], &["10.0.0.5"], Some("10.0.0.6"), None).unwrap();
-        assert_eq!(bindable_in(&spec, &edited), vec![ip("10.0.0.4")]);
+        assert_eq!(bindable_in(&spec, &edited, "n1"), vec![ip("10.0.0.4")]);
         assert_eq!(out_of_layout(&spec, &edited), vec![ip("10.0.0.5"), ip("10.0.0.6")]);
-        assert_eq!(bindable_in(&spec, &layout()), vec![ip("10.0.0.4"), ip("10.0.0.5"), ip("10.0.0.6")]);
+        assert_eq!(bindable_in(&spec, &layout(), "n1"), vec![ip("10.0.0.4"), ip("10.0.0.5"), ip("10.0.0.6")]);
+        assert!(bindable_in(&spec, &layout(), "n2").is_empty(), "another node binds the spares");
         assert!(out_of_layout(&spec, &layout()).is_empty());
     }
 
     #[test]
     fn spares_are_kept_only_in_the_default_pools_a_stateless_pod_of_the_node_takes() {
-        let pool = |extra: serde_json::Value| -> IPPool {
-            let mut object = serde_json::json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPPool",
-                "metadata": {"name": "p"}, "spec": {"cidr": "10.0.0.0/24", "default": true}});
+        let spec = |extra: serde_json::Value| -> crate::crd::IPPoolSpec {
+            let mut spec = serde_json::json!({"cidr": "10.0.0.0/24", "default": true});
             for (key, value) in extra.as_object().into_iter().flatten() {
-                match key.as_str() {
-                    "metadata" | "status" => object[key] = value.clone(),
-                    _ => object["spec"][key] = value.clone(),
-                }
+                spec[key] = value.clone();
             }
-            serde_json::from_value(object).unwrap()
+            serde_json::from_value(spec).unwrap()
         };
         let labels = BTreeMap::from([("zone".to_string(), "a".to_string())]);
-        let overlapping = serde_json::json!({"conditions": [{"type": "Overlapping", "status": "True",
-            "reason": "CidrOverlap", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
+        // (the pool's spec, being deleted, overlapping another pool, kept)
         let cases = [
-            (serde_json::json!({}), true),
-            (serde_json::json!({"default": false}), false),
-            (serde_json::json!({"disabled": true}), false),
-            (serde_json::json!({"metadata": {"name": "p", "deletionTimestamp": "2026-01-01T00:00:00Z"}}), false),
-            (serde_json::json!({"status": overlapping}), false),
-            (serde_json::json!({"nodeSelector": {"matchLabels": {"zone": "b"}}}), false),
-            (serde_json::json!({"nodeSelector": {"matchLabels": {"zone": "a"}}}), true),
+            (serde_json::json!({}), false, false, true),
+            (serde_json::json!({"default": false}), false, false, false),
+            (serde_json::json!({"disabled": true}), false, false, false),
+            (serde_json::json!({}), true, false, false),
+            (serde_json::json!({}), false, true, false),
+            (serde_json::json!({"blockSize": 20}), false, false, false),
+            (serde_json::json!({"nodeSelector": {"matchLabels": {"zone": "b"}}}), false, false, false),
+            (serde_json::json!({"nodeSelector": {"matchLabels": {"zone": "a"}}}), false, false, true),
         ];
-        for (extra, kept) in cases {
-            assert_eq!(kept_in(&pool(extra.clone()), &labels), kept, "{extra}");
+        for (extra, deleting, overlaps, kept) in cases {
+            let set = super::super::pools::PoolSet::new([("p".to_string(), spec(extra.clone()), deleting)], []);
+            let views = set.views();
+            let overlapping = if overlaps {
+                BTreeMap::from([("p".to_string(), BTreeSet::from(["q".to_string()]))])
+            } else {
+                BTreeMap::new()
+            };
+            assert_eq!(
+                kept_in(&views[0], &labels, &overlapping),
+                kept,
+                "{extra}, deleting {deleting}, overlapping {overlaps}"
+            );
         }
     }
 

@@ -30,6 +30,7 @@ use tokio::sync::Notify;
 
 use super::core::Core;
 use crate::crd::IPBlock;
+use crate::ipam::pools::{self, PoolSet};
 use crate::ipam::{PoolLayout, spares};
 
 /// How often the spares are tended when no ADD wakes them: records that failed are written,
@@ -131,15 +132,39 @@ impl Core {
         in_checkpoint: &BTreeSet<IpAddr>,
     ) -> Vec<(String, IpAddr)> {
         own.iter()
-            .flat_map(|b| spares::bindable_in(&b.spec, layout).into_iter().map(|ip| (b.name_any(), ip)))
+            .flat_map(|b| {
+                spares::bindable_in(&b.spec, layout, &self.settings.node).into_iter().map(|ip| (b.name_any(), ip))
+            })
             .filter(|(_, ip)| !in_checkpoint.contains(ip))
             .collect()
     }
 
-    /// Whether this node keeps spares in the cached pool `pool` ([`spares::kept_in`]).
+    /// Whether this node keeps spares in the cached pool `pool` ([`Core::pools_keeping_spares`]).
     fn keeps_spares_in(&self, pool: &str) -> bool {
+        self.pools_keeping_spares().contains(pool)
+    }
+
+    /// The cached pools this node keeps spares in ([`spares::kept_in`]: by the pool checks its
+    /// ADDs make, on the same caches), and none while its Node is absent
+    /// ([`Core::node_registered`]).
+    fn pools_keeping_spares(&self) -> BTreeSet<String> {
+        if !self.node_registered() {
+            return BTreeSet::new();
+        }
         let labels = self.node_labels_cached();
-        self.pools.state().iter().any(|p| p.name_any() == pool && spares::kept_in(p, &labels))
+        let snapshot = self.pools.state();
+        let set = PoolSet::of(&snapshot, &self.known_blocks());
+        let views = set.views();
+        let overlapping = pools::overlaps(&views, set.orphans());
+        views.iter().filter(|v| spares::kept_in(v, &labels, &overlapping)).map(|v| v.name.to_string()).collect()
+    }
+
+    /// Whether the node cache holds this node's Node. While it does not (deleted with its agent
+    /// still running, or not registered yet) the node binds no spare and gives its spares back:
+    /// the leader clears a gone node's spares, and a spare bound then whose record could not be
+    /// written yet would go to another node's pod too (issue 26, S1).
+    fn node_registered(&self) -> bool {
+        self.node.get(&ObjectRef::new(&self.settings.node)).is_some()
     }
 
     /// This node's labels, as the node cache has them.

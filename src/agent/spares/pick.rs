@@ -9,11 +9,12 @@ use crate::agent::core::{Core, ResolvedPool};
 use crate::ipam::spares;
 
 impl Core {
-    /// Picks a spare of `pool` for an ADD, if the node keeps spares and has one ready: the
-    /// lowest bindable spare of its own blocks that no checkpoint entry and no other call
-    /// holds. The caller saves it in the checkpoint, then calls [`Core::spares_saved`].
+    /// Picks a spare of `pool` for an ADD, if the node keeps spares, its Node exists, and it has
+    /// one ready: the lowest bindable spare of its own blocks that no checkpoint entry and no
+    /// other call holds. The caller saves it in the checkpoint, then calls
+    /// [`Core::spares_saved`].
     pub(in crate::agent) fn pick_spare(&self, pool: &ResolvedPool) -> Option<CheckpointIp> {
-        if self.spares.wanted == 0 || pool.deleting {
+        if self.spares.wanted == 0 || pool.deleting || !self.node_registered() {
             return None;
         }
         let own = self.own_blocks_of(&pool.name, &pool.layout);
@@ -21,7 +22,7 @@ impl Core {
         let mut held = self.spares.held();
         let in_checkpoint = self.held_in_checkpoint();
         for block in &own {
-            let free = spares::bindable_in(&block.spec, &pool.layout)
+            let free = spares::bindable_in(&block.spec, &pool.layout, &self.settings.node)
                 .into_iter()
                 .find(|ip| !held.holds(ip) && !in_checkpoint.contains(ip));
             if let Some(ip) = free {

@@ -134,8 +134,7 @@ impl Core {
             .map(|b| b.spec.pool.clone())
             .collect();
         if self.spares.wanted > 0 {
-            let labels = self.node_labels_cached();
-            tended.extend(self.pools.state().iter().filter(|p| spares::kept_in(p, &labels)).map(|p| p.name_any()));
+            tended.extend(self.pools_keeping_spares());
         }
         tended
     }
