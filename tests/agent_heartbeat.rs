@@ -78,3 +78,39 @@ async fn a_leak_on_a_ready_node_whose_agent_is_gone_is_released_by_the_not_ready
         controller_metric(&ipwarden, controller, "ipwarden_gc_releases_total", &["reason=\"node_not_ready\""]).await;
     assert_eq!(released, 1.0, "only the dead agent's leak skipped the handshake");
 }
+
+/// Issue 24, problem 3: an agent started before its Node is registered (a DaemonSet pod on a
+/// joining node, an agent started ahead of its kubelet) waits for it, saying so, instead of
+/// exiting on the agent Lease it cannot own yet; once the Node exists it serves, and its pods
+/// get IPs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_started_before_its_node_is_registered_waits_for_it_and_then_serves() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pool = json!({"cidr": "10.75.0.0/24", "default": true});
+    let mut ipwarden = Ipwarden::without_agents(2, &[(POOL, pool)], support::network()).await;
+    // node-1's kubelet stops and its Node goes; its agent starts before it comes back.
+    ipwarden.cluster.delete_node(1).await.expect("node-1 deleted");
+    ipwarden.start_agent(0, &[]).await;
+    let waiting = ipwarden.spawn_agent_unwaited(1, &[]);
+    let log = ipwarden.agents[waiting].log().to_path_buf();
+    wait::until("the agent says it waits for its Node", TIMEOUT, || {
+        let exited = ipwarden.agents[waiting].ensure_running().err();
+        let log = log.clone();
+        async move {
+            if let Some(exited) = exited {
+                panic!("the agent exited while its Node was not registered: {exited}");
+            }
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            Ok(if text.contains("waiting for its Node") { Probe::Done(()) } else { Probe::Pending(text) })
+        }
+    })
+    .await
+    .expect("a log line saying what the agent waits for");
+
+    ipwarden.cluster.reregister_node(1).await.expect("node-1 registered");
+    ipwarden.wait_agent_serving(waiting).await;
+    support::create_pod(&ipwarden.client(), NS, "joined", "node-1", json!({"app": "joined"})).await;
+    let pods = support::wait_pods_with_ips(&ipwarden.client(), NS, "app=joined", 1).await;
+    let ip = support::ip_of(&pods["joined"]);
+    assert_eq!(records(&ipwarden.client()).await.get(&ip).map(|r| r.node.clone()), Some("node-1".to_string()));
+}

@@ -53,6 +53,37 @@ const MARK_RESCAN_INTERVAL: Duration = Duration::from_secs(5);
 /// How long the agent waits for its caches and CRDs at start.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// How often an agent waiting for its Node looks at its node cache again.
+const NODE_WAIT_POLL: Duration = Duration::from_secs(1);
+
+/// How often an agent still waiting for its Node says so again.
+const NODE_WAIT_LOG_INTERVAL: Duration = Duration::from_secs(60);
+
+/// Waits until the node cache holds Node `name`, saying what the agent waits for: an agent
+/// started before its kubelet registered the Node (a joining node, an agent started ahead of its
+/// kubelet) cannot own its agent Lease yet, and exiting would only crash-loop its pod until the
+/// Node comes (issue 24). It serves CNI calls once the Node exists.
+async fn wait_for_node(nodes: &reflector::Store<Node>, name: &str) {
+    let key = reflector::ObjectRef::new(name);
+    if nodes.get(&key).is_some() {
+        return;
+    }
+    let started = tokio::time::Instant::now();
+    let mut said: Option<tokio::time::Instant> = None;
+    while nodes.get(&key).is_none() {
+        if said.is_none_or(|at| at.elapsed() >= NODE_WAIT_LOG_INTERVAL) {
+            tracing::info!(
+                node = %name,
+                waited_seconds = started.elapsed().as_secs(),
+                "waiting for its Node to be registered by the node's kubelet: the agent Lease is owned by the Node, and CNI calls are served once it exists"
+            );
+            said = Some(tokio::time::Instant::now());
+        }
+        tokio::time::sleep(NODE_WAIT_POLL).await;
+    }
+    tracing::info!(node = %name, waited_seconds = started.elapsed().as_secs(), "its Node is registered");
+}
+
 /// The agent's flags; each has an environment fallback.
 #[derive(clap::Args, Debug, Clone)]
 pub struct AgentArgs {
@@ -282,6 +313,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         node: args.node_name.clone(),
         duration: Duration::from_secs(args.lease_duration_seconds),
     };
+    wait_for_node(&core.node, &args.node_name).await;
     heartbeat.renew().await.context("writing the agent Lease")?;
     tokio::spawn(heartbeat.run(Duration::from_secs(args.lease_renew_seconds.max(1))));
     // Spares ready before the first CNI call (a node taking its first burst).

@@ -96,14 +96,28 @@ impl Ipwarden {
     /// Starts an agent per node with `agent_args` and waits until each serves.
     pub async fn start_agents(&mut self, agent_args: &[&str]) {
         for index in 0..self.cluster.nodes().len() {
-            let port = e2e::process::free_port().expect("free port");
-            let agent = self.spawn_agent(index, port, agent_args);
-            self.agents.push(agent);
-            self.metrics_ports.push(port);
+            self.spawn_agent_unwaited(index, agent_args);
         }
         for index in 0..self.agents.len() {
             self.wait_agent_serving(index).await;
         }
+    }
+
+    /// Starts the agent of node `index` with `agent_args` and waits until it serves; agents
+    /// started one by one must be started in node order (the agent's index is its node's).
+    pub async fn start_agent(&mut self, index: usize, agent_args: &[&str]) {
+        let at = self.spawn_agent_unwaited(index, agent_args);
+        self.wait_agent_serving(at).await;
+    }
+
+    /// Starts the agent of node `index` without waiting for it to serve; returns its index
+    /// among the agents.
+    pub fn spawn_agent_unwaited(&mut self, index: usize, agent_args: &[&str]) -> usize {
+        let port = e2e::process::free_port().expect("free port");
+        let agent = self.spawn_agent(index, port, agent_args);
+        self.agents.push(agent);
+        self.metrics_ports.push(port);
+        self.agents.len() - 1
     }
 
     fn spawn_agent(&self, index: usize, metrics_port: u16, extra: &[&str]) -> Component {
