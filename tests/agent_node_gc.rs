@@ -1,5 +1,7 @@
 //! Node-side GC on the real control plane: the agent's start-up GC releases what no local
-//! pod holds, and the CNI GC verb releases every attachment the runtime no longer lists.
+//! pod holds, and the CNI GC verb releases every attachment the runtime no longer lists. The
+//! simulated runtime as the real ones behave: no CNI GC by default, three DELs per deletion,
+//! STATUS every 5 s.
 
 mod support;
 
@@ -98,8 +100,9 @@ async fn the_cni_gc_verb_releases_attachments_the_runtime_no_longer_lists() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gc_calls_during_a_burst_of_adds_release_nothing_just_allocated_and_reclaim_a_missed_del() {
     let mut network = support::network();
-    // The kubelet calls CNI GC every 300 ms with its live and in-flight sandboxes, as CRI-O does.
-    network.gc_interval = Some(std::time::Duration::from_millis(300));
+    // The kubelet calls CNI GC every 300 ms with its live and in-flight sandboxes: no runtime
+    // does, but it stages many GC calls against a burst of ADDs.
+    network.runtime_gc = e2e::cni::RuntimeGc::Every(std::time::Duration::from_millis(300));
     let ipwarden = Ipwarden::start_with_network(1, &pool(), &[], network).await;
     let client = ipwarden.client();
     let creations = (0..30).map(|i| {
@@ -133,4 +136,43 @@ async fn gc_calls_during_a_burst_of_adds_release_nothing_just_allocated_and_recl
     .await
     .expect("GC reclaims it");
     assert_eq!(records(&client).await.len(), 29, "only the deleted pod's IP went");
+}
+
+/// The simulated runtime behaves as containerd 2.4 does by default (issue 24): no CNI GC, STATUS
+/// about every 5 s, and a deleted pod's sandbox torn down with three DELs; the agent answers
+/// STATUS ready and releases the pod's IP once for the three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_runtime_polls_status_repeats_dels_and_the_ip_is_released_once() {
+    let ipwarden = Ipwarden::start(1, &pool(), &[]).await;
+    let client = ipwarden.client();
+    assert_eq!(support::network().runtime_gc, e2e::cni::RuntimeGc::Never, "containerd's default");
+    create_pod(&client, NS, "once", "node-0", json!({"app": "once"})).await;
+    let pods = wait_pods_with_ips(&client, NS, "app=once", 1).await;
+    let ip = ip_of(&pods["once"]);
+    Api::<Pod>::namespaced(client.clone(), NS).delete("once", &DeleteParams::default()).await.expect("delete");
+    e2e::wait::until("the pod's sandbox torn down and its record released", support::TIMEOUT, || async {
+        let torn_down = ipwarden.cluster.nodes()[0].sandboxes().is_empty();
+        let held = records(&client).await.contains_key(&ip);
+        Ok(if torn_down && !held {
+            e2e::wait::Probe::Done(())
+        } else {
+            e2e::wait::Probe::Pending(format!("sandbox up {}, record held {held}", !torn_down))
+        })
+    })
+    .await
+    .expect("the three DELs went through");
+    assert_eq!(ipwarden.cluster.nodes()[0].dels(), 3, "the runtime's DELs of the deleted pod");
+    let text = ipwarden.scrape_agent(0).await;
+    assert_eq!(support::metric(&text, r#"ipwarden_agent_releases_total{result="released"}"#), 1.0, "one release");
+    assert_eq!(support::metric(&text, r#"ipwarden_agent_releases_total{result="error"}"#), 0.0, "no failed DEL");
+    e2e::wait::until("two STATUS calls answered ready", support::TIMEOUT, || async {
+        let (ready, calls) = ipwarden.cluster.nodes()[0].network_status();
+        Ok(if ready && calls >= 2 {
+            e2e::wait::Probe::Done(())
+        } else {
+            e2e::wait::Probe::Pending(format!("ready {ready}, {calls} calls"))
+        })
+    })
+    .await
+    .expect("the runtime polls STATUS and the agent answers it");
 }

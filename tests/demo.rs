@@ -24,6 +24,7 @@ fn options(name: &str) -> UpOptions {
         agent_args: Vec::new(),
         controller_args: Vec::new(),
         demo: None,
+        runtime_gc: e2e::cni::RuntimeGc::default(),
     }
 }
 

@@ -440,9 +440,10 @@ async fn spares_of_a_block_whose_pool_vanished_go_back_so_a_new_pool_over_it_ser
 
 /// Issue 26, S1: the leader clears the spares of a Node that is gone; a spare its still-running
 /// agent bound meanwhile, whose record it had not written yet, would then go to another node's
-/// pod too. So a node whose Node object is gone binds none of its spares and gives them back;
-/// an ADD there gets an IP whose record is written before the answer, as without spares; once
-/// the Node is registered again, the spares come back.
+/// pod too. So a node whose Node object is gone gives its spares back and reserves none while
+/// it is gone (an ADD there then gets an IP as without spares); once the Node is registered
+/// again, the spares come back. (The ADD path's own check, which covers the moments before the
+/// next tending pass gives the spares back, is not staged here: nothing holds that pass.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_whose_node_object_is_gone_gives_its_spares_back_and_binds_none() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();

@@ -41,9 +41,8 @@ pub struct CniNetwork {
     pub plugin_dirs: Vec<PathBuf>,
     /// The network configuration given to the plugin on each node.
     pub netconf: NetconfFn,
-    /// When set, each node calls the CNI 1.1 GC verb this often with its live attachments,
-    /// as CRI-O does.
-    pub gc_interval: Option<Duration>,
+    /// When each node's runtime calls the CNI 1.1 GC verb with its live attachments.
+    pub runtime_gc: RuntimeGc,
     /// When set, the NetworkAttachmentDefinition (`namespace/name`) each Running pod's
     /// [`NETWORK_STATUS_ANNOTATION`] names with the pod's IPs, as Multus writes it: IPAMs
     /// whose controllers read that annotation (Whereabouts) need it to see which IPs are used.
@@ -52,6 +51,51 @@ pub struct CniNetwork {
     /// as its host would give them: simulated nodes share one host, so a plugin that names its
     /// node by the host (Whereabouts' node slices: `NODENAME` or `/etc/hostname`) needs it.
     pub node_env: Option<NodeEnvFn>,
+}
+
+/// When a simulated node's runtime calls the CNI 1.1 GC verb, as the real runtimes do
+/// (docs/testing.md, "Simulated nodes"). `never`, `startup` or a number of seconds on the
+/// command line.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RuntimeGc {
+    /// Never: containerd, which calls CNI GC in no release up to 2.4 (containerd/go-cni PR
+    /// #131, open since 2025-10), the runtime of kubeadm, kind, EKS, GKE and AKS.
+    #[default]
+    Never,
+    /// Once when the node's runtime starts, listing the sandboxes it has then: CRI-O 1.32 and
+    /// later. Here: once the plugin first answers it, since the harness starts its nodes before
+    /// the IPAM under test.
+    Startup,
+    /// Every so often: no runtime does; the harness's only way before issue 24, kept for the
+    /// tests of the GC verb itself.
+    Every(Duration),
+}
+
+impl std::str::FromStr for RuntimeGc {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<Self, Self::Err> {
+        match text {
+            "never" => Ok(Self::Never),
+            "startup" => Ok(Self::Startup),
+            seconds => match seconds.parse::<u64>() {
+                Ok(n) if n > 0 => Ok(Self::Every(Duration::from_secs(n))),
+                _ => Err(format!(
+                    "runtime GC {text:?}: expected never (containerd), startup (CRI-O) or a number of seconds above 0"
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for RuntimeGc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Never => write!(f, "never"),
+            Self::Startup => write!(f, "startup"),
+            Self::Every(interval) => write!(f, "{}", interval.as_secs()),
+        }
+    }
 }
 
 /// The pod annotation Multus writes with each attachment's network and IPs.
@@ -67,7 +111,7 @@ impl std::fmt::Debug for CniNetwork {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CniNetwork")
             .field("plugin_dirs", &self.plugin_dirs)
-            .field("gc_interval", &self.gc_interval)
+            .field("runtime_gc", &self.runtime_gc)
             .field("network_status", &self.network_status)
             .field("node_env", &self.node_env.is_some())
             .finish_non_exhaustive()
@@ -92,7 +136,7 @@ impl CniNetwork {
                     },
                 })
             }),
-            gc_interval: None,
+            runtime_gc: RuntimeGc::Never,
             network_status: None,
             node_env: None,
         }
@@ -287,6 +331,23 @@ pub fn with_valid_attachments(netconf: &Value, valid: &[Attachment]) -> Value {
 #[cfg(test)]
 mod test {
     use super::*;
+
+    #[test]
+    fn runtime_gc_reads_never_startup_or_seconds_and_writes_them_back() {
+        for (text, mode) in [
+            ("never", RuntimeGc::Never),
+            ("startup", RuntimeGc::Startup),
+            ("5", RuntimeGc::Every(Duration::from_secs(5))),
+        ] {
+            assert_eq!(text.parse::<RuntimeGc>(), Ok(mode));
+            assert_eq!(mode.to_string(), text);
+        }
+        for bad in ["0", "-1", "often", ""] {
+            let err = bad.parse::<RuntimeGc>().expect_err(bad);
+            assert!(err.contains(&format!("{bad:?}")) && err.contains("never"), "{err}");
+        }
+        assert_eq!(RuntimeGc::default(), RuntimeGc::Never, "containerd's behaviour by default");
+    }
 
     #[test]
     fn result_ips_strips_prefix_lengths_of_v4_and_v6() {

@@ -37,7 +37,7 @@ pub fn network(binary: &Path, plugin_dir: &Path) -> Result<CniNetwork> {
         netconf: Arc::new(
             |node| json!({"cniVersion": "1.1.0", "name": NETWORK, "type": "ipwarden-cni", "socket": node.dir.join("agent.sock")}),
         ),
-        gc_interval: None,
+        runtime_gc: crate::cni::RuntimeGc::Never,
         network_status: None,
         node_env: None,
     })

@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 
 use crate::cluster::{Cluster, ClusterOptions};
+use crate::cni::RuntimeGc;
 use crate::error::{Error, Result};
 use crate::ipwarden::Installation;
 
@@ -29,6 +30,8 @@ pub struct UpOptions {
     pub controller_args: Vec<String>,
     /// With the demo workload: how long between two pod deletions.
     pub demo: Option<Duration>,
+    /// When the simulated runtime calls CNI GC (default never, as containerd).
+    pub runtime_gc: RuntimeGc,
 }
 
 /// Where `up` writes what a person reads, one line per call: progress, the summary, the
@@ -69,7 +72,7 @@ impl Drop for Up {
 }
 
 /// A cluster of `nodes` nodes; with `ipwarden`, its CNI plugin (linked into `plugin_dir`) on
-/// every node, called with CNI GC every [`RUNTIME_GC_INTERVAL`], an agent per node (with
+/// every node, called with CNI GC as `runtime_gc` says, an agent per node (with
 /// `agent_args`), the default pool and two controller replicas (with `controller_args`),
 /// saying `progress` when ipwarden starts. `up` and the churn benchmark start their clusters
 /// with it.
@@ -79,6 +82,7 @@ pub async fn start_cluster(
     plugin_dir: &Path,
     agent_args: &[&str],
     controller_args: &[&str],
+    runtime_gc: RuntimeGc,
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<(Cluster, Option<Installation>)> {
     let binary = match ipwarden {
@@ -86,10 +90,7 @@ pub async fn start_cluster(
         None => None,
     };
     let network = match &binary {
-        Some(binary) => Some(crate::CniNetwork {
-            gc_interval: Some(RUNTIME_GC_INTERVAL),
-            ..crate::ipwarden::network(binary, plugin_dir)?
-        }),
+        Some(binary) => Some(crate::CniNetwork { runtime_gc, ..crate::ipwarden::network(binary, plugin_dir)? }),
         None => None,
     };
     let cluster = Cluster::start(ClusterOptions { nodes, network, ..ClusterOptions::default() }).await?;
@@ -105,11 +106,6 @@ pub async fn start_cluster(
     }
 }
 
-/// How often each simulated node's runtime calls CNI GC with its live sandboxes in the
-/// clusters `up` and the churn benchmark start for ipwarden, as a runtime does on a timer: a
-/// sandbox whose DEL was lost is then reported gone by the runtime, as on a real node.
-pub const RUNTIME_GC_INTERVAL: Duration = Duration::from_secs(5);
-
 /// How long the demo's pods may take to run, and its narration to list the IPBlocks.
 const DEMO_READY_TIMEOUT: Duration = Duration::from_secs(180);
 
@@ -122,8 +118,16 @@ pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
     let agent_args: Vec<&str> = options.agent_args.iter().map(String::as_str).collect();
     let controller_args: Vec<&str> = options.controller_args.iter().map(String::as_str).collect();
     let ipwarden = options.ipwarden.as_deref();
-    let (cluster, installation) =
-        start_cluster(options.nodes, ipwarden, &plugin_dir, &agent_args, &controller_args, say.as_ref()).await?;
+    let (cluster, installation) = start_cluster(
+        options.nodes,
+        ipwarden,
+        &plugin_dir,
+        &agent_args,
+        &controller_args,
+        options.runtime_gc,
+        say.as_ref(),
+    )
+    .await?;
     match demo_and_summary(options, state_dir, &cluster, installation.as_ref(), &say).await {
         Ok(tasks) => Ok(Up { tasks, _installation: installation, cluster, kubeconfig: options.kubeconfig.clone() }),
         Err(e) => {

@@ -130,7 +130,12 @@ impl Core {
             .buffer_unordered(STALE_PODS_AT_ONCE)
             .collect()
             .await;
-        released.into_iter().collect()
+        let mut errors = released.into_iter().filter_map(Result::err);
+        let Some(first) = errors.next() else { return Ok(()) };
+        for e in errors {
+            tracing::warn!(error = %e, "GC: releasing a stale attachment failed; the runtime's next GC retries");
+        }
+        Err(first)
     }
 
     /// CNI STATUS: ready once any IPPool exists. STATUS gates the node's readiness

@@ -38,6 +38,13 @@ pub struct Marked {
     pod: PodOnNode,
 }
 
+impl Marked {
+    /// When the record was marked, as read from the cache.
+    fn marked_at(&self) -> Timestamp {
+        self.record.release_handshake.as_ref().map_or(Timestamp::UNIX_EPOCH, |h| h.marked_at.0)
+    }
+}
+
 /// The answer decided for a [`Marked`] record with the node to itself.
 struct Decided {
     answer: AgentAnswer,
@@ -104,7 +111,7 @@ impl Core {
         // Until the runtime's first CNI GC since the agent started, the runtime has not
         // said which sandboxes it still has: count them as listed at the start.
         let listed_ago = listed_ago.or_else(|| self.runtime_gc_pending().then(|| self.started.elapsed()));
-        let marked_at = marked.record.release_handshake.as_ref().map_or(Timestamp::UNIX_EPOCH, |h| h.marked_at.0);
+        let marked_at = marked.marked_at();
         let marked_for = Duration::try_from(Timestamp::now().duration_since(marked_at)).unwrap_or(Duration::ZERO);
         let grace = self.settings.sandbox_grace;
         let sandbox = SandboxOnNode::of(!attached.is_empty(), listed_ago, grace);
@@ -134,7 +141,7 @@ impl Core {
                     .push((marked, decided));
             }
         }
-        let mut answered = 0;
+        let (mut answered, mut first_error) = (0, None);
         for ((block, pool, cidr), marks) in by_block {
             let answers: Vec<MarkAnswer> = marks
                 .iter()
@@ -142,6 +149,7 @@ impl Core {
                     Some(MarkAnswer {
                         ip: marked.ip.clone(),
                         uid: marked.record.pod.uid.clone(),
+                        marked_at: marked.marked_at(),
                         state: decided.answer.state()?,
                         detail: decided.detail.clone(),
                     })
@@ -154,12 +162,19 @@ impl Core {
                 })
                 .await?
                 .unwrap_or_default();
+            // Every answer written is followed up, whatever fails for another: the controller
+            // releases their records now, so a checkpoint entry left here would stay for good.
             for (marked, decided) in marks.iter().filter(|(m, _)| written.contains(&m.ip)) {
-                self.answered(marked, decided).await?;
-                answered += 1;
+                match self.answered(marked, decided).await {
+                    Ok(()) => answered += 1,
+                    Err(e) => {
+                        tracing::warn!(ip = %marked.ip, error = %e, "dropping the checkpoint entries of an IP answered ready-for-release failed");
+                        first_error.get_or_insert(e);
+                    }
+                }
             }
         }
-        Ok(answered)
+        first_error.map_or(Ok(answered), Err)
     }
 
     /// What follows a written answer: after `ready-for-release`, the checkpoint entries holding

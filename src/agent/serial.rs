@@ -89,7 +89,8 @@ impl Serial {
         self.gate.read().await
     }
 
-    /// Waits until no CNI verb runs, and keeps them out until dropped.
+    /// Waits until no CNI verb and no tending pass runs, and keeps them out until dropped;
+    /// while it waits, new verbs wait behind it (a tending pass under way delays them so).
     pub async fn alone(&self) -> RwLockWriteGuard<'_, ()> {
         self.gate.write().await
     }

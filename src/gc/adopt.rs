@@ -230,7 +230,8 @@ pub fn apply(
     for adoption in adoptions {
         let Ok(ip) = adoption.ip.parse::<IpAddr>() else { continue };
         // A live pod uses the IP: only a record (another pod's, or one written since the plan)
-        // or a pool edit since keeps it from the adopted record.
+        // keeps it from the adopted record; the layout is the plan's, which left out what the
+        // pool does not hand out.
         if free::hold(spec, &adoption.layout, ip, &Asker::ADOPT, now).is_some() {
             continue;
         }

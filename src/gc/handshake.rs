@@ -201,6 +201,9 @@ pub struct MarkAnswer {
     pub ip: String,
     /// The record's pod UID, as the answer was decided for.
     pub uid: String,
+    /// When the mark answered was made: a record marked again since waits for an answer of
+    /// its own (its sandbox grace counts from the new mark).
+    pub marked_at: Timestamp,
     /// The answer.
     pub state: HandshakeState,
     /// Why, for the record's `detail`.
@@ -208,8 +211,9 @@ pub struct MarkAnswer {
 }
 
 /// Writes `answers` into a block's records, all in one edit: each only where the record is
-/// still its pod's and still `marked-for-release` (a new record, a DEL or another answer since
-/// leaves it alone). Returns the IPs answered, in `answers`' order.
+/// still its pod's and still under the same `marked-for-release` mark (a new record, a DEL,
+/// another answer or a new mark since leaves it alone). Returns the IPs answered, in
+/// `answers`' order.
 pub fn write_answers(
     records: &mut std::collections::BTreeMap<String, Allocation>,
     answers: &[MarkAnswer],
@@ -217,7 +221,10 @@ pub fn write_answers(
     let mut written = Vec::new();
     for answer in answers {
         let Some(record) = records.get_mut(&answer.ip).filter(|r| r.pod.uid == answer.uid) else { continue };
-        let Some(handshake) = record.release_handshake.as_mut().filter(|h| h.state == HandshakeState::MarkedForRelease)
+        let Some(handshake) = record
+            .release_handshake
+            .as_mut()
+            .filter(|h| h.state == HandshakeState::MarkedForRelease && h.marked_at.0 == answer.marked_at)
         else {
             continue;
         };
@@ -352,10 +359,12 @@ mod test {
             ("10.0.0.3".to_string(), marked("new", HandshakeState::MarkedForRelease)),
             ("10.0.0.4".to_string(), marked("d", HandshakeState::DoNotRelease)),
             ("10.0.0.5".to_string(), crate::ipam::blocks::test::record("e", "c")),
+            ("10.0.0.9".to_string(), marked("g", HandshakeState::MarkedForRelease)),
         ]);
         let answer = |ip: &str, uid: &str, state| MarkAnswer {
             ip: ip.into(),
             uid: uid.into(),
+            marked_at: Timestamp::UNIX_EPOCH,
             state,
             detail: format!("because {uid}"),
         };
@@ -366,13 +375,18 @@ mod test {
             answer("10.0.0.4", "d", HandshakeState::ReadyForRelease),
             answer("10.0.0.5", "e", HandshakeState::ReadyForRelease),
             answer("10.0.0.6", "f", HandshakeState::ReadyForRelease),
+            MarkAnswer {
+                marked_at: Timestamp::from_second(60).unwrap(),
+                ..answer("10.0.0.9", "g", HandshakeState::ReadyForRelease)
+            },
         ];
         let before = records.clone();
         assert_eq!(write_answers(&mut records, &answers), ["10.0.0.1", "10.0.0.2"]);
         let state = |ip: &str| records[ip].release_handshake.as_ref().map(|h| (h.state, h.detail.clone()));
         assert_eq!(state("10.0.0.1"), Some((HandshakeState::ReadyForRelease, Some("because a".into()))));
         assert_eq!(state("10.0.0.2"), Some((HandshakeState::DoNotRelease, Some("because b".into()))));
-        for untouched in ["10.0.0.3", "10.0.0.4", "10.0.0.5"] {
+        // .9 was marked anew (at 0 s) after the answer's mark (at 60 s) was decided.
+        for untouched in ["10.0.0.3", "10.0.0.4", "10.0.0.5", "10.0.0.9"] {
             assert_eq!(records[untouched], before[untouched], "{untouched} changed");
         }
         assert!(!records.contains_key("10.0.0.6"), "an answer wrote a record");

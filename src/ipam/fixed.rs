@@ -363,7 +363,12 @@ pub fn check_free(
             let reason = "the pool's current layout does not hand it out".to_string();
             return Err(FixedError::NotAllocatable { ip, pool: spec.pool.clone(), reason });
         }
-        Some(Hold::Spare(node)) => return Err(FixedError::Spare { ip, node: node.unwrap_or_default().to_string() }),
+        Some(Hold::Spare(node)) => {
+            return Err(FixedError::Spare {
+                ip,
+                node: node.unwrap_or("(no node: a block without affinity)").to_string(),
+            });
+        }
         Some(Hold::Cooling { until }) => return Err(FixedError::Cooling { ip, until }),
     };
     let reservation = !blocks::may_be_attached(held);
@@ -732,7 +737,7 @@ mod test {
     }
 
     #[test]
-    fn a_fixed_ip_the_pools_current_layout_excludes_is_refused_at_the_write() {
+    fn a_fixed_ip_the_layout_does_not_hand_out_is_refused_by_take_too() {
         let now = Timestamp::from_second(1_700_000_000).unwrap();
         let mut spec = IPBlockSpec { pool: "p".into(), ..IPBlockSpec::default() };
         let edited = PoolLayout::new("10.0.0.0/24", &[], &["10.0.0.7"], None, None).unwrap();

@@ -59,16 +59,14 @@ pub fn kept_in(
 /// the one rule of [`free::hold`] leaves to the node (no record, and the pool's current
 /// `layout` still hands them out). A spare the layout no longer allows (its pool edited since:
 /// `exclude`, `gateway` or `ranges`) is never bound, and is given back ([`out_of_layout`]).
-pub fn bindable_in(spec: &IPBlockSpec, layout: &PoolLayout, node: &str) -> Vec<IpAddr> {
+pub fn bindable_in(spec: &IPBlockSpec, layout: &PoolLayout, node: &str, now: Timestamp) -> Vec<IpAddr> {
     let asker = Asker { spares: SpareRight::Own(node), cooldown: Duration::ZERO };
-    let now = Timestamp::now();
     bindable(spec).into_iter().filter(|ip| free::hold(spec, layout, *ip, &asker, now).is_none()).collect()
 }
 
 /// The bindable spares of the block that the pool's current `layout` no longer hands out: given
 /// back whatever the node's target.
-pub fn out_of_layout(spec: &IPBlockSpec, layout: &PoolLayout) -> Vec<IpAddr> {
-    let now = Timestamp::now();
+pub fn out_of_layout(spec: &IPBlockSpec, layout: &PoolLayout, now: Timestamp) -> Vec<IpAddr> {
     bindable(spec)
         .into_iter()
         .filter(|ip| free::hold(spec, layout, *ip, &Asker::ADOPT, now) == Some(Hold::Layout))
@@ -338,11 +336,11 @@ mod test {
         spec.spares = ["10.0.0.4", "10.0.0.5", "10.0.0.6"].map(String::from).into();
         // The pool's layout after an edit: 10.0.0.5 excluded, 10.0.0.6 the gateway.
         let edited = PoolLayout::new("10.0.0.0/24", &[], &["10.0.0.5"], Some("10.0.0.6"), None).unwrap();
-        assert_eq!(bindable_in(&spec, &edited, "n1"), vec![ip("10.0.0.4")]);
-        assert_eq!(out_of_layout(&spec, &edited), vec![ip("10.0.0.5"), ip("10.0.0.6")]);
-        assert_eq!(bindable_in(&spec, &layout(), "n1"), vec![ip("10.0.0.4"), ip("10.0.0.5"), ip("10.0.0.6")]);
-        assert!(bindable_in(&spec, &layout(), "n2").is_empty(), "another node binds the spares");
-        assert!(out_of_layout(&spec, &layout()).is_empty());
+        assert_eq!(bindable_in(&spec, &edited, "n1", at(0)), vec![ip("10.0.0.4")]);
+        assert_eq!(out_of_layout(&spec, &edited, at(0)), vec![ip("10.0.0.5"), ip("10.0.0.6")]);
+        assert_eq!(bindable_in(&spec, &layout(), "n1", at(0)), vec![ip("10.0.0.4"), ip("10.0.0.5"), ip("10.0.0.6")]);
+        assert!(bindable_in(&spec, &layout(), "n2", at(0)).is_empty(), "another node binds the spares");
+        assert!(out_of_layout(&spec, &layout(), at(0)).is_empty());
     }
 
     #[test]

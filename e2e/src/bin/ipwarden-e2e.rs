@@ -52,6 +52,11 @@ enum Command {
         /// `--controller-arg=--full-scan-interval-seconds=5`; repeat for more.
         #[arg(long = "controller-arg", value_name = "FLAG", allow_hyphen_values = true, requires = "ipwarden")]
         controller_args: Vec<String>,
+        /// When each simulated node's runtime calls CNI GC: `never` (containerd, the default),
+        /// `startup` (once at the runtime's start, as CRI-O) or every this many seconds (no
+        /// runtime does).
+        #[arg(long, default_value = "never", value_parser = clap::value_parser!(e2e::cni::RuntimeGc))]
+        runtime_gc: e2e::cni::RuntimeGc,
     },
     /// Measure an IPAM under pod churn: start a cluster running it (ipwarden as `up
     /// --ipwarden` does), create bare pods at a set rate round robin over the nodes, delete
@@ -114,12 +119,17 @@ enum Command {
         burst_timeout_seconds: u64,
         /// With --burst (ipwarden only): release marks staged on the first node right before each
         /// burst, records of gone pods whose sandboxes its runtime lost, which the node answers
-        /// while the burst's ADDs come in (docs/benchmarks.md, "ADDs while a node answers marks").
+        /// while the burst's ADDs come in (docs/benchmarks.md, "ADDs while a node answers release marks").
         #[arg(long, default_value_t = 0, requires = "burst", value_parser = clap::value_parser!(u64).range(0..=e2e::burst::MAX_MARKS as u64))]
         marks_per_burst: u64,
         /// `table` for people, `json` for scripts.
         #[arg(long, value_enum, default_value_t = Output::Table)]
         output: Output,
+        /// When each simulated node's runtime calls CNI GC: `never` (containerd, the default),
+        /// `startup` (once at the runtime's start, as CRI-O) or every this many seconds (no
+        /// runtime does).
+        #[arg(long, default_value = "never", value_parser = clap::value_parser!(e2e::cni::RuntimeGc))]
+        runtime_gc: e2e::cni::RuntimeGc,
     },
     /// Measure the controller at cluster scale: Node objects without kubelets, pods, records
     /// and claims written in bulk as kubelets and agents would, a controller pair; report its
@@ -184,9 +194,9 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
-        Command::Up { nodes, kubeconfig, demo, churn_seconds, ipwarden, agent_args, controller_args } => {
+        Command::Up { nodes, kubeconfig, demo, churn_seconds, ipwarden, agent_args, controller_args, runtime_gc } => {
             let demo = demo.then(|| Duration::from_secs(churn_seconds));
-            up(e2e::up::UpOptions { nodes, kubeconfig, ipwarden, agent_args, controller_args, demo }).await
+            up(e2e::up::UpOptions { nodes, kubeconfig, ipwarden, agent_args, controller_args, demo, runtime_gc }).await
         }
         Command::Churn {
             ipam,
@@ -205,6 +215,7 @@ async fn main() -> anyhow::Result<()> {
             burst_timeout_seconds,
             marks_per_burst,
             output,
+            runtime_gc,
         } => {
             let nodes = usize::try_from(nodes)?;
             if let Some(per_node) = burst {
@@ -219,7 +230,7 @@ async fn main() -> anyhow::Result<()> {
                     options.marks == 0 || ipam.iter().all(|i| *i == e2e::peers::Ipam::Ipwarden),
                     "--marks-per-burst stages ipwarden's release marks: measure --ipam ipwarden alone"
                 );
-                return burst_each(nodes, &ipam, ipwarden.as_deref(), &agent_args, &options, output).await;
+                return burst_each(nodes, &ipam, ipwarden.as_deref(), &agent_args, runtime_gc, &options, output).await;
             }
             anyhow::ensure!(
                 rate > 0.0 && rate <= 1000.0,
@@ -237,7 +248,7 @@ async fn main() -> anyhow::Result<()> {
             let storm = e2e::storm::StormOptions { cycles: storm_cycles, handover_timeout: STORM_HANDOVER_TIMEOUT };
             let mut reports = Vec::new();
             for ipam in ipam {
-                reports.push(churn(nodes, ipam, ipwarden.as_deref(), &agent_args, &options, &storm).await?);
+                reports.push(churn(nodes, ipam, ipwarden.as_deref(), &agent_args, runtime_gc, &options, &storm).await?);
             }
             for report in &reports {
                 match output {
@@ -338,6 +349,7 @@ async fn start_ipam(
     ipam: e2e::peers::Ipam,
     ipwarden: Option<&Path>,
     agent_args: &[String],
+    runtime_gc: e2e::cni::RuntimeGc,
     pool: Pool,
 ) -> anyhow::Result<(e2e::Cluster, e2e::peers::Installed)> {
     use e2e::peers::{Installed, Ipam, whereabouts};
@@ -349,14 +361,15 @@ async fn start_ipam(
                 let agent_args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
                 let plugin_dir = Path::new(CHURN_PLUGIN_DIR);
                 let (cluster, installation) =
-                    e2e::up::start_cluster(nodes, Some(binary), plugin_dir, &agent_args, &[], &|line| {
+                    e2e::up::start_cluster(nodes, Some(binary), plugin_dir, &agent_args, &[], runtime_gc, &|line| {
                         tracing::info!("{line}")
                     })
                     .await?;
                 return Ok((cluster, Installed::Ipwarden(installation.context("ipwarden was not started")?)));
             }
             let binary = std::fs::canonicalize(binary).with_context(|| format!("finding {}", binary.display()))?;
-            let network = Some(e2e::ipwarden::network(&binary, Path::new(CHURN_PLUGIN_DIR))?);
+            let network =
+                Some(e2e::CniNetwork { runtime_gc, ..e2e::ipwarden::network(&binary, Path::new(CHURN_PLUGIN_DIR))? });
             let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
             let cluster = e2e::Cluster::start(options).await.context("starting the test cluster")?;
             let spec =
@@ -374,7 +387,8 @@ async fn start_ipam(
             };
             let build = whereabouts::build().context("building Whereabouts")?;
             let kubeconfig = whereabouts::KubeconfigSlot::default();
-            let network = Some(whereabouts::network(&build, kubeconfig.clone(), &setup));
+            let network =
+                Some(e2e::CniNetwork { runtime_gc, ..whereabouts::network(&build, kubeconfig.clone(), &setup) });
             let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
             let cluster = e2e::Cluster::start(options).await.context("starting the test cluster")?;
             kubeconfig.get_or_init(|| cluster.kubeconfig().to_path_buf());
@@ -404,11 +418,12 @@ async fn churn(
     ipam: e2e::peers::Ipam,
     ipwarden: Option<&Path>,
     agent_args: &[String],
+    runtime_gc: e2e::cni::RuntimeGc,
     options: &e2e::churn::ChurnOptions,
     storm: &e2e::storm::StormOptions,
 ) -> anyhow::Result<e2e::churn::Report> {
     let measured = async {
-        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, agent_args, Pool::Churn).await?;
+        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, agent_args, runtime_gc, Pool::Churn).await?;
         eprintln!(
             "churn: {ipam} on a cluster ready ({} nodes, run dir {}); creating {} pods/s for {:?}",
             nodes,
@@ -423,7 +438,7 @@ async fn churn(
             report.storm_skipped = reason;
             return anyhow::Ok(report);
         }
-        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, &[], Pool::Storm).await?;
+        let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, &[], runtime_gc, Pool::Storm).await?;
         eprintln!(
             "storm: {ipam} on a cluster ready (run dir {}); {} handovers of 5 IPs",
             cluster.dir().display(),
@@ -456,13 +471,15 @@ async fn burst_each(
     ipams: &[e2e::peers::Ipam],
     ipwarden: Option<&Path>,
     agent_args: &[String],
+    runtime_gc: e2e::cni::RuntimeGc,
     options: &e2e::burst::BurstOptions,
     output: Output,
 ) -> anyhow::Result<()> {
     let mut reports = Vec::new();
     for &ipam in ipams {
         let measured = async {
-            let (cluster, installation) = start_ipam(nodes, ipam, ipwarden, agent_args, Pool::Churn).await?;
+            let (cluster, installation) =
+                start_ipam(nodes, ipam, ipwarden, agent_args, runtime_gc, Pool::Churn).await?;
             eprintln!(
                 "burst: {ipam} on a cluster ready ({nodes} nodes, run dir {}); {} bursts of {} pods on each node",
                 cluster.dir().display(),

@@ -24,9 +24,10 @@ use serde_json::json;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::cni::{CniNetwork, NodeInfo};
+use crate::cni::{CniNetwork, NodeInfo, RuntimeGc};
 use crate::error::{Error, Result};
 
+use pods::RuntimeCalls;
 pub use pods::{
     EXIT_CODE_ANNOTATION, EXTRA_INTERFACES_ANNOTATION, EXTRA_NETCONF_ANNOTATION, RUN_SECONDS_ANNOTATION,
     SKIP_DEL_ANNOTATION, STOP_SECONDS_ANNOTATION,
@@ -41,6 +42,10 @@ const LEASE_RENEW_INTERVAL: Duration = Duration::from_secs(3);
 /// How often a live node re-posts its status (real kubelets: every 5 minutes while the
 /// Lease is fresh; more often here so a recovered node turns Ready quickly).
 const STATUS_INTERVAL: Duration = Duration::from_secs(10);
+
+/// How soon a node whose runtime calls CNI GC once at its start ([`RuntimeGc::Startup`]) tries
+/// again while the plugin does not answer yet.
+const STARTUP_GC_RETRY: Duration = Duration::from_secs(1);
 
 /// The lease duration a node announces; the node lifecycle controller uses its own
 /// `--node-monitor-grace-period` to decide a node is lost.
@@ -119,6 +124,7 @@ pub struct NodeHandle {
     faults: Arc<Faults>,
     alive: watch::Sender<bool>,
     sandboxes: Arc<Mutex<HashMap<String, Sandbox>>>,
+    calls: Arc<RuntimeCalls>,
     tasks: JoinSet<()>,
 }
 
@@ -154,6 +160,17 @@ impl NodeHandle {
         self.sandboxes.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
+    /// What the runtime's CNI STATUS calls answered: whether the last succeeded, and how many
+    /// were made.
+    pub fn network_status(&self) -> (bool, u64) {
+        (self.calls.ready.load(Ordering::Relaxed), self.calls.status.load(Ordering::Relaxed))
+    }
+
+    /// How many CNI DEL calls of this node's runtime succeeded.
+    pub fn dels(&self) -> u64 {
+        self.calls.dels.load(Ordering::Relaxed)
+    }
+
     /// Stops the node's kubelet tasks (the Node object stays).
     pub fn stop(&mut self) {
         self.tasks.abort_all();
@@ -174,6 +191,7 @@ pub async fn start_node(
     let (alive, alive_rx) = watch::channel(true);
     let faults = Arc::new(Faults::default());
     let sandboxes = Arc::new(Mutex::new(HashMap::new()));
+    let calls = Arc::new(RuntimeCalls::default());
     let mut tasks = JoinSet::new();
     tasks.spawn(heartbeat(client.clone(), info.name.clone(), node_uid, alive_rx.clone()));
     let pods = pods::NodeRuntime {
@@ -185,12 +203,20 @@ pub async fn start_node(
         sandboxes: sandboxes.clone(),
         pending: Arc::default(),
         gc_gate: Arc::default(),
+        calls: calls.clone(),
     };
-    if let Some(interval) = pods.network.gc_interval {
-        tasks.spawn(pods.clone().gc_loop(interval));
+    tasks.spawn(pods.clone().status_loop());
+    match pods.network.runtime_gc {
+        RuntimeGc::Never => {}
+        RuntimeGc::Startup => {
+            tasks.spawn(pods.clone().gc_loop(STARTUP_GC_RETRY, true));
+        }
+        RuntimeGc::Every(interval) => {
+            tasks.spawn(pods.clone().gc_loop(interval, false));
+        }
     }
     tasks.spawn(pods.run());
-    Ok(NodeHandle { info, faults, alive, sandboxes, tasks })
+    Ok(NodeHandle { info, faults, alive, sandboxes, calls, tasks })
 }
 
 /// Creates the Node (or finds it, on re-registration), posts its status, returns its UID.

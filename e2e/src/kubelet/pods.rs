@@ -3,6 +3,7 @@
 //! asks for, level-triggered, like a kubelet's pod worker.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -27,6 +28,37 @@ pub const RUN_SECONDS_ANNOTATION: &str = "e2e.ipwarden.io/run-seconds";
 /// Pod annotation: the exit code of a completing pod (default 0 = Succeeded; non-zero =
 /// Failed).
 pub const EXIT_CODE_ANNOTATION: &str = "e2e.ipwarden.io/exit-code";
+
+/// How often the runtime asks the network plugin for its STATUS: about every 5 s, as
+/// containerd 2.4 does (observed on a real node, issue 24).
+const STATUS_INTERVAL: Duration = Duration::from_secs(5);
+
+/// What a node's runtime asked its network plugin, for tests of the runtime's behaviour.
+#[derive(Debug, Default)]
+pub struct RuntimeCalls {
+    /// Whether the last CNI STATUS call succeeded ([`NodeRuntime::status_loop`]).
+    pub ready: AtomicBool,
+    /// How many STATUS calls were made.
+    pub status: AtomicU64,
+    /// How many DEL calls succeeded.
+    pub dels: AtomicU64,
+}
+
+/// Whether a network configured for CNI `version` gets STATUS calls: 1.1.0 and later.
+fn speaks_status(version: &str) -> bool {
+    let mut parts = version.split('.').map(|p| p.parse::<u64>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    (major, minor) >= (1, 1)
+}
+
+/// How many times the runtime tears a deleted pod's sandbox down with CNI DEL: containerd 2.4
+/// under kubelet 1.37 calls it at the sandbox's stop and again at its removal, up to three
+/// times in all (observed on a real node, issue 24); an IPAM must answer every one alike.
+const DELS_PER_DELETION: usize = 3;
+
+/// How many times the runtime calls CNI DEL for a sandbox whose ADD failed: containerd's own
+/// clean-up, then kubelet's removal of the sandbox (observed on a real node, issue 24).
+const DELS_PER_FAILED_ADD: usize = 2;
 
 /// Pod annotation: when "true", the runtime loses this pod's CNI DEL, as the node-wide
 /// [`Faults::set_skip_del`] does for every pod: the IP leaks for the GC to find.
@@ -69,6 +101,8 @@ pub(super) struct NodeRuntime {
     /// GC takes it for writing while it lists and calls; an ADD takes it for reading only to
     /// register as pending, so no ADD starts between the list and the GC call.
     pub(super) gc_gate: Arc<tokio::sync::RwLock<()>>,
+    /// What the runtime asked the plugin.
+    pub(super) calls: Arc<RuntimeCalls>,
 }
 
 impl NodeRuntime {
@@ -120,10 +154,42 @@ impl NodeRuntime {
         tasks.spawn(self.clone().work(uid, receiver));
     }
 
-    /// Calls the CNI GC verb every `interval` with the node's live attachments. Until a call
-    /// first succeeds the plugin's IPAM may not serve yet (the node registers before its agent
-    /// starts), so failures until then are logged at debug, later ones as warnings.
-    pub(super) async fn gc_loop(self, interval: Duration) {
+    /// Calls the CNI 1.1 STATUS verb every [`STATUS_INTERVAL`] while the node is alive, as
+    /// containerd 2.4 does (containerd 1.6 never did; a network configured for CNI before 1.1
+    /// gets no STATUS), and keeps the last answer and the number of calls in `calls`. The simulated kubelet does not turn the Node NotReady on a failure, as a real
+    /// one does: the harness's clusters start their nodes before the IPAM under test.
+    pub(super) async fn status_loop(self) {
+        let netconf = (self.network.netconf)(&self.node);
+        let version = netconf.get("cniVersion").and_then(Value::as_str).unwrap_or("");
+        if !speaks_status(version) {
+            return;
+        }
+        let mut alive = self.alive.clone();
+        loop {
+            tokio::time::sleep(STATUS_INTERVAL).await;
+            if alive.wait_for(|up| *up).await.is_err() {
+                return;
+            }
+            let call = Invocation { command: "STATUS", container_id: "", ifname: "", pod: None, netconf: &netconf };
+            let ready = match self.network.invoke_on(&self.node, &call).await {
+                Ok(_) => true,
+                Err(e) => {
+                    tracing::debug!(node = %self.node.name, error = %e, "CNI STATUS: the network is not ready");
+                    false
+                }
+            };
+            self.calls.status.fetch_add(1, Ordering::Relaxed);
+            if self.calls.ready.swap(ready, Ordering::Relaxed) != ready {
+                tracing::info!(node = %self.node.name, ready, "CNI STATUS: the network's readiness changed");
+            }
+        }
+    }
+
+    /// Calls the CNI GC verb every `interval` with the node's live attachments; with `once`,
+    /// only until a call succeeds (CRI-O's one call at its start). Until a call first succeeds
+    /// the plugin's IPAM may not serve yet (the node registers before its agent starts), so
+    /// failures until then are logged at debug, later ones as warnings.
+    pub(super) async fn gc_loop(self, interval: Duration, once: bool) {
         let mut alive = self.alive.clone();
         let mut served = false;
         loop {
@@ -149,6 +215,7 @@ impl NodeRuntime {
             let netconf = cni::with_valid_attachments(&(self.network.netconf)(&self.node), &valid);
             let call = Invocation { command: "GC", container_id: "", ifname: "", pod: None, netconf: &netconf };
             match self.network.invoke_on(&self.node, &call).await {
+                Ok(_) if once => return,
                 Ok(_) => served = true,
                 Err(e) if served => tracing::warn!(node = %self.node.name, error = %e, "CNI GC failed"),
                 Err(e) => tracing::debug!(node = %self.node.name, error = %e, "CNI GC failed; not served yet"),
@@ -228,13 +295,16 @@ impl NodeRuntime {
             state.orphans.clear();
         }
         while let Some(container_id) = state.orphans.last() {
-            for ifname in state.ifnames.iter().rev() {
-                let netconf = self.netconf_for(&state.netconfs, ifname);
-                let call =
-                    Invocation { command: "DEL", container_id, ifname, pod: state.args.as_ref(), netconf: &netconf };
-                if let Err(e) = self.network.invoke_on(&self.node, &call).await {
-                    tracing::warn!(node = %self.node.name, pod_uid = %uid, error = %e, "CNI DEL of a failed sandbox failed; retrying");
-                    return false;
+            for _ in 0..DELS_PER_FAILED_ADD {
+                for ifname in state.ifnames.iter().rev() {
+                    let netconf = self.netconf_for(&state.netconfs, ifname);
+                    let pod = state.args.as_ref();
+                    let call = Invocation { command: "DEL", container_id, ifname, pod, netconf: &netconf };
+                    if let Err(e) = self.network.invoke_on(&self.node, &call).await {
+                        tracing::warn!(node = %self.node.name, pod_uid = %uid, error = %e, "CNI DEL of a failed sandbox failed; retrying");
+                        return false;
+                    }
+                    self.calls.dels.fetch_add(1, Ordering::Relaxed);
                 }
             }
             state.orphans.pop();
@@ -403,9 +473,13 @@ impl NodeRuntime {
         } else {
             let (namespace, name) = sandbox.pod.split_once('/').unwrap_or(("", &sandbox.pod));
             let args = PodArgs { namespace: namespace.to_string(), name: name.to_string(), uid: uid.to_string() };
-            // Secondary interfaces first, the pod's own last, as Multus tears them down.
+            // Secondary interfaces first, the pod's own last, as Multus tears them down; the
+            // whole teardown as often as containerd's sandbox stop and removal call it.
             let own = (sandbox.ifname.clone(), sandbox.result.clone());
-            for (ifname, result) in sandbox.extra.iter().rev().chain(std::iter::once(&own)) {
+            let mut interfaces: Vec<(String, Value)> = sandbox.extra.iter().rev().cloned().collect();
+            interfaces.push(own);
+            let rounds: Vec<(String, Value)> = (0..DELS_PER_DELETION).flat_map(|_| interfaces.clone()).collect();
+            for (ifname, result) in &rounds {
                 let netconf = cni::with_prev_result(&self.netconf_for(&state.netconfs, ifname), result);
                 let call = Invocation {
                     command: "DEL",
@@ -418,6 +492,7 @@ impl NodeRuntime {
                     tracing::warn!(node = %self.node.name, pod = %sandbox.pod, %ifname, error = %e, "CNI DEL failed; retrying");
                     return false;
                 }
+                self.calls.dels.fetch_add(1, Ordering::Relaxed);
             }
         }
         self.record_sandbox(uid, None);
@@ -609,6 +684,15 @@ fn terminated_status(pod: &Pod, uid: &str, exit_code: u64, started: Timestamp) -
 #[cfg(test)]
 mod test {
     use super::*;
+
+    #[test]
+    fn only_networks_configured_for_cni_1_1_or_later_get_status_calls() {
+        for (version, speaks) in
+            [("1.1.0", true), ("1.2.0", true), ("2.0.0", true), ("1.0.0", false), ("0.4.0", false), ("", false)]
+        {
+            assert_eq!(speaks_status(version), speaks, "{version}");
+        }
+    }
 
     fn pod(annotations: Value) -> Pod {
         serde_json::from_value(json!({

@@ -134,7 +134,7 @@ pub fn network(build_dir: &Path, kubeconfig: KubeconfigSlot, setup: &Setup) -> C
         netconf: Arc::new(move |node| {
             netconf(node, kubeconfig.get().map_or(Path::new(""), PathBuf::as_path), &for_netconf)
         }),
-        gc_interval: None,
+        runtime_gc: crate::cni::RuntimeGc::Never,
         network_status: Some(format!("{POOL_NAMESPACE}/{NETWORK}")),
         node_env,
     }

@@ -7,7 +7,7 @@ impl Core {
     pub(super) fn count_ready_spares(&self) {
         let in_checkpoint = self.held_in_checkpoint();
         self.metrics.spare_ips.clear();
-        for pool in self.pools_to_tend() {
+        for pool in self.pools_to_tend(&self.pools_keeping_spares()) {
             let Some(resolved) = self.resolve_pool(&pool) else { continue };
             let own = self.own_blocks_of(&pool, &resolved.layout);
             let ready = self.ready_spares(&own, &resolved.layout, &in_checkpoint).len();

@@ -133,21 +133,18 @@ impl Core {
     ) -> Vec<(String, IpAddr)> {
         own.iter()
             .flat_map(|b| {
-                spares::bindable_in(&b.spec, layout, &self.settings.node).into_iter().map(|ip| (b.name_any(), ip))
+                spares::bindable_in(&b.spec, layout, &self.settings.node, jiff::Timestamp::now())
+                    .into_iter()
+                    .map(|ip| (b.name_any(), ip))
             })
             .filter(|(_, ip)| !in_checkpoint.contains(ip))
             .collect()
     }
 
-    /// Whether this node keeps spares in the cached pool `pool` ([`Core::pools_keeping_spares`]).
-    fn keeps_spares_in(&self, pool: &str) -> bool {
-        self.pools_keeping_spares().contains(pool)
-    }
-
     /// The cached pools this node keeps spares in ([`spares::kept_in`]: by the pool checks its
     /// ADDs make, on the same caches), and none while its Node is absent
     /// ([`Core::node_registered`]).
-    fn pools_keeping_spares(&self) -> BTreeSet<String> {
+    pub(super) fn pools_keeping_spares(&self) -> BTreeSet<String> {
         if !self.node_registered() {
             return BTreeSet::new();
         }

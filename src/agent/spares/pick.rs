@@ -21,8 +21,9 @@ impl Core {
         // Held first: a spare let go of after this point is in the checkpoint already.
         let mut held = self.spares.held();
         let in_checkpoint = self.held_in_checkpoint();
+        let now = jiff::Timestamp::now();
         for block in &own {
-            let free = spares::bindable_in(&block.spec, &pool.layout, &self.settings.node)
+            let free = spares::bindable_in(&block.spec, &pool.layout, &self.settings.node, now)
                 .into_iter()
                 .find(|ip| !held.holds(ip) && !in_checkpoint.contains(ip));
             if let Some(ip) = free {

@@ -70,8 +70,10 @@ impl Core {
             for (ip, block) in self.withdrawn_by_copy().0 {
                 plans.entry(block).or_default().tending.give_back.push(ip);
             }
-            for pool in self.pools_to_tend() {
-                self.plan_pool(&pool, &mut plans);
+            // Which pools keep spares: worked out once a pass, from the caches as they are now.
+            let kept = self.pools_keeping_spares();
+            for pool in self.pools_to_tend(&kept) {
+                self.plan_pool(&pool, &kept, &mut plans);
             }
             self.plan_orphaned(&mut plans);
         }
@@ -122,10 +124,10 @@ impl Core {
     }
 
     /// The pools whose spares this node tends: with `--spare-ips` above 0, those it keeps
-    /// spares in ([`spares::kept_in`]: where its stateless pods go, so even its first burst finds
-    /// spares), and every pool where it still holds spares (from an earlier run, or a pool that
-    /// no longer keeps them), to give them back.
-    pub(super) fn pools_to_tend(&self) -> BTreeSet<String> {
+    /// spares in (`kept`, [`Core::pools_keeping_spares`]: where its stateless pods go, so even its
+    /// first burst finds spares), and every pool where it still holds spares (from an earlier
+    /// run, or a pool that no longer keeps them), to give them back.
+    pub(super) fn pools_to_tend(&self, kept: &BTreeSet<String>) -> BTreeSet<String> {
         let node = self.settings.node.as_str();
         let mut tended: BTreeSet<String> = self
             .known_blocks()
@@ -134,19 +136,20 @@ impl Core {
             .map(|b| b.spec.pool.clone())
             .collect();
         if self.spares.wanted > 0 {
-            tended.extend(self.pools_keeping_spares());
+            tended.extend(kept.iter().cloned());
         }
         tended
     }
 
     /// Plans what the node's blocks of `pool` get to bring its ready spares to their target:
     /// spares to reserve, block by block (as many as each has ready IPs for, then in a free
-    /// block it claims), or spares to give back, withdrawn so no ADD takes them meanwhile.
-    fn plan_pool(&self, pool: &str, plans: &mut BTreeMap<String, Planned>) {
+    /// block it claims), or spares to give back, withdrawn so no ADD takes them meanwhile; none
+    /// are kept unless `kept` (the pools keeping spares) names the pool.
+    fn plan_pool(&self, pool: &str, kept: &BTreeSet<String>, plans: &mut BTreeMap<String, Planned>) {
         let Some(resolved) = self.resolve_pool(pool) else { return };
         let own = self.own_blocks_of(pool, &resolved.layout);
         let free = self.free_blocks(pool, &resolved.layout);
-        let usable = self.keeps_spares_in(pool);
+        let usable = kept.contains(pool);
         // Spares never take the pool's last free block: that one goes to a node's first pod.
         let target = if usable { spares::target(self.spares.wanted, !free.is_empty()) } else { 0 };
         // Held first, then the checkpoint: a pick let go of after this is in the checkpoint.
@@ -155,7 +158,11 @@ impl Core {
         // Spares the pool's current layout no longer hands out go back whatever the target.
         let stale: Vec<(String, IpAddr)> = own
             .iter()
-            .flat_map(|b| spares::out_of_layout(&b.spec, &resolved.layout).into_iter().map(|ip| (b.name_any(), ip)))
+            .flat_map(|b| {
+                spares::out_of_layout(&b.spec, &resolved.layout, Timestamp::now())
+                    .into_iter()
+                    .map(|ip| (b.name_any(), ip))
+            })
             .filter(|(_, ip)| !in_checkpoint.contains(ip) && !held.holds(ip))
             .collect();
         for (block, ip) in &stale {
