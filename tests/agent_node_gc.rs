@@ -150,18 +150,19 @@ async fn the_default_runtime_polls_status_repeats_dels_and_the_ip_is_released_on
     let pods = wait_pods_with_ips(&client, NS, "app=once", 1).await;
     let ip = ip_of(&pods["once"]);
     Api::<Pod>::namespaced(client.clone(), NS).delete("once", &DeleteParams::default()).await.expect("delete");
-    e2e::wait::until("the pod's sandbox torn down and its record released", support::TIMEOUT, || async {
-        let torn_down = ipwarden.cluster.nodes()[0].sandboxes().is_empty();
+    // One DEL at the sandbox's stop, two at its removal once the pod is gone.
+    e2e::wait::until("the pod's three DELs made and its record released", support::TIMEOUT, || async {
+        let dels = ipwarden.cluster.nodes()[0].dels();
         let held = records(&client).await.contains_key(&ip);
-        Ok(if torn_down && !held {
-            e2e::wait::Probe::Done(())
+        Ok(if dels >= 3 && !held {
+            e2e::wait::Probe::Done(dels)
         } else {
-            e2e::wait::Probe::Pending(format!("sandbox up {}, record held {held}", !torn_down))
+            e2e::wait::Probe::Pending(format!("{dels} DELs, record held {held}"))
         })
     })
     .await
+    .map(|dels| assert_eq!(dels, 3, "the runtime's DELs of the deleted pod"))
     .expect("the three DELs went through");
-    assert_eq!(ipwarden.cluster.nodes()[0].dels(), 3, "the runtime's DELs of the deleted pod");
     let text = ipwarden.scrape_agent(0).await;
     assert_eq!(support::metric(&text, r#"ipwarden_agent_releases_total{result="released"}"#), 1.0, "one release");
     assert_eq!(support::metric(&text, r#"ipwarden_agent_releases_total{result="error"}"#), 0.0, "no failed DEL");

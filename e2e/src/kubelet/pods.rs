@@ -53,7 +53,8 @@ fn speaks_status(version: &str) -> bool {
 
 /// How many times the runtime tears a deleted pod's sandbox down with CNI DEL: containerd 2.4
 /// under kubelet 1.37 calls it at the sandbox's stop and again at its removal, up to three
-/// times in all (observed on a real node, issue 24); an IPAM must answer every one alike.
+/// times in all (observed on a real node, issue 24); an IPAM must answer every one alike. The
+/// first comes before kubelet lets the pod go, the others once it is gone.
 const DELS_PER_DELETION: usize = 3;
 
 /// How many times the runtime calls CNI DEL for a sandbox whose ADD failed: containerd's own
@@ -281,7 +282,10 @@ impl NodeRuntime {
     }
 
     async fn pod_gone(&self, uid: &str, state: &mut PodState) -> Next {
-        if self.teardown_orphans(uid, state).await && self.teardown(uid, state).await {
+        if self.teardown_orphans(uid, state).await
+            && self.teardown(uid, state).await
+            && self.remove_sandbox(uid, state).await
+        {
             Next::Done
         } else {
             Next::Retry
@@ -473,13 +477,10 @@ impl NodeRuntime {
         } else {
             let (namespace, name) = sandbox.pod.split_once('/').unwrap_or(("", &sandbox.pod));
             let args = PodArgs { namespace: namespace.to_string(), name: name.to_string(), uid: uid.to_string() };
-            // Secondary interfaces first, the pod's own last, as Multus tears them down; the
-            // whole teardown as often as containerd's sandbox stop and removal call it.
+            // Secondary interfaces first, the pod's own last, as Multus tears them down. This is
+            // the sandbox's stop; the DELs of its removal follow once the pod is gone.
             let own = (sandbox.ifname.clone(), sandbox.result.clone());
-            let mut interfaces: Vec<(String, Value)> = sandbox.extra.iter().rev().cloned().collect();
-            interfaces.push(own);
-            let rounds: Vec<(String, Value)> = (0..DELS_PER_DELETION).flat_map(|_| interfaces.clone()).collect();
-            for (ifname, result) in &rounds {
+            for (ifname, result) in sandbox.extra.iter().rev().chain(std::iter::once(&own)) {
                 let netconf = cni::with_prev_result(&self.netconf_for(&state.netconfs, ifname), result);
                 let call = Invocation {
                     command: "DEL",
@@ -496,7 +497,41 @@ impl NodeRuntime {
             }
         }
         self.record_sandbox(uid, None);
+        if !(self.faults.skip_del() || state.skip_del) {
+            state.removals = DELS_PER_DELETION - 1;
+            state.removed = state.sandbox.take();
+        }
         state.sandbox = None;
+        true
+    }
+
+    /// The DELs of a stopped sandbox's removal, once its pod is gone, as containerd's
+    /// RemovePodSandbox repeats the teardown after kubelet let the pod go (issue 24); false
+    /// when one failed and must be retried.
+    async fn remove_sandbox(&self, uid: &str, state: &mut PodState) -> bool {
+        let Some(sandbox) = state.removed.clone() else { return true };
+        let (namespace, name) = sandbox.pod.split_once('/').unwrap_or(("", &sandbox.pod));
+        let args = PodArgs { namespace: namespace.to_string(), name: name.to_string(), uid: uid.to_string() };
+        let own = (sandbox.ifname.clone(), sandbox.result.clone());
+        while state.removals > 0 {
+            for (ifname, result) in sandbox.extra.iter().rev().chain(std::iter::once(&own)) {
+                let netconf = cni::with_prev_result(&self.netconf_for(&state.netconfs, ifname), result);
+                let call = Invocation {
+                    command: "DEL",
+                    container_id: &sandbox.container_id,
+                    ifname,
+                    pod: Some(&args),
+                    netconf: &netconf,
+                };
+                if let Err(e) = self.network.invoke_on(&self.node, &call).await {
+                    tracing::warn!(node = %self.node.name, pod = %sandbox.pod, %ifname, error = %e, "CNI DEL of a sandbox's removal failed; retrying");
+                    return false;
+                }
+                self.calls.dels.fetch_add(1, Ordering::Relaxed);
+            }
+            state.removals -= 1;
+        }
+        state.removed = None;
         true
     }
 
@@ -567,6 +602,9 @@ struct PodState {
     ifnames: Vec<String>,
     /// The pod's [`EXTRA_NETCONF_ANNOTATION`], for the calls of its secondary interfaces.
     netconfs: NetconfOverrides,
+    /// A stopped sandbox whose removal DELs are still due once the pod is gone, and how many.
+    removed: Option<Sandbox>,
+    removals: usize,
 }
 
 /// Netconf fields by interface ([`EXTRA_NETCONF_ANNOTATION`]).
