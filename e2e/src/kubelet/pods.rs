@@ -468,39 +468,21 @@ impl NodeRuntime {
         Next::At(Instant::now())
     }
 
-    /// Tears the pod's sandbox down with CNI DEL (or skips DEL when the fault is on);
-    /// false when DEL failed and must be retried.
+    /// Tears the pod's sandbox down with CNI DEL (or skips DEL when the fault is on): the
+    /// sandbox's stop; the DELs of its removal follow once the pod is gone
+    /// ([`NodeRuntime::remove_sandbox`]). False when DEL failed and must be retried.
     async fn teardown(&self, uid: &str, state: &mut PodState) -> bool {
-        let Some(sandbox) = state.sandbox.as_ref() else { return true };
+        let Some(sandbox) = state.sandbox.clone() else { return true };
         if self.faults.skip_del() || state.skip_del {
             tracing::info!(node = %self.node.name, pod = %sandbox.pod, container_id = %sandbox.container_id, "fault: CNI DEL skipped");
         } else {
-            let (namespace, name) = sandbox.pod.split_once('/').unwrap_or(("", &sandbox.pod));
-            let args = PodArgs { namespace: namespace.to_string(), name: name.to_string(), uid: uid.to_string() };
-            // Secondary interfaces first, the pod's own last, as Multus tears them down. This is
-            // the sandbox's stop; the DELs of its removal follow once the pod is gone.
-            let own = (sandbox.ifname.clone(), sandbox.result.clone());
-            for (ifname, result) in sandbox.extra.iter().rev().chain(std::iter::once(&own)) {
-                let netconf = cni::with_prev_result(&self.netconf_for(&state.netconfs, ifname), result);
-                let call = Invocation {
-                    command: "DEL",
-                    container_id: &sandbox.container_id,
-                    ifname,
-                    pod: Some(&args),
-                    netconf: &netconf,
-                };
-                if let Err(e) = self.network.invoke_on(&self.node, &call).await {
-                    tracing::warn!(node = %self.node.name, pod = %sandbox.pod, %ifname, error = %e, "CNI DEL failed; retrying");
-                    return false;
-                }
-                self.calls.dels.fetch_add(1, Ordering::Relaxed);
+            if !self.del_sandbox(uid, &sandbox, &state.netconfs).await {
+                return false;
             }
+            state.removals = DELS_PER_DELETION - 1;
+            state.removed = Some(sandbox);
         }
         self.record_sandbox(uid, None);
-        if !(self.faults.skip_del() || state.skip_del) {
-            state.removals = DELS_PER_DELETION - 1;
-            state.removed = state.sandbox.take();
-        }
         state.sandbox = None;
         true
     }
@@ -510,28 +492,37 @@ impl NodeRuntime {
     /// when one failed and must be retried.
     async fn remove_sandbox(&self, uid: &str, state: &mut PodState) -> bool {
         let Some(sandbox) = state.removed.clone() else { return true };
-        let (namespace, name) = sandbox.pod.split_once('/').unwrap_or(("", &sandbox.pod));
-        let args = PodArgs { namespace: namespace.to_string(), name: name.to_string(), uid: uid.to_string() };
-        let own = (sandbox.ifname.clone(), sandbox.result.clone());
         while state.removals > 0 {
-            for (ifname, result) in sandbox.extra.iter().rev().chain(std::iter::once(&own)) {
-                let netconf = cni::with_prev_result(&self.netconf_for(&state.netconfs, ifname), result);
-                let call = Invocation {
-                    command: "DEL",
-                    container_id: &sandbox.container_id,
-                    ifname,
-                    pod: Some(&args),
-                    netconf: &netconf,
-                };
-                if let Err(e) = self.network.invoke_on(&self.node, &call).await {
-                    tracing::warn!(node = %self.node.name, pod = %sandbox.pod, %ifname, error = %e, "CNI DEL of a sandbox's removal failed; retrying");
-                    return false;
-                }
-                self.calls.dels.fetch_add(1, Ordering::Relaxed);
+            if !self.del_sandbox(uid, &sandbox, &state.netconfs).await {
+                return false;
             }
             state.removals -= 1;
         }
         state.removed = None;
+        true
+    }
+
+    /// One CNI DEL of each of `sandbox`'s interfaces (with its `prevResult`): the secondary ones
+    /// first, the pod's own last, as Multus tears them down. False when one failed.
+    async fn del_sandbox(&self, uid: &str, sandbox: &Sandbox, netconfs: &NetconfOverrides) -> bool {
+        let (namespace, name) = sandbox.pod.split_once('/').unwrap_or(("", &sandbox.pod));
+        let args = PodArgs { namespace: namespace.to_string(), name: name.to_string(), uid: uid.to_string() };
+        let own = (sandbox.ifname.clone(), sandbox.result.clone());
+        for (ifname, result) in sandbox.extra.iter().rev().chain(std::iter::once(&own)) {
+            let netconf = cni::with_prev_result(&self.netconf_for(netconfs, ifname), result);
+            let call = Invocation {
+                command: "DEL",
+                container_id: &sandbox.container_id,
+                ifname,
+                pod: Some(&args),
+                netconf: &netconf,
+            };
+            if let Err(e) = self.network.invoke_on(&self.node, &call).await {
+                tracing::warn!(node = %self.node.name, pod = %sandbox.pod, %ifname, error = %e, "CNI DEL failed; retrying");
+                return false;
+            }
+            self.calls.dels.fetch_add(1, Ordering::Relaxed);
+        }
         true
     }
 
