@@ -4,7 +4,8 @@
 //! During a run, at every poll: no IP is held by two live pods, every live pod's IP is
 //! recorded under its UID, no record names another UID than the live pod reporting its IP,
 //! and a recreated StatefulSet pod comes back with the IP its ordinal had, as long as the
-//! ordinal stayed wanted. A report is not one atomic read (pods, then blocks), so a problem
+//! ordinal stayed wanted (every StatefulSet change is seen through a watch, so a let-go
+//! ordinal is never missed between two polls; terminating pods are not remembered). A report is not one atomic read (pods, then blocks), so a problem
 //! counts only when a second report, read right after, shows it too. After the run, [`wait_settled`]: no problem of any kind (leaks,
 //! claims without records, count drift included) within a bound.
 
@@ -48,8 +49,12 @@ impl InvariantChecker {
         let violations = Arc::new(Mutex::new(Vec::new()));
         let polls = Arc::new(AtomicU64::new(0));
         let (seen, count) = (violations.clone(), polls.clone());
+        // The ordinals a StatefulSet stops wanting are forgotten from its watch, so a scale to 0
+        // and back between two polls (a poll takes seconds on a loaded machine) is never missed.
+        let sticky = Arc::new(Mutex::new(StickyMemory::new()));
+        let forgetting = tokio::spawn(forget_let_go_ordinals(client.clone(), sticky.clone()));
         let task = tokio::spawn(async move {
-            let mut sticky = StickyMemory::new();
+            let _forgetting = AbortOnDrop(forgetting);
             let mut ticker = tokio::time::interval(POLL);
             loop {
                 tokio::select! {
@@ -57,7 +62,7 @@ impl InvariantChecker {
                     _ = stopped.changed() => return,
                 }
                 // A poll that cannot read the cluster (an apiserver restart) checks nothing.
-                let Ok(found) = poll(&client, &mut sticky).await else { continue };
+                let Ok(found) = poll(&client, &sticky).await else { continue };
                 count.fetch_add(1, Ordering::Relaxed);
                 if !found.is_empty() {
                     seen.lock().unwrap_or_else(|e| e.into_inner()).extend(found);
@@ -89,7 +94,51 @@ async fn always_problems(client: &Client) -> anyhow::Result<BTreeSet<String>> {
         .collect())
 }
 
-async fn poll(client: &Client, sticky: &mut StickyMemory) -> anyhow::Result<Vec<String>> {
+/// Aborts the task when dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Forgets, at every StatefulSet change the watch shows, the ordinals it no longer wants.
+async fn forget_let_go_ordinals(client: Client, sticky: Arc<Mutex<StickyMemory>>) {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let events =
+        watcher(Api::<StatefulSet>::all(client), watcher::Config::default()).default_backoff().touched_objects();
+    let mut events = std::pin::pin!(events);
+    while let Some(event) = events.next().await {
+        let Ok(statefulset) = event else { continue };
+        let mut memory = sticky.lock().unwrap_or_else(|e| e.into_inner());
+        forget_unwanted(&mut memory, std::slice::from_ref(&statefulset), Some(&statefulset));
+    }
+}
+
+/// Forgets the ordinals of `memory` that none of `statefulsets` wants; with `only`, just those
+/// of that StatefulSet (a watch event shows one at a time).
+fn forget_unwanted(memory: &mut StickyMemory, statefulsets: &[StatefulSet], only: Option<&StatefulSet>) {
+    memory.retain(|(namespace, name), _| {
+        if let Some(one) = only {
+            let of_it = one.namespace().as_deref() == Some(namespace.as_str())
+                && name.strip_prefix(&format!("{}-", one.name_any())).is_some_and(|o| o.parse::<i32>().is_ok());
+            if !of_it {
+                return true;
+            }
+        }
+        statefulsets.iter().any(|s| {
+            let ordinal = name.strip_prefix(&format!("{}-", s.name_any())).and_then(|o| o.parse::<i32>().ok());
+            let replicas = s.spec.replicas.unwrap_or(1);
+            s.namespace().as_deref() == Some(namespace.as_str())
+                && s.metadata.deletion_timestamp.is_none()
+                && ordinal.is_some_and(|o| o < replicas)
+        })
+    });
+}
+
+async fn poll(client: &Client, sticky: &Mutex<StickyMemory>) -> anyhow::Result<Vec<String>> {
     // A report reads pods, then blocks: a pod deleted in between (its DEL releasing the record)
     // or created in between looks inconsistent without being so. A violation must show in a
     // second report too, read right after the first.
@@ -102,28 +151,26 @@ async fn poll(client: &Client, sticky: &mut StickyMemory) -> anyhow::Result<Vec<
     };
     let pods = Api::<Pod>::all(client.clone()).list(&ListParams::default()).await?;
     let statefulsets = Api::<StatefulSet>::all(client.clone()).list(&ListParams::default()).await?;
-    found.extend(sticky_changes(&pods.items, &statefulsets.items, sticky));
+    let mut memory = sticky.lock().unwrap_or_else(|e| e.into_inner());
+    found.extend(sticky_changes(&pods.items, &statefulsets.items, &mut memory));
     Ok(found)
 }
 
 /// The StatefulSet pods recreated with another IP than their ordinal had; updates `memory`.
 pub fn sticky_changes(pods: &[Pod], statefulsets: &[StatefulSet], memory: &mut StickyMemory) -> Vec<String> {
     // Forget ordinals their StatefulSet stopped wanting: they may come back with any IP.
-    memory.retain(|(namespace, name), _| {
-        statefulsets.iter().any(|s| {
-            let ordinal = name.strip_prefix(&format!("{}-", s.name_any())).and_then(|o| o.parse::<i32>().ok());
-            let replicas = s.spec.replicas.unwrap_or(1);
-            s.namespace().as_deref() == Some(namespace.as_str())
-                && s.metadata.deletion_timestamp.is_none()
-                && ordinal.is_some_and(|o| o < replicas)
-        })
-    });
+    forget_unwanted(memory, statefulsets, None);
     let mut changed = Vec::new();
     for pod in pods {
         let owned = pod.owner_references().iter().any(|o| o.kind == "StatefulSet" && o.controller == Some(true));
         let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
         let facts = PodFacts::of(pod);
-        let Some(ip) = facts.ips.first().filter(|_| owned && !host_network && !facts.terminal()) else { continue };
+        // A terminating pod is on its way out: seen after its ordinal was let go, it would be
+        // remembered again for an ordinal that no longer keeps its IP.
+        let terminating = pod.metadata.deletion_timestamp.is_some();
+        let Some(ip) = facts.ips.first().filter(|_| owned && !host_network && !facts.terminal() && !terminating) else {
+            continue;
+        };
         let key = (pod.namespace().unwrap_or_default(), pod.name_any());
         match memory.get(&key) {
             Some((old_ip, old_uid)) if *old_uid != facts.uid && old_ip != ip => {
