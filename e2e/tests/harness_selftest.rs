@@ -244,19 +244,28 @@ async fn a_deleted_pod_keeps_its_sandbox_and_ip_while_its_containers_stop() {
     let ip = wait_running(&client, "drain", 1).await.remove("drain").expect("drain runs");
     let uid = pods.get("drain").await.expect("pod").uid().unwrap_or_default();
 
+    let deleting = std::time::Instant::now();
     pods.delete("drain", &Default::default()).await.expect("delete");
     let deleted = std::time::Instant::now();
     let node = &cluster.nodes()[0];
     let drained = wait::until("the draining pod's sandbox torn down", STEP_TIMEOUT, || async {
+        // The kubelet starts the DEL no earlier than the containers' stop, `stop_seconds` after
+        // deletion began (whole seconds, so up to 1 s early), and deletion began after
+        // `deleting`: reads begun within `stop_seconds - 1` of it see the pod still draining.
+        let draining = deleting.elapsed() < Duration::from_secs(stop_seconds - 1);
+        let pod = pods.get_opt("drain").await.map_err(Error::kube("reading pod drain"))?;
+        let reserved = host_local_reservations(&cluster).contains(&ip);
         if !node.sandboxes().contains_key(&uid) {
             return Ok(Probe::Done(deleted.elapsed()));
         }
+        if !draining {
+            return Ok(Probe::Pending("the containers stopping".into()));
+        }
         // While the sandbox is up the pod still runs with its IP, and host-local holds it.
-        let pod = pods.get_opt("drain").await.map_err(Error::kube("reading pod drain"))?;
         let phase = pod.as_ref().and_then(|p| p.status.as_ref()).and_then(|s| s.phase.clone());
         assert_eq!(phase.as_deref(), Some("Running"), "a draining pod keeps Running");
         assert_eq!(pod.as_ref().map(pod_ip), Some(ip.clone()), "a draining pod keeps its IP");
-        assert!(host_local_reservations(&cluster).contains(&ip), "the draining pod's IP stays reserved");
+        assert!(reserved, "the draining pod's IP stays reserved");
         Ok(Probe::Pending("draining".into()))
     })
     .await
