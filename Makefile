@@ -1,6 +1,6 @@
 # The project's entry points. `make test` is the test command CI runs (.ci/run); `make demo`
 # is the main job on the local default. Both install what they need themselves.
-.PHONY: test demo soak churn-bench scale-bench peer-bench cluster-up cluster-down controlplane tools deps image
+.PHONY: test demo soak churn-bench scale-bench peer-bench cluster-up cluster-down controlplane tools node deps image
 
 # Where cargo puts what it builds (CARGO_TARGET_DIR when set).
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
@@ -18,7 +18,13 @@ tools: deps
 	bash e2e/cluster/build-helm.sh >/dev/null
 	bash e2e/cluster/build-kubevirt-crds.sh >/dev/null
 
-test: controlplane tools
+# What the real nodes run besides ipwarden: kubelet, containerd and the reference CNI plugins
+# from their pinned Go modules, and the node's images (docs/testing.md, "Real nodes").
+node: deps
+	@echo "node: kubelet, containerd and CNI plugins from their Go modules (cached; a cold build takes about 5 minutes on 2 cores)"
+	bash e2e/cluster/build-node.sh >/dev/null
+
+test: controlplane tools node
 	cargo fmt --all -- --check
 	cargo clippy --locked --workspace --all-targets -- -D warnings
 	cargo test --locked --workspace
@@ -28,10 +34,13 @@ soak: controlplane
 	IPWARDEN_CHAOS_ROUNDS=40 cargo test --locked --test chaos
 
 # The demo runs the binaries this build just made (never an older copy), where cargo put them.
+# DEMO_ARGS: any `ipwarden-e2e up` flag, e.g. DEMO_ARGS=--real-nodes=1 for a real kubelet and
+# containerd beside the simulated nodes (root; docs/testing.md, "Real nodes").
+DEMO_ARGS ?=
 demo: controlplane
 	@echo "demo: building ipwarden and the test harness (cargo build; a few minutes the first time)"
 	cargo build --quiet --locked --workspace --bins
-	$(TARGET_DIR)/debug/ipwarden-e2e up --demo --ipwarden $(TARGET_DIR)/debug/ipwarden --kubeconfig .e2e/kubeconfig
+	$(TARGET_DIR)/debug/ipwarden-e2e up --demo --ipwarden $(TARGET_DIR)/debug/ipwarden --kubeconfig .e2e/kubeconfig $(DEMO_ARGS)
 
 # The churn benchmark (docs/benchmarks.md): release binaries, defaults (CHURN_ARGS to change
 # them, e.g. CHURN_ARGS="--nodes 4 --burst 50 --bursts 5" for the allocation speed bursts), a
@@ -68,7 +77,8 @@ image:
 
 # A cluster running ipwarden in the background (docs/testing.md, "A cluster to poke at").
 # CLUSTER_ARGS: --bare for nodes on host-local without ipwarden; any `ipwarden-e2e up` flag, e.g.
-# CLUSTER_ARGS="--controller-arg=--full-scan-interval-seconds=5 --agent-arg=--release-sandbox-grace-seconds=5".
+# CLUSTER_ARGS="--controller-arg=--full-scan-interval-seconds=5 --agent-arg=--release-sandbox-grace-seconds=5",
+# or CLUSTER_ARGS=--real-nodes=1 for a real kubelet and containerd besides (root).
 CLUSTER_ARGS ?=
 cluster-up:
 	bash e2e/cluster/cluster-up.sh $(CLUSTER_ARGS)

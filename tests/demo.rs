@@ -25,6 +25,7 @@ fn options(name: &str) -> UpOptions {
         controller_args: Vec::new(),
         demo: None,
         runtime_gc: e2e::cni::RuntimeGc::default(),
+        real_nodes: 0,
     }
 }
 

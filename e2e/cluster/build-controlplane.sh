@@ -26,13 +26,7 @@ if complete; then
 fi
 
 echo "build-controlplane: building Kubernetes $k8s_version and etcd into $bin_dir (cold build: tens of minutes on 2 cores)" >&2
-minor=$(echo "$k8s_version" | cut -d. -f2)
-build_date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-version_flags=""
-for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
-  version_flags+=" -X '$pkg.gitVersion=$k8s_version' -X '$pkg.gitMajor=1' -X '$pkg.gitMinor=$minor'"
-  version_flags+=" -X '$pkg.gitTreeState=clean' -X '$pkg.buildDate=$build_date'"
-done
+version_flags=$(k8s_version_flags "$k8s_version")
 
 staging=$(staging_for "$bin_dir")
 (

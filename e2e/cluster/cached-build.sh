@@ -50,3 +50,17 @@ publish() {
   rm -rf "$2"
   mv "$1" "$2"
 }
+
+# k8s_version_flags VERSION: the -ldflags -X settings that make a Kubernetes command built from
+# its module report VERSION (`kubectl version`, the apiserver's /version, kubelet's Node status),
+# as the release build's would.
+k8s_version_flags() {
+  local minor build_date pkg flags=""
+  minor=$(echo "$1" | cut -d. -f2)
+  build_date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+    flags+=" -X '$pkg.gitVersion=$1' -X '$pkg.gitMajor=1' -X '$pkg.gitMinor=$minor'"
+    flags+=" -X '$pkg.gitTreeState=clean' -X '$pkg.buildDate=$build_date'"
+  done
+  echo "$flags"
+}

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Installs the machine packages the tests need and the project cannot build itself:
 # Debian's containernetworking-plugins (the real host-local CNI plugin for the harness
-# self-test) and prometheus (the real Prometheus server and promtool for the scrape test; the
-# test runs its own server process, never the package's service). Idempotent; does nothing
-# when everything is present.
+# self-test), prometheus (the real Prometheus server and promtool for the scrape test; the
+# test runs its own server process, never the package's service), and for the real nodes runc
+# (containerd's OCI runtime), busybox-static (the one binary of the node's pause and workload
+# images, built locally: there is no image registry) and iptables (kubelet's and portmap's
+# rules). Idempotent; does nothing when everything is present.
 set -euo pipefail
 
 packages=()
 [[ -x /usr/lib/cni/host-local || -x /opt/cni/bin/host-local ]] || packages+=(containernetworking-plugins)
 [[ -x /usr/bin/prometheus && -x /usr/bin/promtool ]] || packages+=(prometheus)
+[[ -x /usr/sbin/runc ]] || packages+=(runc)
+[[ -x /bin/busybox ]] || packages+=(busybox-static)
+[[ -x /usr/sbin/iptables ]] || packages+=(iptables)
 
 if ((${#packages[@]} == 0)); then
   exit 0

@@ -15,6 +15,7 @@ use crate::cni::CniNetwork;
 use crate::controlplane::{ControlPlane, ControlPlaneOptions};
 use crate::error::{Error, Result};
 use crate::kubelet::{self, NodeHandle, SIMULATED_NODE_LABEL};
+use crate::realnode::{NodeBinaries, RealNode, RealNodeContext};
 use crate::wait::{self, Probe};
 
 /// Environment variable: the directory under which run directories are created (default:
@@ -40,19 +41,36 @@ pub struct ClusterOptions {
     pub network: Option<CniNetwork>,
     /// Control-plane settings.
     pub control_plane: ControlPlaneOptions,
+    /// Real nodes (kubelet and containerd) besides the simulated ones; none by default.
+    pub real_nodes: Option<RealNodesOptions>,
 }
 
 impl Default for ClusterOptions {
     fn default() -> Self {
-        Self { nodes: 3, network: None, control_plane: ControlPlaneOptions::default() }
+        Self { nodes: 3, network: None, control_plane: ControlPlaneOptions::default(), real_nodes: None }
     }
 }
+
+/// Real nodes of a cluster (docs/testing.md, "Real nodes").
+#[derive(Clone, Debug)]
+pub struct RealNodesOptions {
+    /// How many, named `real-node-0`, `real-node-1`, ...
+    pub count: usize,
+    /// The ipwarden binary, installed as the nodes' `ipwarden-cni` plugin.
+    pub ipwarden: PathBuf,
+}
+
+/// Where the chart's conflist, rendered for the real nodes, names the agent's socket directory;
+/// each node puts its own there.
+const SOCKET_DIR_MARKER: &str = "/ipwarden-e2e-agent-socket-dir";
 
 /// A running test cluster. Dropping it stops everything it started.
 pub struct Cluster {
     dir: PathBuf,
     control_plane: ControlPlane,
     nodes: Vec<NodeHandle>,
+    real_nodes: Vec<RealNode>,
+    real_context: Option<RealNodeContext>,
     network: CniNetwork,
     keep: bool,
     stopped: bool,
@@ -80,6 +98,8 @@ impl Cluster {
             dir,
             control_plane,
             nodes: Vec::new(),
+            real_nodes: Vec::new(),
+            real_context: None,
             network: network.clone(),
             keep: std::env::var(KEEP_ENV).is_ok_and(|v| v == "1"),
             stopped: false,
@@ -90,9 +110,60 @@ impl Cluster {
             let node_dir = cluster.dir.join("nodes").join(&name);
             cluster.nodes.push(kubelet::start_node(client.clone(), name, index, node_dir, network.clone()).await?);
         }
+        if let Some(real) = options.real_nodes.filter(|real| real.count > 0) {
+            cluster.start_real_nodes(&real).await?;
+        }
         cluster.wait_nodes_ready().await?;
         cluster.wait_default_service_account("default").await?;
         Ok(cluster)
+    }
+
+    /// Starts the real nodes: the chart's conflist rendered by helm, then each node's
+    /// containerd and kubelet, then waits until every one is registered (Ready comes with its
+    /// agent: [`Cluster::wait_real_nodes_ready`]).
+    async fn start_real_nodes(&mut self, options: &RealNodesOptions) -> Result<()> {
+        let binaries = NodeBinaries::locate()?;
+        let rendered = crate::helm::Helm::locate()?
+            .template(
+                "ipwarden",
+                "kube-system",
+                &[&format!("agent.socketDir={SOCKET_DIR_MARKER}")],
+                &["templates/cni-configmap.yaml"],
+            )
+            .await?;
+        let conflist = rendered
+            .iter()
+            .find_map(|doc| doc["data"]["conflist"].as_str())
+            .ok_or_else(|| Error::Tool {
+                command: "helm template (cni-configmap.yaml)".to_string(),
+                reason: "the chart rendered no conflist".to_string(),
+            })?
+            .replace(&format!("{SOCKET_DIR_MARKER}/agent.sock"), crate::realnode::AGENT_SOCKET_PLACEHOLDER);
+        let admin = self.kubeconfig().to_path_buf();
+        let context =
+            RealNodeContext::new(binaries, admin, self.pki().ca_cert.clone(), conflist, options.ipwarden.clone())?;
+        self.real_context = Some(context.clone());
+        for index in 0..options.count {
+            let name = format!("real-node-{index}");
+            let dir = self.dir.join("real-nodes").join(&name);
+            let node = RealNode::start(context.clone(), name, index, dir).await?;
+            self.real_nodes.push(node);
+        }
+        let client = self.client();
+        for node in &mut self.real_nodes {
+            node.wait_registered(&client, false).await?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every real node is Ready and schedulable: a real node turns Ready once its
+    /// network plugin answers STATUS, so after its agent serves.
+    pub async fn wait_real_nodes_ready(&mut self) -> Result<()> {
+        let client = self.client();
+        for node in &mut self.real_nodes {
+            node.wait_registered(&client, true).await?;
+        }
+        Ok(())
     }
 
     /// A client with the admin identity.
@@ -128,6 +199,24 @@ impl Cluster {
     /// The simulated nodes.
     pub fn nodes(&self) -> &[NodeHandle] {
         &self.nodes
+    }
+
+    /// The real nodes.
+    pub fn real_nodes(&self) -> &[RealNode] {
+        &self.real_nodes
+    }
+
+    /// Real node `index`, to stop, kill or restart its kubelet and containerd.
+    pub fn real_node(&mut self, index: usize) -> &mut RealNode {
+        &mut self.real_nodes[index]
+    }
+
+    /// Every node's name and directory (where its agent's socket and checkpoint go): the
+    /// simulated nodes, then the real ones.
+    pub fn node_dirs(&self) -> Vec<(String, PathBuf)> {
+        let simulated = self.nodes.iter().map(|n| (n.name().to_string(), n.dir().to_path_buf()));
+        let real = self.real_nodes.iter().map(|n| (n.name().to_string(), n.dir().to_path_buf()));
+        simulated.chain(real).collect()
     }
 
     /// Removes node `index` as when its machine leaves: its kubelet stops and the Node
@@ -251,6 +340,14 @@ impl Cluster {
         for node in &mut self.nodes {
             node.stop();
         }
+        let real_node_logs: Vec<PathBuf> = self.real_nodes.iter().flat_map(RealNode::logs).collect();
+        for node in &mut self.real_nodes {
+            node.stop();
+        }
+        // The host is put back once the last real node is gone (the guard goes with the
+        // context).
+        self.real_nodes.clear();
+        self.real_context = None;
         let keep = failed || self.keep;
         if keep {
             self.control_plane.stop();
@@ -262,6 +359,9 @@ impl Cluster {
         if keep {
             eprintln!("ipwarden-e2e: run directory kept: {}", self.dir.display());
             for log in self.control_plane.logs() {
+                eprintln!("ipwarden-e2e:   log: {}", log.display());
+            }
+            for log in &real_node_logs {
                 eprintln!("ipwarden-e2e:   log: {}", log.display());
             }
         } else if let Err(e) = std::fs::remove_dir_all(&self.dir) {
@@ -276,7 +376,7 @@ impl Drop for Cluster {
     }
 }
 
-fn node_schedulable(node: &Node) -> bool {
+pub(crate) fn node_schedulable(node: &Node) -> bool {
     let ready = node
         .status
         .as_ref()

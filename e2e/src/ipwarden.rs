@@ -124,7 +124,8 @@ pub fn start_agent(
     start_agent_as(cluster, binary, node, metrics_port, extra, &RunAs::admin(cluster))
 }
 
-/// Like [`start_agent`], talking to the apiserver as `run_as`.
+/// Like [`start_agent`], talking to the apiserver as `run_as`. `node` counts the simulated
+/// nodes, then the real ones ([`Cluster::node_dirs`]).
 pub fn start_agent_as(
     cluster: &Cluster,
     binary: &Path,
@@ -133,18 +134,17 @@ pub fn start_agent_as(
     extra: &[&str],
     run_as: &RunAs,
 ) -> Result<Component> {
-    let handle = &cluster.nodes()[node];
-    let dir = handle.dir();
+    let (name, dir) = cluster.node_dirs().swap_remove(node);
     let mut args = vec![
         "agent".to_string(),
-        format!("--node-name={}", handle.name()),
+        format!("--node-name={name}"),
         format!("--socket={}", dir.join("agent.sock").display()),
-        format!("--checkpoint={}", checkpoint_path(dir).display()),
+        format!("--checkpoint={}", checkpoint_path(&dir).display()),
         format!("--metrics-address=127.0.0.1:{metrics_port}"),
         format!("--namespace={}", run_as.namespace),
     ];
     args.extend(extra.iter().map(|a| a.to_string()));
-    spawn(binary, &format!("agent-{}", handle.name()), args, dir.join("agent.log"), &run_as.kubeconfig)
+    spawn(binary, &format!("agent-{name}"), args, dir.join("agent.log"), &run_as.kubeconfig)
 }
 
 /// Starts a controller replica named `identity` as the admin in namespace `default`, serving
@@ -261,7 +261,7 @@ pub async fn install_with(
     controller_args: &[&str],
 ) -> Result<Installation> {
     let mut installed = Installation { agents: Vec::new(), controllers: Vec::new() };
-    for node in 0..cluster.nodes().len() {
+    for (node, (name, _)) in cluster.node_dirs().into_iter().enumerate() {
         let port = crate::process::free_port()?;
         let mut extra = agent_args.to_vec();
         if node == 0 {
@@ -269,7 +269,7 @@ pub async fn install_with(
         }
         let mut agent = start_agent(cluster, binary, node, port, &extra)?;
         wait_ready(&mut agent, port, READY_TIMEOUT).await?;
-        let name = format!("agent {}", cluster.nodes()[node].name());
+        let name = format!("agent {name}");
         installed.agents.push(Daemon { name, metrics_port: port, component: agent });
     }
     create_pool(&cluster.client(), "default", pool).await?;

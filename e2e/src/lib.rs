@@ -26,6 +26,7 @@ pub mod pki;
 pub mod process;
 pub mod procstat;
 pub mod prometheus;
+pub mod realnode;
 pub mod scale;
 pub mod storm;
 pub mod up;

@@ -133,6 +133,7 @@ pub fn cluster_options() -> ClusterOptions {
             audit_policy: Some(audit_policy()),
             ..ControlPlaneOptions::default()
         },
+        real_nodes: None,
     }
 }
 

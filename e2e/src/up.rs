@@ -32,6 +32,18 @@ pub struct UpOptions {
     pub demo: Option<Duration>,
     /// When the simulated runtime calls CNI GC (default never, as containerd).
     pub runtime_gc: RuntimeGc,
+    /// How many real nodes (kubelet and containerd, docs/testing.md "Real nodes") to run
+    /// beside the simulated ones; needs `ipwarden` and root.
+    pub real_nodes: usize,
+}
+
+/// How many nodes of each kind a cluster gets.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeCounts {
+    /// Simulated nodes.
+    pub simulated: usize,
+    /// Real nodes (kubelet and containerd; only with ipwarden).
+    pub real: usize,
 }
 
 /// Where `up` writes what a person reads, one line per call: progress, the summary, the
@@ -71,13 +83,14 @@ impl Drop for Up {
     }
 }
 
-/// A cluster of `nodes` nodes; with `ipwarden`, its CNI plugin (linked into `plugin_dir`) on
+/// A cluster of `nodes.simulated` simulated nodes; with `ipwarden`, its CNI plugin (linked into `plugin_dir`) on
 /// every node, called with CNI GC as `runtime_gc` says, an agent per node (with
 /// `agent_args`), the default pool and two controller replicas (with `controller_args`),
-/// saying `progress` when ipwarden starts. `up` and the churn benchmark start their clusters
-/// with it.
+/// saying `progress` when ipwarden starts; `nodes.real` real nodes beside them (with
+/// `ipwarden` only), Ready once their agents serve. `up` and the churn benchmark start their
+/// clusters with it.
 pub async fn start_cluster(
-    nodes: usize,
+    nodes: NodeCounts,
     ipwarden: Option<&Path>,
     plugin_dir: &Path,
     agent_args: &[&str],
@@ -93,11 +106,20 @@ pub async fn start_cluster(
         Some(binary) => Some(crate::CniNetwork { runtime_gc, ..crate::ipwarden::network(binary, plugin_dir)? }),
         None => None,
     };
-    let cluster = Cluster::start(ClusterOptions { nodes, network, ..ClusterOptions::default() }).await?;
+    let real_nodes = binary
+        .clone()
+        .filter(|_| nodes.real > 0)
+        .map(|ipwarden| crate::cluster::RealNodesOptions { count: nodes.real, ipwarden });
+    let options = ClusterOptions { nodes: nodes.simulated, network, real_nodes, ..ClusterOptions::default() };
+    let mut cluster = Cluster::start(options).await?;
     let Some(binary) = binary else { return Ok((cluster, None)) };
     progress("starting ipwarden: an agent per node, the default pool 10.244.0.0/16, 2 controller replicas");
     let pool = crate::ipwarden::default_pool();
-    match crate::ipwarden::install_with(&cluster, &binary, pool, agent_args, controller_args).await {
+    let installed = match crate::ipwarden::install_with(&cluster, &binary, pool, agent_args, controller_args).await {
+        Ok(installation) => cluster.wait_real_nodes_ready().await.map(|()| installation),
+        Err(e) => Err(e),
+    };
+    match installed {
         Ok(installation) => Ok((cluster, Some(installation))),
         Err(e) => {
             cluster.stop_after_failure();
@@ -118,8 +140,11 @@ pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
     let agent_args: Vec<&str> = options.agent_args.iter().map(String::as_str).collect();
     let controller_args: Vec<&str> = options.controller_args.iter().map(String::as_str).collect();
     let ipwarden = options.ipwarden.as_deref();
+    if options.real_nodes > 0 {
+        say(&format!("and {} real nodes (kubelet and containerd)", options.real_nodes));
+    }
     let (cluster, installation) = start_cluster(
-        options.nodes,
+        NodeCounts { simulated: options.nodes, real: options.real_nodes },
         ipwarden,
         &plugin_dir,
         &agent_args,

@@ -77,7 +77,11 @@ impl Ipwarden {
     /// first); [`Ipwarden::start_agents`] starts them.
     pub async fn without_agents(nodes: usize, pools: &[(&str, serde_json::Value)], network: CniNetwork) -> Self {
         let options = ClusterOptions { nodes, network: Some(network), ..ClusterOptions::default() };
-        let cluster = Cluster::start(options).await.expect("cluster starts");
+        Self::on(Cluster::start(options).await.expect("cluster starts"), pools).await
+    }
+
+    /// ipwarden's CRDs and `pools` on `cluster`, with no agent or controller yet.
+    async fn on(cluster: Cluster, pools: &[(&str, serde_json::Value)]) -> Self {
         ipwarden::crd::install(&cluster.client(), Duration::from_secs(60)).await.expect("CRDs install");
         for (name, spec) in pools {
             e2e::ipwarden::create_pool(&cluster.client(), name, spec.clone()).await.expect("create pool");
@@ -93,9 +97,25 @@ impl Ipwarden {
         }
     }
 
-    /// Starts an agent per node with `agent_args` and waits until each serves.
+    /// A cluster of `real` real nodes (kubelet, containerd, the chart's conflist) and no
+    /// simulated one, with the CRDs, `pools` and an agent per node started with `agent_args`.
+    pub async fn with_real_nodes(real: usize, pools: &[(&str, serde_json::Value)], agent_args: &[&str]) -> Self {
+        let options = ClusterOptions {
+            nodes: 0,
+            real_nodes: Some(e2e::cluster::RealNodesOptions { count: real, ipwarden: binary().to_path_buf() }),
+            ..ClusterOptions::default()
+        };
+        let cluster = Cluster::start(options).await.expect("cluster with real nodes starts");
+        let mut ipwarden = Self::on(cluster, pools).await;
+        ipwarden.start_agents(agent_args).await;
+        ipwarden.cluster.wait_real_nodes_ready().await.expect("real nodes turn Ready with their agents");
+        ipwarden
+    }
+
+    /// Starts an agent per node (simulated, then real) with `agent_args` and waits until each
+    /// serves.
     pub async fn start_agents(&mut self, agent_args: &[&str]) {
-        for index in 0..self.cluster.nodes().len() {
+        for index in 0..self.cluster.node_dirs().len() {
             self.spawn_agent_unwaited(index, agent_args);
         }
         for index in 0..self.agents.len() {

@@ -57,6 +57,12 @@ enum Command {
         /// runtime does).
         #[arg(long, default_value = "never", value_parser = clap::value_parser!(e2e::cni::RuntimeGc))]
         runtime_gc: e2e::cni::RuntimeGc,
+        /// With --ipwarden: this many real nodes besides the simulated ones, a real kubelet and
+        /// containerd each with the chart's CNI chain (needs root; docs/testing.md, "Real
+        /// nodes"). Their pods need the toleration `e2e.ipwarden.io/real` and the image
+        /// `localhost/ipwarden-e2e/busybox:1` with `imagePullPolicy: Never`.
+        #[arg(long, default_value_t = 0, requires = "ipwarden")]
+        real_nodes: usize,
     },
     /// Measure an IPAM under pod churn: start a cluster running it (ipwarden as `up
     /// --ipwarden` does), create bare pods at a set rate round robin over the nodes, delete
@@ -194,9 +200,29 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
-        Command::Up { nodes, kubeconfig, demo, churn_seconds, ipwarden, agent_args, controller_args, runtime_gc } => {
+        Command::Up {
+            nodes,
+            kubeconfig,
+            demo,
+            churn_seconds,
+            ipwarden,
+            agent_args,
+            controller_args,
+            runtime_gc,
+            real_nodes,
+        } => {
             let demo = demo.then(|| Duration::from_secs(churn_seconds));
-            up(e2e::up::UpOptions { nodes, kubeconfig, ipwarden, agent_args, controller_args, demo, runtime_gc }).await
+            up(e2e::up::UpOptions {
+                nodes,
+                kubeconfig,
+                ipwarden,
+                agent_args,
+                controller_args,
+                demo,
+                runtime_gc,
+                real_nodes,
+            })
+            .await
         }
         Command::Churn {
             ipam,
@@ -360,11 +386,16 @@ async fn start_ipam(
             if let Pool::Churn = pool {
                 let agent_args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
                 let plugin_dir = Path::new(CHURN_PLUGIN_DIR);
-                let (cluster, installation) =
-                    e2e::up::start_cluster(nodes, Some(binary), plugin_dir, &agent_args, &[], runtime_gc, &|line| {
-                        tracing::info!("{line}")
-                    })
-                    .await?;
+                let (cluster, installation) = e2e::up::start_cluster(
+                    e2e::up::NodeCounts { simulated: nodes, real: 0 },
+                    Some(binary),
+                    plugin_dir,
+                    &agent_args,
+                    &[],
+                    runtime_gc,
+                    &|line| tracing::info!("{line}"),
+                )
+                .await?;
                 return Ok((cluster, Installed::Ipwarden(installation.context("ipwarden was not started")?)));
             }
             let binary = std::fs::canonicalize(binary).with_context(|| format!("finding {}", binary.display()))?;

@@ -1,0 +1,240 @@
+//! The configuration files of a real node's containerd and kubelet, as plain text from plain
+//! data: what this machine needs of them is written down here, once (docs/testing.md, "Real
+//! nodes").
+
+use std::path::{Path, PathBuf};
+
+/// The image every sandbox runs, imported from the archive `e2e/cluster/node/images.sh` makes
+/// (there is no registry to pull from); pinned in containerd so its image GC keeps it.
+pub const PAUSE_IMAGE: &str = "localhost/ipwarden-e2e/pause:1";
+
+/// The workload image of real-node pods (busybox: `sh`, `sleep`, `ip`), imported likewise; pods
+/// use it with `imagePullPolicy: Never`.
+pub const BUSYBOX_IMAGE: &str = "localhost/ipwarden-e2e/busybox:1";
+
+/// Where one real node keeps its state, all under its own directory.
+#[derive(Clone, Debug)]
+pub struct NodePaths {
+    /// The node's directory.
+    pub dir: PathBuf,
+}
+
+impl NodePaths {
+    /// containerd's CRI and API socket.
+    pub fn containerd_socket(&self) -> PathBuf {
+        self.dir.join("containerd/containerd.sock")
+    }
+
+    /// containerd's persistent root (images, snapshots, sandbox metadata).
+    pub fn containerd_root(&self) -> PathBuf {
+        self.dir.join("containerd/root")
+    }
+
+    /// containerd's state (sockets, running tasks, and the pods' network namespaces).
+    pub fn containerd_state(&self) -> PathBuf {
+        self.dir.join("containerd/state")
+    }
+
+    /// Where containerd's CRI plugin mounts the pods' network namespaces
+    /// (`netns_mounts_under_state_dir`).
+    pub fn netns_dir(&self) -> PathBuf {
+        self.containerd_state().join("io.containerd.grpc.v1.cri/netns")
+    }
+
+    /// containerd's configuration file.
+    pub fn containerd_config(&self) -> PathBuf {
+        self.dir.join("containerd/config.toml")
+    }
+
+    /// The CNI configuration directory containerd reads (the chart's conflist goes there).
+    pub fn cni_conf_dir(&self) -> PathBuf {
+        self.dir.join("cni/net.d")
+    }
+
+    /// The CNI plugin directory containerd searches (ptp, portmap, loopback, ipwarden-cni).
+    pub fn cni_bin_dir(&self) -> PathBuf {
+        self.dir.join("cni/bin")
+    }
+
+    /// kubelet's root directory (`--root-dir`).
+    pub fn kubelet_root(&self) -> PathBuf {
+        self.dir.join("kubelet")
+    }
+
+    /// kubelet's configuration file.
+    pub fn kubelet_config(&self) -> PathBuf {
+        self.dir.join("kubelet-config.yaml")
+    }
+
+    /// The directory kubelet reads static pod manifests from.
+    pub fn static_pods(&self) -> PathBuf {
+        self.dir.join("manifests")
+    }
+
+    /// The agent's socket, which the conflist names.
+    pub fn agent_socket(&self) -> PathBuf {
+        self.dir.join("agent.sock")
+    }
+}
+
+/// containerd 2.4's configuration (version 4, as `containerd config default` prints it) for a
+/// node at `paths`, running runc from
+/// `runc`. What this machine needs: `restrict_oom_score_adj` (root here lacks
+/// CAP_SYS_RESOURCE, without it every sandbox fails in runc with "can't get final child's PID
+/// from pipe"), the sandbox image pinned and never pulled, network namespaces under the node's
+/// own state directory instead of the host-wide /var/run/netns, no streaming server beyond
+/// loopback, and nothing host-wide of containerd's defaults (NRI's socket, /opt/containerd,
+/// /etc/containerd imports).
+pub fn containerd_toml(paths: &NodePaths, runc: &Path) -> String {
+    let q = |p: PathBuf| toml_string(&p.display().to_string());
+    format!(
+        r#"version = 4
+root = {root}
+state = {state}
+imports = []
+
+[plugins.'io.containerd.server.v1.grpc']
+  address = {socket}
+
+[plugins.'io.containerd.server.v1.ttrpc']
+  address = {ttrpc}
+
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+
+[plugins.'io.containerd.internal.v1.opt']
+  path = {opt}
+
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = 'overlayfs'
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = {pause}
+
+[plugins.'io.containerd.cri.v1.runtime']
+  enable_selinux = false
+  restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = [{cni_bin}]
+    conf_dir = {cni_conf}
+    max_conf_num = 1
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
+    default_runtime_name = 'runc'
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+      runtime_type = 'io.containerd.runc.v2'
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+        BinaryName = {runc}
+        SystemdCgroup = false
+
+[plugins.'io.containerd.grpc.v1.cri']
+  disable_tcp_service = true
+  stream_server_address = '127.0.0.1'
+  stream_server_port = '0'
+"#,
+        root = q(paths.containerd_root()),
+        state = q(paths.containerd_state()),
+        socket = q(paths.containerd_socket()),
+        ttrpc = q(paths.dir.join("containerd/containerd.sock.ttrpc")),
+        opt = q(paths.dir.join("containerd/opt")),
+        pause = toml_string(PAUSE_IMAGE),
+        cni_bin = q(paths.cni_bin_dir()),
+        cni_conf = q(paths.cni_conf_dir()),
+        runc = toml_string(&runc.display().to_string()),
+    )
+}
+
+/// What a kubelet's configuration depends on besides its paths.
+#[derive(Clone, Debug)]
+pub struct KubeletSettings {
+    /// The port of kubelet's API, on 127.0.0.1.
+    pub port: u16,
+    /// The port of kubelet's health endpoint, on 127.0.0.1.
+    pub healthz_port: u16,
+    /// The cgroup under which kubelet puts its pods (`cgroupRoot`): one per node, so several
+    /// real nodes on one machine do not share `kubepods`.
+    pub cgroup_root: String,
+    /// The cluster CA, which kubelet trusts for client certificates.
+    pub client_ca: PathBuf,
+}
+
+/// kubelet's KubeletConfiguration (JSON, which kubelet reads as YAML). What this machine
+/// needs: cgroup v1 allowed (`failCgroupV1: false`) with the cgroupfs driver; servers on
+/// loopback only; no image GC and near-zero eviction thresholds (the images cannot be pulled
+/// again, and the test machine's disk is shared); static pods read every second.
+pub fn kubelet_config(paths: &NodePaths, settings: &KubeletSettings) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "address": "127.0.0.1",
+        "port": settings.port,
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": settings.healthz_port,
+        "authentication": {
+            "anonymous": {"enabled": false},
+            "webhook": {"enabled": false},
+            "x509": {"clientCAFile": settings.client_ca},
+        },
+        "authorization": {"mode": "AlwaysAllow"},
+        "cgroupDriver": "cgroupfs",
+        "cgroupRoot": settings.cgroup_root,
+        "failCgroupV1": false,
+        "failSwapOn": false,
+        "containerRuntimeEndpoint": format!("unix://{}", paths.containerd_socket().display()),
+        "staticPodPath": paths.static_pods(),
+        "fileCheckFrequency": "1s",
+        "podLogsDir": paths.dir.join("pod-logs"),
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
+        "resolvConf": "",
+        "maxPods": 110,
+        "serializeImagePulls": false,
+    })
+}
+
+fn toml_string(text: &str) -> String {
+    let escaped = text.replace('\\', "\\\\").replace('"', "\\\"");
+    format!("\"{escaped}\"")
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    fn paths() -> NodePaths {
+        NodePaths { dir: PathBuf::from("/tmp/run/real-node-0") }
+    }
+
+    #[test]
+    fn containerd_keeps_everything_under_the_node_directory_and_restricts_oom_score_adj() {
+        let text = containerd_toml(&paths(), Path::new("/usr/sbin/runc"));
+        for line in [
+            "root = \"/tmp/run/real-node-0/containerd/root\"",
+            "address = \"/tmp/run/real-node-0/containerd/containerd.sock\"",
+            "restrict_oom_score_adj = true",
+            "netns_mounts_under_state_dir = true",
+            "conf_dir = \"/tmp/run/real-node-0/cni/net.d\"",
+            "sandbox = \"localhost/ipwarden-e2e/pause:1\"",
+            "BinaryName = \"/usr/sbin/runc\"",
+        ] {
+            assert!(text.contains(line), "{line} in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn kubelet_serves_on_loopback_with_cgroup_v1_allowed() {
+        let settings =
+            KubeletSettings { port: 1, healthz_port: 2, cgroup_root: "/e2e-0".into(), client_ca: "/ca.crt".into() };
+        let config = kubelet_config(&paths(), &settings);
+        assert_eq!(config["address"], "127.0.0.1");
+        assert_eq!(config["failCgroupV1"], false);
+        assert_eq!(config["cgroupRoot"], "/e2e-0");
+        assert_eq!(config["containerRuntimeEndpoint"], "unix:///tmp/run/real-node-0/containerd/containerd.sock");
+    }
+
+    #[test]
+    fn toml_strings_are_quoted_and_escaped() {
+        assert_eq!(toml_string(r#"a"b\c"#), r#""a\"b\\c""#);
+    }
+}
