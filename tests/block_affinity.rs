@@ -44,19 +44,22 @@ async fn create_pods(client: &kube::Client, prefix: &str, node: &str, count: usi
 async fn nodes_fill_their_own_blocks_claim_free_ones_borrow_when_none_is_left_and_a_gone_nodes_empty_block_is_freed() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let pool = json!({"cidr": CIDR, "blockSize": 28, "default": true});
+    // The pool's own layout: its first address is its gateway, which no pod gets.
+    let spec: ipwarden::crd::IPPoolSpec = serde_json::from_value(pool.clone()).expect("the pool's spec");
+    let layout = ipwarden::ipam::pools::layout(&spec).expect("the pool's layout");
     let mut ipwarden = Ipwarden::start(3, &[("pool", pool)], &["--reuse-cooldown-seconds=0"]).await;
     let client = ipwarden.client();
     let controller = ipwarden.start_controller("only", &[]);
     ipwarden.wait_leader(controller).await;
-    let layout = PoolLayout::new(CIDR, &[], &[], None, Some(28)).expect("the pool's layout");
     let blocks: Vec<_> = layout.blocks().collect();
     assert_eq!(blocks.len(), 4);
-    let first_block = layout.allocatable_in(blocks[0]).count();
+    // More than the fullest block holds, whichever block node-0 starts in.
+    let fullest_block = blocks.iter().map(|b| layout.allocatable_in(*b).count()).max().expect("blocks");
     let capacity = usize::try_from(layout.capacity()).expect("a small pool");
 
     // node-0 fills its first block and claims a second one for the rest.
-    create_pods(&client, "a", "node-0", first_block + 2).await;
-    let node0 = wait_pods_with_ips(&client, NS, "node=node-0", first_block + 2).await;
+    create_pods(&client, "a", "node-0", fullest_block + 2).await;
+    let node0 = wait_pods_with_ips(&client, NS, "node=node-0", fullest_block + 2).await;
     let owned = affinities(&client).await;
     let node0_blocks: BTreeSet<String> = node0.values().map(|p| block_of(&layout, &ip_of(p))).collect();
     assert_eq!(node0_blocks.len(), 2, "node-0's pods span two blocks: {node0_blocks:?}");

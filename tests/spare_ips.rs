@@ -401,10 +401,11 @@ async fn a_pool_used_for_fixed_ips_keeps_no_spares_so_another_nodes_pod_gets_the
         .collect();
     assert!(pinned_spares.is_empty(), "no spares in a pool stateless pods do not take: {pinned_spares:?}");
 
-    // Another workload's fixed IP in the same block, the lowest free address, on node-1.
-    create_fixed_pod(&client, "pinned-b", "node-1", "10.99.0.1").await;
+    // Another workload's fixed IP in the same block, the lowest free address (10.99.0.1 is the
+    // pool's defaulted gateway), on node-1.
+    create_fixed_pod(&client, "pinned-b", "node-1", "10.99.0.2").await;
     let b = wait_pods_with_ips(&client, NS, "app=pinned-b", 1).await;
-    assert_eq!(ip_of(&b["pinned-b"]), "10.99.0.1");
+    assert_eq!(ip_of(&b["pinned-b"]), "10.99.0.2");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,7 +17,8 @@ use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
 
 use super::batch::{Taken, Wish};
-use super::checkpoint::{CheckpointEntry, CheckpointIp};
+use super::block_writes::ReleaseTrigger;
+use super::checkpoint::{AttachmentKey, CheckpointEntry, CheckpointIp};
 use super::core::{Base, Core, ResolvedPool, attachment_key, field_manager, new_block, result_of};
 use super::error::Error;
 use super::metrics::PoolLabels;
@@ -137,6 +138,17 @@ fn shares_with_source(a: &Allocation, b: &Allocation) -> bool {
 }
 
 /// Whether `ip` is an IPv4 address (a claimed IP that does not parse counts as IPv6).
+/// Whether the checkpoint entry `key` of pod `entry_uid` is an older sandbox of the pod that
+/// `request` (of pod `uid`) makes a new sandbox for: same pod, network and interface, another
+/// sandbox.
+fn superseded_by(key: &AttachmentKey, entry_uid: &str, request: &AttachmentRequest, uid: &str) -> bool {
+    !uid.is_empty()
+        && entry_uid == uid
+        && key.network == request.network
+        && key.ifname == request.ifname
+        && key.container_id != request.container_id
+}
+
 fn is_v4(ip: &str) -> bool {
     ip.parse::<IpAddr>().is_ok_and(|ip| ip.is_ipv4())
 }
@@ -182,7 +194,8 @@ impl Core {
             .pod(pod_ref)
             .await?
             .ok_or_else(|| Error::PodMissing { pod: format!("{}/{}", pod_ref.namespace, pod_ref.name) })?;
-        let uid = pod.uid().unwrap_or_default();
+        // A static pod runs under its config hash, not its mirror's metadata.uid.
+        let uid = workload::runtime_uid(&pod).unwrap_or_default().to_string();
         if let Some(expected) = pod_ref.uid.as_deref()
             && expected != uid
         {
@@ -215,6 +228,7 @@ impl Core {
             list_annotation,
         )
         .map_err(|cause| Error::FixedIp { pod: format!("{}/{}", pod_ref.namespace, pod_ref.name), cause })?;
+        self.release_superseded(request, &uid).await?;
         let found = self.records_of_sandbox(&request.container_id, &request.ifname);
         let migration = if sticky { self.active_migration(&pod, owner.as_ref()).await? } else { None };
         let (ips, written, shares) = if !found.is_empty() {
@@ -285,12 +299,40 @@ impl Core {
         Ok(result_of(&ips))
     }
 
+    /// Releases, as their DELs would have, the checkpoint entries of pod `uid` on the
+    /// request's network and interface under another sandbox. A pod has one sandbox at a time:
+    /// kubelet makes a new one only after stopping the old one (whose teardown is the CNI DEL),
+    /// so an older entry left is a sandbox whose DEL never came because the runtime lost it (a
+    /// node rebooted, containerd's state wiped): nothing else would free its IPs while the pod
+    /// lives on. The pod's calls take turns (module `serial`), so no DEL or ADD of the older
+    /// sandbox runs meanwhile; a late DEL of it then finds nothing to release.
+    async fn release_superseded(&self, request: &AttachmentRequest, uid: &str) -> Result<(), Error> {
+        let superseded: Vec<CheckpointEntry> = self
+            .checkpoint
+            .read(|c| c.entries().filter(|e| superseded_by(&e.key, &e.pod.uid, request, uid)).cloned().collect());
+        for entry in superseded {
+            tracing::info!(pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name),
+                old_container_id = %entry.key.container_id, container_id = %request.container_id,
+                "a new sandbox of the pod replaces one whose DEL never came: releasing the old one's IPs");
+            self.release_attachment(
+                Some(&entry),
+                &entry.key.container_id,
+                &entry.key.ifname,
+                Some(uid),
+                ReleaseTrigger::Superseded,
+            )
+            .await?;
+            self.checkpoint.remove(&entry.key).await?;
+        }
+        Ok(())
+    }
+
     fn record_for(&self, pod: &Pod, owner: Option<&OwnerRef>, sticky: bool, request: &AttachmentRequest) -> Allocation {
         Allocation {
             pod: PodRef {
                 namespace: pod.namespace().unwrap_or_default(),
                 name: pod.name_any(),
-                uid: pod.uid().unwrap_or_default(),
+                uid: workload::runtime_uid(pod).unwrap_or_default().to_string(),
             },
             node: self.settings.node.clone(),
             network: request.network.clone(),
@@ -462,13 +504,7 @@ impl Core {
                 tracing::warn!(claim = %claim_name, ip = %claimed.ip, "claimed IP is held by another pod; allocating afresh");
                 break;
             };
-            let ip = CheckpointIp {
-                ip: claimed.ip.clone(),
-                prefix_len: pool.layout.cidr().prefix_len(),
-                gateway: pool.gateway.clone(),
-                pool: pool.name.clone(),
-                block: claimed.block.clone(),
-            };
+            let ip = pool.checkpoint_ip(claimed.ip.clone(), claimed.block.clone());
             match took {
                 Reclaim::Taken(prior) => taken.push(Written { ip: ip.clone(), prior: Some(prior) }),
                 Reclaim::Attached => {
@@ -537,12 +573,7 @@ impl Core {
             if families.is_some_and(|f| !f.contains(&layout.family_is_v4())) {
                 continue;
             }
-            let pool = ResolvedPool {
-                name: view.name.to_string(),
-                layout: layout.clone(),
-                gateway: view.spec.gateway.clone(),
-                deleting: view.deleting,
-            };
+            let pool = ResolvedPool::new(view.name, view.spec, layout.clone(), view.deleting);
             // A pod whose workload keeps no IP may take one of the node's spares on its own
             // network's interface (the one its status reports, which a lost checkpoint's
             // recovery reads).
@@ -650,7 +681,8 @@ impl Core {
         let (pool, net) = (place.pool.name.to_string(), place.block);
         let block = pools::block_name(&pool, net);
         let (node, cooldown, owned) = (self.settings.node.clone(), self.settings.cooldown, record.clone());
-        let layout = place.layout.clone();
+        let resolved = ResolvedPool::new(&pool, place.pool.spec, place.layout.clone(), place.pool.deleting);
+        let layout = resolved.layout.clone();
         // The node's own spare is kept from its other calls while this write takes it.
         let withdrawn = self.withdraw_spare(&block, ip);
         let take = move |spec: &mut IPBlockSpec| {
@@ -666,13 +698,7 @@ impl Core {
             Ok(prior) => prior,
             Err(cause) => return Ok(Err(cause)),
         };
-        let ip = CheckpointIp {
-            ip: ip.to_string(),
-            prefix_len: place.layout.cidr().prefix_len(),
-            gateway: place.pool.spec.gateway.clone(),
-            pool,
-            block,
-        };
+        let ip = resolved.checkpoint_ip(ip.to_string(), block);
         Ok(Ok(Written { ip, prior: Some(prior.unwrap_or(blocks::Prior::Free(None))) }))
     }
 
@@ -748,13 +774,7 @@ impl Core {
                 };
                 match taken {
                     Taken::Ip(ip, prior) => {
-                        let ip = CheckpointIp {
-                            ip: ip.to_string(),
-                            prefix_len: pool.layout.cidr().prefix_len(),
-                            gateway: pool.gateway.clone(),
-                            pool: pool.name.clone(),
-                            block: candidate.name.clone(),
-                        };
+                        let ip = pool.checkpoint_ip(ip.to_string(), candidate.name.clone());
                         return Ok(Written { ip, prior: Some(prior) });
                     }
                     Taken::Cooling { cooling: count, next_free_at } => {
@@ -783,8 +803,8 @@ impl Core {
         ifname: &str,
         ips: &[CheckpointIp],
     ) -> Result<ClaimWrite, Error> {
-        let (namespace, name, uid) =
-            (pod.namespace().unwrap_or_default(), pod.name_any(), pod.uid().unwrap_or_default());
+        let (namespace, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
+        let uid = workload::runtime_uid(pod).unwrap_or_default().to_string();
         let interface = ClaimedInterface {
             interface: ifname.to_string(),
             ips: ips
@@ -874,6 +894,35 @@ mod test {
             assert_eq!(fill_given_up(slots.clone(), fresh.clone(), v4), want, "{slots:?} + {fresh:?}");
         }
         assert!(is_v4("10.0.0.1") && !is_v4("fd00::1"));
+    }
+
+    #[test]
+    fn an_entry_is_superseded_only_by_another_sandbox_of_its_pod_on_its_interface() {
+        let request = |container: &str, ifname: &str, network: &str| AttachmentRequest {
+            container_id: container.to_string(),
+            ifname: ifname.to_string(),
+            network: network.to_string(),
+            cni_version: "1.1.0".to_string(),
+            netns: None,
+            pod: None,
+            prev_result: None,
+            runtime_config_ips: None,
+            args_ips: None,
+            pools: Vec::new(),
+        };
+        let key = AttachmentKey { network: "net".into(), container_id: "old".into(), ifname: "eth0".into() };
+        let cases = [
+            // (request, its pod's uid, the entry's pod uid, superseded)
+            (request("new", "eth0", "net"), "u1", "u1", true),
+            (request("old", "eth0", "net"), "u1", "u1", false),
+            (request("new", "net1", "net"), "u1", "u1", false),
+            (request("new", "eth0", "other"), "u1", "u1", false),
+            (request("new", "eth0", "net"), "u2", "u1", false),
+            (request("new", "eth0", "net"), "", "", false),
+        ];
+        for (request, uid, entry_uid, expected) in cases {
+            assert_eq!(superseded_by(&key, entry_uid, &request, uid), expected, "{request:?} of {uid:?}");
+        }
     }
 
     #[test]

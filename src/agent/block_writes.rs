@@ -41,6 +41,9 @@ pub(super) enum ReleaseTrigger {
     StartupGc,
     /// The agent answered the controller's release mark: no sandbox holds the IP.
     ReleaseMark,
+    /// A new sandbox of the same pod on the same interface was ADDed: the older one's DEL
+    /// never came (kubelet stops a pod's sandbox before it makes another, so it is gone).
+    Superseded,
 }
 
 impl ReleaseTrigger {
@@ -51,6 +54,7 @@ impl ReleaseTrigger {
             Self::CniGc => "cni_gc",
             Self::StartupGc => "startup_gc",
             Self::ReleaseMark => "release_mark",
+            Self::Superseded => "superseded",
         }
     }
 
@@ -61,6 +65,7 @@ impl ReleaseTrigger {
             Self::CniGc => "sandbox_not_listed",
             Self::StartupGc => "no_local_pod",
             Self::ReleaseMark => "no_sandbox_holds_it",
+            Self::Superseded => "sandbox_replaced",
         }
     }
 

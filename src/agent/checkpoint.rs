@@ -82,10 +82,25 @@ pub struct CheckpointIp {
     /// The pool's gateway, for the CNI result.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateway: Option<String>,
+    /// Whether the CNI result carries a default route via `gateway` (the pool's
+    /// `spec.defaultRoute`). Written only when false: an entry of an older agent, which has
+    /// no such field, routes via its gateway when it has one, as that agent's results did.
+    #[serde(default = "routes_by_default", skip_serializing_if = "is_true")]
+    pub default_route: bool,
     /// The pool.
     pub pool: String,
     /// The IPBlock holding the record.
     pub block: String,
+}
+
+/// [`CheckpointIp::default_route`] of an entry that does not say.
+fn routes_by_default() -> bool {
+    true
+}
+
+/// Whether [`CheckpointIp::default_route`] is left out of the file (it is the default).
+fn is_true(value: &bool) -> bool {
+    *value
 }
 
 /// What one attachment holds.
@@ -330,11 +345,46 @@ pub(super) mod test {
                 ip: "10.0.0.5".into(),
                 prefix_len: 24,
                 gateway: None,
+                default_route: true,
                 pool: "p".into(),
                 block: "p-10-0-0-0-24".into(),
             }],
             spare_record: None,
         }
+    }
+
+    #[test]
+    fn an_older_agents_entry_routes_via_its_gateway_and_a_default_route_is_not_written() {
+        // Entries as agents before `defaultRoute` wrote them: with a gateway, and without.
+        let path = scratch("older");
+        let older = r#"{"version": 1, "entries": [
+            {"network": "ipwarden", "containerId": "c1", "ifname": "eth0",
+             "pod": {"namespace": "default", "name": "a", "uid": "u1"},
+             "ips": [{"ip": "10.0.0.5", "prefixLen": 24, "gateway": "10.0.0.1", "pool": "p", "block": "b"}]},
+            {"network": "ipwarden", "containerId": "c2", "ifname": "eth0",
+             "pod": {"namespace": "default", "name": "b", "uid": "u2"},
+             "ips": [{"ip": "10.0.0.6", "prefixLen": 24, "pool": "p", "block": "b"}]}]}"#;
+        std::fs::write(&path, older).expect("write");
+        let (checkpoint, restored) = Checkpoint::load(&path).expect("load");
+        assert_eq!(restored, Restored::Loaded);
+        let ips: Vec<(Option<&str>, bool)> =
+            checkpoint.entries().flat_map(|e| &e.ips).map(|i| (i.gateway.as_deref(), i.default_route)).collect();
+        assert_eq!(ips, [(Some("10.0.0.1"), true), (None, true)]);
+        let routes: Vec<usize> =
+            checkpoint.entries().map(|e| crate::agent::core::result_of(&e.ips).routes.len()).collect();
+        assert_eq!(routes, [1, 0], "the gateway's entry routes, the other has nothing to route via");
+
+        // Written back: `defaultRoute` only where it is false.
+        let mut entries = checkpoint.entries_copy();
+        if let Some(entry) = entries.values_mut().next() {
+            entry.ips[0].default_route = false;
+        }
+        write_file(&path, &entries).expect("write");
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert_eq!(text.matches("defaultRoute").count(), 1, "{text}");
+        let (reloaded, _) = Checkpoint::load(&path).expect("reload");
+        let flags: Vec<bool> = reloaded.entries().flat_map(|e| &e.ips).map(|i| i.default_route).collect();
+        assert_eq!(flags, [false, true]);
     }
 
     #[test]

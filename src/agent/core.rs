@@ -21,7 +21,7 @@ use super::metrics::AgentMetrics;
 use super::serial::{KeyGuard, KeyedLocks, Serial};
 use super::spares::SpareBook;
 use crate::block_store::BlockStore;
-use crate::crd::{IPBlock, IPPool};
+use crate::crd::{IPBlock, IPPool, IPPoolSpec};
 use crate::ipam::PoolLayout;
 use crate::ipam::blocks;
 use crate::ipam::pools;
@@ -114,13 +114,44 @@ pub(super) enum Base {
 pub(super) struct ResolvedPool {
     pub(super) name: String,
     pub(super) layout: PoolLayout,
-    pub(super) gateway: Option<String>,
+    /// The pool's gateway, set or defaulted ([`pools::gateway`]).
+    gateway: Option<String>,
+    /// Whether results route by default via `gateway` ([`pools::default_route`]).
+    default_route: bool,
     /// Being deleted: it hands out nothing, and a sticky pod does not get its IP back.
     pub(super) deleting: bool,
 }
 
+impl ResolvedPool {
+    /// Pool `name` of `spec`, laid out as `layout`, `deleting` or not.
+    pub(super) fn new(name: &str, spec: &IPPoolSpec, layout: PoolLayout, deleting: bool) -> Self {
+        Self {
+            name: name.to_string(),
+            layout,
+            gateway: pools::gateway(spec),
+            default_route: pools::default_route(spec),
+            deleting,
+        }
+    }
+
+    /// The checkpoint entry of `ip` of this pool, whose record is in `block`: with what the
+    /// CNI result says beside the address (prefix length, gateway, default route). Every
+    /// entry an allocation writes is made here.
+    pub(super) fn checkpoint_ip(&self, ip: String, block: String) -> CheckpointIp {
+        CheckpointIp {
+            ip,
+            prefix_len: self.layout.cidr().prefix_len(),
+            gateway: self.gateway.clone(),
+            default_route: self.default_route,
+            pool: self.name.clone(),
+            block,
+        }
+    }
+}
+
 /// Whether an ADD may take its pod from the node's pod cache: the cache holds the pod with the
-/// UID the runtime gave, and the pod's workload keeps no IPs. A sticky pod is read live: the
+/// UID the runtime gave (`cached_uid` read by [`workload::runtime_uid`]: a static pod's config
+/// hash), and the pod's workload keeps no IPs. A sticky pod is read live: the
 /// cache may still hold a pod just deleted and recreated under the same name (a StatefulSet's),
 /// whose old sandbox's ADD would then take the claim's IPs back for a pod that is gone; the
 /// live read tells it is stale.
@@ -148,10 +179,12 @@ pub(super) fn attachment_key(request: &AttachmentRequest) -> AttachmentKey {
 }
 
 /// The CNI result for `ips`: each address with its pool's prefix length and gateway, and a
-/// default route via the gateway when the pool has one.
+/// default route via the gateway when the pool has one and routes by default
+/// (`spec.defaultRoute`: a secondary network's pool pushes no second default route).
 pub fn result_of(ips: &[CheckpointIp]) -> IpamResult {
     let routes = ips
         .iter()
+        .filter(|ip| ip.default_route)
         .filter_map(|ip| {
             let gateway = ip.gateway.clone()?;
             let dst = if ip.ip.contains(':') { "::/0" } else { "0.0.0.0/0" };
@@ -276,28 +309,22 @@ impl Core {
     pub(super) fn resolve_pool(&self, name: &str) -> Option<ResolvedPool> {
         let pool = self.pools.state().into_iter().find(|p| p.name_any() == name)?;
         let layout = pools::layout(&pool.spec).ok()?;
-        Some(ResolvedPool {
-            name: name.to_string(),
-            layout,
-            gateway: pool.spec.gateway.clone(),
-            deleting: pool.metadata.deletion_timestamp.is_some(),
-        })
+        Some(ResolvedPool::new(name, &pool.spec, layout, pool.metadata.deletion_timestamp.is_some()))
+    }
+
+    /// The checkpoint entry of `ip` of pool `pool`, recorded in `block`, for a record found in
+    /// the blocks (an ADD's lost answer, a rebuilt checkpoint): as its pool says now
+    /// ([`ResolvedPool::checkpoint_ip`]); a /32 without gateway when the pool is gone or has
+    /// no layout.
+    pub(super) fn checkpoint_ip(&self, pool: String, block: String, ip: String) -> CheckpointIp {
+        match self.resolve_pool(&pool) {
+            Some(resolved) => resolved.checkpoint_ip(ip, block),
+            None => CheckpointIp { ip, prefix_len: 32, gateway: None, default_route: true, pool, block },
+        }
     }
 
     pub(super) fn checkpoint_ips(&self, found: Vec<(String, String, String)>) -> Vec<CheckpointIp> {
-        found
-            .into_iter()
-            .map(|(pool, block, ip)| {
-                let resolved = self.resolve_pool(&pool);
-                CheckpointIp {
-                    prefix_len: resolved.as_ref().map(|p| p.layout.cidr().prefix_len()).unwrap_or(32),
-                    gateway: resolved.and_then(|p| p.gateway),
-                    ip,
-                    pool,
-                    block,
-                }
-            })
-            .collect()
+        found.into_iter().map(|(pool, block, ip)| self.checkpoint_ip(pool, block, ip)).collect()
     }
 
     /// Namespace `name` from the cache; read live only when the cache does not have it yet
@@ -327,11 +354,11 @@ impl Core {
             tokio::pin!(event);
             event.as_mut().enable();
             let cached = self.pods.get(&key);
-            let cached_uid = cached.as_ref().and_then(|p| p.metadata.uid.clone());
+            let cached_uid = cached.as_deref().and_then(workload::runtime_uid).map(str::to_string);
             if let Some(cached) = cached {
                 let sticky =
                     workload::is_sticky(workload::controller_of(&cached).as_ref(), &self.settings.sticky_kinds);
-                if cache_serves_add(cached.metadata.uid.as_deref(), pod_ref.uid.as_deref(), sticky) {
+                if cache_serves_add(cached_uid.as_deref(), pod_ref.uid.as_deref(), sticky) {
                     self.metrics.pod_read("cache");
                     return Ok(Some(cached));
                 }
@@ -430,22 +457,43 @@ mod test {
         }
     }
 
-    fn ip(ip: &str, gateway: Option<&str>) -> CheckpointIp {
+    fn ip(ip: &str, gateway: Option<&str>, default_route: bool) -> CheckpointIp {
         CheckpointIp {
             ip: ip.into(),
             prefix_len: 24,
             gateway: gateway.map(Into::into),
+            default_route,
             pool: "p".into(),
             block: "b".into(),
         }
     }
 
     #[test]
-    fn a_result_carries_prefix_lengths_and_a_default_route_per_gateway() {
-        let result = result_of(&[ip("10.0.0.5", Some("10.0.0.1")), ip("fd00::5", None)]);
-        assert_eq!(result.ips[0].address, "10.0.0.5/24");
-        assert_eq!(result.ips[0].gateway.as_deref(), Some("10.0.0.1"));
-        assert_eq!(result.routes.len(), 1);
-        assert_eq!(result.routes[0].dst, "0.0.0.0/0");
+    fn a_result_carries_prefix_lengths_gateways_and_a_default_route_where_the_pool_routes_by_default() {
+        let cases = [
+            // (the IPs, their gateways in the result, the result's routes)
+            (vec![ip("10.0.0.5", Some("10.0.0.1"), true)], vec![Some("10.0.0.1")], vec![("0.0.0.0/0", "10.0.0.1")]),
+            (vec![ip("fd00::5", Some("fd00::1"), true)], vec![Some("fd00::1")], vec![("::/0", "fd00::1")]),
+            // A secondary network's pool: the gateway (ptp, bridge need it), no default route.
+            (vec![ip("10.1.0.5", Some("10.1.0.1"), false)], vec![Some("10.1.0.1")], vec![]),
+            // A pool too small for a gateway (a /31, a /32): no route to make.
+            (vec![ip("10.0.0.5", None, true)], vec![None], vec![]),
+            (
+                vec![ip("10.0.0.5", Some("10.0.0.1"), true), ip("fd00::5", Some("fd00::1"), false)],
+                vec![Some("10.0.0.1"), Some("fd00::1")],
+                vec![("0.0.0.0/0", "10.0.0.1")],
+            ),
+        ];
+        for (ips, gateways, routes) in cases {
+            let result = result_of(&ips);
+            let addresses: Vec<String> = ips.iter().map(|i| format!("{}/24", i.ip)).collect();
+            let got: Vec<&str> = result.ips.iter().map(|i| i.address.as_str()).collect();
+            assert_eq!(got, addresses);
+            let got: Vec<Option<&str>> = result.ips.iter().map(|i| i.gateway.as_deref()).collect();
+            assert_eq!(got, gateways, "{addresses:?}");
+            let got: Vec<(&str, &str)> =
+                result.routes.iter().map(|r| (r.dst.as_str(), r.gw.as_deref().unwrap_or_default())).collect();
+            assert_eq!(got, routes, "{addresses:?}");
+        }
     }
 }

@@ -8,7 +8,7 @@ use kube::ResourceExt;
 use kube::api::Api;
 
 use super::block_writes::{RecordAt, ReleaseTrigger};
-use super::checkpoint::{AttachmentKey, CheckpointEntry, CheckpointIp};
+use super::checkpoint::{AttachmentKey, CheckpointEntry};
 use super::core::{Core, field_manager};
 use super::error::Error;
 use crate::crd::{Allocation, IPBlock};
@@ -32,11 +32,13 @@ impl Core {
             .list(&params)
             .await
             .map_err(Error::api(format!("listing the pods of node {node}")))?;
+        // By the runtime's UID (`PodFacts::uid`): a static pod's records name its config hash.
         let live: BTreeMap<(String, String), String> = pods
             .items
             .iter()
-            .filter(|p| !crate::gc::index::PodFacts::of(p).finished())
-            .map(|p| ((p.namespace().unwrap_or_default(), p.name_any()), p.uid().unwrap_or_default()))
+            .map(crate::gc::index::PodFacts::of)
+            .filter(|p| !p.finished())
+            .map(|p| ((p.namespace, p.name), p.uid))
             .collect();
         let blocks = Api::<IPBlock>::all(self.client.clone())
             .list(&kube::api::ListParams::default())
@@ -181,7 +183,6 @@ impl Core {
                     container_id: record.container_id.clone(),
                     ifname: record.interface.clone(),
                 };
-                let resolved = self.resolve_pool(&block.spec.pool);
                 entries
                     .entry(key.clone())
                     .or_insert_with(|| CheckpointEntry {
@@ -191,13 +192,7 @@ impl Core {
                         spare_record: None,
                     })
                     .ips
-                    .push(CheckpointIp {
-                        ip: ip.clone(),
-                        prefix_len: resolved.as_ref().map(|p| p.layout.cidr().prefix_len()).unwrap_or(32),
-                        gateway: resolved.and_then(|p| p.gateway),
-                        pool: block.spec.pool.clone(),
-                        block: block.name_any(),
-                    });
+                    .push(self.checkpoint_ip(block.spec.pool.clone(), block.name_any(), ip.clone()));
             }
         }
         let count = entries.len();

@@ -76,11 +76,18 @@ pub struct IPPoolSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 256), inner(length(max = 64)))]
     pub exclude: Vec<String>,
-    /// The pods' gateway, returned in CNI results and never handed out.
+    /// The pods' gateway, returned in CNI results and never handed out; when unset, the
+    /// CIDR's first address after its network address (10.244.0.1 for 10.244.0.0/16, fd00::1
+    /// for fd00::/64), and none for an IPv4 /31 or /32 or an IPv6 /127 or /128.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("isIP(self)").message("gateway must be an IP address"))]
     #[schemars(length(max = 64))]
     pub gateway: Option<String>,
+    /// Whether CNI results carry a default route via the pool's gateway (true when unset);
+    /// false for a pool of a secondary network, e.g. a Multus attachment, whose pods' default
+    /// route is the primary network's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_route: Option<bool>,
     /// Prefix length of each IPBlock (default: /24 for IPv4, /120 for IPv6, or cidr's own
     /// when it is smaller); immutable.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -152,7 +152,7 @@ pub fn plan(
         };
         let Some(net) = layout.block_of(ip).filter(|_| layout.is_allocatable(ip)) else {
             out.skipped
-                .push(skip(format!("in pool {pool}'s CIDR but never handed out (excluded or outside its ranges)")));
+                .push(skip(format!("in pool {pool}'s CIDR but never handed out (its network, broadcast or gateway address, excluded, or outside its ranges)")));
             continue;
         };
         let block = pools::block_name(pool, net);

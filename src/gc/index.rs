@@ -34,7 +34,7 @@ pub struct PodFacts {
     pub namespace: String,
     /// Its name.
     pub name: String,
-    /// Its UID.
+    /// Its UID as the runtime knows it ([`workload::runtime_uid`]: a static pod's config hash).
     pub uid: String,
     /// Its phase.
     pub phase: Phase,
@@ -66,7 +66,7 @@ impl PodFacts {
         Self {
             namespace: pod.namespace().unwrap_or_default(),
             name: pod.name_any(),
-            uid: pod.uid().unwrap_or_default(),
+            uid: workload::runtime_uid(pod).unwrap_or_default().to_string(),
             phase,
             deletion: pod.metadata.deletion_timestamp.as_ref().map(|t| t.0),
             ips,

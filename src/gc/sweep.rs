@@ -270,6 +270,42 @@ mod test {
         );
     }
 
+    #[test]
+    fn a_static_pods_record_is_kept_while_its_mirror_pod_lives_whatever_the_mirrors_uid() {
+        // The runtime runs a static pod under its config hash, which the ADD recorded; the
+        // mirror pod carries it in `kubernetes.io/config.mirror` under a uid of its own, and
+        // kubelet may recreate the mirror (a new uid) while the static pod runs on.
+        let mirror = |uid: &str, hash: &str, ips: &[&str]| -> Arc<Pod> {
+            Arc::new(
+                serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": "static-n1", "uid": uid,
+                        "annotations": {crate::ipam::workload::MIRROR_POD_ANNOTATION: hash}},
+                    "spec": {"nodeName": "n1", "containers": []},
+                    "status": {"phase": "Running", "podIPs": ips.iter().map(|ip| json!({"ip": ip})).collect::<Vec<_>>()}}))
+                .expect("pod"),
+            )
+        };
+        let cases = [
+            // (the mirror pod, what the sweep does with the record naming uid "hash-1")
+            (mirror("mirror-a", "hash-1", &["10.0.0.4"]), "kept: in_use"),
+            (mirror("mirror-a", "hash-1", &[]), "kept: status_lags"),
+            (mirror("mirror-b", "hash-1", &["10.0.0.4"]), "kept: in_use"),
+            // Another static pod under the same name (its manifest changed): the record is stale.
+            (mirror("mirror-c", "hash-2", &[]), "released: uid_mismatch"),
+            // The same IP reported by the new static pod: adopted for its hash, never freed.
+            (mirror("mirror-c", "hash-2", &["10.0.0.4"]), "repaired for hash-2"),
+        ];
+        for (pod, expected) in cases {
+            let plan = planned(json!({"10.0.0.4": record("static-n1", "hash-1")}), std::slice::from_ref(&pod));
+            let got = match plan.changes.first().map(|c| &c.action) {
+                None => format!("kept: {}", plan.kept.keys().next().copied().unwrap_or_default()),
+                Some(ChangeAction::Release { reason, .. }) => format!("released: {}", reason.label()),
+                Some(ChangeAction::Repair { adopter }) => format!("repaired for {}", adopter.pod.uid),
+                Some(other) => format!("{other:?}"),
+            };
+            assert_eq!(got, expected, "{:?}", pod.metadata);
+        }
+    }
+
     fn marked(mut record: serde_json::Value, state: &str) -> serde_json::Value {
         record["releaseHandshake"] = json!({"state": state, "markedAt": "2026-01-01T00:00:00Z", "reason": "pod_gone"});
         record

@@ -196,7 +196,7 @@ impl PoolLayout {
         }
 
         let mut reserved = Vec::with_capacity(exclude.len() + 3);
-        if (v4 && prefix <= 30) || (!v4 && prefix <= 126) {
+        if network_is_reserved(cidr) {
             reserved.push((first, first));
         }
         if v4 && prefix <= 30 {
@@ -321,6 +321,25 @@ impl PoolLayout {
     fn block_starting_at(&self, start: u128) -> Option<IpNet> {
         IpNet::new(int_to_addr(self.family_is_v4(), start), self.block_prefix).ok()
     }
+}
+
+/// Whether the network address of `cidr` is no pod's: up to an IPv4 /30 (the network
+/// address) and an IPv6 /126 (the Subnet-Router anycast address). An IPv4 /31 or /32
+/// (RFC 3021) and an IPv6 /127 (RFC 6164) or /128 use every address.
+fn network_is_reserved(cidr: IpNet) -> bool {
+    match cidr {
+        IpNet::V4(_) => cidr.prefix_len() <= 30,
+        IpNet::V6(_) => cidr.prefix_len() <= 126,
+    }
+}
+
+/// The first address after the network address of `cidr` (`10.244.0.0/16` -> `10.244.0.1`,
+/// `fd00::/64` -> `fd00::1`): the gateway a pool without `spec.gateway` gets
+/// ([`crate::ipam::pools::gateway`]). `None` when the network address is itself a host
+/// (`network_is_reserved`): a /31, /32, /127 or /128 has no address to spare for one.
+pub fn first_host(cidr: IpNet) -> Option<IpAddr> {
+    let cidr = cidr.trunc();
+    network_is_reserved(cidr).then(|| int_to_addr(matches!(cidr, IpNet::V4(_)), addr_to_int(cidr.network()) + 1))
 }
 
 /// Lazy walk over the blocks with allocatable addresses, jumping from interval to interval.

@@ -20,7 +20,7 @@ pub mod workload;
 pub use choose::{BlockUsage, ChooseError, choose_ip};
 pub use layout::{
     DEFAULT_BLOCK_PREFIX_V4, DEFAULT_BLOCK_PREFIX_V6, LayoutError, MAX_BLOCK_ADDRESSES, MIN_BLOCK_PREFIX_V4,
-    MIN_BLOCK_PREFIX_V6, PoolLayout,
+    MIN_BLOCK_PREFIX_V6, PoolLayout, first_host,
 };
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};

@@ -11,16 +11,43 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
 
 use crate::crd::{IPBlock, IPPool, IPPoolSpec, POOL_ANNOTATION, POOLS_ANNOTATION};
-use crate::ipam::{LayoutError, PoolLayout};
+use crate::ipam::{LayoutError, PoolLayout, first_host};
 
 /// The condition type set on a pool that overlaps another; such pools are not used.
 pub const OVERLAPPING_CONDITION: &str = "Overlapping";
 
-/// Builds the allocation layout of a pool from its spec.
+/// Builds the allocation layout of a pool from its spec: its [`gateway`], set or defaulted,
+/// is never handed out.
 pub fn layout(spec: &IPPoolSpec) -> Result<PoolLayout, LayoutError> {
     let ranges: Vec<(&str, &str)> = spec.ranges.iter().map(|r| (r.start.as_str(), r.end.as_str())).collect();
     let exclude: Vec<&str> = spec.exclude.iter().map(String::as_str).collect();
-    PoolLayout::new(&spec.cidr, &ranges, &exclude, spec.gateway.as_deref(), spec.block_size)
+    PoolLayout::new(&spec.cidr, &ranges, &exclude, gateway(spec).as_deref(), spec.block_size)
+}
+
+/// The pool's gateway, the one answer for every reader (the layout, CNI results, the reason a
+/// fixed IP is refused): `spec.gateway` as written when set (the layout refuses it if
+/// malformed), else the CIDR's first address after its network address ([`first_host`]):
+/// host-local defaults it so, and the `bridge` plugin (`isGateway`) takes it for itself, so
+/// it must never go to a pod; `ptp` needs a gateway in every result
+/// (docs/decisions/0019-default-gateway.md). `None` for a CIDR too small to spare one (IPv4
+/// /31 or /32, IPv6 /127 or /128) and for a CIDR that does not parse or has host bits set
+/// (the pool then has no layout and hands out nothing).
+pub fn gateway(spec: &IPPoolSpec) -> Option<String> {
+    if let Some(gateway) = &spec.gateway {
+        return Some(gateway.clone());
+    }
+    let cidr: IpNet = spec.cidr.parse().ok()?;
+    if cidr.trunc() != cidr {
+        return None;
+    }
+    first_host(cidr).map(|ip| ip.to_string())
+}
+
+/// Whether CNI results of the pool carry a default route via its [`gateway`]: `spec.defaultRoute`,
+/// true when unset; false for a secondary network's pool, whose pods route by default
+/// through their primary network.
+pub fn default_route(spec: &IPPoolSpec) -> bool {
+    spec.default_route.unwrap_or(true)
 }
 
 /// Whether the pool of `spec` owns a block of CIDR `block_cidr` (that names the pool): the
@@ -597,6 +624,75 @@ mod test {
 
     fn spec(value: serde_json::Value) -> IPPoolSpec {
         serde_json::from_value(value).expect("valid spec")
+    }
+
+    #[test]
+    fn a_pool_without_a_gateway_gets_its_cidrs_first_address_unless_every_address_is_a_host() {
+        let cases = [
+            // (spec, gateway)
+            (json!({"cidr": "10.244.0.0/16"}), Some("10.244.0.1")),
+            (json!({"cidr": "10.0.0.4/30"}), Some("10.0.0.5")),
+            (json!({"cidr": "10.0.0.4/31"}), None),
+            (json!({"cidr": "10.0.0.7/32"}), None),
+            (json!({"cidr": "fd00::/64"}), Some("fd00::1")),
+            (json!({"cidr": "fd00:10:244::/126"}), Some("fd00:10:244::1")),
+            (json!({"cidr": "fd00::/127"}), None),
+            (json!({"cidr": "fd00::5/128"}), None),
+            // An explicit gateway wins, wherever it is, and is kept as written for the layout
+            // to judge.
+            (json!({"cidr": "10.244.0.0/16", "gateway": "10.244.255.254"}), Some("10.244.255.254")),
+            (json!({"cidr": "10.0.0.4/31", "gateway": "10.0.0.5"}), Some("10.0.0.5")),
+            (json!({"cidr": "fd00::/64", "gateway": "fd00::ffff"}), Some("fd00::ffff")),
+            (json!({"cidr": "10.0.0.0/24", "gateway": "gw"}), Some("gw")),
+            // Ranges and exclusions do not move the defaulted gateway.
+            (
+                json!({"cidr": "10.0.0.0/24", "ranges": [{"start": "10.0.0.100", "end": "10.0.0.200"}]}),
+                Some("10.0.0.1"),
+            ),
+            (json!({"cidr": "10.0.0.0/24", "exclude": ["10.0.0.0/28"]}), Some("10.0.0.1")),
+            // No layout, no gateway.
+            (json!({"cidr": "10.0.0.1/24"}), None),
+            (json!({"cidr": "not a cidr"}), None),
+        ];
+        for (value, expected) in cases {
+            let text = value.to_string();
+            assert_eq!(gateway(&spec(value)).as_deref(), expected, "{text}");
+        }
+    }
+
+    #[test]
+    fn the_layout_never_hands_out_the_gateway_set_or_defaulted() {
+        let cases = [
+            // (spec, the gateway, an address it hands out, capacity)
+            (json!({"cidr": "10.244.0.0/24"}), "10.244.0.1", "10.244.0.2", 253),
+            (json!({"cidr": "10.244.0.0/24", "gateway": "10.244.0.254"}), "10.244.0.254", "10.244.0.1", 253),
+            (json!({"cidr": "10.0.0.4/30"}), "10.0.0.5", "10.0.0.6", 1),
+            (json!({"cidr": "fd00::/120"}), "fd00::1", "fd00::2", 254),
+            (json!({"cidr": "fd00::/64", "blockSize": 120}), "fd00::1", "fd00::ffff", (1u128 << 64) - 2),
+        ];
+        for (value, gateway, handed_out, capacity) in cases {
+            let text = value.to_string();
+            let layout = layout(&spec(value)).expect("layout");
+            assert!(!layout.is_allocatable(gateway.parse().expect("ip")), "{text}: {gateway}");
+            assert!(layout.is_allocatable(handed_out.parse().expect("ip")), "{text}: {handed_out}");
+            assert_eq!(layout.capacity(), capacity, "{text}");
+        }
+        // Without a gateway to spare, every address is a pod's.
+        for (cidr, capacity) in [("10.0.0.4/31", 2), ("10.0.0.7/32", 1), ("fd00::/127", 2), ("fd00::5/128", 1)] {
+            assert_eq!(layout(&spec(json!({"cidr": cidr}))).expect("layout").capacity(), capacity, "{cidr}");
+        }
+    }
+
+    #[test]
+    fn a_pool_routes_by_default_unless_it_says_not_to() {
+        for (value, routes) in [
+            (json!({"cidr": "10.0.0.0/24"}), true),
+            (json!({"cidr": "10.0.0.0/24", "defaultRoute": true}), true),
+            (json!({"cidr": "10.0.0.0/24", "defaultRoute": false}), false),
+        ] {
+            let text = value.to_string();
+            assert_eq!(default_route(&spec(value)), routes, "{text}");
+        }
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! Pure rules about the workload behind a pod: its controller, whether its IPs are sticky,
+//! Pure rules about the workload behind a pod: the UID the runtime knows it by, its
+//! controller, whether its IPs are sticky,
 //! the name of its IPClaim and the interfaces it lists, whether a sticky owner (a
 //! StatefulSet's ordinal, a KubeVirt VM) still wants its IPs, and which workload holds the
 //! IPs its pods draw from an `ipwarden.io/ip-list`, for as long as it lives.
@@ -23,6 +24,22 @@ pub const MIGRATION_JOB_LABEL: &str = "kubevirt.io/migrationJobUID";
 
 /// The owner kinds whose pods keep their IPs across restarts unless configured otherwise.
 pub const DEFAULT_STICKY_KINDS: [&str; 2] = ["StatefulSet", KUBEVIRT_VMI_KIND];
+
+/// The annotation kubelet puts on a static pod's mirror pod (the copy of a manifest-file pod
+/// it posts to the API): the static pod's config hash (`kubernetes.io/config.hash`).
+pub const MIRROR_POD_ANNOTATION: &str = "kubernetes.io/config.mirror";
+
+/// A pod's UID as the runtime knows it (`K8S_POD_UID`), which is the UID ipwarden records,
+/// claims and compares: for a static pod's mirror, the [`MIRROR_POD_ANNOTATION`] when present
+/// and non-empty, else `metadata.uid`. Kubelet runs a static pod under its config hash, and the
+/// mirror's own `metadata.uid` changes whenever kubelet deletes and recreates the mirror while
+/// the static pod runs on; the hash is what stays. Every comparison of a pod's UID with the
+/// runtime's, a record's, a checkpoint entry's or a claim's reads it through here, in the
+/// agent and the controller alike, or a live static pod's record would look stale.
+pub fn runtime_uid(pod: &Pod) -> Option<&str> {
+    let mirrored = pod.metadata.annotations.as_ref().and_then(|a| a.get(MIRROR_POD_ANNOTATION));
+    mirrored.map(String::as_str).filter(|hash| !hash.is_empty()).or(pod.metadata.uid.as_deref())
+}
 
 /// The pod's controller, from its `controller: true` ownerReference.
 pub fn controller_of(pod: &Pod) -> Option<OwnerRef> {
@@ -279,6 +296,25 @@ pub fn workload_lives(facts: OwnerFacts) -> bool {
 mod test {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_static_pod_is_known_by_its_config_hash_and_any_other_pod_by_its_uid() {
+        let cases = [
+            // (metadata.uid, the mirror annotation, the runtime's UID)
+            (Some("u1"), None, Some("u1")),
+            (Some("mirror-uid"), Some("6f1c0a8e3b"), Some("6f1c0a8e3b")),
+            (Some("mirror-uid"), Some(""), Some("mirror-uid")),
+            (None, Some("6f1c0a8e3b"), Some("6f1c0a8e3b")),
+            (None, None, None),
+        ];
+        for (uid, mirror, expected) in cases {
+            let annotations = mirror.map(|hash| json!({MIRROR_POD_ANNOTATION: hash, "other": "x"}));
+            let pod: Pod = serde_json::from_value(json!({"metadata": {"namespace": "kube-system",
+                "name": "etcd-node-1", "uid": uid, "annotations": annotations}}))
+            .expect("pod");
+            assert_eq!(runtime_uid(&pod), expected, "uid {uid:?}, mirror annotation {mirror:?}");
+        }
+    }
 
     fn interface(name: &str, ip: &str) -> ClaimedInterface {
         ClaimedInterface {

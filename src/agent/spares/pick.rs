@@ -28,13 +28,7 @@ impl Core {
                 .find(|ip| !held.holds(ip) && !in_checkpoint.contains(ip));
             if let Some(ip) = free {
                 held.picked.insert(ip);
-                return Some(CheckpointIp {
-                    ip: ip.to_string(),
-                    prefix_len: pool.layout.cidr().prefix_len(),
-                    gateway: pool.gateway.clone(),
-                    pool: pool.name.clone(),
-                    block: block.name_any(),
-                });
+                return Some(pool.checkpoint_ip(ip.to_string(), block.name_any()));
             }
         }
         None

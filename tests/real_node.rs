@@ -1,0 +1,372 @@
+//! ipwarden on real nodes: a real kubelet and containerd (with runc) joined to the test control
+//! plane, running real containers in real network namespaces through the chart's CNI chain
+//! (`ptp` + `portmap`, `ipwarden-cni` as IPAM). What a real runtime does here (when it calls
+//! which CNI verb, with what) is its own, not the harness's simulation of it (docs/testing.md,
+//! "Real nodes"). Real nodes take a machine-wide lock, so these tests run one at a time.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use e2e::realnode::{BUSYBOX_IMAGE, REAL_NODE_LABEL, RealNode};
+use e2e::wait::{self, Probe};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use support::{Ipwarden, TIMEOUT};
+
+/// The pool docs/install.md shows: no gateway.
+fn documented_pool() -> serde_json::Value {
+    json!({"cidr": "10.244.0.0/16", "default": true})
+}
+
+/// The spec of a pod of the workload image on the real nodes; its container sleeps (and, as
+/// PID 1 without a handler, ignores SIGTERM, so a deletion ends it after the 1 s grace).
+fn real_spec() -> serde_json::Value {
+    json!({
+        "nodeSelector": {REAL_NODE_LABEL: "true"},
+        "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+        "terminationGracePeriodSeconds": 1,
+        "automountServiceAccountToken": false,
+        "containers": [{"name": "main", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                        "command": ["/bin/sleep", "3600"]}],
+    })
+}
+
+/// A bare pod named `name` (label `app=<name>`) of [`real_spec`].
+fn real_pod(name: &str) -> Pod {
+    serde_json::from_value(json!({"metadata": {"name": name, "labels": {"app": name}}, "spec": real_spec()}))
+        .expect("pod")
+}
+
+/// Waits until pod `name` runs with an IP; returns it.
+async fn wait_running(client: &Client, name: &str) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    wait::until(&format!("pod {name} Running with an IP"), TIMEOUT, || async {
+        let pod = pods.get_opt(name).await.map_err(e2e::Error::kube(format!("reading pod {name}")))?;
+        let status = pod.as_ref().and_then(|p| p.status.clone()).unwrap_or_default();
+        Ok(match (status.phase.as_deref(), &status.pod_ip) {
+            (Some("Running"), Some(_)) => Probe::Done(pod.expect("read above")),
+            _ => Probe::Pending(format!(
+                "phase {:?}, conditions {:?}",
+                status.phase,
+                status
+                    .conditions
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|c| (c.type_.clone(), c.message.clone()))
+                    .collect::<Vec<_>>()
+            )),
+        })
+    })
+    .await
+    .expect("the pod runs with an IP")
+}
+
+/// The IPv4 addresses of `eth0` in every network namespace of the node's containerd: the
+/// IPs its pods really have.
+fn netns_ips(node: &RealNode) -> BTreeSet<String> {
+    let dir = node.paths().netns_dir();
+    let Ok(entries) = std::fs::read_dir(&dir) else { return BTreeSet::new() };
+    entries.flatten().filter_map(|entry| eth0_ipv4(&entry.path())).collect()
+}
+
+fn eth0_ipv4(netns: &Path) -> Option<String> {
+    let output = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .args(["ip", "-o", "-4", "addr", "show", "dev", "eth0"])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let word = text.split_whitespace().skip_while(|w| *w != "inet").nth(1)?;
+    Some(word.split('/').next()?.to_string())
+}
+
+/// The records of the node's IPs: IP -> (pod name, pod UID).
+async fn node_records(client: &Client) -> BTreeMap<String, (String, String)> {
+    support::records(client).await.into_iter().map(|(ip, r)| (ip, (r.pod.name.clone(), r.pod.uid.clone()))).collect()
+}
+
+/// IPs released by the agent's DELs and GCs so far.
+async fn released(ipwarden: &Ipwarden) -> f64 {
+    support::metric(&ipwarden.scrape_agent(0).await, "ipwarden_agent_releases_total{result=\"released\"}")
+}
+
+/// Waits until containerd holds no sandbox of pod `name` (kubelet removed it: every DEL of
+/// the deletion has run).
+async fn wait_sandbox_removed(node: &RealNode, name: &str) {
+    wait::until(&format!("pod {name}'s sandbox removed by containerd"), TIMEOUT, || async {
+        let listed = node.ctr(&["containers", "ls", &format!("labels.\"io.kubernetes.pod.name\"=={name}")]).await?;
+        Ok(match listed.lines().skip(1).count() {
+            0 => Probe::Done(()),
+            left => Probe::Pending(format!("{left} containers left")),
+        })
+    })
+    .await
+    .expect("the sandbox is removed");
+}
+
+/// Waits until the node is Ready, then until a new pod `name` runs: kubelet has synced every
+/// pod it had before (its pod workers start before a new pod's), so what a restart does to
+/// the older pods is done.
+async fn wait_node_synced(ipwarden: &mut Ipwarden, name: &str) {
+    ipwarden.cluster.wait_real_nodes_ready().await.expect("the node turns Ready again");
+    let client = ipwarden.client();
+    Api::<Pod>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &real_pod(name))
+        .await
+        .expect("create pod");
+    wait_running(&client, name).await;
+}
+
+/// A static pod: a manifest in the node's static pod directory, run by kubelet itself. The
+/// runtime knows it by its config hash (`K8S_POD_UID`); its mirror pod in the API has another
+/// UID and the hash in `kubernetes.io/config.mirror`.
+fn write_static_pod(node: &RealNode, name: &str) {
+    let manifest = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "labels": {"app": name}},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                            "command": ["/bin/sleep", "3600"]}],
+        },
+    });
+    let path = node.paths().static_pods().join(format!("{name}.yaml"));
+    std::fs::write(&path, manifest.to_string()).expect("write the static pod's manifest");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pods_on_a_real_node_run_with_their_ips_keep_them_through_runtime_restarts_and_are_released_once() {
+    let mut ipwarden = Ipwarden::with_real_nodes(1, &[("default", documented_pool())], &[]).await;
+    ipwarden.start_controller("controller-a", &[]);
+    let client = ipwarden.client();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+
+    // The chart's ptp with the documented pool (no gateway): failed every ADD before the
+    // gateway was defaulted.
+    pods.create(&PostParams::default(), &real_pod("web")).await.expect("create pod");
+    let web = wait_running(&client, "web").await;
+    let web_ip = support::ip_of(&web);
+    let node = &ipwarden.cluster.real_nodes()[0];
+    assert_eq!(netns_ips(node), BTreeSet::from([web_ip.clone()]), "the IP in the pod's network namespace is its podIP");
+    assert_ne!(web_ip, "10.244.0.1", "the pool's first address is the pods' gateway, never a pod's");
+
+    // A static pod: answered "the sandbox is stale" for ever before.
+    write_static_pod(node, "static-web");
+    let mirror_name = format!("static-web-{}", node.name());
+    let mirror = wait_running(&client, &mirror_name).await;
+    let hash =
+        mirror.annotations().get("kubernetes.io/config.mirror").cloned().expect("a mirror pod names its config hash");
+    let static_ip = support::ip_of(&mirror);
+    assert_eq!(
+        node_records(&client).await.get(&static_ip),
+        Some(&(mirror_name.clone(), hash.clone())),
+        "the static pod's record names it by its config hash, the UID its runtime knows"
+    );
+
+    // A StatefulSet's pod recreated keeps its IP.
+    support::create_statefulset(&client, "default", "db", real_spec()).await;
+    let db = wait_running(&client, "db-0").await;
+    let db_ip = support::ip_of(&db);
+    pods.delete("db-0", &Default::default()).await.expect("delete db-0");
+    let db_again = wait::until("db-0 recreated and Running", TIMEOUT, || async {
+        let pod = pods.get_opt("db-0").await.map_err(e2e::Error::kube("reading db-0"))?;
+        Ok(match pod {
+            Some(pod) if pod.uid() != db.uid() && !support::ip_of(&pod).is_empty() => Probe::Done(pod),
+            _ => Probe::Pending("not recreated with an IP yet".to_string()),
+        })
+    })
+    .await
+    .expect("db-0 comes back");
+    assert_eq!(support::ip_of(&db_again), db_ip, "the StatefulSet's pod keeps its IP");
+
+    // kubelet and containerd restarted with pods running: no CNI call, nothing released.
+    let node = &ipwarden.cluster.real_nodes()[0];
+    let ips_before = netns_ips(node);
+    let records_before = node_records(&client).await;
+    let released_before = released(&ipwarden).await;
+    ipwarden.cluster.real_node(0).stop_kubelet();
+    ipwarden.cluster.real_node(0).restart_kubelet().expect("kubelet starts again");
+    wait_node_synced(&mut ipwarden, "after-kubelet").await;
+    ipwarden.cluster.real_node(0).restart_containerd().await.expect("containerd starts again");
+    wait_node_synced(&mut ipwarden, "after-containerd").await;
+    let records_after = node_records(&client).await;
+    for (ip, record) in &records_before {
+        assert_eq!(records_after.get(ip), Some(record), "{ip} kept its record through the restarts");
+    }
+    assert!(netns_ips(&ipwarden.cluster.real_nodes()[0]).is_superset(&ips_before), "no pod lost its IP");
+    assert_eq!(released(&ipwarden).await, released_before, "the restarts released nothing");
+
+    // A deletion: kubelet's DELs (one at the sandbox's stop, more at its removal) release the
+    // IP once.
+    let released_before = released(&ipwarden).await;
+    pods.delete("web", &Default::default()).await.expect("delete web");
+    wait_sandbox_removed(&ipwarden.cluster.real_nodes()[0], "web").await;
+    assert!(!node_records(&client).await.contains_key(&web_ip), "the deleted pod's record is gone");
+    let text = ipwarden.scrape_agent(0).await;
+    assert_eq!(
+        support::metric(&text, "ipwarden_agent_releases_total{result=\"released\"}") - released_before,
+        1.0,
+        "released once"
+    );
+    assert_eq!(support::metric(&text, "ipwarden_agent_releases_total{result=\"error\"}"), 0.0);
+
+    // An agent that starts before its node's kubelet has registered the Node (a DaemonSet pod
+    // on a joining node) waits for it, saying so, then serves: it exited before.
+    let node_name = ipwarden.cluster.real_nodes()[0].name().to_string();
+    ipwarden.cluster.real_node(0).stop_kubelet();
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes.delete(&node_name, &Default::default()).await.expect("delete the Node");
+    wait::until("the Node gone", TIMEOUT, || async {
+        Ok(match nodes.get_opt(&node_name).await.map_err(e2e::Error::kube("reading the Node"))? {
+            Some(_) => Probe::Pending("still there".to_string()),
+            None => Probe::Done(()),
+        })
+    })
+    .await
+    .expect("the Node is deleted");
+    ipwarden.agents[0].kill();
+    ipwarden.agents[0].restart().expect("the agent starts again");
+    let log = ipwarden.agents[0].log().to_path_buf();
+    let agent = &mut ipwarden.agents[0];
+    wait::until("the agent saying it waits for its Node", TIMEOUT, || {
+        let running = agent.ensure_running();
+        let log = log.clone();
+        async move {
+            running?;
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            Ok(if text.contains("waiting for its Node") {
+                Probe::Done(())
+            } else {
+                Probe::Pending("no such line yet".to_string())
+            })
+        }
+    })
+    .await
+    .expect("the agent waits for its Node, and says so");
+    ipwarden.cluster.real_node(0).restart_kubelet().expect("kubelet starts again");
+    ipwarden.wait_agent_serving(0).await;
+    wait_node_synced(&mut ipwarden, "joined").await;
+}
+
+/// Waits until the records are exactly the IPs of the live pods (IP -> pod name, pod UID as
+/// the runtime knows it): nothing leaked, nothing missing. Returns them.
+async fn wait_settled(client: &Client) -> BTreeMap<String, (String, String)> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    wait::until("the records to be the live pods' IPs", TIMEOUT, || async {
+        let live: BTreeMap<String, (String, String)> = pods
+            .list(&Default::default())
+            .await
+            .map_err(e2e::Error::kube("listing pods"))?
+            .items
+            .into_iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none() && !support::ip_of(p).is_empty())
+            .map(|p| (support::ip_of(&p), (p.name_any(), p.uid().unwrap_or_default())))
+            .collect();
+        let records = node_records(client).await;
+        Ok(if records == live {
+            Probe::Done(records)
+        } else {
+            Probe::Pending(format!("records {records:?}, live pods {live:?}"))
+        })
+    })
+    .await
+    .expect("the records settle to the live pods' IPs")
+}
+
+/// The CNI plugin processes (`ipwarden-cni`) of the node running now: ADDs or DELs under way.
+fn plugin_calls(node: &RealNode) -> usize {
+    let plugin = node.paths().cni_bin_dir().join("ipwarden-cni").display().to_string();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| std::fs::read(entry.path().join("cmdline")).ok())
+        .filter(|cmdline| String::from_utf8_lossy(cmdline).starts_with(&plugin))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_real_node_leaks_no_ip_when_containerd_dies_during_adds_a_del_is_lost_or_the_node_reboots() {
+    const GRACE_SECONDS: u64 = 10;
+    let grace = format!("--release-sandbox-grace-seconds={GRACE_SECONDS}");
+    let mut ipwarden = Ipwarden::with_real_nodes(1, &[("default", documented_pool())], &[&grace]).await;
+    ipwarden.start_controller("controller-a", &[]);
+    let client = ipwarden.client();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+
+    // containerd SIGKILLed while ADDs are under way: the agent is held (SIGSTOP) so the ADDs
+    // wait on it in the plugin, containerd is killed under them, then both go on. kubelet stops
+    // the sandboxes containerd lost at its restart; their DELs release what the held ADDs got.
+    ipwarden.agents[0].pause();
+    for index in 0..4 {
+        pods.create(&PostParams::default(), &real_pod(&format!("burst-{index}"))).await.expect("create pod");
+    }
+    let node = &ipwarden.cluster.real_nodes()[0];
+    wait::until("ADDs waiting on the held agent", TIMEOUT, || async {
+        Ok(match plugin_calls(node) {
+            0 => Probe::Pending("no plugin call yet".to_string()),
+            calls => Probe::Done(calls),
+        })
+    })
+    .await
+    .expect("kubelet's ADDs reach the plugin");
+    ipwarden.cluster.real_node(0).kill_containerd();
+    ipwarden.agents[0].resume();
+    ipwarden.cluster.real_node(0).restart_containerd().await.expect("containerd starts again");
+    for index in 0..4 {
+        wait_running(&client, &format!("burst-{index}")).await;
+    }
+    let settled = wait_settled(&client).await;
+    assert_eq!(settled.len(), 4, "one IP per pod, none on two: {settled:?}");
+
+    // A lost DEL: containerd's state of a pod's sandbox is gone (a node's disk wiped under a
+    // stopped runtime) and the pod is deleted: no DEL ever comes, and containerd never calls CNI
+    // GC. The release handshake frees the IP once the sandbox grace has passed.
+    pods.create(&PostParams::default(), &real_pod("lost")).await.expect("create pod");
+    let lost_ip = support::ip_of(&wait_running(&client, "lost").await);
+    ipwarden.cluster.real_node(0).power_off();
+    pods.delete("lost", &kube::api::DeleteParams { grace_period_seconds: Some(0), ..Default::default() })
+        .await
+        .expect("force-delete the pod");
+    let deleted = std::time::Instant::now();
+    ipwarden.cluster.real_node(0).boot().await.expect("the node boots");
+    wait::until(&format!("{lost_ip} of the deleted pod released"), TIMEOUT, || async {
+        Ok(if node_records(&client).await.contains_key(&lost_ip) {
+            Probe::Pending("still recorded".to_string())
+        } else {
+            Probe::Done(())
+        })
+    })
+    .await
+    .expect("the lost DEL's IP is released");
+    let took = deleted.elapsed();
+    assert!(
+        took.as_secs() <= GRACE_SECONDS + 30,
+        "a lost DEL is released within the sandbox grace and the handshake's round trips: took {took:?}"
+    );
+    for index in 0..4 {
+        wait_running(&client, &format!("burst-{index}")).await;
+    }
+    wait_settled(&client).await;
+
+    // A reboot: kubelet, containerd and the agent killed, the runtime's state and network
+    // namespaces wiped, the agent's checkpoint kept. The pods' old sandboxes are dead; their
+    // IPs are freed, and no other.
+    let before = wait_settled(&client).await;
+    ipwarden.agents[0].kill();
+    ipwarden.cluster.real_node(0).power_off();
+    ipwarden.agents[0].restart().expect("the agent starts again");
+    ipwarden.wait_agent_serving(0).await;
+    ipwarden.cluster.real_node(0).boot().await.expect("the node boots");
+    ipwarden.cluster.wait_real_nodes_ready().await.expect("the node turns Ready");
+    for index in 0..4 {
+        wait_running(&client, &format!("burst-{index}")).await;
+    }
+    let after = wait_settled(&client).await;
+    assert_eq!(after.len(), before.len(), "every pod runs again with one IP: {after:?}");
+}
