@@ -4,12 +4,12 @@
 # the image"; docs/decisions/0012-image-from-debian-packages.md):
 #
 #   1. a Debian bookworm base built from Debian's packages with debootstrap (minbase, security
-#      updates applied, documentation left out), cached outside the repo and imported as
-#      localhost/ipwarden-base;
+#      updates applied, documentation left out) from Debian's mirror as this machine's apt is
+#      configured, cached outside the repo and imported as localhost/ipwarden-base;
 #   2. a Rust builder image on that base: gcc and libc6-dev from Debian plus the Rust toolchain
 #      the Dockerfile names, copied from this machine's rustup (localhost/ipwarden-rust);
-#   3. the Dockerfile, built with those two as RUST_IMAGE and BASE_IMAGE (crates come from
-#      crates.io, so the build uses the host's network);
+#   3. the Dockerfile, built with those two as RUST_IMAGE and BASE_IMAGE (crates come from the
+#      crates registry this machine's cargo uses, over the host's network);
 #   4. checks inside the image: `ipwarden --version`, the CNI VERSION call through the
 #      `ipwarden-cni` name, the user, the linked libraries and what the chart's init container
 #      runs.
@@ -17,8 +17,10 @@
 # Needs root (debootstrap, chroot and rootful podman); installs debootstrap, podman and runc
 # from Debian when missing. Idempotent: the base and the builder are built once per recipe,
 # and podman's layer cache skips the Dockerfile's steps whose inputs did not change.
-# Environment: IMAGE (the tag to build, default localhost/ipwarden:<crate version>),
-# DEBIAN_MIRROR (default http://deb.debian.org/debian).
+# Environment: IMAGE (the tag to build, default localhost/ipwarden:<crate version>);
+# DEBIAN_MIRROR and DEBIAN_SECURITY_MIRROR (the URIs of Debian's archive and of its security
+# archive; by default the ones this machine's apt sources name for bookworm and
+# bookworm-security, see apt_mirror below).
 # Exits non-zero when a step or a check fails.
 set -euo pipefail
 
@@ -29,7 +31,6 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 source "$repo/e2e/cluster/cached-build.sh"
 
-mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 version=$(awk -F'"' '/^\[package\]/ { p = 1 } p && $1 ~ /^version *= */ { print $2; exit }' "$repo/Cargo.toml")
 image=${IMAGE:-localhost/ipwarden:$version}
 
@@ -38,6 +39,127 @@ die() {
   say "$*"
   exit 1
 }
+
+# apt_source_files ROOT: the apt source files under ROOT (/ for this machine) in the order apt
+# reads them, one a line: etc/apt/sources.list, then etc/apt/sources.list.d's *.list (one-line
+# format) and *.sources (deb822) by name. Files apt ignores (*.disabled-by-..., other endings)
+# are left out.
+apt_source_files() {
+  local f
+  for f in "${1%/}"/etc/apt/sources.list "${1%/}"/etc/apt/sources.list.d/*; do
+    if [[ -f $f && ($f == */sources.list || $f == *.list || $f == *.sources) ]]; then
+      echo "$f"
+    fi
+  done
+}
+
+# apt_mirror ROOT SUITE ARCHIVE: the URI of the first enabled `deb` entry of ROOT's apt sources
+# whose suites include SUITE (bookworm, bookworm-security) and whose components include main,
+# and that is Debian's own ARCHIVE (debian, debian-security): signed by
+# debian-archive-keyring, or, without that, with a URI path ending in /ARCHIVE (or in
+# /ARCHIVE/<date>T<time>Z, a dated snapshot). Other repositories (other distributions', a
+# vendor's for bookworm) fail these tests. A mirror+file: URI is replaced by the first URI of
+# its list. Prints nothing when no entry fits.
+apt_mirror() {
+  local root=${1%/} files
+  mapfile -t files < <(apt_source_files "$root")
+  ((${#files[@]} > 0)) || return 0
+  awk -v root="$root" -v suite="$2" -v archive="$3" '
+    function has(list, word,   n, a, i) {
+      n = split(list, a, " ")
+      for (i = 1; i <= n; i++) if (a[i] == word) return 1
+      return 0
+    }
+    function resolve(uri,   list, line, a) {
+      if (uri !~ /^mirror\+file:/) return uri
+      list = uri
+      sub(/^mirror\+file:(\/\/)?/, "", list)
+      while ((getline line < (root list)) > 0) {
+        if (line ~ /^[ \t]*(#|$)/) continue
+        split(line, a, " ")
+        close(root list)
+        return a[1]
+      }
+      close(root list)
+      return ""
+    }
+    function debian(uri, signed,   path) {
+      if (signed ~ /debian-archive-keyring/) return 1
+      path = uri
+      sub(/^[a-z]+:\/\/[^\/]*/, "", path)
+      return path ~ ("/" archive "$") || path ~ ("/" archive "/[0-9]+T[0-9]+Z$")
+    }
+    function consider(types, uris, suites, components, signed, enabled,   u, uri) {
+      if (found || tolower(enabled) == "no" || !has(types, "deb") || !has(suites, suite) || !has(components, "main")) return
+      split(uris, u, " ")
+      uri = resolve(u[1])
+      sub(/\/+$/, "", uri)
+      if (uri ~ /^https?:\/\// && debian(uri, signed)) {
+        print uri
+        found = 1
+      }
+    }
+    # The end of a deb822 stanza.
+    function stanza() {
+      if (fields) consider(f["types"], f["uris"], f["suites"], f["components"], f["signed-by"], f["enabled"])
+      delete f
+      fields = 0
+    }
+    FNR == 1 {
+      stanza()
+      deb822 = FILENAME ~ /\.sources$/
+    }
+    deb822 {
+      if ($0 ~ /^[ \t]*#/) next
+      if ($0 ~ /^[ \t]*$/) {
+        stanza()
+        next
+      }
+      if ($0 ~ /^[ \t]/ || !index($0, ":")) next # a continuation line (an inline key, say)
+      i = index($0, ":")
+      key = tolower(substr($0, 1, i - 1))
+      gsub(/[ \t]/, "", key)
+      f[key] = substr($0, i + 1)
+      gsub(/^[ \t]+|[ \t]+$/, "", f[key])
+      fields++
+      next
+    }
+    # One-line format: deb [OPTION=VALUE ...] URI SUITE COMPONENT...
+    {
+      sub(/#.*/, "")
+      if ($1 != "deb") next
+      options = ""
+      i = 2
+      if ($2 ~ /^\[/) {
+        for (; i <= NF; i++) {
+          options = options " " $i
+          if ($i ~ /\]$/) break
+        }
+        i++
+      }
+      components = ""
+      for (j = i + 2; j <= NF; j++) components = components " " $j
+      consider("deb", $i, $(i + 1), components, options, "")
+    }
+    END { stanza() }
+  ' "${files[@]}"
+}
+
+# Debian's archive and its security archive: from the environment, else as this machine's apt
+# is configured. The base built from them keeps them in its apt sources, so the builder's
+# packages come from there too; a cached base keeps the ones it was built with.
+apt_sources=$(apt_source_files /)
+if [[ -n $apt_sources ]]; then
+  apt_read="read: ${apt_sources//$'\n'/, }"
+else
+  apt_read="none of /etc/apt/sources.list, /etc/apt/sources.list.d/*.list, /etc/apt/sources.list.d/*.sources exists"
+fi
+mirror=${DEBIAN_MIRROR:-$(apt_mirror / bookworm debian)}
+[[ -n $mirror ]] ||
+  die "no Debian archive for bookworm (suite bookworm, component main) in this machine's apt sources ($apt_read): set DEBIAN_MIRROR to the URI of a Debian mirror"
+security_mirror=${DEBIAN_SECURITY_MIRROR:-$(apt_mirror / bookworm-security debian-security)}
+[[ -n $security_mirror ]] ||
+  die "no Debian security archive (suite bookworm-security, component main) in this machine's apt sources ($apt_read): set DEBIAN_SECURITY_MIRROR to the URI of Debian's security archive or a mirror of it"
 
 [[ $(id -u) -eq 0 ]] || die "needs root (debootstrap, chroot and rootful podman): run it with sudo"
 
@@ -105,7 +227,7 @@ Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 
 Types: deb
-URIs: http://deb.debian.org/debian-security
+URIs: $security_mirror
 Suites: bookworm-security
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
@@ -137,15 +259,48 @@ if ! podman image exists "$base_image"; then
 fi
 say "base: $base_image"
 
+# cargo_registry_config CONFIG: the tables of the cargo configuration file CONFIG that say where
+# crates come from ([source.*], the registries' [registries.*], [registry], [net]), without
+# token lines; nothing when CONFIG does not exist. Keys written dotted outside these tables
+# (source.crates-io.replace-with = ...) are not seen.
+cargo_registry_config() {
+  [[ -f $1 ]] || return 0
+  awk '
+    /^[ \t]*\[/ {
+      table = $0
+      gsub(/[ \t"]/, "", table)
+      keep = table ~ /^\[(source|registries)\./ || table ~ /^\[(registry|net)\]/
+    }
+    keep && $0 !~ /^[ \t]*token[ \t]*=/
+  ' "$1"
+}
+
 # 2. The builder.
 sysroot=$(rustc --print sysroot)
 # Certificate authorities this machine trusts beyond Debian's (a TLS-inspecting proxy's, say):
-# the builder trusts them too, so cargo reaches crates.io as the host does. Only the builder
-# image carries them, never the image the Dockerfile builds.
+# the builder trusts them too, so cargo reaches the crates registry as the host does. Only the
+# builder image carries them, never the image the Dockerfile builds.
 local_ca=/usr/local/share/ca-certificates
 local_ca_id=$(find "$local_ca" -type f -name '*.crt' 2>/dev/null | sort | xargs -r cat | sha256sum | cut -c1-12)
+# Where this machine's cargo takes crates from: the registry and source-replacement tables of
+# its configuration ($CARGO_HOME/config.toml, or the older config), so the builder's cargo uses
+# the same registry or mirror. Without them cargo uses its default registry, here and in the
+# builder alike. Sources on this machine's disk (directory, local-registry) cannot be reached
+# from the builder, so a configuration naming them is not carried over.
+cargo_home=${CARGO_HOME:-$HOME/.cargo}
+cargo_config_file=$cargo_home/config.toml
+[[ -f $cargo_config_file ]] || cargo_config_file=$cargo_home/config
+cargo_config=$(cargo_registry_config "$cargo_config_file")
+if grep -Eq '^[[:space:]]*(directory|local-registry)[[:space:]]*=' <<<"$cargo_config"; then
+  say "$cargo_config_file names sources on this machine's disk, which the builder cannot reach: the builder's cargo uses its default registry"
+  cargo_config=
+fi
+[[ -z $cargo_config ]] || say "the builder's cargo takes crates as $cargo_config_file says"
 rust_id=$(rustc -vV | sha256sum | cut -c1-12)
-rust_image=localhost/ipwarden-rust:$host_rust-bookworm-$(echo "$base_image $rust_id $local_ca_id recipe $RECIPE" | sha256sum | cut -c1-12)
+# The builder's name changes with its inputs; a host without a cargo configuration adds none.
+builder_inputs="$base_image $rust_id $local_ca_id recipe $RECIPE"
+[[ -z $cargo_config ]] || builder_inputs+=" cargo $(sha256sum <<<"$cargo_config" | cut -c1-12)"
+rust_image=localhost/ipwarden-rust:$host_rust-bookworm-$(echo "$builder_inputs" | sha256sum | cut -c1-12)
 if ! podman image exists "$rust_image"; then
   say "building the Rust $host_rust builder image $rust_image from $sysroot"
   start=$SECONDS
@@ -168,6 +323,13 @@ RUN apt-get update -qq \
 COPY rust /usr/local/rust
 ENV PATH=/usr/local/rust/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 EOF
+  if [[ -n $cargo_config ]]; then
+    printf '%s\n' "$cargo_config" >"$context/cargo-config.toml"
+    cat >>"$context/Containerfile" <<'EOF'
+ENV CARGO_HOME=/usr/local/cargo
+COPY cargo-config.toml /usr/local/cargo/config.toml
+EOF
+  fi
   "${podman[@]}" build --pull=never --network=host "${limits[@]}" --build-arg "BASE_IMAGE=$base_image" \
     -t "$rust_image" "$context" >&2
   rm -rf "$context"
