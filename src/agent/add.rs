@@ -18,7 +18,7 @@ use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, P
 
 use super::batch::{Taken, Wish};
 use super::block_writes::ReleaseTrigger;
-use super::checkpoint::{AttachmentKey, CheckpointEntry, CheckpointIp};
+use super::checkpoint::{CheckpointEntry, CheckpointIp};
 use super::core::{Base, Core, ResolvedPool, attachment_key, field_manager, new_block, result_of};
 use super::error::Error;
 use super::metrics::PoolLabels;
@@ -137,18 +137,22 @@ fn shares_with_source(a: &Allocation, b: &Allocation) -> bool {
     a.pod.uid != b.pod.uid && blocks::may_be_attached(a) && same_workload(a, b)
 }
 
-/// Whether `ip` is an IPv4 address (a claimed IP that does not parse counts as IPv6).
-/// Whether the checkpoint entry `key` of pod `entry_uid` is an older sandbox of the pod that
-/// `request` (of pod `uid`) makes a new sandbox for: same pod, network and interface, another
-/// sandbox.
-fn superseded_by(key: &AttachmentKey, entry_uid: &str, request: &AttachmentRequest, uid: &str) -> bool {
-    !uid.is_empty()
-        && entry_uid == uid
-        && key.network == request.network
-        && key.ifname == request.ifname
-        && key.container_id != request.container_id
+/// Whether checkpoint entry `entry` is an older sandbox of the pod that `request` makes a new
+/// sandbox for: the same pod (by the UID the runtime gave, which the request must carry: a
+/// UID read from the API by name could be a successor's, whose live entry a late ADD of a
+/// deleted predecessor must not take) under the same namespace and name (so within the pod's
+/// turn), the same network and interface, another sandbox.
+fn superseded_by(entry: &CheckpointEntry, request: &AttachmentRequest) -> bool {
+    let Some(pod) = request.pod.as_ref() else { return false };
+    pod.uid.as_deref().is_some_and(|uid| !uid.is_empty() && entry.pod.uid == uid)
+        && entry.pod.namespace == pod.namespace
+        && entry.pod.name == pod.name
+        && entry.key.network == request.network
+        && entry.key.ifname == request.ifname
+        && entry.key.container_id != request.container_id
 }
 
+/// Whether `ip` is an IPv4 address (a claimed IP that does not parse counts as IPv6).
 fn is_v4(ip: &str) -> bool {
     ip.parse::<IpAddr>().is_ok_and(|ip| ip.is_ipv4())
 }
@@ -228,7 +232,10 @@ impl Core {
             list_annotation,
         )
         .map_err(|cause| Error::FixedIp { pod: format!("{}/{}", pod_ref.namespace, pod_ref.name), cause })?;
-        self.release_superseded(request, &uid).await?;
+        self.release_superseded(request, &uid).await.map_err(|e| Error::Superseded {
+            pod: format!("{}/{}", pod_ref.namespace, pod_ref.name),
+            source: Box::new(e),
+        })?;
         let found = self.records_of_sandbox(&request.container_id, &request.ifname);
         let migration = if sticky { self.active_migration(&pod, owner.as_ref()).await? } else { None };
         let (ips, written, shares) = if !found.is_empty() {
@@ -307,9 +314,8 @@ impl Core {
     /// lives on. The pod's calls take turns (module `serial`), so no DEL or ADD of the older
     /// sandbox runs meanwhile; a late DEL of it then finds nothing to release.
     async fn release_superseded(&self, request: &AttachmentRequest, uid: &str) -> Result<(), Error> {
-        let superseded: Vec<CheckpointEntry> = self
-            .checkpoint
-            .read(|c| c.entries().filter(|e| superseded_by(&e.key, &e.pod.uid, request, uid)).cloned().collect());
+        let superseded: Vec<CheckpointEntry> =
+            self.checkpoint.read(|c| c.entries().filter(|e| superseded_by(e, request)).cloned().collect());
         for entry in superseded {
             tracing::info!(pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name),
                 old_container_id = %entry.key.container_id, container_id = %request.container_id,
@@ -898,30 +904,45 @@ mod test {
 
     #[test]
     fn an_entry_is_superseded_only_by_another_sandbox_of_its_pod_on_its_interface() {
-        let request = |container: &str, ifname: &str, network: &str| AttachmentRequest {
+        let request = |container: &str, ifname: &str, network: &str, name: &str, uid: Option<&str>| AttachmentRequest {
             container_id: container.to_string(),
             ifname: ifname.to_string(),
             network: network.to_string(),
             cni_version: "1.1.0".to_string(),
             netns: None,
-            pod: None,
+            pod: Some(crate::protocol::PodRef {
+                namespace: "ns".to_string(),
+                name: name.to_string(),
+                uid: uid.map(String::from),
+            }),
             prev_result: None,
             runtime_config_ips: None,
             args_ips: None,
             pools: Vec::new(),
         };
-        let key = AttachmentKey { network: "net".into(), container_id: "old".into(), ifname: "eth0".into() };
+        let entry = CheckpointEntry {
+            key: super::super::checkpoint::AttachmentKey {
+                network: "net".into(),
+                container_id: "old".into(),
+                ifname: "eth0".into(),
+            },
+            pod: PodRef { namespace: "ns".into(), name: "web".into(), uid: "u1".into() },
+            ips: Vec::new(),
+            spare_record: None,
+        };
         let cases = [
-            // (request, its pod's uid, the entry's pod uid, superseded)
-            (request("new", "eth0", "net"), "u1", "u1", true),
-            (request("old", "eth0", "net"), "u1", "u1", false),
-            (request("new", "net1", "net"), "u1", "u1", false),
-            (request("new", "eth0", "other"), "u1", "u1", false),
-            (request("new", "eth0", "net"), "u2", "u1", false),
-            (request("new", "eth0", "net"), "", "", false),
+            // (request, superseded)
+            (request("new", "eth0", "net", "web", Some("u1")), true),
+            (request("old", "eth0", "net", "web", Some("u1")), false),
+            (request("new", "net1", "net", "web", Some("u1")), false),
+            (request("new", "eth0", "other", "web", Some("u1")), false),
+            (request("new", "eth0", "net", "web", Some("u2")), false),
+            (request("new", "eth0", "net", "other", Some("u1")), false),
+            (request("new", "eth0", "net", "web", None), false),
+            (request("new", "eth0", "net", "web", Some("")), false),
         ];
-        for (request, uid, entry_uid, expected) in cases {
-            assert_eq!(superseded_by(&key, entry_uid, &request, uid), expected, "{request:?} of {uid:?}");
+        for (request, expected) in cases {
+            assert_eq!(superseded_by(&entry, &request), expected, "{request:?}");
         }
     }
 

@@ -314,12 +314,15 @@ impl Core {
 
     /// The checkpoint entry of `ip` of pool `pool`, recorded in `block`, for a record found in
     /// the blocks (an ADD's lost answer, a rebuilt checkpoint): as its pool says now
-    /// ([`ResolvedPool::checkpoint_ip`]); a /32 without gateway when the pool is gone or has
-    /// no layout.
+    /// ([`ResolvedPool::checkpoint_ip`]); a host route (/32, /128) without gateway when the pool
+    /// is gone or has no layout.
     pub(super) fn checkpoint_ip(&self, pool: String, block: String, ip: String) -> CheckpointIp {
         match self.resolve_pool(&pool) {
             Some(resolved) => resolved.checkpoint_ip(ip, block),
-            None => CheckpointIp { ip, prefix_len: 32, gateway: None, default_route: true, pool, block },
+            None => {
+                let prefix_len = if ip.contains(':') { 128 } else { 32 };
+                CheckpointIp { ip, prefix_len, gateway: None, default_route: true, pool, block }
+            }
         }
     }
 

@@ -20,6 +20,15 @@ pub enum Error {
         /// `namespace/name`.
         pod: String,
     },
+    /// Releasing the IPs of an older sandbox of the pod, whose DEL never came, failed before
+    /// the ADD of its new sandbox; the runtime retries the ADD.
+    #[error("releasing the IPs of an earlier sandbox of pod {pod} (its DEL never came) failed: {source}")]
+    Superseded {
+        /// `namespace/name`.
+        pod: String,
+        /// What failed.
+        source: Box<Error>,
+    },
     /// The pod was recreated since the runtime made the sandbox.
     #[error("pod {pod} now has uid {uid}, the runtime asked for {expected}: the sandbox is stale")]
     StaleSandbox {

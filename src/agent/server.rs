@@ -52,6 +52,7 @@ pub fn to_cni(error: &Error) -> CniError {
         | Error::Cooling { .. }
         | Error::AwaitingTakeover { .. }
         | Error::Api { .. }
+        | Error::Superseded { .. }
         | Error::Write(_) => CniError::TRY_AGAIN_LATER,
     };
     CniError::new(code, error.to_string())

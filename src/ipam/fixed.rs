@@ -318,7 +318,10 @@ fn why_not_allocatable(spec: &IPPoolSpec, layout: &PoolLayout, ip: IpAddr) -> St
     if pools::gateway(spec).and_then(|g| g.parse::<IpAddr>().ok()) == Some(ip) {
         return match spec.gateway {
             Some(_) => "it is the pool's gateway".to_string(),
-            None => "it is the pool's gateway (spec.gateway is unset: the first address of its cidr)".to_string(),
+            None => {
+                "it is the pool's gateway (spec.gateway is unset: the first address after its cidr's network address)"
+                    .to_string()
+            }
         };
     }
     if let Some(entry) = spec
@@ -561,7 +564,12 @@ mod test {
         let cases = [
             ("10.0.0.7", Ok("main")),
             ("10.1.0.7", Ok("extra")),
-            ("10.1.0.1", Err("it is the pool's gateway (spec.gateway is unset: the first address of its cidr)")),
+            (
+                "10.1.0.1",
+                Err(
+                    "it is the pool's gateway (spec.gateway is unset: the first address after its cidr's network address)",
+                ),
+            ),
             ("10.0.0.1", Err("fixed IP 10.0.0.1 of pool main is never handed out: it is the pool's gateway")),
             ("10.0.0.0", Err("it is the network address of 10.0.0.0/24")),
             ("10.1.0.255", Err("it is the broadcast address of 10.1.0.0/24")),

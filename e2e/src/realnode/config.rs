@@ -84,7 +84,9 @@ impl NodePaths {
 /// from pipe"), the sandbox image pinned and never pulled, network namespaces under the node's
 /// own state directory instead of the host-wide /var/run/netns, no streaming server beyond
 /// loopback, and nothing host-wide of containerd's defaults (NRI's socket, /opt/containerd,
-/// /etc/containerd imports).
+/// /etc/containerd imports, runc's state in /run/containerd/runc). Still host-wide: libcni's
+/// result cache in /var/lib/cni/results (the node's teardown removes its files) and the shims'
+/// sockets in /run/containerd/s, which containerd does not let move.
 pub fn containerd_toml(paths: &NodePaths, runc: &Path) -> String {
     let q = |p: PathBuf| toml_string(&p.display().to_string());
     format!(
@@ -124,6 +126,7 @@ imports = []
       runtime_type = 'io.containerd.runc.v2'
       [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
         BinaryName = {runc}
+        Root = {runc_root}
         SystemdCgroup = false
 
 [plugins.'io.containerd.grpc.v1.cri']
@@ -140,6 +143,7 @@ imports = []
         cni_bin = q(paths.cni_bin_dir()),
         cni_conf = q(paths.cni_conf_dir()),
         runc = toml_string(&runc.display().to_string()),
+        runc_root = q(paths.dir.join("containerd/runc")),
     )
 }
 
@@ -182,6 +186,7 @@ pub fn kubelet_config(paths: &NodePaths, settings: &KubeletSettings) -> serde_js
         "failSwapOn": false,
         "containerRuntimeEndpoint": format!("unix://{}", paths.containerd_socket().display()),
         "staticPodPath": paths.static_pods(),
+        "volumePluginDir": paths.kubelet_root().join("volume-plugins"),
         "fileCheckFrequency": "1s",
         "podLogsDir": paths.dir.join("pod-logs"),
         "imageGCHighThresholdPercent": 100,

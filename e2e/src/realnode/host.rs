@@ -39,16 +39,19 @@ pub fn node_ip(index: usize) -> String {
     format!("192.0.2.{}", 10 + index % 240)
 }
 
-/// The machine's state that real nodes change.
+/// The machine's state that real nodes change, and the nodes themselves (so that a later run
+/// can stop what a killed run left running).
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct HostState {
     /// `/proc/sys` path -> value.
     sysctls: Vec<(String, String)>,
-    /// `iptables-save` and `ip6tables-save` output.
+    /// `iptables-save` and `ip6tables-save` output: the chains there were before.
     iptables: String,
     ip6tables: String,
     /// Node IPs added to [`NODE_IP_DEVICE`].
     node_ips: Vec<String>,
+    /// The real nodes started: (directory, containerd socket, cgroup root).
+    nodes: Vec<(PathBuf, String, String)>,
 }
 
 /// Held while real nodes run: the machine-wide lock and the recorded host state, put back on
@@ -77,10 +80,12 @@ impl HostGuard {
             match serde_json::from_str::<HostState>(&text) {
                 Ok(left) => {
                     eprintln!("ipwarden-e2e: a run with real nodes ended without its teardown; putting the host back");
+                    left.stop_nodes();
                     left.restore();
                 }
                 Err(e) => eprintln!("ipwarden-e2e: ignoring unreadable {STATE_PATH}: {e}"),
             }
+            let _gone = std::fs::remove_file(STATE_PATH);
         }
         let state = HostState {
             sysctls: SYSCTLS
@@ -93,17 +98,31 @@ impl HostGuard {
             iptables: command_output("iptables-save", &[])?,
             ip6tables: command_output("ip6tables-save", &[]).unwrap_or_default(),
             node_ips: Vec::new(),
+            nodes: Vec::new(),
         };
         let guard = Self { _lock: lock, state };
         guard.save()?;
         Ok(guard)
     }
 
-    /// Adds node IP `ip` to the host, to be removed at teardown.
+    /// Records a node (its directory, containerd socket and cgroup root) about to start, for a
+    /// later run to stop should this one be killed.
+    pub fn add_node(&mut self, dir: &Path, socket: &Path, cgroup_root: &str) -> Result<()> {
+        self.state.nodes.push((dir.to_path_buf(), socket.display().to_string(), cgroup_root.to_string()));
+        self.save()
+    }
+
+    /// Adds node IP `ip` to the host, to be removed at teardown. Fails when the host has it
+    /// already (someone else's: a killed run's is removed by the next one's recovery).
     pub fn add_node_ip(&mut self, ip: &str) -> Result<()> {
         let cidr = format!("{ip}/32");
-        // A leftover of a run killed before its teardown: replace it.
-        let _absent = command_output("ip", &["addr", "del", &cidr, "dev", NODE_IP_DEVICE]);
+        let present = command_output("ip", &["-o", "addr", "show", "dev", NODE_IP_DEVICE])?;
+        if present.split_whitespace().any(|word| word == cidr) {
+            return Err(Error::Tool {
+                command: format!("ip addr add {cidr} dev {NODE_IP_DEVICE}"),
+                reason: format!("{NODE_IP_DEVICE} has {cidr} already, not added by the harness: remove it or free it"),
+            });
+        }
         command_output("ip", &["addr", "add", &cidr, "dev", NODE_IP_DEVICE])?;
         self.state.node_ips.push(ip.to_string());
         self.save()
@@ -124,20 +143,38 @@ impl Drop for HostGuard {
 }
 
 impl HostState {
-    /// Puts the recorded state back; reports what fails and goes on.
+    /// Stops what the recorded nodes left running: their containers and cgroups, the processes
+    /// naming their containerd's socket (containerd, shims), their mounts.
+    fn stop_nodes(&self) {
+        for (dir, socket, cgroup_root) in &self.nodes {
+            remove_cgroups(cgroup_root);
+            kill_processes_naming(socket);
+            kill_processes_naming(&dir.join("kubelet-config.yaml").display().to_string());
+            unmount_under(dir);
+        }
+    }
+
+    /// Puts the recorded state back: the sysctls that changed, the node IPs gone, and the
+    /// chains kubelet and the CNI plugins added (`KUBE-*`, `CNI-*`, with the rules jumping to
+    /// them) removed; nothing else of the firewall is touched. Reports what fails and goes on.
     fn restore(&self) {
         for (key, value) in &self.sysctls {
             let path = Path::new("/proc/sys").join(key);
-            if let Err(e) = std::fs::write(&path, value) {
+            let now = std::fs::read_to_string(&path).unwrap_or_default();
+            if now.trim() != value
+                && let Err(e) = std::fs::write(&path, value)
+            {
                 eprintln!("ipwarden-e2e: could not restore {}: {e}", path.display());
             }
         }
-        for (tool, saved) in [("iptables-restore", &self.iptables), ("ip6tables-restore", &self.ip6tables)] {
-            if saved.is_empty() {
+        for (family, saved) in [("iptables", &self.iptables), ("ip6tables", &self.ip6tables)] {
+            let Ok(now) = command_output(&format!("{family}-save"), &[]) else { continue };
+            let removal = removal_of_added_chains(saved, &now);
+            if removal.is_empty() {
                 continue;
             }
-            if let Err(e) = command_with_input(tool, &with_empty_tables(saved)) {
-                eprintln!("ipwarden-e2e: could not restore the firewall rules: {e}");
+            if let Err(e) = command_with_input(&format!("{family}-restore"), &["--noflush"], &removal) {
+                eprintln!("ipwarden-e2e: could not remove the chains real nodes added ({family}): {e}");
             }
         }
         for ip in &self.node_ips {
@@ -146,19 +183,69 @@ impl HostState {
     }
 }
 
-/// The tables kubelet and the CNI plugins add chains to.
-const TABLES: [&str; 4] = ["filter", "nat", "mangle", "raw"];
+/// The prefixes of the chains kubelet (`KUBE-`) and the CNI plugins (`CNI-`: portmap, ptp's
+/// masquerading) add.
+const ADDED_CHAIN_PREFIXES: [&str; 2] = ["KUBE-", "CNI-"];
 
-/// `iptables-save` output plus an empty section for each of [`TABLES`] it lacks: restored, an
-/// empty section empties that table, which was empty (unloaded) when the state was recorded.
-fn with_empty_tables(saved: &str) -> String {
-    let mut text = saved.to_string();
-    for table in TABLES {
-        if !saved.lines().any(|line| line == format!("*{table}")) {
-            text.push_str(&format!("*{table}\nCOMMIT\n"));
+/// An `iptables-restore --noflush` input that removes, from the rules `now` (`iptables-save`
+/// output), every chain named with [`ADDED_CHAIN_PREFIXES`] that `saved` did not have, and
+/// every rule of another chain jumping to one; empty when there is none.
+fn removal_of_added_chains(saved: &str, now: &str) -> String {
+    let chains_of = |text: &str| -> std::collections::BTreeSet<(String, String)> {
+        let mut table = String::new();
+        let mut chains = std::collections::BTreeSet::new();
+        for line in text.lines() {
+            if let Some(name) = line.strip_prefix('*') {
+                table = name.to_string();
+            } else if let Some(rest) = line.strip_prefix(':') {
+                let chain = rest.split_whitespace().next().unwrap_or_default();
+                chains.insert((table.clone(), chain.to_string()));
+            }
+        }
+        chains
+    };
+    let before = chains_of(saved);
+    let added: std::collections::BTreeSet<(String, String)> = chains_of(now)
+        .into_iter()
+        .filter(|(_, chain)| ADDED_CHAIN_PREFIXES.iter().any(|p| chain.starts_with(p)))
+        .filter(|key| !before.contains(key))
+        .collect();
+    let mut out = String::new();
+    let mut table = String::new();
+    let mut jumps: Vec<String> = Vec::new();
+    let flush = |table: &str, jumps: &mut Vec<String>, out: &mut String| {
+        let chains: Vec<&String> = added.iter().filter(|(t, _)| t == table).map(|(_, c)| c).collect();
+        if chains.is_empty() && jumps.is_empty() {
+            return;
+        }
+        out.push_str(&format!("*{table}\n"));
+        for rule in jumps.drain(..) {
+            out.push_str(&rule);
+            out.push('\n');
+        }
+        for chain in &chains {
+            out.push_str(&format!("-F {chain}\n"));
+        }
+        for chain in &chains {
+            out.push_str(&format!("-X {chain}\n"));
+        }
+        out.push_str("COMMIT\n");
+    };
+    for line in now.lines() {
+        if let Some(name) = line.strip_prefix('*') {
+            table = name.to_string();
+        } else if line == "COMMIT" {
+            flush(&table, &mut jumps, &mut out);
+        } else if let Some(rule) = line.strip_prefix("-A ") {
+            let from = rule.split_whitespace().next().unwrap_or_default();
+            let target = rule.split_whitespace().skip_while(|w| *w != "-j" && *w != "-g").nth(1).unwrap_or_default();
+            let is_added = |chain: &str| added.contains(&(table.clone(), chain.to_string()));
+            if !is_added(from) && is_added(target) {
+                jumps.push(format!("-D {rule}"));
+            }
         }
     }
-    text
+    out
 }
 
 /// Runs `program args` to completion; its standard output, or an error naming it.
@@ -177,9 +264,10 @@ pub fn command_output(program: &str, args: &[&str]) -> Result<String> {
     }
 }
 
-fn command_with_input(program: &str, input: &str) -> Result<()> {
+fn command_with_input(program: &str, args: &[&str], input: &str) -> Result<()> {
     use std::io::Write;
     let mut child = Command::new(program)
+        .args(args)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -253,6 +341,44 @@ pub fn remove_cgroups(root: &str) {
     }
 }
 
+/// Removes the symbolic links in `dir` that point into `target` (kubelet's container log links
+/// of a node that is gone).
+pub fn remove_links_into(dir: &Path, target: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        if std::fs::read_link(entry.path()).is_ok_and(|to| to.starts_with(target)) {
+            let _gone = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Removes the files in `dir` whose content names `target` (libcni's cached results of a
+/// node's sandboxes, which name their network namespace under the node's directory).
+pub fn remove_files_naming(dir: &Path, target: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let needle = target.display().to_string();
+    for entry in entries.flatten() {
+        if std::fs::read_to_string(entry.path()).is_ok_and(|text| text.contains(&needle)) {
+            let _gone = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// SIGKILLs every process whose command line contains `text` (a node's containerd socket,
+/// which its containerd and shims name; its kubelet's configuration file).
+pub fn kill_processes_naming(text: &str) {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return };
+    let me = std::process::id().to_string();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().filter(|p| *p != me).and_then(|p| p.parse::<i32>().ok()) else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        if String::from_utf8_lossy(&cmdline).replace('\0', " ").contains(text) {
+            let _gone = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
 fn kill_and_remove(dir: &Path) {
     if let Ok(entries) = std::fs::read_dir(dir) {
         for entry in entries.flatten() {
@@ -281,12 +407,18 @@ mod test {
     use super::*;
 
     #[test]
-    fn tables_missing_from_the_saved_rules_are_restored_empty() {
-        let saved = "*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n";
-        let text = with_empty_tables(saved);
-        assert!(text.starts_with(saved));
-        assert!(text.contains("*nat\nCOMMIT\n") && text.contains("*mangle\nCOMMIT\n"));
-        assert_eq!(text.matches("*filter").count(), 1);
+    fn only_the_chains_real_nodes_added_and_the_jumps_to_them_are_removed() {
+        let saved = "*filter\n:INPUT ACCEPT [0:0]\n:KUBE-OLD - [0:0]\n:DOCKER - [0:0]\nCOMMIT\n";
+        let now = "*filter\n:INPUT ACCEPT [0:0]\n:KUBE-OLD - [0:0]\n:DOCKER - [0:0]\n:KUBE-FIREWALL - [0:0]\n\
+            -A INPUT -j KUBE-FIREWALL\n-A INPUT -j DOCKER\n-A INPUT -j KUBE-OLD\n\
+            -A KUBE-FIREWALL ! -s 127.0.0.0/8 -m comment --comment \"block it\" -j DROP\nCOMMIT\n\
+            *nat\n:POSTROUTING ACCEPT [0:0]\n:CNI-abc - [0:0]\n-A POSTROUTING -s 10.0.0.2/32 -j CNI-abc\nCOMMIT\n";
+        assert_eq!(
+            removal_of_added_chains(saved, now),
+            "*filter\n-D INPUT -j KUBE-FIREWALL\n-F KUBE-FIREWALL\n-X KUBE-FIREWALL\nCOMMIT\n\
+             *nat\n-D POSTROUTING -s 10.0.0.2/32 -j CNI-abc\n-F CNI-abc\n-X CNI-abc\nCOMMIT\n"
+        );
+        assert_eq!(removal_of_added_chains(now, now), "");
     }
 
     #[test]

@@ -34,6 +34,13 @@ pub const NODE_BIN_DIR_ENV: &str = "IPWARDEN_NODE_BIN_DIR";
 /// name images no registry serves).
 pub const REAL_NODE_LABEL: &str = "e2e.ipwarden.io/real";
 
+/// Where kubelet links every container's log (host-wide; its links into a node's directory
+/// go with the node).
+const CONTAINER_LOG_LINKS: &str = "/var/log/containers";
+
+/// Where libcni caches each attachment's result (host-wide; containerd does not let it move).
+const CNI_RESULT_CACHE: &str = "/var/lib/cni/results";
+
 /// Where Debian installs runc.
 const RUNC: &str = "/usr/sbin/runc";
 
@@ -162,10 +169,15 @@ impl RealNode {
         };
         let kubelet_config = config::kubelet_config(&paths, &settings);
         write(&paths.kubelet_config(), &kubelet_config.to_string())?;
-        host::create_cgroups(&settings.cgroup_root)?;
-        let node_ip = host::node_ip(index);
-        context.host.lock().map_err(|_| poisoned())?.add_node_ip(&node_ip)?;
+        context.host.lock().map_err(|_| poisoned())?.add_node(
+            &paths.dir,
+            &paths.containerd_socket(),
+            &settings.cgroup_root,
+        )?;
+        // From here on, a failure drops the node, whose teardown undoes what was done.
         let mut node = Self { name, index, paths, context, containerd: None, kubelet: None, stopped: false };
+        host::create_cgroups(&settings.cgroup_root)?;
+        node.context.host.lock().map_err(|_| poisoned())?.add_node_ip(&host::node_ip(index))?;
         node.start_containerd().await?;
         node.import_images().await?;
         node.start_kubelet()?;
@@ -254,6 +266,7 @@ impl RealNode {
             format!("--config={}", self.paths.kubelet_config().display()),
             format!("--kubeconfig={}", self.context.kubeconfig.display()),
             format!("--root-dir={}", self.paths.kubelet_root().display()),
+            format!("--cert-dir={}", self.paths.kubelet_root().join("pki").display()),
             format!("--hostname-override={}", self.name),
             format!("--node-ip={}", host::node_ip(self.index)),
             format!("--node-labels={REAL_NODE_LABEL}=true"),
@@ -330,10 +343,7 @@ impl RealNode {
     /// Kills every container of this node and their shims, as a machine's power loss does.
     pub fn kill_containers(&self) {
         host::remove_cgroups(&cgroup_root(&self.name));
-        let socket = self.paths.containerd_socket().display().to_string();
-        for pid in processes_naming(&socket) {
-            let _gone = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-        }
+        host::kill_processes_naming(&self.paths.containerd_socket().display().to_string());
     }
 
     /// A node's "reboot" of its runtime state: kubelet and containerd killed, every container
@@ -382,6 +392,8 @@ impl RealNode {
         self.stop_containerd();
         self.kill_containers();
         host::unmount_under(&self.paths.dir);
+        host::remove_links_into(Path::new(CONTAINER_LOG_LINKS), &self.paths.dir);
+        host::remove_files_naming(Path::new(CNI_RESULT_CACHE), &self.paths.dir);
     }
 }
 
@@ -435,19 +447,4 @@ fn poisoned() -> Error {
 fn path_with(dir: &Path) -> String {
     let rest = std::env::var("PATH").unwrap_or_default();
     format!("{}:/usr/sbin:/usr/bin:/sbin:/bin:{rest}", dir.display())
-}
-
-/// The processes whose command line contains `text` (the shims name their containerd's
-/// socket).
-fn processes_naming(text: &str) -> Vec<i32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    entries
-        .flatten()
-        .filter_map(|entry| {
-            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
-            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
-            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-            (cmdline.contains(text) && pid != std::process::id() as i32).then_some(pid)
-        })
-        .collect()
 }
