@@ -145,7 +145,7 @@ pub struct RealNode {
 impl RealNode {
     /// Prepares node `index` named `name` in `dir` (conflist, plugins, configuration), starts
     /// containerd, imports the images, starts kubelet. Does not wait for the Node: see
-    /// [`RealNode::wait_ready`].
+    /// [`RealNode::wait_registered`].
     pub async fn start(context: RealNodeContext, name: String, index: usize, dir: PathBuf) -> Result<Self> {
         let paths = NodePaths { dir };
         for dir in [
