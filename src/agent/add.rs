@@ -320,15 +320,7 @@ impl Core {
             tracing::info!(pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name),
                 old_container_id = %entry.key.container_id, container_id = %request.container_id,
                 "a new sandbox of the pod replaces one whose DEL never came: releasing the old one's IPs");
-            self.release_attachment(
-                Some(&entry),
-                &entry.key.container_id,
-                &entry.key.ifname,
-                Some(uid),
-                ReleaseTrigger::Superseded,
-            )
-            .await?;
-            self.checkpoint.remove(&entry.key).await?;
+            self.detach(&entry.key, Some(&entry), Some(uid), ReleaseTrigger::Superseded).await?;
         }
         Ok(())
     }

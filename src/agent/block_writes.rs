@@ -8,7 +8,7 @@ use jiff::Timestamp;
 use kube::api::Api;
 use kube::runtime::reflector::ObjectRef;
 
-use super::checkpoint::CheckpointEntry;
+use super::checkpoint::{AttachmentKey, CheckpointEntry};
 use super::core::{Base, Core, new_block};
 use super::error::Error;
 use crate::block_store::CasOutcome;
@@ -116,6 +116,21 @@ impl Core {
     ) -> Result<Option<T>, Error> {
         let create = || new_block(name, pool, cidr);
         Ok(self.cas_block(name, Base::Newest, Some(&create), |block| mutate(&mut block.spec)).await?.written())
+    }
+
+    /// Releases sandbox `key`'s attachment ([`Core::release_attachment`]) as `trigger` says,
+    /// then drops its checkpoint entry `entry`: what a DEL does, and what the runtime's CNI GC
+    /// and a sandbox superseded by its pod's new one do in place of a DEL that never came.
+    pub(super) async fn detach(
+        &self,
+        key: &AttachmentKey,
+        entry: Option<&CheckpointEntry>,
+        uid: Option<&str>,
+        trigger: ReleaseTrigger,
+    ) -> Result<(), Error> {
+        self.release_attachment(entry, &key.container_id, &key.ifname, uid, trigger).await?;
+        self.checkpoint.remove(key).await?;
+        Ok(())
     }
 
     /// Releases the IPs of a sandbox (`entry`, when the checkpoint holds it, and every record

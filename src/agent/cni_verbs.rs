@@ -25,16 +25,7 @@ impl Core {
         let entry = self.checkpoint.read(|c| c.get(&key).cloned());
         let uid =
             request.pod.as_ref().and_then(|p| p.uid.clone()).or_else(|| entry.as_ref().map(|e| e.pod.uid.clone()));
-        self.release_attachment(
-            entry.as_ref(),
-            &request.container_id,
-            &request.ifname,
-            uid.as_deref(),
-            ReleaseTrigger::Del,
-        )
-        .await?;
-        self.checkpoint.remove(&key).await?;
-        Ok(())
+        self.detach(&key, entry.as_ref(), uid.as_deref(), ReleaseTrigger::Del).await
     }
 
     /// CNI CHECK: the sandbox's records still exist (read fresh from the blocks) and hold
@@ -120,10 +111,7 @@ impl Core {
             .map(|entries| async move {
                 for entry in entries {
                     tracing::info!(container_id = %entry.key.container_id, pod = %entry.pod.name, "GC: releasing a stale attachment");
-                    let (container_id, ifname) = (&entry.key.container_id, &entry.key.ifname);
-                    let trigger = ReleaseTrigger::CniGc;
-                    self.release_attachment(Some(&entry), container_id, ifname, Some(&entry.pod.uid), trigger).await?;
-                    self.checkpoint.remove(&entry.key).await?;
+                    self.detach(&entry.key, Some(&entry), Some(&entry.pod.uid), ReleaseTrigger::CniGc).await?;
                 }
                 Ok(())
             })
