@@ -10,6 +10,7 @@ pub mod claim_writes;
 pub mod cli;
 pub mod cni;
 pub mod crd;
+pub mod cri;
 pub mod gc;
 pub mod hostlocal;
 pub mod http;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use e2e::wait::{self, Probe};
 use serde_json::json;
-use support::{Ipwarden, TIMEOUT, inject_record, metric_sum, record_json, records};
+use support::{Ipwarden, TIMEOUT, inject_record, metric_sum, record_json, records, wait_record_gone};
 
 const NS: &str = "default";
 const POOL: &str = "pool";
@@ -19,17 +19,6 @@ const CIDR: &str = "10.73.0.0/24";
 /// The agent Lease's default duration (the agent's `--lease-duration-seconds`), plus the
 /// policy's 1 s, two full-scan intervals and slack for a loaded machine.
 const STALE_AGENT_BOUND: Duration = Duration::from_secs(20 + 1 + 4 + 15);
-
-async fn wait_record_gone(client: &kube::Client, ip: &str, bound: Duration, what: &str) {
-    wait::until(what, bound, || async {
-        Ok(match records(client).await.get(ip) {
-            None => Probe::Done(()),
-            Some(r) => Probe::Pending(format!("record of {ip}: {:?}", r.release_handshake.as_ref().map(|h| h.state))),
-        })
-    })
-    .await
-    .expect("record released");
-}
 
 async fn controller_metric(ipwarden: &Ipwarden, controller: usize, name: &str, labels: &[&str]) -> f64 {
     let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();

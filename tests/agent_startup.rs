@@ -15,7 +15,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
-use support::{Ipwarden, TIMEOUT, create_pod, ip_of, records, wait_pods_with_ips};
+use support::{Ipwarden, TIMEOUT, create_pod, ip_of, record_state, records, wait_pods_with_ips};
 
 const NS: &str = "default";
 
@@ -26,11 +26,6 @@ fn one_ip_pool() -> [(&'static str, serde_json::Value); 1] {
         "pool",
         json!({"cidr": "10.74.0.0/24", "default": true, "ranges": [{"start": "10.74.0.10", "end": "10.74.0.10"}]}),
     )]
-}
-
-/// The pod UID and handshake state of `ip`'s record, or None when there is none.
-async fn record_state(client: &kube::Client, ip: &str) -> Option<(String, Option<HandshakeState>)> {
-    records(client).await.get(ip).map(|r| (r.pod.uid.clone(), r.release_handshake.as_ref().map(|h| h.state)))
 }
 
 /// The IP pod `name` reports ("" when none, or when it is gone).

@@ -37,7 +37,13 @@ fn rounds() -> usize {
     std::env::var("IPWARDEN_CHAOS_ROUNDS").ok().and_then(|r| r.parse().ok()).filter(|r| *r >= 2).unwrap_or(4)
 }
 
-const AGENT_ARGS: [&str; 2] = ["--reuse-cooldown-seconds=1", "--release-sandbox-grace-seconds=5"];
+/// The agents ask their runtime over CRI (`--cri-socket`), as in production on containerd.
+const AGENT_ARGS: [&str; 4] = [
+    "--reuse-cooldown-seconds=1",
+    "--release-sandbox-grace-seconds=5",
+    e2e::ipwarden::WITH_CRI,
+    "--cri-poll-interval-seconds=1",
+];
 const CONTROLLER_ARGS: [&str; 1] = ["--full-scan-interval-seconds=5"];
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());

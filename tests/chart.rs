@@ -102,7 +102,8 @@ async fn the_chart_lints_and_renders_restricted_workloads_least_privilege_rbac_a
     assert_eq!(probe_path(agent, "readinessProbe"), "/readyz");
     let host_paths: BTreeSet<&str> =
         pod["volumes"].as_array().into_iter().flatten().filter_map(|v| v["hostPath"]["path"].as_str()).collect();
-    for path in ["/run/ipwarden", "/var/lib/ipwarden", "/opt/cni/bin", "/etc/cni/net.d"] {
+    for path in ["/run/ipwarden", "/var/lib/ipwarden", "/opt/cni/bin", "/etc/cni/net.d", "/run/containerd", "/run/crio"]
+    {
         assert!(host_paths.contains(path), "{path} is a hostPath volume ({host_paths:?})");
     }
     let init = &pod["initContainers"][0];
@@ -121,6 +122,24 @@ async fn the_chart_lints_and_renders_restricted_workloads_least_privilege_rbac_a
         agent["args"].as_array().into_iter().flatten().any(|a| *a == socket_flag.as_str()),
         "plugin and agent share the socket"
     );
+    // The runtime's sockets: their host directories mounted read-only, the first that exists used.
+    let cri_flag = "--cri-socket=/host/cri/0/containerd.sock,/host/cri/1/crio.sock";
+    assert!(agent["args"].as_array().into_iter().flatten().any(|a| *a == cri_flag), "{cri_flag} in {}", agent["args"]);
+    let cri_mounts: Vec<&Value> = agent["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|m| m["mountPath"].as_str().is_some_and(|p| p.starts_with("/host/cri/")))
+        .collect();
+    assert_eq!(cri_mounts.len(), 2, "one mount per socket directory");
+    assert!(
+        cri_mounts.iter().all(|m| m["readOnly"] == true),
+        "the runtime's directories are read-only: {cri_mounts:?}"
+    );
+    let without_cri =
+        helm.template("ipwarden", NAMESPACE, &["agent.cri.enabled=false"], &[]).await.expect("renders without CRI");
+    let args = one(&without_cri, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["args"].to_string();
+    assert!(!args.contains("--cri-"), "no CRI flag when off: {args}");
     let adopting = helm
         .template("ipwarden", NAMESPACE, &["agent.adoptOnStart=true", "cni.networkName=pods"], &[])
         .await

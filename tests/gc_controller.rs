@@ -17,7 +17,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 use support::{
     Ipwarden, TIMEOUT, claims, create_pod, create_statefulset, inject_claim, inject_legacy_claim, inject_record, ip_of,
-    metric_sum, pod_template, record_json, records, wait_pods_with_ips,
+    metric_sum, pod_template, record_json, records, wait_pods_with_ips, wait_record_gone,
 };
 
 const NS: &str = "default";
@@ -32,18 +32,6 @@ fn pool() -> [(&'static str, serde_json::Value); 1] {
 /// Writes a leaked record for `ip` into the test pool's block.
 async fn leak(client: &kube::Client, ip: &str, record: serde_json::Value) {
     inject_record(client, POOL, BLOCK, CIDR, ip, record).await;
-}
-
-async fn wait_record_gone(client: &kube::Client, ip: &str, what: &str) {
-    wait::until(what, TIMEOUT, || async {
-        let held = records(client).await.get(ip).map(|r| r.pod.name.clone());
-        Ok(match held {
-            None => Probe::Done(()),
-            Some(pod) => Probe::Pending(format!("{ip} still recorded for {pod}")),
-        })
-    })
-    .await
-    .expect("the leak is reclaimed");
 }
 
 fn workload(kind: &str, name: &str, spec: serde_json::Value) -> serde_json::Value {
@@ -164,15 +152,16 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
     let live0_ip = ip_of(&live["live-0"]);
     leak(&client, &live0_ip, record_json(NS, "impostor", "impostor-uid", "node-0", None, false)).await;
 
-    wait_record_gone(&client, "10.70.0.201", "pod_gone: a record naming a pod that never existed").await;
-    wait_record_gone(&client, "10.70.0.202", "uid_mismatch: a stateless record naming an old UID").await;
-    wait_record_gone(&client, "10.70.0.203", "node_deleted: a record on a node that is gone").await;
-    wait_record_gone(&client, "10.70.0.204", "a sticky record of an ordinal the StatefulSet no longer wants").await;
-    wait_record_gone(&client, &job_ip, "completed: a finished Job pod whose DEL was missed").await;
-    wait_record_gone(&client, &forced_ip, "a force-deleted pod whose DEL was missed").await;
-    wait_record_gone(&client, &held_ip, "terminating_past_deadline: a pod stuck Terminating").await;
-    wait_record_gone(&client, "10.70.0.207", "sticky_readded_without_ipwarden").await;
-    wait_record_gone(&client, "10.70.0.208", "sticky_stale_record").await;
+    wait_record_gone(&client, "10.70.0.201", TIMEOUT, "pod_gone: a record naming a pod that never existed").await;
+    wait_record_gone(&client, "10.70.0.202", TIMEOUT, "uid_mismatch: a stateless record naming an old UID").await;
+    wait_record_gone(&client, "10.70.0.203", TIMEOUT, "node_deleted: a record on a node that is gone").await;
+    wait_record_gone(&client, "10.70.0.204", TIMEOUT, "a sticky record of an ordinal the StatefulSet no longer wants")
+        .await;
+    wait_record_gone(&client, &job_ip, TIMEOUT, "completed: a finished Job pod whose DEL was missed").await;
+    wait_record_gone(&client, &forced_ip, TIMEOUT, "a force-deleted pod whose DEL was missed").await;
+    wait_record_gone(&client, &held_ip, TIMEOUT, "terminating_past_deadline: a pod stuck Terminating").await;
+    wait_record_gone(&client, "10.70.0.207", TIMEOUT, "sticky_readded_without_ipwarden").await;
+    wait_record_gone(&client, "10.70.0.208", TIMEOUT, "sticky_stale_record").await;
     wait::until("the impostor record repaired to the pod reporting the IP", TIMEOUT, || async {
         let uid = records(&client).await.get(&live0_ip).map(|r| r.pod.uid.clone());
         Ok(if uid.as_deref() == Some(live_uid.as_str()) { Probe::Done(()) } else { Probe::Pending(format!("{uid:?}")) })
@@ -281,7 +270,7 @@ async fn ipwarden_gc_asks_the_leader_for_a_sweep_and_prints_its_result_and_dry_r
     let report: serde_json::Value = serde_json::from_slice(&run.stdout).expect("report JSON");
     assert_eq!(report["marked"], 1, "node-0 has an agent: the leak is marked for release first; {report}");
     assert!(report["scanned"].as_u64().is_some_and(|n| n >= 1));
-    wait_record_gone(&client, "10.70.0.210", "the leak released once node-0's agent answered").await;
+    wait_record_gone(&client, "10.70.0.210", TIMEOUT, "the leak released once node-0's agent answered").await;
     let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
     assert_eq!(metric_sum(&text, "ipwarden_gc_release_handshakes_total", &["step=\"marked\""]), 1.0);
     assert_eq!(metric_sum(&text, "ipwarden_gc_releases_total", &["trigger=\"handshake\""]), 1.0);
@@ -311,7 +300,7 @@ async fn a_standby_takes_over_within_the_lease_and_never_writes_while_standing_b
     ipwarden.wait_leader(first).await;
     let second = ipwarden.start_controller("second", &["--full-scan-interval-seconds=2"]);
     leak(&client, "10.70.0.220", record_json(NS, "ghost-a", "a-uid", "node-0", None, false)).await;
-    wait_record_gone(&client, "10.70.0.220", "the leader releasing the first leak").await;
+    wait_record_gone(&client, "10.70.0.220", TIMEOUT, "the leader releasing the first leak").await;
     let standby = ipwarden.scrape_controller(second).await.unwrap_or_default();
     assert_eq!(metric_sum(&standby, "ipwarden_controller_leader", &[]), 0.0, "the second replica stands by");
     assert!(!block_writers(&client).await.contains("ipwarden-controller-second"), "a standby never writes");
@@ -325,7 +314,7 @@ async fn a_standby_takes_over_within_the_lease_and_never_writes_while_standing_b
     // renew period (1 s) and slack for a loaded machine.
     assert!(killed.elapsed() < std::time::Duration::from_secs(15), "took over in {:?}", killed.elapsed());
     leak(&client, "10.70.0.221", record_json(NS, "ghost-b", "b-uid", "node-0", None, false)).await;
-    wait_record_gone(&client, "10.70.0.221", "the new leader releasing the second leak").await;
+    wait_record_gone(&client, "10.70.0.221", TIMEOUT, "the new leader releasing the second leak").await;
     let text = ipwarden.scrape_controller(second).await.unwrap_or_default();
     assert_eq!(
         metric_sum(&text, "ipwarden_gc_releases_total", &[]),
@@ -464,7 +453,7 @@ async fn leaks_released_in_one_batch_leave_an_event_each_findable_by_its_pod_and
     let controller = ipwarden.start_controller("solo", &[]);
     ipwarden.wait_leader(controller).await;
     for (ip, _) in &leaks {
-        wait_record_gone(&client, ip, "the leak released").await;
+        wait_record_gone(&client, ip, TIMEOUT, "the leak released").await;
     }
 
     let events: Api<Event> = Api::namespaced(client.clone(), NS);

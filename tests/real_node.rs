@@ -373,15 +373,7 @@ async fn a_real_node_leaks_no_ip_when_containerd_dies_during_adds_a_del_is_lost_
         .expect("force-delete the pod");
     let deleted = std::time::Instant::now();
     ipwarden.cluster.real_node(0).boot().await.expect("the node boots");
-    wait::until(&format!("{lost_ip} of the deleted pod released"), TIMEOUT, || async {
-        Ok(if node_records(&client).await.contains_key(&lost_ip) {
-            Probe::Pending("still recorded".to_string())
-        } else {
-            Probe::Done(())
-        })
-    })
-    .await
-    .expect("the lost DEL's IP is released");
+    support::wait_record_gone(&client, &lost_ip, TIMEOUT, "the lost DEL's IP is released").await;
     let took = deleted.elapsed();
     assert!(
         took.as_secs() <= GRACE_SECONDS + LOST_DEL_SLACK_SECONDS,
@@ -407,4 +399,81 @@ async fn a_real_node_leaks_no_ip_when_containerd_dies_during_adds_a_del_is_lost_
     }
     let after = wait_settled(&client, &ipwarden.cluster.real_nodes()[0]).await;
     assert_eq!(after.len(), before.len(), "every pod runs again with one IP: {after:?}");
+}
+
+/// The agent's count of the questions containerd answered over CRI.
+const QUERIES_OK: &str = "ipwarden_agent_runtime_queries_total{result=\"ok\"}";
+
+/// Waits until the record of `ip` on the real node carries a release mark not yet answered.
+async fn wait_marked(client: &Client, ip: &str) {
+    wait::until(&format!("the record of {ip} marked for release"), TIMEOUT, || async {
+        Ok(match support::records(client).await.get(ip).and_then(|r| r.release_handshake.clone()) {
+            Some(h) if h.state == ipwarden::crd::HandshakeState::MarkedForRelease => Probe::Done(()),
+            other => Probe::Pending(format!("{other:?}")),
+        })
+    })
+    .await
+    .expect("the controller marks the record");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_past_the_grace_and_frees_a_lost_del_before_it() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    const SHORT_GRACE_SECONDS: u64 = 10;
+    const LONG_GRACE_SECONDS: u64 = 150;
+    let short = format!("--release-sandbox-grace-seconds={SHORT_GRACE_SECONDS}");
+    let cri = [e2e::ipwarden::WITH_CRI, "--cri-poll-interval-seconds=1"];
+    let mut ipwarden = Ipwarden::with_real_nodes(1, &[("default", documented_pool())], &[cri[0], cri[1], &short]).await;
+    ipwarden.start_controller("controller-a", &[]);
+    let client = ipwarden.client();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let force = kube::api::DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+
+    // kubelet stops, and the pod is force-deleted: containerd still runs its sandbox, READY.
+    // The controller marks its record; the agent, asking containerd, leaves the mark
+    // unanswered for three sandbox graces.
+    pods.create(&PostParams::default(), &real_pod("held")).await.expect("create pod");
+    let held_ip = support::ip_of(&wait_running(&client, "held").await);
+    ipwarden.cluster.real_node(0).stop_kubelet();
+    pods.delete("held", &force).await.expect("force-delete the pod");
+    wait_marked(&client, &held_ip).await;
+    let marked = std::time::Instant::now();
+    let asked = || async { support::metric(&ipwarden.scrape_agent(0).await, QUERIES_OK) };
+    let asked_at_mark = asked().await;
+    while marked.elapsed().as_secs() < 3 * SHORT_GRACE_SECONDS {
+        let record = support::records(&client).await.remove(&held_ip);
+        let state = record.as_ref().and_then(|r| r.release_handshake.as_ref()).map(|h| h.state);
+        assert_eq!(
+            state,
+            Some(ipwarden::crd::HandshakeState::MarkedForRelease),
+            "the IP of a sandbox containerd runs stays marked and held {:?} after the mark",
+            marked.elapsed()
+        );
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+    assert!(asked().await > asked_at_mark, "containerd answered the agent's questions meanwhile");
+    // kubelet back: it stops the orphaned sandbox, and its DEL frees the IP.
+    ipwarden.cluster.real_node(0).restart_kubelet().expect("kubelet starts again");
+    support::wait_record_gone(&client, &held_ip, TIMEOUT, "the DEL frees the IP").await;
+
+    // The agent again, with a sandbox grace far longer than the test waits: a lost DEL
+    // (containerd's state wiped under the pod, the pod force-deleted) is freed before it, by
+    // containerd no longer having the sandbox.
+    ipwarden.agents[0].kill();
+    let long = format!("--release-sandbox-grace-seconds={LONG_GRACE_SECONDS}");
+    ipwarden.start_agent(0, &[cri[0], cri[1], &long]).await;
+    ipwarden.cluster.wait_real_nodes_ready().await.expect("the node is Ready");
+    pods.create(&PostParams::default(), &real_pod("lost")).await.expect("create pod");
+    let lost_ip = support::ip_of(&wait_running(&client, "lost").await);
+    ipwarden.cluster.real_node(0).power_off();
+    pods.delete("lost", &force).await.expect("force-delete the pod");
+    let deleted = std::time::Instant::now();
+    ipwarden.cluster.real_node(0).boot().await.expect("the node boots");
+    support::wait_record_gone(&client, &lost_ip, TIMEOUT, "the lost DEL's IP is released").await;
+    let took = deleted.elapsed();
+    tracing::info!(seconds = took.as_secs_f64(), "lost DEL released on the real node");
+    assert!(
+        took.as_secs() < LONG_GRACE_SECONDS / 2,
+        "a lost DEL is released by containerd's word, long before the sandbox grace: took {took:?}"
+    );
 }

@@ -16,18 +16,14 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use support::{
-    Ipwarden, TIMEOUT, create_pod, inject_record, ip_of, metric_sum, record_json, records, wait_pods_with_ips,
+    Ipwarden, TIMEOUT, create_pod, inject_record, ip_of, metric_sum, record_json, record_state, records,
+    wait_pods_with_ips, wait_record_gone,
 };
 
 const NS: &str = "default";
 const POOL: &str = "pool";
 const BLOCK: &str = "pool-10-72-0-0-24";
 const CIDR: &str = "10.72.0.0/24";
-
-/// The record of `ip`: its pod UID and handshake state, or None when there is none.
-async fn record_state(client: &kube::Client, ip: &str) -> Option<(String, Option<HandshakeState>)> {
-    records(client).await.get(ip).map(|r| (r.pod.uid.clone(), r.release_handshake.as_ref().map(|h| h.state)))
-}
 
 async fn wait_state(client: &kube::Client, ip: &str, want: Option<HandshakeState>, what: &str) {
     wait::until(what, TIMEOUT, || async {
@@ -38,17 +34,6 @@ async fn wait_state(client: &kube::Client, ip: &str, want: Option<HandshakeState
     })
     .await
     .expect("handshake state");
-}
-
-async fn wait_record_gone(client: &kube::Client, ip: &str, what: &str) {
-    wait::until(what, TIMEOUT, || async {
-        Ok(match record_state(client, ip).await {
-            None => Probe::Done(()),
-            Some(state) => Probe::Pending(format!("record of {ip}: {state:?}")),
-        })
-    })
-    .await
-    .expect("record released");
 }
 
 async fn releases(ipwarden: &Ipwarden, controller: usize) -> f64 {
@@ -207,7 +192,7 @@ async fn a_mark_waits_for_a_dead_agent_is_aborted_when_wanted_again_and_a_not_re
     let marks_before = metric_sum(&text, "ipwarden_gc_release_handshakes_total", &["step=\"marked\""]);
     let lost = "10.72.0.204";
     inject_record(&client, POOL, BLOCK, CIDR, lost, record_json(NS, "ghost", "ghost-uid", "node-1", None, false)).await;
-    wait_record_gone(&client, lost, "the leak on the NotReady node released by the policy").await;
+    wait_record_gone(&client, lost, TIMEOUT, "the leak on the NotReady node released by the policy").await;
     let text = ipwarden.scrape_controller(second).await.unwrap_or_default();
     assert_eq!(metric_sum(&text, "ipwarden_gc_releases_total", &["reason=\"node_not_ready\""]), 1.0);
     let marks_after = metric_sum(&text, "ipwarden_gc_release_handshakes_total", &["step=\"marked\""]);

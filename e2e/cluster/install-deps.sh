@@ -5,7 +5,8 @@
 # test runs its own server process, never the package's service), and for the real nodes runc
 # (containerd's OCI runtime), busybox-static (the one binary of the node's pause and workload
 # images, built locally: there is no image registry) and iptables (kubelet's and portmap's
-# rules). Idempotent; does nothing when everything is present.
+# rules), and protobuf-compiler (protoc: the CRI client's code is generated from the CRI
+# api.proto when ipwarden is built, docs/decisions/0020-cri-client.md). Idempotent; does nothing when everything is present.
 set -euo pipefail
 
 packages=()
@@ -14,6 +15,7 @@ packages=()
 [[ -x /usr/sbin/runc ]] || packages+=(runc)
 [[ -x /bin/busybox ]] || packages+=(busybox-static)
 [[ -x /usr/sbin/iptables ]] || packages+=(iptables)
+[[ -x /usr/bin/protoc ]] || packages+=(protobuf-compiler)
 
 if ((${#packages[@]} == 0)); then
   exit 0

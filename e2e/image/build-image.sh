@@ -6,7 +6,8 @@
 #   1. a Debian bookworm base built from Debian's packages with debootstrap (minbase, security
 #      updates applied, documentation left out) from Debian's mirror as this machine's apt is
 #      configured, cached outside the repo and imported as localhost/ipwarden-base;
-#   2. a Rust builder image on that base: gcc and libc6-dev from Debian plus the Rust toolchain
+#   2. a Rust builder image on that base: gcc, libc6-dev and protobuf-compiler (protoc, for
+#      the CRI client's generated code) from Debian plus the Rust toolchain
 #      the Dockerfile names, copied from this machine's rustup (localhost/ipwarden-rust);
 #   3. the Dockerfile, built with those two as RUST_IMAGE and BASE_IMAGE (crates come from the
 #      crates registry this machine's cargo uses, over the host's network);
@@ -25,7 +26,7 @@
 set -euo pipefail
 
 # Bump when the base's or the builder's recipe below changes, so they are built again.
-RECIPE=1
+RECIPE=2
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -318,7 +319,7 @@ ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
 COPY local-ca/ /usr/local/share/ca-certificates/
 RUN apt-get update -qq \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends ca-certificates gcc libc6-dev \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends ca-certificates gcc libc6-dev protobuf-compiler \
     && rm -rf /var/lib/apt/lists/*
 COPY rust /usr/local/rust
 ENV PATH=/usr/local/rust/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin

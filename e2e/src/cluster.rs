@@ -219,6 +219,14 @@ impl Cluster {
         simulated.chain(real).collect()
     }
 
+    /// Every node's CRI socket, in [`Cluster::node_dirs`]'s order: the simulated runtime's
+    /// (module `kubelet`), then each real node's containerd.
+    pub fn cri_sockets(&self) -> Vec<PathBuf> {
+        let simulated = self.nodes.iter().map(|n| crate::kubelet::cri_socket(n.dir()));
+        let real = self.real_nodes.iter().map(|n| n.paths().containerd_socket());
+        simulated.chain(real).collect()
+    }
+
     /// Removes node `index` as when its machine leaves: its kubelet stops and the Node
     /// object is deleted (its pods stay, as they do until the pod GC deletes them).
     pub async fn delete_node(&mut self, index: usize) -> Result<()> {

@@ -124,8 +124,16 @@ pub fn start_agent(
     start_agent_as(cluster, binary, node, metrics_port, extra, &RunAs::admin(cluster))
 }
 
+/// Stands, in an agent's arguments, for its node's CRI socket ([`Cluster::cri_sockets`]):
+/// `--cri-socket={cri-socket}` makes every agent ask its own node's runtime.
+pub const CRI_SOCKET_OF_NODE: &str = "{cri-socket}";
+
+/// The agent argument that makes it ask its node's runtime over CRI.
+pub const WITH_CRI: &str = "--cri-socket={cri-socket}";
+
 /// Like [`start_agent`], talking to the apiserver as `run_as`. `node` counts the simulated
-/// nodes, then the real ones ([`Cluster::node_dirs`]).
+/// nodes, then the real ones ([`Cluster::node_dirs`]). [`CRI_SOCKET_OF_NODE`] in an argument
+/// of `extra` is replaced by the node's CRI socket.
 pub fn start_agent_as(
     cluster: &Cluster,
     binary: &Path,
@@ -143,7 +151,8 @@ pub fn start_agent_as(
         format!("--metrics-address=127.0.0.1:{metrics_port}"),
         format!("--namespace={}", run_as.namespace),
     ];
-    args.extend(extra.iter().map(|a| a.to_string()));
+    let cri = cluster.cri_sockets().swap_remove(node);
+    args.extend(extra.iter().map(|a| a.replace(CRI_SOCKET_OF_NODE, &cri.display().to_string())));
     spawn(binary, &format!("agent-{name}"), args, dir.join("agent.log"), &run_as.kubeconfig)
 }
 

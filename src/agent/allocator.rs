@@ -101,6 +101,31 @@ impl Handler<AnswerMarks> for NodeAllocator {
     }
 }
 
+/// Ask the runtime which sandboxes it has and release the attachments of those it no longer
+/// has ([`Core::gone_from_runtime`], [`Core::release_gone`]); with the node to itself only
+/// when there is one to release.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SweepRuntime;
+
+impl Handler<SweepRuntime> for NodeAllocator {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _msg: SweepRuntime, _ctx: &mut Context<Self>) -> Self::Result {
+        let core = self.core.clone();
+        Box::pin(async move {
+            let gone = core.gone_from_runtime().await;
+            if gone.is_empty() {
+                return;
+            }
+            let _alone = core.serial.alone().await;
+            if let Err(e) = core.release_gone(gone).await {
+                tracing::warn!(error = %e, "releasing the attachments of sandboxes the runtime no longer has failed; retrying on the next pass");
+            }
+        })
+    }
+}
+
 /// Tend the node's spare IPs ([`Core::tend_spares`]): write the records of bound spares, and
 /// reserve or give back spares, never while a node GC or mark answer runs; answers whether
 /// every write went through.

@@ -44,17 +44,20 @@ pub(super) enum ReleaseTrigger {
     /// A new sandbox of the same pod on the same interface was ADDed: the older one's DEL
     /// never came (kubelet stops a pod's sandbox before it makes another, so it is gone).
     Superseded,
+    /// The runtime, asked over CRI, no longer has the sandbox (module `runtime_sandboxes`).
+    RuntimeGone,
 }
 
 impl ReleaseTrigger {
     /// The log line's `trigger`.
-    fn label(self) -> &'static str {
+    pub(super) fn label(self) -> &'static str {
         match self {
             Self::Del => "del",
             Self::CniGc => "cni_gc",
             Self::StartupGc => "startup_gc",
             Self::ReleaseMark => "release_mark",
             Self::Superseded => "superseded",
+            Self::RuntimeGone => "runtime",
         }
     }
 
@@ -66,6 +69,7 @@ impl ReleaseTrigger {
             Self::StartupGc => "no_local_pod",
             Self::ReleaseMark => "no_sandbox_holds_it",
             Self::Superseded => "sandbox_replaced",
+            Self::RuntimeGone => "sandbox_gone_from_runtime",
         }
     }
 

@@ -135,6 +135,10 @@ pub struct Checkpoint {
     /// When the runtime's CNI GC last listed each recorded attachment as valid. In memory
     /// only: after a restart, the runtime's next GC call says it again.
     listed: BTreeMap<AttachmentKey, Instant>,
+    /// When each entry was recorded by this agent, or loaded at its start: the runtime may
+    /// not list a sandbox whose ADD has just returned (module `crate::cri::sandboxes`). In
+    /// memory only.
+    recorded: BTreeMap<AttachmentKey, Instant>,
 }
 
 /// How the checkpoint was found at start.
@@ -151,7 +155,12 @@ pub enum Restored {
 impl Checkpoint {
     /// Restores the checkpoint from `path`.
     pub fn load(path: &Path) -> Result<(Self, Restored), CheckpointError> {
-        let mut checkpoint = Self { path: path.to_path_buf(), entries: BTreeMap::new(), listed: BTreeMap::new() };
+        let mut checkpoint = Self {
+            path: path.to_path_buf(),
+            entries: BTreeMap::new(),
+            listed: BTreeMap::new(),
+            recorded: BTreeMap::new(),
+        };
         let bytes = match std::fs::read(path) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((checkpoint, Restored::Fresh)),
@@ -168,6 +177,8 @@ impl Checkpoint {
         match serde_json::from_slice::<File>(&bytes) {
             Ok(file) => {
                 checkpoint.entries = file.entries.into_iter().map(|e| (e.key.clone(), e)).collect();
+                let now = Instant::now();
+                checkpoint.recorded = checkpoint.entries.keys().map(|k| (k.clone(), now)).collect();
                 Ok((checkpoint, Restored::Loaded))
             }
             Err(_) => {
@@ -199,16 +210,28 @@ impl Checkpoint {
     }
 
     /// Applies a change that is saved; a changed or forgotten attachment's listing goes with
-    /// it (a new record of the attachment was not listed yet).
+    /// it (a new record of the attachment was not listed yet), and a changed or new one is
+    /// recorded now.
     pub(super) fn apply(&mut self, change: &Change) -> Applied {
         let (applied, touched) = change.apply_to(&mut self.entries);
+        let now = Instant::now();
         match touched {
             Touched::Keys(keys) => {
                 for key in keys {
                     self.listed.remove(&key);
+                    match self.entries.contains_key(&key) {
+                        true => self.recorded.insert(key, now),
+                        false => self.recorded.remove(&key),
+                    };
                 }
             }
-            Touched::All => self.listed.retain(|k, _| self.entries.contains_key(k)),
+            Touched::All => {
+                self.listed.retain(|k, _| self.entries.contains_key(k));
+                self.recorded.retain(|k, _| self.entries.contains_key(k));
+                for key in self.entries.keys() {
+                    self.recorded.entry(key.clone()).or_insert(now);
+                }
+            }
         }
         applied
     }
@@ -219,6 +242,11 @@ impl Checkpoint {
         for key in keys.into_iter().filter(|k| self.entries.contains_key(*k)) {
             self.listed.insert(key.clone(), at);
         }
+    }
+
+    /// When this agent recorded the attachment (or loaded it at its start).
+    pub fn recorded_at(&self, key: &AttachmentKey) -> Option<Instant> {
+        self.recorded.get(key).copied()
     }
 
     /// When the runtime's CNI GC last listed a recorded attachment, if it has since the

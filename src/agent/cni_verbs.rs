@@ -1,9 +1,8 @@
 //! CNI DEL, CHECK, GC and STATUS (ADD has its own file, `add`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::time::Instant;
 
-use futures::StreamExt;
 use kube::api::Api;
 
 use super::block_writes::ReleaseTrigger;
@@ -13,9 +12,6 @@ use super::error::Error;
 use crate::crd::IPBlock;
 use crate::ipam::{blocks, spares};
 use crate::protocol::{AttachmentRequest, GcRequest, StatusRequest};
-
-/// How many pods' stale attachments a CNI GC releases at once.
-const STALE_PODS_AT_ONCE: usize = 16;
 
 impl Core {
     /// CNI DEL: releases the sandbox's IPs (keeping a wanted sticky reservation). Unknown
@@ -100,30 +96,14 @@ impl Core {
                 .cloned()
                 .collect()
         });
-        // One pod's entries one after the other, as its DELs would be; different pods' at
-        // once, so their block writes share compare-and-swaps (`batch`) and a GC after a
-        // runtime crash holds the node for a few writes per block, not one per entry.
-        let mut by_pod: BTreeMap<(String, String), Vec<CheckpointEntry>> = BTreeMap::new();
-        for entry in stale {
-            by_pod.entry((entry.pod.namespace.clone(), entry.pod.name.clone())).or_default().push(entry);
+        // A sandbox the runtime's CRI still shows live is never released, whatever GC says.
+        self.ask_runtime().await;
+        let stale: Vec<CheckpointEntry> =
+            stale.into_iter().filter(|e| !self.runtime_has(&e.key.container_id)).collect();
+        for entry in &stale {
+            tracing::info!(container_id = %entry.key.container_id, pod = %entry.pod.name, "GC: releasing a stale attachment");
         }
-        let released: Vec<Result<(), Error>> = futures::stream::iter(by_pod.into_values())
-            .map(|entries| async move {
-                for entry in entries {
-                    tracing::info!(container_id = %entry.key.container_id, pod = %entry.pod.name, "GC: releasing a stale attachment");
-                    self.detach(&entry.key, Some(&entry), Some(&entry.pod.uid), ReleaseTrigger::CniGc).await?;
-                }
-                Ok(())
-            })
-            .buffer_unordered(STALE_PODS_AT_ONCE)
-            .collect()
-            .await;
-        let mut errors = released.into_iter().filter_map(Result::err);
-        let Some(first) = errors.next() else { return Ok(()) };
-        for e in errors {
-            tracing::warn!(error = %e, "GC: releasing a stale attachment failed; the runtime's next GC retries");
-        }
-        Err(first)
+        self.release_stale(stale, ReleaseTrigger::CniGc).await
     }
 
     /// CNI STATUS: ready once any IPPool exists. STATUS gates the node's readiness

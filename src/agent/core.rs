@@ -94,6 +94,8 @@ pub struct Core {
     /// has, no sandbox of the checkpoint counts as gone for lack of a listing.
     pub(super) started: std::time::Instant,
     runtime_gc_seen: std::sync::atomic::AtomicBool,
+    /// The runtime's CRI endpoint (`--cri-socket`), if the agent may ask it.
+    pub(super) runtime: Option<super::runtime_sandboxes::Runtime>,
     /// The copy of each block this agent's last write stored, until the watch cache has
     /// caught up with it: the base of the next write, so consecutive writes need no read.
     written: Arc<OwnWrites<IPBlock>>,
@@ -239,8 +241,15 @@ impl Core {
             spares,
             started: std::time::Instant::now(),
             runtime_gc_seen: std::sync::atomic::AtomicBool::new(false),
+            runtime: None,
             written: own_block_writes,
         }
+    }
+
+    /// Lets the core ask the runtime which sandboxes it has (`--cri-socket`).
+    pub fn with_runtime(mut self, runtime: super::runtime_sandboxes::Runtime) -> Self {
+        self.runtime = Some(runtime);
+        self
     }
 
     /// The newest copy of block `name` this agent knows: the watch cache's, or its own last
@@ -400,12 +409,13 @@ impl Core {
         Ok(live.map(|n| n.labels().clone()).unwrap_or_default())
     }
 
-    /// Whether the runtime has not called CNI GC since this agent started.
+    /// Whether the runtime has not said which sandboxes it has (by CNI GC, or over CRI) since
+    /// this agent started.
     pub(super) fn runtime_gc_pending(&self) -> bool {
         !self.runtime_gc_seen.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Notes that the runtime called CNI GC.
+    /// Notes that the runtime said which sandboxes it has.
     pub(super) fn runtime_gc_called(&self) {
         self.runtime_gc_seen.store(true, std::sync::atomic::Ordering::Relaxed);
     }

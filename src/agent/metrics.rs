@@ -48,6 +48,8 @@ pub struct AgentMetrics {
     pub spare_ips: Family<PoolLabels, Gauge>,
     /// IPs CNI ADDs got from the node's spares (answered before their record was written).
     pub spare_ips_bound: Counter,
+    /// Questions to the runtime over CRI (`--cri-socket`), by result (`ok`, `error`).
+    pub runtime_queries: Family<ResultLabels, Counter>,
 }
 
 /// Labels of where a read was served from.
@@ -70,6 +72,7 @@ impl AgentMetrics {
             pod_reads: Family::default(),
             spare_ips: Family::default(),
             spare_ips_bound: Counter::default(),
+            runtime_queries: Family::default(),
         };
         let agent = registry.sub_registry_with_prefix("ipwarden_agent");
         agent.register("allocations", "CNI ADD requests by result", metrics.allocations.clone());
@@ -97,7 +100,17 @@ impl AgentMetrics {
             "IPs CNI ADDs got from the node's spares, before their records were written",
             metrics.spare_ips_bound.clone(),
         );
+        agent.register(
+            "runtime_queries",
+            "Questions to the container runtime over CRI about the node's sandboxes, by result (ok or error)",
+            metrics.runtime_queries.clone(),
+        );
         metrics
+    }
+
+    /// Counts one question to the runtime over CRI.
+    pub fn runtime_query(&self, result: &str) {
+        self.runtime_queries.get_or_create(&ResultLabels { result: result.to_string() }).inc();
     }
 
     /// Counts one pod read of an ADD.

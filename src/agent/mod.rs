@@ -16,6 +16,7 @@ pub mod lock;
 pub mod metrics;
 pub mod pool_status;
 mod release_marks;
+mod runtime_sandboxes;
 pub mod serial;
 pub mod server;
 pub mod spares;
@@ -148,6 +149,26 @@ pub struct AgentArgs {
     /// claimed.
     #[arg(long, env = "IPWARDEN_SPARE_IPS", default_value_t = 0)]
     pub spare_ips: usize,
+    /// The container runtime's CRI socket (containerd: /run/containerd/containerd.sock; CRI-O:
+    /// /run/crio/crio.sock), or several comma-separated, of which the first that exists at
+    /// start is used. With one, the agent asks the runtime which sandboxes it still has: an
+    /// attachment whose sandbox is gone is released at once, and one the runtime still has is
+    /// never released for lack of a DEL. Unset, or none exists: the sandbox grace alone
+    /// decides.
+    #[arg(long, env = "IPWARDEN_CRI_SOCKET", value_delimiter = ',')]
+    pub cri_socket: Vec<PathBuf>,
+    /// Seconds between two questions to the runtime (besides those before each pass over
+    /// release marks, each CNI GC and the start-up GC).
+    #[arg(long, env = "IPWARDEN_CRI_POLL_INTERVAL_SECONDS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub cri_poll_interval_seconds: u64,
+    /// Seconds one CRI call may take before the runtime counts as unreachable for that pass.
+    #[arg(long, env = "IPWARDEN_CRI_TIMEOUT_SECONDS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub cri_timeout_seconds: u64,
+    /// Seconds after its ADD before the runtime's not listing a sandbox counts as the sandbox
+    /// being gone, for an attachment no release mark names: a runtime lists a sandbox only
+    /// once its network is set up and its pause container started.
+    #[arg(long, env = "IPWARDEN_CRI_SANDBOX_SETTLE_SECONDS", default_value_t = 60)]
+    pub cri_sandbox_settle_seconds: u64,
 }
 
 /// Runs the agent until the process is stopped. Must run inside an actix System.
@@ -265,7 +286,21 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         own_block_writes,
         spares_wake: spares_wake.clone(),
     };
-    let core = Arc::new(core::Core::new(client.clone(), settings, caches, checkpoint, metrics));
+    let mut core = core::Core::new(client.clone(), settings, caches, checkpoint, metrics);
+    let cri_socket = args.cri_socket.iter().find(|path| path.exists());
+    if cri_socket.is_none() && !args.cri_socket.is_empty() {
+        let tried = args.cri_socket.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
+        tracing::warn!(%tried, "no CRI socket exists; release marks wait out the sandbox grace (--release-sandbox-grace-seconds)");
+    }
+    if let Some(socket) = cri_socket {
+        let timeout = Duration::from_secs(args.cri_timeout_seconds);
+        let cri = crate::cri::client::CriClient::new(socket, timeout)
+            .with_context(|| format!("setting up the CRI client of {}", socket.display()))?;
+        core = core
+            .with_runtime(runtime_sandboxes::Runtime::new(cri, Duration::from_secs(args.cri_sandbox_settle_seconds)));
+        tracing::info!(socket = %socket.display(), "asking the runtime over CRI which sandboxes it has");
+    }
+    let core = Arc::new(core);
     let path = args.checkpoint.display();
     if restored == Restored::Loaded {
         tracing::info!(%path, "checkpoint restored");
@@ -323,6 +358,9 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let allocator = allocator::NodeAllocator::new(core).start();
     tokio::spawn(answer_marks(allocator.clone(), marks));
     tokio::spawn(tend_spares(allocator.clone(), spares_wake));
+    if cri_socket.is_some() {
+        tokio::spawn(sweep_runtime(allocator.clone(), Duration::from_secs(args.cri_poll_interval_seconds)));
+    }
     let listener =
         server::bind(&args.socket).with_context(|| format!("binding the CNI socket {}", args.socket.display()))?;
     ready.store(true, Ordering::Relaxed);
@@ -352,6 +390,17 @@ async fn answer_marks(allocator: actix::Addr<allocator::NodeAllocator>, marks: A
     loop {
         let _woken = tokio::time::timeout(MARK_RESCAN_INTERVAL, marks.notified()).await;
         if allocator.send(allocator::AnswerMarks).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Asks the allocation actor every `interval` to release the attachments whose sandboxes the
+/// runtime no longer has (`--cri-socket`).
+async fn sweep_runtime(allocator: actix::Addr<allocator::NodeAllocator>, interval: Duration) {
+    loop {
+        tokio::time::sleep(interval).await;
+        if allocator.send(allocator::SweepRuntime).await.is_err() {
             return;
         }
     }

@@ -20,6 +20,7 @@ use super::checkpoint::AttachmentKey;
 use super::core::Core;
 use super::error::Error;
 use crate::crd::Allocation;
+use crate::cri::sandboxes::SandboxVerdict;
 use crate::gc::handshake::{AgentAnswer, MarkAnswer, PodOnNode, SandboxOnNode, agent_answer, write_answers};
 
 /// How many pods of marked records are read at once.
@@ -59,6 +60,8 @@ impl Core {
     /// checkpoint as it is now: a pass with nothing to write never takes the node gate. A
     /// pod whose read failed leaves its mark for the next pass.
     pub async fn marks_to_answer(&self) -> Vec<Marked> {
+        // The runtime's word first: a sandbox it no longer has lets a mark be answered now.
+        self.ask_runtime().await;
         let marked: Vec<(String, String, IpNet, String, Allocation)> = self
             .blocks
             .state()
@@ -114,11 +117,18 @@ impl Core {
         let marked_at = marked.marked_at();
         let marked_for = Duration::try_from(Timestamp::now().duration_since(marked_at)).unwrap_or(Duration::ZERO);
         let grace = self.settings.sandbox_grace;
-        let sandbox = SandboxOnNode::of(!attached.is_empty(), listed_ago, grace);
+        let pod_ended = marked.pod != PodOnNode::Active;
+        let gone = !attached.is_empty()
+            && attached.iter().all(|key| self.runtime_verdict(key, pod_ended) == SandboxVerdict::Gone);
+        let sandbox = match gone {
+            true => SandboxOnNode::GoneFromRuntime,
+            false => SandboxOnNode::of(!attached.is_empty(), listed_ago, grace),
+        };
         let answer = agent_answer(marked.pod, sandbox, marked_for, grace);
         let detail = match (answer, sandbox) {
             (AgentAnswer::DoNotRelease, _) => "the pod is running on this node".to_string(),
             (_, SandboxOnNode::Detached) => "no sandbox on this node holds the IP".to_string(),
+            (_, SandboxOnNode::GoneFromRuntime) => "the runtime no longer has its sandbox".to_string(),
             (_, _) => format!("its sandbox got no DEL within {} s of the mark; counted as lost", grace.as_secs()),
         };
         Decided { answer, detail, attached }

@@ -23,6 +23,8 @@ impl Core {
     /// serves; its DEL frees the IP), whatever its `status.podIPs` say yet (pod status lags
     /// the CNI result; the record and the checkpoint are the node's own word). Releases are
     /// conditional on the sandbox and UID, and a sticky record its owner wants stays reserved.
+    /// With `--cri-socket`, a record whose sandbox the runtime still has stays, pod or no pod:
+    /// its DEL frees it (module `runtime_sandboxes`).
     pub async fn startup_gc(&self) -> Result<usize, Error> {
         // Spares bound before a stop get their records first, so the releases below see them.
         self.write_bound_spares().await;
@@ -44,6 +46,7 @@ impl Core {
             .list(&kube::api::ListParams::default())
             .await
             .map_err(Error::api("listing IPBlocks".to_string()))?;
+        let runtime_answered = self.ask_runtime().await;
         let lives_here = |r: &Allocation| live.get(&(r.pod.namespace.clone(), r.pod.name.clone())) == Some(&r.pod.uid);
         let mut stale = Vec::new();
         for block in &blocks.items {
@@ -51,9 +54,14 @@ impl Core {
                 if record.node != *node || !blocks::may_be_attached(record) {
                     continue;
                 }
-                if !lives_here(record) {
-                    stale.push((block.name_any(), ip.clone(), record.clone()));
+                if lives_here(record) {
+                    continue;
                 }
+                if runtime_answered && self.runtime_has(&record.container_id) {
+                    tracing::info!(%ip, pod = %format!("{}/{}", record.pod.namespace, record.pod.name), container_id = %record.container_id, "start-up GC: no local pod holds it, but the runtime still has its sandbox; its DEL frees it");
+                    continue;
+                }
+                stale.push((block.name_any(), ip.clone(), record.clone()));
             }
         }
         for (block, ip, record) in &stale {

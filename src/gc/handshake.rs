@@ -161,6 +161,9 @@ pub enum SandboxOnNode {
     /// One is in the checkpoint and the runtime's CNI GC listed it within the sandbox grace:
     /// the runtime still has it, so its DEL is late, not lost.
     ListedByRuntime,
+    /// Every one is in the checkpoint, and the runtime, asked over CRI, no longer has it
+    /// (`crate::cri::sandboxes`): its DEL is lost, with no need to wait out the grace.
+    GoneFromRuntime,
 }
 
 impl SandboxOnNode {
@@ -189,6 +192,7 @@ pub fn agent_answer(
         (PodOnNode::Active, _) => AgentAnswer::DoNotRelease,
         (_, SandboxOnNode::ListedByRuntime) => AgentAnswer::NotYet,
         (_, SandboxOnNode::Attached) if marked_for < sandbox_grace => AgentAnswer::NotYet,
+        (_, SandboxOnNode::GoneFromRuntime) => AgentAnswer::Ready,
         _ => AgentAnswer::Ready,
     }
 }
@@ -454,7 +458,7 @@ mod test {
         let grace = Duration::from_secs(60);
         let early = Duration::from_secs(5);
         let late = Duration::from_secs(61);
-        use SandboxOnNode::{Attached, Detached, ListedByRuntime};
+        use SandboxOnNode::{Attached, Detached, GoneFromRuntime, ListedByRuntime};
         let table = [
             (PodOnNode::Active, Detached, early, AgentAnswer::DoNotRelease),
             (PodOnNode::Active, Attached, late, AgentAnswer::DoNotRelease),
@@ -465,6 +469,9 @@ mod test {
             (PodOnNode::Ending, Attached, early, AgentAnswer::NotYet),
             (PodOnNode::Ending, ListedByRuntime, late, AgentAnswer::NotYet),
             (PodOnNode::Ending, Detached, early, AgentAnswer::Ready),
+            (PodOnNode::Gone, GoneFromRuntime, early, AgentAnswer::Ready),
+            (PodOnNode::Ending, GoneFromRuntime, early, AgentAnswer::Ready),
+            (PodOnNode::Active, GoneFromRuntime, late, AgentAnswer::DoNotRelease),
         ];
         for (pod, sandbox, marked_for, answer) in table {
             assert_eq!(agent_answer(pod, sandbox, marked_for, grace), answer, "{pod:?} {sandbox:?} {marked_for:?}");
@@ -548,7 +555,12 @@ mod test {
     }
 
     fn sandboxes() -> impl Strategy<Value = SandboxOnNode> {
-        prop_oneof![Just(SandboxOnNode::Detached), Just(SandboxOnNode::Attached), Just(SandboxOnNode::ListedByRuntime)]
+        prop_oneof![
+            Just(SandboxOnNode::Detached),
+            Just(SandboxOnNode::Attached),
+            Just(SandboxOnNode::ListedByRuntime),
+            Just(SandboxOnNode::GoneFromRuntime),
+        ]
     }
 
     proptest! {

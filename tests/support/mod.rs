@@ -248,6 +248,33 @@ pub fn metric(text: &str, name_and_labels: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The pod UID and handshake state of `ip`'s record, or None when there is none.
+pub async fn record_state(client: &Client, ip: &str) -> Option<(String, Option<ipwarden::crd::HandshakeState>)> {
+    records(client).await.get(ip).map(|r| (r.pod.uid.clone(), r.release_handshake.as_ref().map(|h| h.state)))
+}
+
+/// Waits, at most `within`, until no record holds `ip` (`what` names the wait).
+pub async fn wait_record_gone(client: &Client, ip: &str, within: Duration, what: &str) {
+    wait::until(what, within, || async {
+        Ok(match record_state(client, ip).await {
+            None => Probe::Done(()),
+            Some(state) => Probe::Pending(format!("record of {ip}: {state:?}")),
+        })
+    })
+    .await
+    .expect("record released");
+}
+
+/// Waits until agent `index`'s series `name_and_labels` is above zero, and returns it.
+pub async fn scrape_agent_until(ipwarden: &Ipwarden, index: usize, name_and_labels: &str) -> f64 {
+    wait::until(&format!("{name_and_labels} above zero"), TIMEOUT, || async {
+        let value = metric(&ipwarden.scrape_agent(index).await, name_and_labels);
+        Ok(if value > 0.0 { Probe::Done(value) } else { Probe::Pending(format!("{value}")) })
+    })
+    .await
+    .expect("metric above zero")
+}
+
 /// The sum of every series of `name` whose labels contain all of `labels` (e.g.
 /// `reason="pod_gone"`).
 pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {

@@ -5,8 +5,10 @@
 //! network (ADD), reports the pod Running with the IPs of the CNI result, completes pods
 //! annotated with [`RUN_SECONDS_ANNOTATION`], and on deletion lets the containers stop
 //! ([`STOP_SECONDS_ANNOTATION`], capped by the grace period), then calls DEL before removing
-//! the pod, as a real kubelet and container runtime do.
+//! the pod, as a real kubelet and container runtime do. The runtime answers CRI's sandbox
+//! listing on the node's [`CRI_SOCKET`] (module `cri`).
 
+mod cri;
 mod pods;
 
 use std::collections::HashMap;
@@ -27,6 +29,7 @@ use tokio::task::JoinSet;
 use crate::cni::{CniNetwork, NodeInfo, RuntimeGc};
 use crate::error::{Error, Result};
 
+pub use cri::{CRI_SOCKET, socket_in as cri_socket};
 use pods::RuntimeCalls;
 pub use pods::{
     EXIT_CODE_ANNOTATION, EXTRA_INTERFACES_ANNOTATION, EXTRA_NETCONF_ANNOTATION, RUN_SECONDS_ANNOTATION,
@@ -63,6 +66,8 @@ pub struct Faults {
     status_delay_ms: AtomicU64,
     skip_del: AtomicBool,
     crash_adds: AtomicUsize,
+    cri_unavailable: AtomicBool,
+    hold_teardowns: AtomicBool,
 }
 
 impl Faults {
@@ -92,6 +97,28 @@ impl Faults {
     /// is thrown away unrecorded and no DEL follows; the pod is retried with a new sandbox.
     pub fn crash_next_adds(&self, count: usize) {
         self.crash_adds.store(count, Ordering::Relaxed);
+    }
+
+    /// When on, every CRI call fails with `Unavailable` (the runtime cannot be asked), as
+    /// containerd answers while it is not initialized (module `cri`).
+    pub fn set_cri_unavailable(&self, unavailable: bool) {
+        self.cri_unavailable.store(unavailable, Ordering::Relaxed);
+    }
+
+    /// Whether CRI calls fail.
+    pub fn cri_unavailable(&self) -> bool {
+        self.cri_unavailable.load(Ordering::Relaxed)
+    }
+
+    /// When on, the sandboxes of deleted pods are not torn down (no DEL, and the runtime
+    /// keeps them READY) until it is off again: a teardown stuck in the runtime.
+    pub fn set_hold_teardowns(&self, hold: bool) {
+        self.hold_teardowns.store(hold, Ordering::Relaxed);
+    }
+
+    /// Whether teardowns wait.
+    pub fn hold_teardowns(&self) -> bool {
+        self.hold_teardowns.load(Ordering::Relaxed)
     }
 
     /// Consumes one pending ADD crash, if any.
@@ -194,6 +221,8 @@ pub async fn start_node(
     let calls = Arc::new(RuntimeCalls::default());
     let mut tasks = JoinSet::new();
     tasks.spawn(heartbeat(client.clone(), info.name.clone(), node_uid, alive_rx.clone()));
+    let cri = cri::CriService { sandboxes: sandboxes.clone(), faults: faults.clone() };
+    tasks.spawn(cri::serve(&info.dir, cri).await?);
     let pods = pods::NodeRuntime {
         client,
         node: info.clone(),

@@ -473,6 +473,9 @@ impl NodeRuntime {
     /// ([`NodeRuntime::remove_sandbox`]). False when DEL failed and must be retried.
     async fn teardown(&self, uid: &str, state: &mut PodState) -> bool {
         let Some(sandbox) = state.sandbox.clone() else { return true };
+        if self.faults.hold_teardowns() {
+            return false;
+        }
         if self.faults.skip_del() || state.skip_del {
             tracing::info!(node = %self.node.name, pod = %sandbox.pod, container_id = %sandbox.container_id, "fault: CNI DEL skipped");
         } else {

@@ -365,15 +365,33 @@ pub fn remove_files_naming(dir: &Path, target: &Path) {
 }
 
 /// SIGKILLs every process whose command line contains `text` (a node's containerd socket,
-/// which its containerd and shims name; its kubelet's configuration file).
+/// which its containerd, its shims and an agent asking it over CRI name; its kubelet's
+/// configuration file): the leftovers of a killed run.
 pub fn kill_processes_naming(text: &str) {
+    kill_processes(text, None);
+}
+
+/// SIGKILLs the containerd shims whose command line names `socket` (their containerd's), and
+/// no other process naming it (an agent asking containerd over CRI lives on).
+pub fn kill_shims_of(socket: &str) {
+    kill_processes(socket, Some(SHIM));
+}
+
+/// The file name of containerd's runc shim.
+const SHIM: &str = "containerd-shim-runc-v2";
+
+/// SIGKILLs every process but this one whose command line contains `text` and, with
+/// `program`, whose executable's file name is `program`.
+fn kill_processes(text: &str, program: Option<&str>) {
     let Ok(entries) = std::fs::read_dir("/proc") else { return };
     let me = std::process::id().to_string();
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(pid) = name.to_str().filter(|p| *p != me).and_then(|p| p.parse::<i32>().ok()) else { continue };
         let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
-        if String::from_utf8_lossy(&cmdline).replace('\0', " ").contains(text) {
+        let argv0 = cmdline.split(|b| *b == 0).next().map(String::from_utf8_lossy).unwrap_or_default();
+        let runs_program = program.is_none_or(|p| Path::new(argv0.as_ref()).file_name().is_some_and(|f| f == p));
+        if runs_program && String::from_utf8_lossy(&cmdline).replace('\0', " ").contains(text) {
             let _gone = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
         }
     }

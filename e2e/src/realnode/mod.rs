@@ -343,7 +343,7 @@ impl RealNode {
     /// Kills every container of this node and their shims, as a machine's power loss does.
     pub fn kill_containers(&self) {
         host::remove_cgroups(&cgroup_root(&self.name));
-        host::kill_processes_naming(&self.paths.containerd_socket().display().to_string());
+        host::kill_shims_of(&self.paths.containerd_socket().display().to_string());
     }
 
     /// A node's "reboot" of its runtime state: kubelet and containerd killed, every container

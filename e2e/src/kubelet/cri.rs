@@ -1,0 +1,179 @@
+//! The simulated runtime's CRI `RuntimeService`, on a unix socket in the node's directory
+//! ([`CRI_SOCKET`]): what an agent started with `--cri-socket` asks about the node's sandboxes.
+//!
+//! It answers as containerd 2.4 does (`internal/cri/server`): `ListPodSandbox` lists the
+//! sandboxes in its store, which a sandbox enters only after its network is set up (CNI ADD)
+//! and leaves when it is removed, so a sandbox whose ADD is in flight is not listed, and one
+//! torn down (with or without its DEL) is gone; `PodSandboxStatus` of a sandbox not in the
+//! store fails with `NotFound`, and its verbose `info` carries containerd's
+//! `netNamespaceClosed`. The simulated runtime removes a sandbox as soon as it is torn down
+//! (the kubelet's `RemovePodSandbox` following its `StopPodSandbox` at once), so it never
+//! lists a NOTREADY one. Only the two calls the agent makes are served; the others answer
+//! `Unimplemented`. [`super::Faults::set_cri_unavailable`] makes every call fail with
+//! `Unavailable`, as containerd answers while it is not initialized.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use k8s_cri::v1::runtime_service_server::{RuntimeService, RuntimeServiceServer};
+use k8s_cri::v1::*;
+use tonic::{Request, Response, Status};
+
+use super::{Faults, Sandbox};
+use crate::error::{Error, Result};
+
+/// The socket's name in the node's directory.
+pub const CRI_SOCKET: &str = "cri.sock";
+
+/// The node's sandboxes, by pod UID, as the CRI service sees them.
+pub(super) struct CriService {
+    pub(super) sandboxes: Arc<Mutex<HashMap<String, Sandbox>>>,
+    pub(super) faults: Arc<Faults>,
+}
+
+impl CriService {
+    fn check_available(&self) -> std::result::Result<(), Status> {
+        match self.faults.cri_unavailable() {
+            true => Err(Status::unavailable("server is not initialized yet (e2e fault)")),
+            false => Ok(()),
+        }
+    }
+
+    fn find(&self, id: &str) -> Option<(String, Sandbox)> {
+        let sandboxes = self.sandboxes.lock().ok()?;
+        sandboxes.iter().find(|(_, s)| s.container_id == id).map(|(uid, s)| (uid.clone(), s.clone()))
+    }
+}
+
+/// The CRI view of a sandbox of pod `uid`.
+fn pod_sandbox(uid: &str, sandbox: &Sandbox) -> PodSandbox {
+    let (namespace, name) = sandbox.pod.split_once('/').unwrap_or(("", &sandbox.pod));
+    PodSandbox {
+        id: sandbox.container_id.clone(),
+        metadata: Some(PodSandboxMetadata {
+            name: name.to_string(),
+            uid: uid.to_string(),
+            namespace: namespace.to_string(),
+            attempt: 0,
+        }),
+        state: PodSandboxState::SandboxReady as i32,
+        created_at: 1,
+        ..PodSandbox::default()
+    }
+}
+
+/// The service: the `served` calls as written, and `Unimplemented` for each call listed after
+/// them (the agent never makes those).
+macro_rules! runtime_service {
+    ({ $($served:tt)* } $($call:ident($request:ty) -> $response:ty;)*) => {
+        #[tonic::async_trait]
+        impl RuntimeService for CriService {
+            $($served)*
+            $(
+                async fn $call(&self, _request: Request<$request>) -> std::result::Result<Response<$response>, Status> {
+                    Err(Status::unimplemented(concat!("the simulated runtime does not serve ", stringify!($call))))
+                }
+            )*
+        }
+    };
+}
+
+runtime_service! {
+    {
+        type GetContainerEventsStream =
+            Pin<Box<dyn futures::Stream<Item = std::result::Result<ContainerEventResponse, Status>> + Send>>;
+
+        async fn list_pod_sandbox(
+            &self,
+            _request: Request<ListPodSandboxRequest>,
+        ) -> std::result::Result<Response<ListPodSandboxResponse>, Status> {
+            self.check_available()?;
+            let sandboxes = self.sandboxes.lock().map_err(|_| Status::internal("sandbox table poisoned"))?;
+            let items = sandboxes.iter().map(|(uid, s)| pod_sandbox(uid, s)).collect();
+            Ok(Response::new(ListPodSandboxResponse { items }))
+        }
+
+        async fn pod_sandbox_status(
+            &self,
+            request: Request<PodSandboxStatusRequest>,
+        ) -> std::result::Result<Response<PodSandboxStatusResponse>, Status> {
+            self.check_available()?;
+            let id = request.into_inner().pod_sandbox_id;
+            let Some((uid, sandbox)) = self.find(&id) else {
+                return Err(Status::not_found(format!("an error occurred when try to find sandbox: not found: {id}")));
+            };
+            let listed = pod_sandbox(&uid, &sandbox);
+            let status = PodSandboxStatus {
+                id: listed.id,
+                metadata: listed.metadata,
+                state: listed.state,
+                created_at: listed.created_at,
+                ..PodSandboxStatus::default()
+            };
+            let info = HashMap::from([("info".to_string(), r#"{"netNamespaceClosed":false}"#.to_string())]);
+            Ok(Response::new(PodSandboxStatusResponse { status: Some(status), info, ..PodSandboxStatusResponse::default() }))
+        }
+
+        async fn get_container_events(
+            &self,
+            _request: Request<GetEventsRequest>,
+        ) -> std::result::Result<Response<Self::GetContainerEventsStream>, Status> {
+            Err(Status::unimplemented("the simulated runtime does not serve get_container_events"))
+        }
+    }
+    version(VersionRequest) -> VersionResponse;
+    run_pod_sandbox(RunPodSandboxRequest) -> RunPodSandboxResponse;
+    stop_pod_sandbox(StopPodSandboxRequest) -> StopPodSandboxResponse;
+    remove_pod_sandbox(RemovePodSandboxRequest) -> RemovePodSandboxResponse;
+    create_container(CreateContainerRequest) -> CreateContainerResponse;
+    start_container(StartContainerRequest) -> StartContainerResponse;
+    stop_container(StopContainerRequest) -> StopContainerResponse;
+    remove_container(RemoveContainerRequest) -> RemoveContainerResponse;
+    list_containers(ListContainersRequest) -> ListContainersResponse;
+    container_status(ContainerStatusRequest) -> ContainerStatusResponse;
+    update_container_resources(UpdateContainerResourcesRequest) -> UpdateContainerResourcesResponse;
+    reopen_container_log(ReopenContainerLogRequest) -> ReopenContainerLogResponse;
+    exec_sync(ExecSyncRequest) -> ExecSyncResponse;
+    exec(ExecRequest) -> ExecResponse;
+    attach(AttachRequest) -> AttachResponse;
+    port_forward(PortForwardRequest) -> PortForwardResponse;
+    container_stats(ContainerStatsRequest) -> ContainerStatsResponse;
+    list_container_stats(ListContainerStatsRequest) -> ListContainerStatsResponse;
+    pod_sandbox_stats(PodSandboxStatsRequest) -> PodSandboxStatsResponse;
+    list_pod_sandbox_stats(ListPodSandboxStatsRequest) -> ListPodSandboxStatsResponse;
+    update_runtime_config(UpdateRuntimeConfigRequest) -> UpdateRuntimeConfigResponse;
+    status(StatusRequest) -> StatusResponse;
+    checkpoint_container(CheckpointContainerRequest) -> CheckpointContainerResponse;
+    list_metric_descriptors(ListMetricDescriptorsRequest) -> ListMetricDescriptorsResponse;
+    list_pod_sandbox_metrics(ListPodSandboxMetricsRequest) -> ListPodSandboxMetricsResponse;
+    runtime_config(RuntimeConfigRequest) -> RuntimeConfigResponse;
+}
+
+/// The CRI socket of the simulated node whose directory is `dir`.
+pub fn socket_in(dir: &Path) -> PathBuf {
+    dir.join(CRI_SOCKET)
+}
+
+/// Binds the node's CRI socket (replacing a stale one) and serves `service` on it until the
+/// returned task is aborted.
+pub(super) async fn serve(dir: &Path, service: CriService) -> Result<impl std::future::Future<Output = ()> + use<>> {
+    let socket = socket_in(dir);
+    match std::fs::remove_file(&socket) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io("removing a stale CRI socket", &socket)(e)),
+    }
+    let listener = tokio::net::UnixListener::bind(&socket).map_err(Error::io("binding the CRI socket", &socket))?;
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    Ok(async move {
+        let served = tonic::transport::Server::builder()
+            .add_service(RuntimeServiceServer::new(service))
+            .serve_with_incoming(incoming)
+            .await;
+        if let Err(e) = served {
+            tracing::warn!(socket = %socket.display(), error = %e, "the simulated CRI service stopped");
+        }
+    })
+}

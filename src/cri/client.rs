@@ -1,0 +1,124 @@
+//! The CRI calls the agent makes: `ListPodSandbox`, then `PodSandboxStatus` for the sandboxes
+//! of interest the listing does not show READY. Over the runtime's unix socket, each call
+//! bounded by a timeout; the channel reconnects by itself after the runtime restarts.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use hyper_util::rt::TokioIo;
+use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use k8s_cri::v1::{ListPodSandboxRequest, PodSandboxState, PodSandboxStatusRequest};
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use super::sandboxes::{RuntimeSandbox, RuntimeSandboxes, network_closed};
+
+/// How many `PodSandboxStatus` calls run at once.
+const STATUS_CALLS_AT_ONCE: usize = 16;
+
+/// A failed conversation with the runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum CriError {
+    /// The socket path cannot name a channel.
+    #[error("the CRI socket {socket} cannot be used: {source}")]
+    Endpoint {
+        /// The socket.
+        socket: PathBuf,
+        /// Why.
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// A call failed (the runtime is down, restarting, slow or refuses).
+    #[error("CRI {call} over {socket} failed: {status}")]
+    Call {
+        /// The call.
+        call: &'static str,
+        /// The socket.
+        socket: PathBuf,
+        /// The gRPC status.
+        status: Box<tonic::Status>,
+    },
+}
+
+/// A client of the runtime's CRI `RuntimeService` on a unix socket.
+#[derive(Clone, Debug)]
+pub struct CriClient {
+    socket: PathBuf,
+    channel: Channel,
+}
+
+impl CriClient {
+    /// A client of the runtime at `socket`, each call failing after `timeout`. Connects on the
+    /// first call, and again after a broken connection.
+    pub fn new(socket: &Path, timeout: Duration) -> Result<Self, CriError> {
+        let path = socket.to_path_buf();
+        // The URI is never dialled: the connector below opens the socket.
+        let endpoint = Endpoint::try_from("http://cri.invalid")
+            .map_err(|source| CriError::Endpoint { socket: path.clone(), source })?
+            .connect_timeout(timeout)
+            .timeout(timeout);
+        let dial = path.clone();
+        let channel = endpoint.connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
+            let dial = dial.clone();
+            async move { tokio::net::UnixStream::connect(dial).await.map(TokioIo::new) }
+        }));
+        Ok(Self { socket: path, channel })
+    }
+
+    /// The socket this client talks to.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// What the runtime says of each sandbox in `of_interest`: one listing, then one verbose
+    /// status call for each such sandbox the listing does not show READY (its network's state,
+    /// or the `NotFound` that makes it absent). Fails when the listing fails; a status call's
+    /// failure other than `NotFound` leaves that sandbox [`RuntimeSandbox::Unknown`].
+    pub async fn sandboxes(&self, of_interest: &BTreeSet<String>) -> Result<RuntimeSandboxes, CriError> {
+        let requested_at = Instant::now();
+        let mut client = RuntimeServiceClient::new(self.channel.clone());
+        let listed = client
+            .list_pod_sandbox(ListPodSandboxRequest { filter: None })
+            .await
+            .map_err(|status| self.failed("ListPodSandbox", status))?
+            .into_inner()
+            .items;
+        let ready: BTreeSet<String> =
+            listed.into_iter().filter(|s| s.state == PodSandboxState::SandboxReady as i32).map(|s| s.id).collect();
+        let mut sandboxes: BTreeMap<String, RuntimeSandbox> =
+            of_interest.intersection(&ready).map(|id| (id.clone(), RuntimeSandbox::Ready)).collect();
+        let asked = of_interest.difference(&ready).cloned().collect::<Vec<_>>();
+        let answers: Vec<(String, RuntimeSandbox)> = futures::stream::iter(asked)
+            .map(|id| {
+                let mut client = client.clone();
+                async move {
+                    let request = PodSandboxStatusRequest { pod_sandbox_id: id.clone(), verbose: true };
+                    let answer = match client.pod_sandbox_status(request).await {
+                        Ok(response) => {
+                            let response = response.into_inner();
+                            match response.status.map(|s| s.state) {
+                                Some(state) if state == PodSandboxState::SandboxReady as i32 => RuntimeSandbox::Ready,
+                                _ => RuntimeSandbox::NotReady { network_closed: network_closed(&response.info) },
+                            }
+                        }
+                        Err(status) if status.code() == tonic::Code::NotFound => RuntimeSandbox::Absent,
+                        Err(status) => {
+                            tracing::debug!(sandbox = %id, error = %self.failed("PodSandboxStatus", status), "the runtime did not say whether it has the sandbox");
+                            RuntimeSandbox::Unknown
+                        }
+                    };
+                    (id, answer)
+                }
+            })
+            .buffer_unordered(STATUS_CALLS_AT_ONCE)
+            .collect()
+            .await;
+        sandboxes.extend(answers);
+        Ok(RuntimeSandboxes { requested_at, sandboxes })
+    }
+
+    fn failed(&self, call: &'static str, status: tonic::Status) -> CriError {
+        CriError::Call { call, socket: self.socket.clone(), status: Box::new(status) }
+    }
+}

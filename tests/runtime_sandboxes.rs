@@ -1,0 +1,108 @@
+//! Sandbox truth from the runtime (`--cri-socket`, issue 25) on the real control plane with
+//! the simulated runtime's CRI service, whose nodes never call CNI GC (containerd's
+//! behaviour): a lost DEL is freed long before the sandbox grace; a sandbox the runtime still
+//! has READY keeps its IP, its pod gone, far past the grace; and when the runtime cannot be
+//! asked, the grace decides again.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use e2e::ipwarden::WITH_CRI;
+use e2e::wait::{self, Probe};
+use ipwarden::crd::HandshakeState;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams};
+use serde_json::json;
+use support::{Ipwarden, TIMEOUT, create_pod, ip_of, record_state, records, wait_pods_with_ips, wait_record_gone};
+
+const NS: &str = "default";
+
+/// The sandbox grace of node-0's agent: far longer than a release through the runtime's word
+/// may take, so a release before it can only come from that word.
+const LONG_GRACE: Duration = Duration::from_secs(150);
+
+/// The sandbox grace of node-1's agent: short, so a release held past it is held by the
+/// runtime's word.
+const SHORT_GRACE: Duration = Duration::from_secs(3);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_del_is_freed_before_the_grace_a_ready_sandbox_never_and_an_unreachable_runtime_falls_back_to_the_grace()
+{
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pool = json!({"cidr": "10.74.0.0/24", "default": true});
+    let mut ipwarden = Ipwarden::without_agents(2, &[("pool", pool)], support::network()).await;
+    let long = format!("--release-sandbox-grace-seconds={}", LONG_GRACE.as_secs());
+    let short = format!("--release-sandbox-grace-seconds={}", SHORT_GRACE.as_secs());
+    let common = [WITH_CRI, "--cri-poll-interval-seconds=1", "--reuse-cooldown-seconds=0"];
+    ipwarden.start_agent(0, &[&common[..], &[long.as_str()]].concat()).await;
+    ipwarden.start_agent(1, &[&common[..], &[short.as_str()]].concat()).await;
+    let client = ipwarden.client();
+    let controller =
+        ipwarden.start_controller("gc", &["--full-scan-interval-seconds=2", "--additional-grace-seconds=0"]);
+    ipwarden.wait_leader(controller).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+
+    // node-0: the pod's DEL is lost (the runtime tears its sandbox down without it). Its IP is
+    // free well before the sandbox grace: the runtime no longer lists the sandbox.
+    ipwarden.cluster.nodes()[0].faults().set_skip_del(true);
+    create_pod(&client, NS, "lost", "node-0", json!({"app": "lost"})).await;
+    let lost_ip = ip_of(&wait_pods_with_ips(&client, NS, "app=lost", 1).await["lost"]);
+    pods.delete("lost", &DeleteParams::default()).await.expect("delete pod");
+    let deleted = Instant::now();
+    wait_record_gone(&client, &lost_ip, LONG_GRACE / 2, "the lost DEL's IP freed before the sandbox grace").await;
+    tracing::info!(seconds = deleted.elapsed().as_secs_f64(), "lost DEL reclaimed");
+    assert!(ipwarden.cluster.nodes()[0].sandboxes().is_empty(), "the runtime has no sandbox left");
+
+    // node-1: the pod is force-deleted while its sandbox's teardown is stuck: the runtime
+    // still has it READY. The controller marks its record, and the mark stays unanswered for
+    // three sandbox graces.
+    let node = &ipwarden.cluster.nodes()[1];
+    node.faults().set_hold_teardowns(true);
+    create_pod(&client, NS, "held", "node-1", json!({"app": "held"})).await;
+    let held = wait_pods_with_ips(&client, NS, "app=held", 1).await.remove("held").expect("pod held");
+    let (held_ip, held_uid) = (ip_of(&held), held.uid().unwrap_or_default());
+    pods.delete("held", &force).await.expect("force delete");
+    wait::until("the held sandbox's record marked", TIMEOUT, || async {
+        Ok(match record_state(&client, &held_ip).await {
+            Some((uid, Some(HandshakeState::MarkedForRelease))) if uid == held_uid => Probe::Done(()),
+            other => Probe::Pending(format!("record of {held_ip}: {other:?}")),
+        })
+    })
+    .await
+    .expect("mark");
+    let marked = Instant::now();
+    while marked.elapsed() < 3 * SHORT_GRACE {
+        match record_state(&client, &held_ip).await {
+            Some((uid, Some(HandshakeState::MarkedForRelease))) if uid == held_uid => {}
+            other => panic!(
+                "the record of {held_ip}, whose sandbox the runtime has READY, is {other:?} {:?} after its mark",
+                marked.elapsed()
+            ),
+        }
+        assert_eq!(node.sandboxes().len(), 1, "the sandbox is still up");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    // The runtime stops answering: the agent falls back to the grace, and the IP is freed.
+    node.faults().set_cri_unavailable(true);
+    let agent =
+        support::scrape_agent_until(&ipwarden, 1, "ipwarden_agent_runtime_queries_total{result=\"error\"}").await;
+    assert!(agent > 0.0, "the failed questions are counted");
+    wait_record_gone(&client, &held_ip, TIMEOUT, "the held IP freed after the grace once the runtime is silent").await;
+
+    // The teardown goes through at last; its DEL finds nothing left to free.
+    node.faults().set_cri_unavailable(false);
+    node.faults().set_hold_teardowns(false);
+    wait::until("the held sandbox torn down", TIMEOUT, || async {
+        Ok(match ipwarden.cluster.nodes()[1].sandboxes().len() {
+            0 => Probe::Done(()),
+            n => Probe::Pending(format!("{n} sandboxes")),
+        })
+    })
+    .await
+    .expect("teardown");
+    assert!(records(&client).await.is_empty(), "no record is left");
+}
