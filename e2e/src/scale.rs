@@ -105,7 +105,16 @@ pub struct ScaleOptions {
     pub concurrency: usize,
     /// How long the leaks may take to be reclaimed before the run gives up.
     pub leak_timeout: Duration,
+    /// The simulated agents ask their runtime over CRI (`ipwarden agent --cri-socket`): each
+    /// node's agent, at its next question after a leak's deletion ([`AGENT_RUNTIME_POLL`],
+    /// the nodes' questions spread evenly over it), finds the sandbox gone and releases the
+    /// record itself, as `SweepRuntime` does for an attachment older than the settle time.
+    pub agents_ask_runtime: bool,
 }
+
+/// The agents' `--cri-poll-interval-seconds` default, which [`ScaleOptions::agents_ask_runtime`]
+/// simulates.
+pub const AGENT_RUNTIME_POLL: Duration = Duration::from_secs(5);
 
 impl Default for ScaleOptions {
     fn default() -> Self {
@@ -118,6 +127,7 @@ impl Default for ScaleOptions {
             quiet: Duration::from_secs(60),
             concurrency: 64,
             leak_timeout: Duration::from_secs(300),
+            agents_ask_runtime: false,
         }
     }
 }
@@ -384,6 +394,9 @@ pub struct Leaks {
     pub answered: u64,
     /// Answers that failed (the record changed under them, or an API error).
     pub answer_failures: u64,
+    /// Records the simulated agents released themselves, the runtime no longer having their
+    /// sandboxes ([`ScaleOptions::agents_ask_runtime`]).
+    pub released_by_agents: u64,
     /// `ipwarden_gc_releases_total` grown during the leak phase, by `trigger`.
     pub releases_by_trigger: BTreeMap<String, u64>,
     /// `ipwarden_gc_skips_total` grown during the leak phase, by `reason`: changes dropped at
@@ -758,6 +771,36 @@ async fn answer(client: Client, block: String, ip: String, uid: String, seen: Sh
     });
 }
 
+/// The first tick of a timer ticking every `period` from `first` that is not before `at`.
+fn next_tick(first: Instant, at: Instant, period: Duration) -> Instant {
+    match at.checked_duration_since(first) {
+        None => first,
+        Some(since) => {
+            let ticks = since.as_nanos().div_ceil(period.as_nanos().max(1));
+            first + period.mul_f64(ticks as f64)
+        }
+    }
+}
+
+/// After `wait`, releases the record at `ip` of `block` as its node's agent does when the
+/// runtime no longer has the sandbox: a JSON patch that applies only while the record still
+/// names `uid` (whatever its handshake). Answers whether the record was released.
+async fn release_as_agent(client: Client, block: String, ip: String, uid: String, wait: Duration) -> bool {
+    tokio::time::sleep(wait).await;
+    let record = format!("/spec/allocations/{ip}");
+    let patch = json!([
+        {"op": "test", "path": format!("{record}/pod/uid"), "value": uid},
+        {"op": "remove", "path": record},
+    ]);
+    let request = http::Request::patch(format!("/apis/ipwarden.io/v1alpha1/ipblocks/{block}"))
+        .header(http::header::CONTENT_TYPE, "application/json-patch+json")
+        .body(patch.to_string().into_bytes());
+    match request {
+        Ok(request) => client.request_text(request).await.is_ok(),
+        Err(_) => false,
+    }
+}
+
 /// Watches every IPBlock: notes when each pod's records are first marked and when they go,
 /// and answers each release mark as the simulated agents.
 async fn watch_blocks(client: Client, seen: Shared<Seen>) {
@@ -1111,16 +1154,38 @@ async fn inject_leaks(
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let chosen = leaked(options);
     let started = Instant::now();
-    let deleted: Vec<(String, Instant)> = bounded(chosen, options.concurrency, |i| {
-        let pods = pods.clone();
-        let (name, uid) = (planned[i].name.clone(), uids[i].clone());
-        async move {
-            let params = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
-            pods.delete(&name, &params).await.map_err(Error::kube(format!("deleting Pod {name}")))?;
-            Ok((uid, Instant::now()))
+    let deleted: Vec<(String, Instant, Option<tokio::task::JoinHandle<bool>>)> =
+        bounded(chosen, options.concurrency, |i| {
+            let pods = pods.clone();
+            let (name, uid) = (planned[i].name.clone(), uids[i].clone());
+            let agent = options.agents_ask_runtime.then(|| {
+                let pod = &planned[i];
+                let phase = AGENT_RUNTIME_POLL.mul_f64(pod.node as f64 / options.nodes.max(1) as f64);
+                (block_name(pod.pool, pod.block), pod.ip.to_string(), phase)
+            });
+            async move {
+                let params = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+                pods.delete(&name, &params).await.map_err(Error::kube(format!("deleting Pod {name}")))?;
+                let at = Instant::now();
+                let release = agent.map(|(block, ip, phase)| {
+                    let wait = next_tick(started + phase, at, AGENT_RUNTIME_POLL).saturating_duration_since(at);
+                    tokio::spawn(release_as_agent(client.clone(), block, ip, uid.clone(), wait))
+                });
+                Ok((uid, at, release))
+            }
+        })
+        .await?;
+    let mut released_by_agents = 0;
+    let deleted: Vec<(String, Instant)> = {
+        let mut kept = Vec::new();
+        for (uid, at, release) in deleted {
+            if let Some(release) = release {
+                released_by_agents += u64::from(release.await.unwrap_or(false));
+            }
+            kept.push((uid, at));
         }
-    })
-    .await?;
+        kept
+    };
     let delete_seconds = since(started);
     let leaked_uids: Vec<String> = deleted.iter().map(|(uid, _)| uid.clone()).collect();
     let waited = wait::until("every leaked record released", options.leak_timeout, || {
@@ -1155,6 +1220,7 @@ async fn inject_leaks(
             delete_seconds,
             reclaim: Span::of(reclaim),
             watch_lag: Span::of(lag),
+            released_by_agents,
             unreclaimed,
             ..Leaks::default()
         })
@@ -1246,6 +1312,11 @@ impl std::fmt::Display for ScaleReport {
             )?;
         }
         writeln!(f, "marks answered by the simulated agents: {} ({} failed)", l.answered, l.answer_failures)?;
+        writeln!(
+            f,
+            "records released by the simulated agents (the runtime lost the sandbox): {}",
+            l.released_by_agents
+        )?;
         writeln!(f, "GC releases by trigger: {}", listed(&l.releases_by_trigger))?;
         writeln!(f, "GC changes dropped at write time, by reason: {}", listed(&l.skips_by_reason))?;
         writeln!(f, "leaks, controllers' requests: {}", listed(&l.requests.controllers))?;
@@ -1260,6 +1331,17 @@ mod test {
 
     fn options(nodes: usize, pods: usize, pools: usize, leaks: usize) -> ScaleOptions {
         ScaleOptions { nodes, pods, pools, leaks, ..ScaleOptions::default() }
+    }
+
+    #[test]
+    fn a_nodes_next_question_is_its_first_tick_not_before_the_deletion() {
+        let first = Instant::now();
+        let period = Duration::from_secs(5);
+        let after = |secs: f64| first + Duration::from_secs_f64(secs);
+        assert_eq!(next_tick(after(2.0), first, period), after(2.0), "before the first tick: the first");
+        assert_eq!(next_tick(first, after(5.0), period), after(5.0), "on a tick: that tick");
+        assert_eq!(next_tick(first, after(5.1), period), after(10.0));
+        assert_eq!(next_tick(after(1.0), after(12.0), period), after(16.0));
     }
 
     #[test]

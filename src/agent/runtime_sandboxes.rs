@@ -120,11 +120,13 @@ impl Core {
         keys.into_iter().filter(|k| self.runtime_verdict(k, false) == SandboxVerdict::Gone).collect()
     }
 
-    /// Releases the attachments of `gone` ([`Core::gone_from_runtime`]) still in the
-    /// checkpoint, as their DELs would have. Runs with the node to itself (module `serial`).
+    /// Releases the attachments of `gone` ([`Core::gone_from_runtime`]) that are still in the
+    /// checkpoint and still gone by the runtime's last answer (an attachment recorded again
+    /// since is not), as their DELs would have. Runs with the node to itself (module `serial`).
     pub async fn release_gone(&self, gone: Vec<AttachmentKey>) -> Result<(), Error> {
+        let still_gone = gone.iter().filter(|k| self.runtime_verdict(k, false) == SandboxVerdict::Gone);
         let entries: Vec<CheckpointEntry> =
-            self.checkpoint.read(|c| gone.iter().filter_map(|k| c.get(k).cloned()).collect());
+            self.checkpoint.read(|c| still_gone.filter_map(|k| c.get(k).cloned()).collect());
         for entry in &entries {
             tracing::info!(container_id = %entry.key.container_id, pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name), "the runtime no longer has the sandbox; releasing its attachment");
         }

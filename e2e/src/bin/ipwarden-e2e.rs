@@ -169,6 +169,10 @@ enum Command {
         /// How long the leaks may take to be reclaimed.
         #[arg(long, default_value_t = 300)]
         leak_timeout_seconds: u64,
+        /// The simulated agents ask their runtime over CRI (`ipwarden agent --cri-socket`):
+        /// each releases its node's leaked records itself at its next question (every 5 s).
+        #[arg(long)]
+        agents_ask_runtime: bool,
         /// Where to write the report as JSON too.
         #[arg(long, default_value = ".e2e/scale-report.json")]
         report: PathBuf,
@@ -310,6 +314,7 @@ async fn main() -> anyhow::Result<()> {
             quiet_seconds,
             concurrency,
             leak_timeout_seconds,
+            agents_ask_runtime,
             report,
             output,
         } => {
@@ -322,6 +327,7 @@ async fn main() -> anyhow::Result<()> {
                 quiet: Duration::from_secs(quiet_seconds),
                 concurrency: usize::try_from(concurrency)?,
                 leak_timeout: Duration::from_secs(leak_timeout_seconds),
+                agents_ask_runtime,
             };
             scale(&ipwarden, &options, &report, output).await
         }
