@@ -1,8 +1,9 @@
 //! Sandbox truth from the runtime (`--cri-socket`, issue 25) on the real control plane with
 //! the simulated runtime's CRI service, whose nodes never call CNI GC (containerd's
-//! behaviour): a lost DEL is freed long before the sandbox grace; a sandbox the runtime still
-//! has READY keeps its IP, its pod gone, far past the grace; and when the runtime cannot be
-//! asked, the grace decides again.
+//! behaviour): a lost DEL is freed by the agent alone, with no controller, once the runtime no
+//! longer has a sandbox it listed, and long before the sandbox grace with one; a sandbox the
+//! runtime still has READY keeps its IP, its pod gone, far past the grace; and when the runtime
+//! cannot be asked, the grace decides again.
 
 mod support;
 
@@ -15,9 +16,14 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams};
 use serde_json::json;
-use support::{Ipwarden, TIMEOUT, create_pod, ip_of, record_state, records, wait_pods_with_ips, wait_record_gone};
+use support::{
+    Ipwarden, TIMEOUT, create_pod, ip_of, metric, record_state, records, wait_pods_with_ips, wait_record_gone,
+};
 
 const NS: &str = "default";
+
+/// An agent's count of the questions the runtime answered.
+const QUERIES_OK: &str = "ipwarden_agent_runtime_queries_total{result=\"ok\"}";
 
 /// The sandbox grace of node-0's agent: far longer than a release through the runtime's word
 /// may take, so a release before it can only come from that word.
@@ -35,15 +41,34 @@ async fn a_lost_del_is_freed_before_the_grace_a_ready_sandbox_never_and_an_unrea
     let mut ipwarden = Ipwarden::without_agents(2, &[("pool", pool)], support::network()).await;
     let long = format!("--release-sandbox-grace-seconds={}", LONG_GRACE.as_secs());
     let short = format!("--release-sandbox-grace-seconds={}", SHORT_GRACE.as_secs());
-    let common = [WITH_CRI, "--cri-poll-interval-seconds=1", "--reuse-cooldown-seconds=0"];
+    // Absence alone counts only after the settle time, far longer than the test.
+    let common =
+        [WITH_CRI, "--cri-poll-interval-seconds=1", "--reuse-cooldown-seconds=0", "--cri-sandbox-settle-seconds=3600"];
     ipwarden.start_agent(0, &[&common[..], &[long.as_str()]].concat()).await;
     ipwarden.start_agent(1, &[&common[..], &[short.as_str()]].concat()).await;
     let client = ipwarden.client();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+
+    // No controller yet. node-0's runtime lists a pod's sandbox to the agent, then tears it
+    // down without its DEL: the agent alone frees the IP (on the runtime's event, or its next
+    // question), since a sandbox the runtime listed and no longer has is gone.
+    ipwarden.cluster.nodes()[0].faults().set_skip_del(true);
+    create_pod(&client, NS, "alone", "node-0", json!({"app": "alone"})).await;
+    let alone_ip = ip_of(&wait_pods_with_ips(&client, NS, "app=alone", 1).await["alone"]);
+    let asked = metric(&ipwarden.scrape_agent(0).await, QUERIES_OK);
+    wait::until("the agent asked the runtime twice since the pod ran", TIMEOUT, || async {
+        let now = metric(&ipwarden.scrape_agent(0).await, QUERIES_OK);
+        Ok(if now >= asked + 2.0 { Probe::Done(()) } else { Probe::Pending(format!("{now} questions")) })
+    })
+    .await
+    .expect("questions");
+    pods.delete("alone", &DeleteParams::default()).await.expect("delete pod");
+    wait_record_gone(&client, &alone_ip, TIMEOUT, "the lost DEL's IP freed by the agent alone").await;
+
     let controller =
         ipwarden.start_controller("gc", &["--full-scan-interval-seconds=2", "--additional-grace-seconds=0"]);
     ipwarden.wait_leader(controller).await;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
-    let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
 
     // node-0: the pod's DEL is lost (the runtime tears its sandbox down without it). Its IP is
     // free well before the sandbox grace: the runtime no longer lists the sandbox.

@@ -355,11 +355,16 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     if !core.tend_spares().await {
         tracing::warn!("reserving spare IPs before serving failed; the tending retries");
     }
+    let runtime_sweep = Arc::new(Notify::new());
+    if cri_socket.is_some() {
+        tokio::spawn(core.clone().follow_runtime_events(runtime_sweep.clone()));
+    }
     let allocator = allocator::NodeAllocator::new(core).start();
     tokio::spawn(answer_marks(allocator.clone(), marks));
     tokio::spawn(tend_spares(allocator.clone(), spares_wake));
     if cri_socket.is_some() {
-        tokio::spawn(sweep_runtime(allocator.clone(), Duration::from_secs(args.cri_poll_interval_seconds)));
+        let interval = Duration::from_secs(args.cri_poll_interval_seconds);
+        tokio::spawn(sweep_runtime(allocator.clone(), interval, runtime_sweep));
     }
     let listener =
         server::bind(&args.socket).with_context(|| format!("binding the CNI socket {}", args.socket.display()))?;
@@ -395,11 +400,12 @@ async fn answer_marks(allocator: actix::Addr<allocator::NodeAllocator>, marks: A
     }
 }
 
-/// Asks the allocation actor every `interval` to release the attachments whose sandboxes the
-/// runtime no longer has (`--cri-socket`).
-async fn sweep_runtime(allocator: actix::Addr<allocator::NodeAllocator>, interval: Duration) {
+/// Asks the allocation actor to release the attachments whose sandboxes the runtime no longer
+/// has (`--cri-socket`) whenever the runtime's events report a sandbox's end (`wake`), and
+/// every `interval` in any case.
+async fn sweep_runtime(allocator: actix::Addr<allocator::NodeAllocator>, interval: Duration, wake: Arc<Notify>) {
     loop {
-        tokio::time::sleep(interval).await;
+        let _woken = tokio::time::timeout(interval, wake.notified()).await;
         if allocator.send(allocator::SweepRuntime).await.is_err() {
             return;
         }

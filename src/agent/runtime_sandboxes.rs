@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 
@@ -18,7 +18,14 @@ use super::checkpoint::{AttachmentKey, CheckpointEntry};
 use super::core::Core;
 use super::error::Error;
 use crate::cri::client::CriClient;
-use crate::cri::sandboxes::{RuntimeSandboxes, SandboxVerdict};
+use crate::cri::sandboxes::{Known, RuntimeSandboxes, SandboxVerdict};
+
+/// The first wait before following the runtime's events again after the stream broke; it
+/// doubles up to [`EVENTS_RETRY_MAX`].
+const EVENTS_RETRY: Duration = Duration::from_secs(1);
+
+/// The longest wait before following the runtime's events again.
+const EVENTS_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// How many pods' attachments one release of stale attachments (CNI GC, gone sandboxes)
 /// releases at once.
@@ -74,14 +81,9 @@ impl Core {
         if !runtime.reachable.swap(true, Ordering::Relaxed) {
             tracing::info!(socket = %runtime.client.socket().display(), "the runtime answers again which sandboxes it has");
         }
-        let live: Vec<AttachmentKey> = self.checkpoint.read(|c| {
-            c.entries()
-                .filter(|e| {
-                    answer.verdict(&e.key.container_id, Instant::now(), false, Duration::MAX) == SandboxVerdict::Live
-                })
-                .map(|e| e.key.clone())
-                .collect()
-        });
+        let live: Vec<AttachmentKey> = self
+            .checkpoint
+            .read(|c| c.entries().filter(|e| answer.is_live(&e.key.container_id)).map(|e| e.key.clone()).collect());
         self.checkpoint.note_listed(&live, answer.requested_at);
         self.runtime_gc_called();
         if let Ok(mut last) = runtime.last.lock() {
@@ -91,13 +93,19 @@ impl Core {
     }
 
     /// The verdict of the runtime's last answer on the attachment `key` (`pod_ended`: a live
-    /// read shows its pod gone or finished); [`SandboxVerdict::Unsure`] without one.
+    /// read shows its pod gone or finished); [`SandboxVerdict::Unsure`] without one. An
+    /// attachment the runtime listed before (over CRI or CNI GC) is no ADD under way.
     pub(super) fn runtime_verdict(&self, key: &AttachmentKey, pod_ended: bool) -> SandboxVerdict {
         let Some(runtime) = &self.runtime else { return SandboxVerdict::Unsure };
-        let Some(recorded_at) = self.checkpoint.read(|c| c.recorded_at(key)) else { return SandboxVerdict::Unsure };
+        let Some((recorded_at, listed)) =
+            self.checkpoint.read(|c| c.recorded_at(key).map(|at| (at, c.listed_at(key).is_some())))
+        else {
+            return SandboxVerdict::Unsure;
+        };
         let last = runtime.last.lock().ok();
         last.as_ref().and_then(|l| l.as_ref()).map_or(SandboxVerdict::Unsure, |answer| {
-            answer.verdict(&key.container_id, recorded_at, pod_ended, runtime.settle)
+            let known = Known { pod_ended, seen_by_runtime: listed };
+            answer.verdict(&key.container_id, recorded_at, known, runtime.settle)
         })
     }
 
@@ -105,9 +113,47 @@ impl Core {
     pub(super) fn runtime_has(&self, container_id: &str) -> bool {
         let Some(runtime) = &self.runtime else { return false };
         let last = runtime.last.lock().ok();
-        last.as_ref().and_then(|l| l.as_ref()).is_some_and(|answer| {
-            answer.verdict(container_id, answer.requested_at, false, Duration::MAX) == SandboxVerdict::Live
-        })
+        last.as_ref().and_then(|l| l.as_ref()).is_some_and(|answer| answer.is_live(container_id))
+    }
+
+    /// Follows the runtime's container events (`GetContainerEvents`) and wakes `sweep` (the
+    /// loop sending [`super::allocator::SweepRuntime`]) when one reports the end of a sandbox
+    /// the checkpoint holds, and on each (re)connection, since events may have been missed:
+    /// the sandbox's release then waits for no poll. A runtime that streams no events
+    /// (`Unimplemented`) leaves the poll alone, said once; a broken stream is followed again
+    /// after a backoff.
+    pub async fn follow_runtime_events(self: std::sync::Arc<Self>, sweep: std::sync::Arc<tokio::sync::Notify>) {
+        let Some(runtime) = &self.runtime else { return };
+        let mut retry = EVENTS_RETRY;
+        loop {
+            match runtime.client.ended_sandboxes().await {
+                Ok(ended) => {
+                    retry = EVENTS_RETRY;
+                    sweep.notify_one();
+                    let mut ended = std::pin::pin!(ended);
+                    while let Some(event) = ended.next().await {
+                        match event {
+                            Ok(id) if self.checkpoint.read(|c| c.entries().any(|e| e.key.container_id == id)) => {
+                                tracing::debug!(container_id = %id, "the runtime reports the end of a sandbox of the checkpoint");
+                                sweep.notify_one();
+                            }
+                            Ok(_) => {}
+                            Err(e) => {
+                                tracing::debug!(error = %e, "the runtime's event stream broke; following it again");
+                                break;
+                            }
+                        }
+                    }
+                }
+                Err(e) if crate::cri::client::unimplemented(&e) => {
+                    tracing::info!(error = %e, "the runtime streams no container events; the agent asks it on its timer only");
+                    return;
+                }
+                Err(e) => tracing::debug!(error = %e, "following the runtime's events failed; trying again"),
+            }
+            tokio::time::sleep(retry).await;
+            retry = (retry * 2).min(EVENTS_RETRY_MAX);
+        }
     }
 
     /// The checkpoint's attachments whose sandbox the runtime, asked now, no longer has.
@@ -124,9 +170,11 @@ impl Core {
     /// checkpoint and still gone by the runtime's last answer (an attachment recorded again
     /// since is not), as their DELs would have. Runs with the node to itself (module `serial`).
     pub async fn release_gone(&self, gone: Vec<AttachmentKey>) -> Result<(), Error> {
-        let still_gone = gone.iter().filter(|k| self.runtime_verdict(k, false) == SandboxVerdict::Gone);
+        // Decided before the checkpoint is read: a verdict reads it too (its lock is not reentrant).
+        let still_gone: Vec<&AttachmentKey> =
+            gone.iter().filter(|k| self.runtime_verdict(k, false) == SandboxVerdict::Gone).collect();
         let entries: Vec<CheckpointEntry> =
-            self.checkpoint.read(|c| still_gone.filter_map(|k| c.get(k).cloned()).collect());
+            self.checkpoint.read(|c| still_gone.iter().filter_map(|k| c.get(k).cloned()).collect());
         for entry in &entries {
             tracing::info!(container_id = %entry.key.container_id, pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name), "the runtime no longer has the sandbox; releasing its attachment");
         }

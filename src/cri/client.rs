@@ -9,13 +9,20 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use hyper_util::rt::TokioIo;
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
-use k8s_cri::v1::{ListPodSandboxRequest, PodSandboxState, PodSandboxStatusRequest};
+use k8s_cri::v1::{
+    ContainerEventType, GetEventsRequest, ListPodSandboxRequest, PodSandboxState, PodSandboxStatusRequest,
+};
 use tonic::transport::{Channel, Endpoint, Uri};
 
 use super::sandboxes::{RuntimeSandbox, RuntimeSandboxes, network_closed};
 
 /// How many `PodSandboxStatus` calls run at once.
 const STATUS_CALLS_AT_ONCE: usize = 16;
+
+/// Whether `error` is the runtime saying it does not serve the call at all.
+pub fn unimplemented(error: &CriError) -> bool {
+    matches!(error, CriError::Call { status, .. } if status.code() == tonic::Code::Unimplemented)
+}
 
 /// A failed conversation with the runtime.
 #[derive(Debug, thiserror::Error)]
@@ -116,6 +123,36 @@ impl CriClient {
             .await;
         sandboxes.extend(answers);
         Ok(RuntimeSandboxes { requested_at, sandboxes })
+    }
+
+    /// The runtime's container event stream (`GetContainerEvents`, which kubelet's evented
+    /// PLEG follows), reduced to the IDs of sandboxes it reports stopped or deleted (containerd
+    /// names the sandbox itself as the container of its own events). Ends when the runtime
+    /// closes it or a message fails; a runtime that streams no events answers `Unimplemented`.
+    pub async fn ended_sandboxes(
+        &self,
+    ) -> Result<impl futures::Stream<Item = Result<String, CriError>> + use<>, CriError> {
+        let mut client = RuntimeServiceClient::new(self.channel.clone());
+        let events = client
+            .get_container_events(GetEventsRequest {})
+            .await
+            .map_err(|status| self.failed("GetContainerEvents", status))?
+            .into_inner();
+        let socket = self.socket.clone();
+        let ended =
+            [ContainerEventType::ContainerStoppedEvent as i32, ContainerEventType::ContainerDeletedEvent as i32];
+        Ok(events.filter_map(move |event| {
+            let item = match event {
+                Ok(event) if ended.contains(&event.container_event_type) => Some(Ok(event.container_id)),
+                Ok(_) => None,
+                Err(status) => Some(Err(CriError::Call {
+                    call: "GetContainerEvents",
+                    socket: socket.clone(),
+                    status: Box::new(status),
+                })),
+            };
+            futures::future::ready(item)
+        }))
     }
 
     fn failed(&self, call: &'static str, status: tonic::Status) -> CriError {

@@ -46,13 +46,32 @@ pub enum SandboxVerdict {
 }
 
 impl RuntimeSandboxes {
-    /// The verdict on the attachment of sandbox `id` recorded at `recorded_at`. `pod_ended`: a
-    /// live read shows the attachment's pod gone or finished (a release mark's answer).
-    pub fn verdict(&self, id: &str, recorded_at: Instant, pod_ended: bool, settle: Duration) -> SandboxVerdict {
+    /// Whether the runtime has sandbox `id` with its network up, whatever else is known: its
+    /// verdict is [`SandboxVerdict::Live`].
+    pub fn is_live(&self, id: &str) -> bool {
+        matches!(
+            self.sandboxes.get(id),
+            Some(RuntimeSandbox::Ready | RuntimeSandbox::NotReady { network_closed: false })
+        )
+    }
+
+    /// The verdict on the attachment of sandbox `id` recorded at `recorded_at`. `known`: what
+    /// else is known of it ([`Known`]).
+    pub fn verdict(&self, id: &str, recorded_at: Instant, known: Known, settle: Duration) -> SandboxVerdict {
         let Some(&sandbox) = self.sandboxes.get(id) else { return SandboxVerdict::Unsure };
         let age = self.requested_at.checked_duration_since(recorded_at);
-        verdict(sandbox, age, pod_ended, settle)
+        verdict(sandbox, age, known, settle)
     }
+}
+
+/// What the agent knows of an attachment besides the runtime's answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Known {
+    /// A live read shows the attachment's pod gone or finished (a release mark's answer).
+    pub pod_ended: bool,
+    /// The runtime has listed the sandbox since the attachment was recorded (over CRI, or in
+    /// a CNI GC's valid attachments): it exists, so it is no ADD still under way.
+    pub seen_by_runtime: bool,
 }
 
 /// The verdict on an attachment whose sandbox the runtime answered `sandbox` for, `age` after
@@ -60,16 +79,16 @@ impl RuntimeSandboxes {
 ///
 /// containerd adds a sandbox to the store its listing reads only after the sandbox's network
 /// is set up (CNI ADD) and its pause container started, so a sandbox that is not listed may be
-/// one whose ADD has just returned. Such an absence counts only once the attachment is older
-/// than `settle`, or when its pod ended (the pod of a release mark: a sandbox still starting
-/// for it is torn down by the kubelet, and a released IP waits out the reuse cooldown).
-pub fn verdict(sandbox: RuntimeSandbox, age: Option<Duration>, pod_ended: bool, settle: Duration) -> SandboxVerdict {
+/// one whose ADD has just returned. Such an absence counts once the runtime has listed the
+/// sandbox before (sandbox IDs never come back), once the attachment is older than `settle`,
+/// or when its pod ended (the pod of a release mark: a sandbox still starting for it is torn
+/// down by the kubelet, and a released IP waits out the reuse cooldown).
+pub fn verdict(sandbox: RuntimeSandbox, age: Option<Duration>, known: Known, settle: Duration) -> SandboxVerdict {
+    let absence_counts = age.is_some_and(|age| age >= settle || known.pod_ended || known.seen_by_runtime);
     match sandbox {
         RuntimeSandbox::Ready | RuntimeSandbox::NotReady { network_closed: false } => SandboxVerdict::Live,
         RuntimeSandbox::NotReady { network_closed: true } if age.is_some() => SandboxVerdict::Gone,
-        RuntimeSandbox::Absent if age.is_some_and(|age| age >= settle) || (age.is_some() && pod_ended) => {
-            SandboxVerdict::Gone
-        }
+        RuntimeSandbox::Absent if absence_counts => SandboxVerdict::Gone,
         RuntimeSandbox::NotReady { network_closed: true } | RuntimeSandbox::Absent | RuntimeSandbox::Unknown => {
             SandboxVerdict::Unsure
         }
@@ -102,22 +121,27 @@ mod tests {
         let young = Some(Duration::from_secs(5));
         let closed = RuntimeSandbox::NotReady { network_closed: true };
         let open = RuntimeSandbox::NotReady { network_closed: false };
+        let nothing = Known::default();
+        let ended = Known { pod_ended: true, ..Known::default() };
+        let seen = Known { seen_by_runtime: true, ..Known::default() };
         let cases = [
-            // (runtime's answer, age, pod ended, verdict)
-            (RuntimeSandbox::Ready, old, true, SandboxVerdict::Live),
-            (RuntimeSandbox::Ready, None, true, SandboxVerdict::Live),
-            (open, old, true, SandboxVerdict::Live),
-            (closed, young, false, SandboxVerdict::Gone),
-            (closed, None, true, SandboxVerdict::Unsure),
-            (RuntimeSandbox::Absent, old, false, SandboxVerdict::Gone),
-            (RuntimeSandbox::Absent, Some(SETTLE), false, SandboxVerdict::Gone),
-            (RuntimeSandbox::Absent, young, false, SandboxVerdict::Unsure),
-            (RuntimeSandbox::Absent, young, true, SandboxVerdict::Gone),
-            (RuntimeSandbox::Absent, None, true, SandboxVerdict::Unsure),
-            (RuntimeSandbox::Unknown, old, true, SandboxVerdict::Unsure),
+            // (runtime's answer, age, what else is known, verdict)
+            (RuntimeSandbox::Ready, old, ended, SandboxVerdict::Live),
+            (RuntimeSandbox::Ready, None, ended, SandboxVerdict::Live),
+            (open, old, ended, SandboxVerdict::Live),
+            (closed, young, nothing, SandboxVerdict::Gone),
+            (closed, None, ended, SandboxVerdict::Unsure),
+            (RuntimeSandbox::Absent, old, nothing, SandboxVerdict::Gone),
+            (RuntimeSandbox::Absent, Some(SETTLE), nothing, SandboxVerdict::Gone),
+            (RuntimeSandbox::Absent, young, nothing, SandboxVerdict::Unsure),
+            (RuntimeSandbox::Absent, young, ended, SandboxVerdict::Gone),
+            (RuntimeSandbox::Absent, young, seen, SandboxVerdict::Gone),
+            (RuntimeSandbox::Absent, None, ended, SandboxVerdict::Unsure),
+            (RuntimeSandbox::Absent, None, seen, SandboxVerdict::Unsure),
+            (RuntimeSandbox::Unknown, old, ended, SandboxVerdict::Unsure),
         ];
-        for (sandbox, age, pod_ended, expected) in cases {
-            assert_eq!(verdict(sandbox, age, pod_ended, SETTLE), expected, "{sandbox:?} {age:?} {pod_ended}");
+        for (sandbox, age, known, expected) in cases {
+            assert_eq!(verdict(sandbox, age, known, SETTLE), expected, "{sandbox:?} {age:?} {known:?}");
         }
     }
 
@@ -125,7 +149,8 @@ mod tests {
     fn an_attachment_the_runtime_was_not_asked_about_is_unsure() {
         let now = Instant::now();
         let listing = RuntimeSandboxes { requested_at: now, sandboxes: BTreeMap::new() };
-        assert_eq!(listing.verdict("abc", now, true, SETTLE), SandboxVerdict::Unsure);
+        let ended = Known { pod_ended: true, ..Known::default() };
+        assert_eq!(listing.verdict("abc", now, ended, SETTLE), SandboxVerdict::Unsure);
     }
 
     #[test]
@@ -134,8 +159,9 @@ mod tests {
         let recorded = asked + Duration::from_millis(1);
         let listing =
             RuntimeSandboxes { requested_at: asked, sandboxes: BTreeMap::from([("a".into(), RuntimeSandbox::Absent)]) };
-        assert_eq!(listing.verdict("a", recorded, true, Duration::ZERO), SandboxVerdict::Unsure);
-        assert_eq!(listing.verdict("a", asked, true, Duration::ZERO), SandboxVerdict::Gone);
+        let ended = Known { pod_ended: true, ..Known::default() };
+        assert_eq!(listing.verdict("a", recorded, ended, Duration::ZERO), SandboxVerdict::Unsure);
+        assert_eq!(listing.verdict("a", asked, ended, Duration::ZERO), SandboxVerdict::Gone);
     }
 
     #[test]

@@ -8,8 +8,11 @@
 //! store fails with `NotFound`, and its verbose `info` carries containerd's
 //! `netNamespaceClosed`. The simulated runtime removes a sandbox as soon as it is torn down
 //! (the kubelet's `RemovePodSandbox` following its `StopPodSandbox` at once), so it never
-//! lists a NOTREADY one. Only the two calls the agent makes are served; the others answer
-//! `Unimplemented`. [`super::Faults::set_cri_unavailable`] makes every call fail with
+//! lists a NOTREADY one. `GetContainerEvents` streams a sandbox's `CONTAINER_CREATED_EVENT`
+//! and `CONTAINER_STARTED_EVENT` when it enters the store and its `CONTAINER_DELETED_EVENT`
+//! when it leaves, naming the sandbox itself as the container, as containerd does. The calls
+//! the agent makes are served; the others answer `Unimplemented`.
+//! [`super::Faults::set_cri_unavailable`] makes every call fail with
 //! `Unavailable`, as containerd answers while it is not initialized.
 
 use std::collections::HashMap;
@@ -27,10 +30,40 @@ use crate::error::{Error, Result};
 /// The socket's name in the node's directory.
 pub const CRI_SOCKET: &str = "cri.sock";
 
+/// How many events a slow follower of the event stream may fall behind before it misses some.
+const EVENTS_BUFFERED: usize = 1024;
+
+/// Where the simulated runtime publishes its container events.
+pub(super) type Events = tokio::sync::broadcast::Sender<ContainerEventResponse>;
+
+/// A new event channel.
+pub(super) fn events() -> Events {
+    tokio::sync::broadcast::channel(EVENTS_BUFFERED).0
+}
+
+/// Publishes the events of sandbox `id` entering (`entered`) or leaving the runtime's store.
+pub(super) fn publish(events: &Events, id: &str, entered: bool) {
+    let kinds: &[ContainerEventType] = match entered {
+        true => &[ContainerEventType::ContainerCreatedEvent, ContainerEventType::ContainerStartedEvent],
+        false => &[ContainerEventType::ContainerDeletedEvent],
+    };
+    let created_at = jiff::Timestamp::now().as_nanosecond().try_into().unwrap_or(i64::MAX);
+    for kind in kinds {
+        // No follower: nobody to tell.
+        let _ = events.send(ContainerEventResponse {
+            container_id: id.to_string(),
+            container_event_type: *kind as i32,
+            created_at,
+            ..ContainerEventResponse::default()
+        });
+    }
+}
+
 /// The node's sandboxes, by pod UID, as the CRI service sees them.
 pub(super) struct CriService {
     pub(super) sandboxes: Arc<Mutex<HashMap<String, Sandbox>>>,
     pub(super) faults: Arc<Faults>,
+    pub(super) events: Events,
 }
 
 impl CriService {
@@ -120,7 +153,17 @@ runtime_service! {
             &self,
             _request: Request<GetEventsRequest>,
         ) -> std::result::Result<Response<Self::GetContainerEventsStream>, Status> {
-            Err(Status::unimplemented("the simulated runtime does not serve get_container_events"))
+            self.check_available()?;
+        let events = futures::stream::unfold(self.events.subscribe(), |mut events| async move {
+            loop {
+                match events.recv().await {
+                    Ok(event) => return Some((Ok(event), events)),
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(events)))
         }
     }
     version(VersionRequest) -> VersionResponse;

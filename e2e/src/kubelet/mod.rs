@@ -221,7 +221,8 @@ pub async fn start_node(
     let calls = Arc::new(RuntimeCalls::default());
     let mut tasks = JoinSet::new();
     tasks.spawn(heartbeat(client.clone(), info.name.clone(), node_uid, alive_rx.clone()));
-    let cri = cri::CriService { sandboxes: sandboxes.clone(), faults: faults.clone() };
+    let events = cri::events();
+    let cri = cri::CriService { sandboxes: sandboxes.clone(), faults: faults.clone(), events: events.clone() };
     tasks.spawn(cri::serve(&info.dir, cri).await?);
     let pods = pods::NodeRuntime {
         client,
@@ -233,6 +234,7 @@ pub async fn start_node(
         pending: Arc::default(),
         gc_gate: Arc::default(),
         calls: calls.clone(),
+        events,
     };
     tasks.spawn(pods.clone().status_loop());
     match pods.network.runtime_gc {

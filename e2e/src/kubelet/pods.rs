@@ -104,6 +104,8 @@ pub(super) struct NodeRuntime {
     pub(super) gc_gate: Arc<tokio::sync::RwLock<()>>,
     /// What the runtime asked the plugin.
     pub(super) calls: Arc<RuntimeCalls>,
+    /// The runtime's container events (module `cri`).
+    pub(super) events: super::cri::Events,
 }
 
 impl NodeRuntime {
@@ -237,12 +239,21 @@ impl NodeRuntime {
         netconf
     }
 
+    /// Puts the pod's sandbox into the runtime's store, or takes it out, with its events.
     fn record_sandbox(&self, uid: &str, sandbox: Option<Sandbox>) {
-        if let Ok(mut sandboxes) = self.sandboxes.lock() {
-            match sandbox {
-                Some(sandbox) => sandboxes.insert(uid.to_string(), sandbox),
-                None => sandboxes.remove(uid),
-            };
+        let Ok(mut sandboxes) = self.sandboxes.lock() else { return };
+        match sandbox {
+            Some(sandbox) => {
+                let id = sandbox.container_id.clone();
+                if sandboxes.insert(uid.to_string(), sandbox).is_none_or(|old| old.container_id != id) {
+                    super::cri::publish(&self.events, &id, true);
+                }
+            }
+            None => {
+                if let Some(old) = sandboxes.remove(uid) {
+                    super::cri::publish(&self.events, &old.container_id, false);
+                }
+            }
         }
     }
 
