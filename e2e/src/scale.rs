@@ -110,6 +110,10 @@ pub struct ScaleOptions {
     /// the nodes' questions spread evenly over it), finds the sandbox gone and releases the
     /// record itself, as `SweepRuntime` does for an attachment older than the settle time.
     pub agents_ask_runtime: bool,
+    /// The controllers' `--additional-grace-seconds`: 0 by default, so a vanished pod's
+    /// deadline is its deletion and the watch-event lag is measured alone; the controller's
+    /// own default (5 s) with [`ScaleOptions::agents_ask_runtime`] shows who releases first.
+    pub additional_grace: Duration,
 }
 
 /// The agents' `--cri-poll-interval-seconds` default, which [`ScaleOptions::agents_ask_runtime`]
@@ -128,6 +132,7 @@ impl Default for ScaleOptions {
             concurrency: 64,
             leak_timeout: Duration::from_secs(300),
             agents_ask_runtime: false,
+            additional_grace: Duration::ZERO,
         }
     }
 }
@@ -1051,12 +1056,13 @@ async fn wait_pool_finalizers(client: &Client, pools: usize) -> Result<()> {
 }
 
 /// Starts the controller pair as [`CONTROLLER_ACCOUNT`] and waits until both are ready.
-async fn start_controllers(cluster: &Cluster, binary: &Path) -> Result<Vec<Daemon>> {
+async fn start_controllers(cluster: &Cluster, binary: &Path, additional_grace: Duration) -> Result<Vec<Daemon>> {
     let run_as = RunAs { kubeconfig: controller_identity(cluster).await?, namespace: NAMESPACE.to_string() };
     let mut controllers = Vec::new();
+    let grace = format!("--additional-grace-seconds={}", additional_grace.as_secs());
     for identity in IDENTITIES {
         let port = crate::process::free_port()?;
-        let extra = ["--log-format=json", "--additional-grace-seconds=0"];
+        let extra = ["--log-format=json", grace.as_str()];
         let component = ipwarden::start_controller_as(cluster, binary, identity, port, &extra, &run_as)?;
         controllers.push(Daemon { name: identity.to_string(), metrics_port: port, component });
     }
@@ -1086,7 +1092,7 @@ pub async fn run(cluster: &mut Cluster, binary: &Path, options: &ScaleOptions) -
     background.spawn(watch_blocks(client.clone(), seen.clone()));
     let before = measure(cluster, &[])?;
 
-    let controllers = start_controllers(cluster, binary).await?;
+    let controllers = start_controllers(cluster, binary, options.additional_grace).await?;
     let leader = wait_first_sweep(&controllers).await?;
     let swept = measure(cluster, &controllers)?;
     let log = read_text(controllers[leader].component.log())?;

@@ -173,6 +173,10 @@ enum Command {
         /// each releases its node's leaked records itself at its next question (every 5 s).
         #[arg(long)]
         agents_ask_runtime: bool,
+        /// The controllers' `--additional-grace-seconds` (0: the watch-event lag measured
+        /// alone; 5 is the controller's own default).
+        #[arg(long, default_value_t = 0)]
+        additional_grace_seconds: u64,
         /// Where to write the report as JSON too.
         #[arg(long, default_value = ".e2e/scale-report.json")]
         report: PathBuf,
@@ -315,6 +319,7 @@ async fn main() -> anyhow::Result<()> {
             concurrency,
             leak_timeout_seconds,
             agents_ask_runtime,
+            additional_grace_seconds,
             report,
             output,
         } => {
@@ -328,6 +333,7 @@ async fn main() -> anyhow::Result<()> {
                 concurrency: usize::try_from(concurrency)?,
                 leak_timeout: Duration::from_secs(leak_timeout_seconds),
                 agents_ask_runtime,
+                additional_grace: Duration::from_secs(additional_grace_seconds),
             };
             scale(&ipwarden, &options, &report, output).await
         }
