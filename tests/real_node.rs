@@ -404,6 +404,9 @@ async fn a_real_node_leaks_no_ip_when_containerd_dies_during_adds_a_del_is_lost_
 /// The agent's count of the questions containerd answered over CRI.
 const QUERIES_OK: &str = "ipwarden_agent_runtime_queries_total{result=\"ok\"}";
 
+/// The agent's count of the questions containerd did not answer.
+const QUERIES_FAILED: &str = "ipwarden_agent_runtime_queries_total{result=\"error\"}";
+
 /// Waits until the record of `ip` on the real node carries a release mark not yet answered.
 async fn wait_marked(client: &Client, ip: &str) {
     wait::until(&format!("the record of {ip} marked for release"), TIMEOUT, || async {
@@ -417,13 +420,21 @@ async fn wait_marked(client: &Client, ip: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_past_the_grace_and_frees_a_lost_del_before_it() {
+async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_falls_back_to_the_grace_when_it_is_silent_and_frees_a_lost_del_at_once() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     const SHORT_GRACE_SECONDS: u64 = 10;
     const LONG_GRACE_SECONDS: u64 = 150;
     let short = format!("--release-sandbox-grace-seconds={SHORT_GRACE_SECONDS}");
     let cri = [e2e::ipwarden::WITH_CRI, "--cri-poll-interval-seconds=1"];
-    let mut ipwarden = Ipwarden::with_real_nodes(1, &[("default", documented_pool())], &[cri[0], cri[1], &short]).await;
+    // kubelet is stopped below for longer than the test control plane's default node monitor
+    // grace (20 s): its Node must stay Ready, or the NotReady policy would hold the IP instead.
+    let control_plane = e2e::controlplane::ControlPlaneOptions {
+        node_monitor_grace_period: std::time::Duration::from_secs(300),
+        ..Default::default()
+    };
+    let mut ipwarden =
+        Ipwarden::with_real_nodes_in(1, &[("default", documented_pool())], &[cri[0], cri[1], &short], control_plane)
+            .await;
     ipwarden.start_controller("controller-a", &[]);
     let client = ipwarden.client();
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
@@ -452,9 +463,18 @@ async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_past_the_grace_and
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     }
     assert!(asked().await > asked_at_mark, "containerd answered the agent's questions meanwhile");
-    // kubelet back: it stops the orphaned sandbox, and its DEL frees the IP.
+    // containerd stops answering (frozen: its socket stays, every call hangs): the agent falls
+    // back to the sandbox grace, counts the failures, and the IP is released.
+    ipwarden.cluster.real_node(0).freeze_containerd();
+    let frozen = std::time::Instant::now();
+    support::wait_record_gone(&client, &held_ip, TIMEOUT, "the grace frees the IP once containerd is silent").await;
+    let failed = support::metric(&ipwarden.scrape_agent(0).await, QUERIES_FAILED);
+    assert!(failed > 0.0, "the questions containerd did not answer are counted");
+    tracing::info!(seconds = frozen.elapsed().as_secs_f64(), "released by the grace after containerd froze");
+    // containerd and kubelet back: kubelet stops the orphaned sandbox; its DEL finds nothing.
+    ipwarden.cluster.real_node(0).thaw_containerd();
     ipwarden.cluster.real_node(0).restart_kubelet().expect("kubelet starts again");
-    support::wait_record_gone(&client, &held_ip, TIMEOUT, "the DEL frees the IP").await;
+    wait_sandbox_removed(&ipwarden.cluster.real_nodes()[0], "held").await;
 
     // The agent again, with a sandbox grace far longer than the test waits: a lost DEL
     // (containerd's state wiped under the pod, the pod force-deleted) is freed before it, by

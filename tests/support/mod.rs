@@ -100,9 +100,21 @@ impl Ipwarden {
     /// A cluster of `real` real nodes (kubelet, containerd, the chart's conflist) and no
     /// simulated one, with the CRDs, `pools` and an agent per node started with `agent_args`.
     pub async fn with_real_nodes(real: usize, pools: &[(&str, serde_json::Value)], agent_args: &[&str]) -> Self {
+        Self::with_real_nodes_in(real, pools, agent_args, e2e::controlplane::ControlPlaneOptions::default()).await
+    }
+
+    /// Like [`Ipwarden::with_real_nodes`], on a control plane with `control_plane`'s settings
+    /// (a node monitor grace long enough to stop kubelet without its Node turning NotReady).
+    pub async fn with_real_nodes_in(
+        real: usize,
+        pools: &[(&str, serde_json::Value)],
+        agent_args: &[&str],
+        control_plane: e2e::controlplane::ControlPlaneOptions,
+    ) -> Self {
         let options = ClusterOptions {
             nodes: 0,
             real_nodes: Some(e2e::cluster::RealNodesOptions { count: real, ipwarden: binary().to_path_buf() }),
+            control_plane,
             ..ClusterOptions::default()
         };
         let cluster = Cluster::start(options).await.expect("cluster with real nodes starts");

@@ -332,6 +332,21 @@ impl RealNode {
         }
     }
 
+    /// Freezes containerd (SIGSTOP): its socket stays, and every call on it hangs, as a runtime
+    /// stuck under load. Its containers keep running.
+    pub fn freeze_containerd(&self) {
+        if let Some(containerd) = self.containerd.as_ref() {
+            containerd.pause();
+        }
+    }
+
+    /// Lets containerd run again after [`RealNode::freeze_containerd`] (SIGCONT).
+    pub fn thaw_containerd(&self) {
+        if let Some(containerd) = self.containerd.as_ref() {
+            containerd.resume();
+        }
+    }
+
     /// Starts containerd again and waits until it answers.
     pub async fn restart_containerd(&mut self) -> Result<()> {
         if let Some(containerd) = self.containerd.as_mut() {
