@@ -420,7 +420,8 @@ async fn wait_marked(client: &Client, ip: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_falls_back_to_the_grace_when_it_is_silent_and_frees_a_lost_del_at_once() {
+async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_falls_back_to_the_grace_when_it_is_silent_and_frees_a_lost_del_at_once()
+ {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     const SHORT_GRACE_SECONDS: u64 = 10;
     const LONG_GRACE_SECONDS: u64 = 150;

@@ -131,3 +131,46 @@ async fn a_lost_del_is_freed_before_the_grace_a_ready_sandbox_never_and_an_unrea
     .expect("teardown");
     assert!(records(&client).await.is_empty(), "no record is left");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_pods_sandbox_the_runtime_has_not_listed_yet_keeps_its_ip_past_the_settle_time() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pool = json!({"cidr": "10.75.0.0/24", "default": true});
+    let args = [
+        WITH_CRI,
+        "--cri-poll-interval-seconds=1",
+        "--cri-sandbox-settle-seconds=1",
+        "--reuse-cooldown-seconds=0",
+        "--release-sandbox-grace-seconds=3600",
+    ];
+    let ipwarden = Ipwarden::start(1, &[("pool", pool)], &args).await;
+    let client = ipwarden.client();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+
+    // The runtime has not put the sandbox into its store yet (still starting it, as containerd
+    // after the CNI ADD returned), while the pod runs with its IP. No controller runs: only the
+    // agent could release the IP. It must not, however long past the settle time.
+    let node = &ipwarden.cluster.nodes()[0];
+    node.faults().set_hide_new_sandboxes(true);
+    create_pod(&client, NS, "starting", "node-0", json!({"app": "starting"})).await;
+    let pod = wait_pods_with_ips(&client, NS, "app=starting", 1).await.remove("starting").expect("pod");
+    let (ip, uid) = (ip_of(&pod), pod.uid().unwrap_or_default());
+    let asked = metric(&ipwarden.scrape_agent(0).await, QUERIES_OK);
+    wait::until("five questions to the runtime since the pod ran", TIMEOUT, || async {
+        let now = metric(&ipwarden.scrape_agent(0).await, QUERIES_OK);
+        Ok(if now >= asked + 5.0 { Probe::Done(()) } else { Probe::Pending(format!("{now} questions")) })
+    })
+    .await
+    .expect("questions");
+    assert_eq!(
+        record_state(&client, &ip).await.map(|(owner, _)| owner),
+        Some(uid),
+        "a running pod keeps the IP of a sandbox the runtime has not listed yet"
+    );
+
+    // The pod ends and its sandbox goes without a DEL, never listed: once the pod is gone from
+    // the agent's cache and the settle time has passed, the agent frees the IP.
+    node.faults().set_skip_del(true);
+    pods.delete("starting", &DeleteParams::default()).await.expect("delete pod");
+    wait_record_gone(&client, &ip, TIMEOUT, "the never-listed sandbox's IP freed once its pod is gone").await;
+}

@@ -64,8 +64,10 @@ impl Handler<Call> for NodeAllocator {
                     core.check(r).await.map(|()| None)
                 }
                 AgentRequest::Gc(r) => {
+                    // The runtime is asked first: a slow one must not hold the node.
+                    let runtime = core.ask_runtime(false).await;
                     let _alone = core.serial.alone().await;
-                    core.gc(r).await.map(|()| None)
+                    core.gc(r, runtime.as_deref()).await.map(|()| None)
                 }
                 AgentRequest::Status(r) => core.status(r).await.map(|()| None),
             }

@@ -10,6 +10,7 @@ use super::checkpoint::{AttachmentKey, CheckpointEntry};
 use super::core::{Core, attachment_key};
 use super::error::Error;
 use crate::crd::IPBlock;
+use crate::cri::sandboxes::RuntimeSandboxes;
 use crate::ipam::{blocks, spares};
 use crate::protocol::{AttachmentRequest, GcRequest, StatusRequest};
 
@@ -75,7 +76,8 @@ impl Core {
     /// CNI GC: releases every attachment of the network that the runtime no longer lists,
     /// and notes when it listed the others: a release mark waits for a sandbox the runtime
     /// still has, however long its DEL takes (`release_marks`).
-    pub async fn gc(&self, request: &GcRequest) -> Result<(), Error> {
+    /// `runtime`: the runtime's answer over CRI, asked before the node was taken alone.
+    pub async fn gc(&self, request: &GcRequest, runtime: Option<&RuntimeSandboxes>) -> Result<(), Error> {
         let valid: BTreeSet<(&str, &str)> =
             request.valid_attachments.iter().map(|a| (a.container_id.as_str(), a.ifname.as_str())).collect();
         let listed: Vec<AttachmentKey> = request
@@ -96,10 +98,10 @@ impl Core {
                 .cloned()
                 .collect()
         });
-        // A sandbox the runtime's CRI still shows live is never released, whatever GC says.
-        self.ask_runtime().await;
+        // A sandbox the runtime's CRI showed live when asked just before is never released,
+        // whatever GC says.
         let stale: Vec<CheckpointEntry> =
-            stale.into_iter().filter(|e| !self.runtime_has(&e.key.container_id)).collect();
+            stale.into_iter().filter(|e| !runtime.is_some_and(|r| r.is_live(&e.key.container_id))).collect();
         for entry in &stale {
             tracing::info!(container_id = %entry.key.container_id, pod = %entry.pod.name, "GC: releasing a stale attachment");
         }

@@ -150,18 +150,19 @@ pub struct AgentArgs {
     #[arg(long, env = "IPWARDEN_SPARE_IPS", default_value_t = 0)]
     pub spare_ips: usize,
     /// The container runtime's CRI socket (containerd: /run/containerd/containerd.sock; CRI-O:
-    /// /run/crio/crio.sock), or several comma-separated, of which the first that exists at
-    /// start is used. With one, the agent asks the runtime which sandboxes it still has: an
-    /// attachment whose sandbox is gone is released at once, and one the runtime still has is
-    /// never released for lack of a DEL. Unset, or none exists: the sandbox grace alone
-    /// decides.
+    /// /run/crio/crio.sock), or several comma-separated: the agent asks the first that exists
+    /// at start and whose runtime's `Version` is the Node's `containerRuntimeVersion` (the
+    /// runtime kubelet uses) which sandboxes it still has: an attachment whose sandbox is gone
+    /// is released at once, and one the runtime still has is never released for lack of a
+    /// DEL. Unset, or none fits: the sandbox grace alone decides.
     #[arg(long, env = "IPWARDEN_CRI_SOCKET", value_delimiter = ',')]
     pub cri_socket: Vec<PathBuf>,
     /// Seconds between two questions to the runtime (besides those before each pass over
     /// release marks, each CNI GC and the start-up GC).
     #[arg(long, env = "IPWARDEN_CRI_POLL_INTERVAL_SECONDS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     pub cri_poll_interval_seconds: u64,
-    /// Seconds one CRI call may take before the runtime counts as unreachable for that pass.
+    /// Seconds one CRI call (not the event stream) may take before the runtime counts as
+    /// unreachable for that pass.
     #[arg(long, env = "IPWARDEN_CRI_TIMEOUT_SECONDS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     pub cri_timeout_seconds: u64,
     /// Seconds after its ADD before the runtime's not listing a sandbox counts as the sandbox
@@ -287,18 +288,24 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         spares_wake: spares_wake.clone(),
     };
     let mut core = core::Core::new(client.clone(), settings, caches, checkpoint, metrics);
-    let cri_socket = args.cri_socket.iter().find(|path| path.exists());
-    if cri_socket.is_none() && !args.cri_socket.is_empty() {
+    let cri_sockets: Vec<&PathBuf> = args.cri_socket.iter().filter(|path| path.exists()).collect();
+    if cri_sockets.is_empty() && !args.cri_socket.is_empty() {
         let tried = args.cri_socket.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
         tracing::warn!(%tried, "no CRI socket exists; release marks wait out the sandbox grace (--release-sandbox-grace-seconds)");
     }
-    if let Some(socket) = cri_socket {
+    if !cri_sockets.is_empty() {
         let timeout = Duration::from_secs(args.cri_timeout_seconds);
-        let cri = crate::cri::client::CriClient::new(socket, timeout)
-            .with_context(|| format!("setting up the CRI client of {}", socket.display()))?;
-        core = core
-            .with_runtime(runtime_sandboxes::Runtime::new(cri, Duration::from_secs(args.cri_sandbox_settle_seconds)));
-        tracing::info!(socket = %socket.display(), "asking the runtime over CRI which sandboxes it has");
+        let clients = cri_sockets
+            .iter()
+            .map(|socket| {
+                crate::cri::client::CriClient::new(socket, timeout)
+                    .with_context(|| format!("setting up the CRI client of {}", socket.display()))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let settle = Duration::from_secs(args.cri_sandbox_settle_seconds);
+        core = core.with_runtime(runtime_sandboxes::Runtime::new(clients, settle));
+        let sockets = cri_sockets.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
+        tracing::info!(%sockets, "the agent will ask the node's runtime over CRI which sandboxes it has");
     }
     let core = Arc::new(core);
     let path = args.checkpoint.display();
@@ -356,13 +363,13 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         tracing::warn!("reserving spare IPs before serving failed; the tending retries");
     }
     let runtime_sweep = Arc::new(Notify::new());
-    if cri_socket.is_some() {
+    if !cri_sockets.is_empty() {
         tokio::spawn(core.clone().follow_runtime_events(runtime_sweep.clone()));
     }
     let allocator = allocator::NodeAllocator::new(core).start();
     tokio::spawn(answer_marks(allocator.clone(), marks));
     tokio::spawn(tend_spares(allocator.clone(), spares_wake));
-    if cri_socket.is_some() {
+    if !cri_sockets.is_empty() {
         let interval = Duration::from_secs(args.cri_poll_interval_seconds);
         tokio::spawn(sweep_runtime(allocator.clone(), interval, runtime_sweep));
     }

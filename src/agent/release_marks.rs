@@ -61,7 +61,7 @@ impl Core {
     /// pod whose read failed leaves its mark for the next pass.
     pub async fn marks_to_answer(&self) -> Vec<Marked> {
         // The runtime's word first: a sandbox it no longer has lets a mark be answered now.
-        self.ask_runtime().await;
+        self.ask_runtime(false).await;
         let marked: Vec<(String, String, IpNet, String, Allocation)> = self
             .blocks
             .state()
@@ -102,6 +102,9 @@ impl Core {
 
     /// The answer to `marked` by its pod (read before) and the checkpoint as it is now.
     fn decide(&self, marked: &Marked) -> Decided {
+        // Only the marked record's pod is known ended: another pod's entry holding the IP (an
+        // ADD under way) is judged by the pod cache.
+        let ended_uid = (marked.pod != PodOnNode::Active).then_some(marked.record.pod.uid.as_str());
         let (attached, listed_ago) = self.checkpoint.read(|checkpoint| {
             let attached: Vec<AttachmentKey> = checkpoint
                 .entries()
@@ -117,9 +120,8 @@ impl Core {
         let marked_at = marked.marked_at();
         let marked_for = Duration::try_from(Timestamp::now().duration_since(marked_at)).unwrap_or(Duration::ZERO);
         let grace = self.settings.sandbox_grace;
-        let pod_ended = marked.pod != PodOnNode::Active;
         let gone = !attached.is_empty()
-            && attached.iter().all(|key| self.runtime_verdict(key, pod_ended) == SandboxVerdict::Gone);
+            && attached.iter().all(|key| self.runtime_verdict(key, ended_uid, None) == SandboxVerdict::Gone);
         let sandbox = match gone {
             true => SandboxOnNode::GoneFromRuntime,
             false => SandboxOnNode::of(!attached.is_empty(), listed_ago, grace),

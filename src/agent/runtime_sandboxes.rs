@@ -1,24 +1,28 @@
 //! The runtime's word on the node's sandboxes (`--cri-socket`, module [`crate::cri`]): asked
-//! every `--cri-poll-interval-seconds` and before each pass over release marks, CNI GC and
-//! the start-up GC. A sandbox the runtime still has counts as listed (the release handshake
-//! waits for its DEL however long it takes); an attachment whose sandbox the runtime no
-//! longer has is released by the agent itself, and a mark on its IP is answered at once.
-//! When the runtime cannot be asked, nothing is concluded: the sandbox grace decides, as
-//! without `--cri-socket`.
+//! every `--cri-poll-interval-seconds`, when the runtime's events report a sandbox's end, and
+//! before each pass over release marks, CNI GC and the start-up GC. A sandbox the runtime still
+//! has counts as listed (the release handshake waits for its DEL however long it takes); an
+//! attachment whose sandbox the runtime no longer has is released by the agent itself, and a
+//! mark on its IP is answered at once. Only the runtime the node's kubelet uses is asked (its
+//! `Version` must match the Node's `containerRuntimeVersion`). When it cannot be asked,
+//! nothing is concluded: the sandbox grace decides, as without `--cri-socket`.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use kube::runtime::reflector::ObjectRef;
 
 use super::block_writes::ReleaseTrigger;
 use super::checkpoint::{AttachmentKey, CheckpointEntry};
 use super::core::Core;
 use super::error::Error;
-use crate::cri::client::CriClient;
-use crate::cri::sandboxes::{Known, RuntimeSandboxes, SandboxVerdict};
+use crate::crd::PodRef;
+use crate::cri::client::{CriClient, RuntimeVersion};
+use crate::cri::sandboxes::{PodKnown, RuntimeSandboxes, SandboxVerdict};
 
 /// The first wait before following the runtime's events again after the stream broke; it
 /// doubles up to [`EVENTS_RETRY_MAX`].
@@ -31,102 +35,198 @@ const EVENTS_RETRY_MAX: Duration = Duration::from_secs(30);
 /// releases at once.
 const STALE_PODS_AT_ONCE: usize = 16;
 
-/// The runtime's CRI endpoint and the agent's last word from it.
+/// The runtime's CRI endpoints and the agent's last word from the one it asks.
 pub struct Runtime {
-    client: CriClient,
-    /// How old an attachment must be before the runtime's not listing its sandbox counts
-    /// ([`crate::cri::sandboxes::verdict`]).
+    /// The sockets that existed at start (`--cri-socket`), in order.
+    candidates: Vec<CriClient>,
+    /// The first candidate whose `Version` matched the Node's `containerRuntimeVersion`.
+    chosen: Mutex<Option<(CriClient, RuntimeVersion)>>,
+    /// How old an attachment of a pod that is not running must be before the runtime's not
+    /// listing its sandbox counts ([`crate::cri::sandboxes::verdict`]).
     settle: Duration,
-    last: Mutex<Option<RuntimeSandboxes>>,
+    /// The newest answer, `None` after a failed question: a stale answer concludes nothing.
+    last: Mutex<Option<Arc<RuntimeSandboxes>>>,
     /// Whether the last question got an answer (the log says when it changes).
     reachable: AtomicBool,
 }
 
 impl Runtime {
-    /// The runtime behind `client`.
-    pub fn new(client: CriClient, settle: Duration) -> Self {
-        Self { client, settle, last: Mutex::new(None), reachable: AtomicBool::new(true) }
+    /// The runtime behind one of `candidates` (the sockets that exist, in the order given).
+    pub fn new(candidates: Vec<CriClient>, settle: Duration) -> Self {
+        Self { candidates, chosen: Mutex::new(None), settle, last: Mutex::new(None), reachable: AtomicBool::new(true) }
     }
 }
 
+/// Why the runtime could not be asked.
+enum NotAsked {
+    /// Its calls failed.
+    Failed(crate::cri::client::CriError),
+    /// No candidate is the runtime the node's kubelet uses (or the Node does not say yet).
+    NotTheNodes(String),
+}
+
 impl Core {
-    /// Asks the runtime about every sandbox the checkpoint or this node's records name, keeps
-    /// the answer, and notes the sandboxes it still has as listed (module `release_marks`).
-    /// Returns whether it answered; without `--cri-socket`, false.
-    pub(super) async fn ask_runtime(&self) -> bool {
-        let Some(runtime) = &self.runtime else { return false };
+    /// The runtime the node's kubelet uses: the first candidate socket whose `Version` is the
+    /// Node's `status.nodeInfo.containerRuntimeVersion`, found once and kept. A node with two
+    /// runtimes (a system containerd beside k3s', CRI-O beside a containerd for builds) would
+    /// otherwise have the agent ask one that has none of the node's sandboxes and release them all.
+    async fn node_runtime(&self, runtime: &Runtime) -> Result<(CriClient, RuntimeVersion), NotAsked> {
+        if let Some(chosen) = runtime.chosen.lock().ok().and_then(|c| c.clone()) {
+            return Ok(chosen);
+        }
+        let node = self.node.get(&ObjectRef::<Node>::new(&self.settings.node));
+        let reported = node
+            .and_then(|n| n.status.as_ref()?.node_info.as_ref().map(|i| i.container_runtime_version.clone()))
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| NotAsked::NotTheNodes("the Node does not report its container runtime yet".to_string()))?;
+        let mut tried = Vec::new();
+        for candidate in &runtime.candidates {
+            match candidate.version().await {
+                Ok(version) if version.as_node_reports() == reported => {
+                    tracing::info!(socket = %candidate.socket().display(), runtime = %reported, "asking the node's runtime over CRI which sandboxes it has");
+                    if let Ok(mut chosen) = runtime.chosen.lock() {
+                        *chosen = Some((candidate.clone(), version.clone()));
+                    }
+                    return Ok((candidate.clone(), version));
+                }
+                Ok(version) => tried.push(format!("{} is {}", candidate.socket().display(), version.as_node_reports())),
+                Err(e) => tried.push(e.to_string()),
+            }
+        }
+        Err(NotAsked::NotTheNodes(format!("the Node's runtime is {reported}; {}", tried.join("; "))))
+    }
+
+    /// Asks the node's runtime about every sandbox of the checkpoint (`with_records`: and of
+    /// this node's records, for the start-up GC), keeps the answer if no newer one is kept,
+    /// and notes the sandboxes it has, or could not say it lacks, as listed (module
+    /// `release_marks`). `None` without `--cri-socket` or an answer; a failure drops the kept
+    /// answer, so nothing is concluded from a runtime that went silent.
+    pub(super) async fn ask_runtime(&self, with_records: bool) -> Option<Arc<RuntimeSandboxes>> {
+        let runtime = self.runtime.as_ref()?;
         let mut of_interest: BTreeSet<String> =
             self.checkpoint.read(|c| c.entries().map(|e| e.key.container_id.clone()).collect());
-        of_interest.extend(self.blocks.state().iter().flat_map(|b| {
-            b.spec
-                .allocations
-                .values()
-                .filter(|r| r.node == self.settings.node && !r.container_id.is_empty())
-                .map(|r| r.container_id.clone())
-                .collect::<Vec<_>>()
-        }));
-        let answer = match runtime.client.sandboxes(&of_interest).await {
-            Ok(answer) => answer,
+        if with_records {
+            of_interest.extend(self.blocks.state().iter().flat_map(|b| {
+                b.spec
+                    .allocations
+                    .values()
+                    .filter(|r| r.node == self.settings.node && !r.container_id.is_empty())
+                    .map(|r| r.container_id.clone())
+                    .collect::<Vec<_>>()
+            }));
+        }
+        let asked = match self.node_runtime(runtime).await {
+            Ok((client, _)) => client.sandboxes(&of_interest).await.map_err(NotAsked::Failed),
+            Err(e) => Err(e),
+        };
+        let answer = match asked {
+            Ok(answer) => Arc::new(answer),
             Err(e) => {
                 self.metrics.runtime_query("error");
-                if runtime.reachable.swap(false, Ordering::Relaxed) {
-                    tracing::warn!(error = %e, socket = %runtime.client.socket().display(), "the runtime cannot be asked which sandboxes it has; release marks wait out the sandbox grace until it answers again");
-                } else {
-                    tracing::debug!(error = %e, "the runtime still cannot be asked which sandboxes it has");
+                if let Ok(mut last) = runtime.last.lock() {
+                    *last = None;
                 }
-                return false;
+                let why = match e {
+                    NotAsked::Failed(e) => e.to_string(),
+                    NotAsked::NotTheNodes(why) => format!("no socket of --cri-socket is the node's runtime: {why}"),
+                };
+                if runtime.reachable.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(error = %why, "the runtime cannot be asked which sandboxes it has; release marks wait out the sandbox grace until it answers");
+                } else {
+                    tracing::debug!(error = %why, "the runtime still cannot be asked which sandboxes it has");
+                }
+                return None;
             }
         };
         self.metrics.runtime_query("ok");
         if !runtime.reachable.swap(true, Ordering::Relaxed) {
-            tracing::info!(socket = %runtime.client.socket().display(), "the runtime answers again which sandboxes it has");
+            tracing::info!("the runtime answers which sandboxes it has");
         }
-        let live: Vec<AttachmentKey> = self
-            .checkpoint
-            .read(|c| c.entries().filter(|e| answer.is_live(&e.key.container_id)).map(|e| e.key.clone()).collect());
-        self.checkpoint.note_listed(&live, answer.requested_at);
+        // A sandbox whose status the runtime could not give counts as listed too: only an
+        // answer that it lacks one may end a wait.
+        let listed: Vec<AttachmentKey> = self.checkpoint.read(|c| {
+            c.entries()
+                .filter(|e| answer.is_live(&e.key.container_id) || answer.is_unknown(&e.key.container_id))
+                .map(|e| e.key.clone())
+                .collect()
+        });
+        self.checkpoint.note_listed(&listed, answer.requested_at);
         self.runtime_gc_called();
-        if let Ok(mut last) = runtime.last.lock() {
-            *last = Some(answer);
+        if let Ok(mut last) = runtime.last.lock()
+            && last.as_ref().is_none_or(|kept| kept.requested_at <= answer.requested_at)
+        {
+            *last = Some(answer.clone());
         }
-        true
+        Some(answer)
     }
 
-    /// The verdict of the runtime's last answer on the attachment `key` (`pod_ended`: a live
-    /// read shows its pod gone or finished); [`SandboxVerdict::Unsure`] without one. An
-    /// attachment the runtime listed before (over CRI or CNI GC) is no ADD under way.
-    pub(super) fn runtime_verdict(&self, key: &AttachmentKey, pod_ended: bool) -> SandboxVerdict {
+    /// What the node's pod cache says of `pod`; [`PodKnown::Ended`] when its UID is
+    /// `ended_uid`, the pod a live read showed gone or finished.
+    fn pod_known(&self, pod: &PodRef, ended_uid: Option<&str>) -> PodKnown {
+        if ended_uid == Some(pod.uid.as_str()) {
+            return PodKnown::Ended;
+        }
+        let cached = self.pods.get(&ObjectRef::new(&pod.name).within(&pod.namespace));
+        let facts = cached.map(|p| crate::gc::index::PodFacts::of(&p));
+        match facts {
+            Some(facts) if facts.uid == pod.uid && !facts.finished() => PodKnown::Running,
+            _ => PodKnown::NotRunning,
+        }
+    }
+
+    /// The verdict of `answer` (the kept one when `None`) on the attachment `key`; its pod
+    /// counts as ended when its UID is `ended_uid` (a live read showed that pod gone or
+    /// finished). [`SandboxVerdict::Unsure`] without an answer or an entry.
+    pub(super) fn runtime_verdict(
+        &self,
+        key: &AttachmentKey,
+        ended_uid: Option<&str>,
+        answer: Option<&RuntimeSandboxes>,
+    ) -> SandboxVerdict {
         let Some(runtime) = &self.runtime else { return SandboxVerdict::Unsure };
-        let Some((recorded_at, listed)) =
-            self.checkpoint.read(|c| c.recorded_at(key).map(|at| (at, c.listed_at(key).is_some())))
+        let Some((recorded_at, listed_at, pod)) = self
+            .checkpoint
+            .read(|c| c.get(key).and_then(|e| Some((c.recorded_at(key)?, c.listed_at(key), e.pod.clone()))))
         else {
             return SandboxVerdict::Unsure;
         };
-        let last = runtime.last.lock().ok();
-        last.as_ref().and_then(|l| l.as_ref()).map_or(SandboxVerdict::Unsure, |answer| {
-            let known = Known { pod_ended, seen_by_runtime: listed };
-            answer.verdict(&key.container_id, recorded_at, known, runtime.settle)
-        })
+        let known = self.pod_known(&pod, ended_uid);
+        let kept = match answer {
+            Some(_) => None,
+            None => runtime.last.lock().ok().and_then(|l| l.clone()),
+        };
+        match answer.or(kept.as_deref()) {
+            Some(answer) => answer.verdict(&key.container_id, recorded_at, listed_at, known, runtime.settle),
+            None => SandboxVerdict::Unsure,
+        }
     }
 
-    /// Whether the runtime's last answer shows sandbox `container_id` live, whatever its age.
-    pub(super) fn runtime_has(&self, container_id: &str) -> bool {
-        let Some(runtime) = &self.runtime else { return false };
-        let last = runtime.last.lock().ok();
-        last.as_ref().and_then(|l| l.as_ref()).is_some_and(|answer| answer.is_live(container_id))
-    }
-
-    /// Follows the runtime's container events (`GetContainerEvents`) and wakes `sweep` (the
-    /// loop sending [`super::allocator::SweepRuntime`]) when one reports the end of a sandbox
-    /// the checkpoint holds, and on each (re)connection, since events may have been missed:
-    /// the sandbox's release then waits for no poll. A runtime that streams no events
-    /// (`Unimplemented`) leaves the poll alone, said once; a broken stream is followed again
-    /// after a backoff.
-    pub async fn follow_runtime_events(self: std::sync::Arc<Self>, sweep: std::sync::Arc<tokio::sync::Notify>) {
+    /// Follows the node runtime's container events (`GetContainerEvents`) and wakes `sweep`
+    /// (the loop sending [`super::allocator::SweepRuntime`]) when one reports the end of a
+    /// sandbox the checkpoint holds, and on each (re)connection, since events may have been
+    /// missed: the sandbox's release then waits for no poll. A runtime that streams no events
+    /// (`Unimplemented`), or hands each event to one follower only (containerd 1.x, whose
+    /// events kubelet's evented PLEG would lose), leaves the poll alone, said once; a broken
+    /// stream is followed again after a backoff.
+    pub async fn follow_runtime_events(self: Arc<Self>, sweep: Arc<tokio::sync::Notify>) {
         let Some(runtime) = &self.runtime else { return };
         let mut retry = EVENTS_RETRY;
         loop {
-            match runtime.client.ended_sandboxes().await {
+            let followed = match self.node_runtime(runtime).await {
+                Ok((_, version)) if version.events_exclusive() => {
+                    tracing::info!(runtime = %version.as_node_reports(), "the runtime hands each container event to one follower, so the agent leaves them to kubelet and asks on its timer only");
+                    return;
+                }
+                Ok((client, _)) => client.ended_sandboxes().await,
+                Err(NotAsked::Failed(e)) => Err(e),
+                Err(NotAsked::NotTheNodes(why)) => {
+                    tracing::debug!(%why, "not following the runtime's events yet");
+                    tokio::time::sleep(retry).await;
+                    retry = (retry * 2).min(EVENTS_RETRY_MAX);
+                    continue;
+                }
+            };
+            match followed {
                 Ok(ended) => {
                     retry = EVENTS_RETRY;
                     sweep.notify_one();
@@ -156,23 +256,22 @@ impl Core {
         }
     }
 
-    /// The checkpoint's attachments whose sandbox the runtime, asked now, no longer has.
-    /// Asked without the node to itself: only [`Core::release_gone`] needs it.
+    /// The checkpoint's attachments whose sandbox the runtime, asked now, no longer has (by
+    /// that answer and the pod cache: a running pod's sandbox the runtime never listed is still
+    /// being made). Asked without the node to itself: only [`Core::release_gone`] needs it.
     pub async fn gone_from_runtime(&self) -> Vec<AttachmentKey> {
-        if !self.ask_runtime().await {
-            return Vec::new();
-        }
+        let Some(answer) = self.ask_runtime(false).await else { return Vec::new() };
         let keys: Vec<AttachmentKey> = self.checkpoint.read(|c| c.entries().map(|e| e.key.clone()).collect());
-        keys.into_iter().filter(|k| self.runtime_verdict(k, false) == SandboxVerdict::Gone).collect()
+        keys.into_iter().filter(|k| self.runtime_verdict(k, None, Some(&answer)) == SandboxVerdict::Gone).collect()
     }
 
     /// Releases the attachments of `gone` ([`Core::gone_from_runtime`]) that are still in the
-    /// checkpoint and still gone by the runtime's last answer (an attachment recorded again
+    /// checkpoint and still gone by the runtime's newest answer (an attachment recorded again
     /// since is not), as their DELs would have. Runs with the node to itself (module `serial`).
     pub async fn release_gone(&self, gone: Vec<AttachmentKey>) -> Result<(), Error> {
         // Decided before the checkpoint is read: a verdict reads it too (its lock is not reentrant).
         let still_gone: Vec<&AttachmentKey> =
-            gone.iter().filter(|k| self.runtime_verdict(k, false) == SandboxVerdict::Gone).collect();
+            gone.iter().filter(|k| self.runtime_verdict(k, None, None) == SandboxVerdict::Gone).collect();
         let entries: Vec<CheckpointEntry> =
             self.checkpoint.read(|c| still_gone.iter().filter_map(|k| c.get(k).cloned()).collect());
         for entry in &entries {

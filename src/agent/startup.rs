@@ -46,7 +46,7 @@ impl Core {
             .list(&kube::api::ListParams::default())
             .await
             .map_err(Error::api("listing IPBlocks".to_string()))?;
-        let runtime_answered = self.ask_runtime().await;
+        let runtime = self.ask_runtime(true).await;
         let lives_here = |r: &Allocation| live.get(&(r.pod.namespace.clone(), r.pod.name.clone())) == Some(&r.pod.uid);
         let mut stale = Vec::new();
         for block in &blocks.items {
@@ -57,7 +57,7 @@ impl Core {
                 if lives_here(record) {
                     continue;
                 }
-                if runtime_answered && self.runtime_has(&record.container_id) {
+                if runtime.as_ref().is_some_and(|r| r.is_live(&record.container_id)) {
                     tracing::info!(%ip, pod = %format!("{}/{}", record.pod.namespace, record.pod.name), container_id = %record.container_id, "start-up GC: no local pod holds it, but the runtime still has its sandbox; its DEL frees it");
                     continue;
                 }

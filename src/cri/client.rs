@@ -1,6 +1,8 @@
-//! The CRI calls the agent makes: `ListPodSandbox`, then `PodSandboxStatus` for the sandboxes
-//! of interest the listing does not show READY. Over the runtime's unix socket, each call
-//! bounded by a timeout; the channel reconnects by itself after the runtime restarts.
+//! The CRI calls the agent makes: `Version`, `ListPodSandbox`, then `PodSandboxStatus` for the
+//! sandboxes of interest the listing does not show READY, and the `GetContainerEvents` stream.
+//! Over the runtime's unix socket; each unary call is bounded by a timeout (the stream is not:
+//! containerd sends its headers with its first event); the channel reconnects by itself after
+//! the runtime restarts.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -11,6 +13,7 @@ use hyper_util::rt::TokioIo;
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use k8s_cri::v1::{
     ContainerEventType, GetEventsRequest, ListPodSandboxRequest, PodSandboxState, PodSandboxStatusRequest,
+    VersionRequest,
 };
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -36,6 +39,16 @@ pub enum CriError {
         #[source]
         source: tonic::transport::Error,
     },
+    /// A call got no answer within the timeout.
+    #[error("CRI {call} over {socket} got no answer within {timeout:?}")]
+    Timeout {
+        /// The call.
+        call: &'static str,
+        /// The socket.
+        socket: PathBuf,
+        /// The timeout.
+        timeout: Duration,
+    },
     /// A call failed (the runtime is down, restarting, slow or refuses).
     #[error("CRI {call} over {socket} failed: {status}")]
     Call {
@@ -53,6 +66,30 @@ pub enum CriError {
 pub struct CriClient {
     socket: PathBuf,
     channel: Channel,
+    timeout: Duration,
+}
+
+/// What the runtime says it is (`Version`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuntimeVersion {
+    /// `runtime_name`, e.g. `containerd`.
+    pub name: String,
+    /// `runtime_version`, e.g. `v2.4.2`.
+    pub version: String,
+}
+
+impl RuntimeVersion {
+    /// The Node's `status.nodeInfo.containerRuntimeVersion` kubelet writes for this runtime
+    /// (`<name>://<version>`): the agent asks only the runtime its kubelet uses.
+    pub fn as_node_reports(&self) -> String {
+        format!("{}://{}", self.name, self.version)
+    }
+
+    /// Whether the runtime hands each container event to one follower only, taking them from
+    /// kubelet's evented PLEG: containerd before 2.0 drains one channel for all followers.
+    pub fn events_exclusive(&self) -> bool {
+        self.name == "containerd" && (self.version.starts_with("v1.") || self.version.starts_with("1."))
+    }
 }
 
 impl CriClient {
@@ -63,14 +100,34 @@ impl CriClient {
         // The URI is never dialled: the connector below opens the socket.
         let endpoint = Endpoint::try_from("http://cri.invalid")
             .map_err(|source| CriError::Endpoint { socket: path.clone(), source })?
-            .connect_timeout(timeout)
-            .timeout(timeout);
+            .connect_timeout(timeout);
         let dial = path.clone();
         let channel = endpoint.connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
             let dial = dial.clone();
             async move { tokio::net::UnixStream::connect(dial).await.map(TokioIo::new) }
         }));
-        Ok(Self { socket: path, channel })
+        Ok(Self { socket: path, channel, timeout })
+    }
+
+    /// Runs the unary `call` named `name`, failing after the client's timeout.
+    async fn bounded<T>(
+        &self,
+        name: &'static str,
+        call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, CriError> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(response)) => Ok(response.into_inner()),
+            Ok(Err(status)) => Err(self.failed(name, status)),
+            Err(_) => Err(CriError::Timeout { call: name, socket: self.socket.clone(), timeout: self.timeout }),
+        }
+    }
+
+    /// What the runtime says it is.
+    pub async fn version(&self) -> Result<RuntimeVersion, CriError> {
+        let mut client = RuntimeServiceClient::new(self.channel.clone());
+        let request = VersionRequest { version: "v1".to_string() };
+        let answer = self.bounded("Version", client.version(request)).await?;
+        Ok(RuntimeVersion { name: answer.runtime_name, version: answer.runtime_version })
     }
 
     /// The socket this client talks to.
@@ -85,12 +142,8 @@ impl CriClient {
     pub async fn sandboxes(&self, of_interest: &BTreeSet<String>) -> Result<RuntimeSandboxes, CriError> {
         let requested_at = Instant::now();
         let mut client = RuntimeServiceClient::new(self.channel.clone());
-        let listed = client
-            .list_pod_sandbox(ListPodSandboxRequest { filter: None })
-            .await
-            .map_err(|status| self.failed("ListPodSandbox", status))?
-            .into_inner()
-            .items;
+        let listing = client.list_pod_sandbox(ListPodSandboxRequest { filter: None });
+        let listed = self.bounded("ListPodSandbox", listing).await?.items;
         let ready: BTreeSet<String> =
             listed.into_iter().filter(|s| s.state == PodSandboxState::SandboxReady as i32).map(|s| s.id).collect();
         let mut sandboxes: BTreeMap<String, RuntimeSandbox> =
@@ -101,17 +154,18 @@ impl CriClient {
                 let mut client = client.clone();
                 async move {
                     let request = PodSandboxStatusRequest { pod_sandbox_id: id.clone(), verbose: true };
-                    let answer = match client.pod_sandbox_status(request).await {
+                    let answer = match self.bounded("PodSandboxStatus", client.pod_sandbox_status(request)).await {
                         Ok(response) => {
-                            let response = response.into_inner();
                             match response.status.map(|s| s.state) {
                                 Some(state) if state == PodSandboxState::SandboxReady as i32 => RuntimeSandbox::Ready,
                                 _ => RuntimeSandbox::NotReady { network_closed: network_closed(&response.info) },
                             }
                         }
-                        Err(status) if status.code() == tonic::Code::NotFound => RuntimeSandbox::Absent,
-                        Err(status) => {
-                            tracing::debug!(sandbox = %id, error = %self.failed("PodSandboxStatus", status), "the runtime did not say whether it has the sandbox");
+                        Err(CriError::Call { status, .. }) if status.code() == tonic::Code::NotFound => {
+                            RuntimeSandbox::Absent
+                        }
+                        Err(e) => {
+                            tracing::debug!(sandbox = %id, error = %e, "the runtime did not say whether it has the sandbox");
                             RuntimeSandbox::Unknown
                         }
                     };

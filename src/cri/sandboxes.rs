@@ -55,36 +55,62 @@ impl RuntimeSandboxes {
         )
     }
 
-    /// The verdict on the attachment of sandbox `id` recorded at `recorded_at`. `known`: what
-    /// else is known of it ([`Known`]).
-    pub fn verdict(&self, id: &str, recorded_at: Instant, known: Known, settle: Duration) -> SandboxVerdict {
+    /// Whether the runtime could not say whether it has sandbox `id` (its status call failed).
+    pub fn is_unknown(&self, id: &str) -> bool {
+        self.sandboxes.get(id) == Some(&RuntimeSandbox::Unknown)
+    }
+
+    /// The verdict on the attachment of sandbox `id` recorded at `recorded_at`, last listed by
+    /// the runtime at `listed_at` (over CRI or CNI GC), whose pod is `pod`.
+    pub fn verdict(
+        &self,
+        id: &str,
+        recorded_at: Instant,
+        listed_at: Option<Instant>,
+        pod: PodKnown,
+        settle: Duration,
+    ) -> SandboxVerdict {
         let Some(&sandbox) = self.sandboxes.get(id) else { return SandboxVerdict::Unsure };
         let age = self.requested_at.checked_duration_since(recorded_at);
-        verdict(sandbox, age, known, settle)
+        // Listed before this answer was asked for: a listing as old as this answer, or newer,
+        // may have seen a sandbox this answer's listing missed because it came just after.
+        let seen = listed_at.is_some_and(|at| at < self.requested_at);
+        verdict(sandbox, age, seen, pod, settle)
     }
 }
 
-/// What the agent knows of an attachment besides the runtime's answer.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Known {
-    /// A live read shows the attachment's pod gone or finished (a release mark's answer).
-    pub pod_ended: bool,
-    /// The runtime has listed the sandbox since the attachment was recorded (over CRI, or in
-    /// a CNI GC's valid attachments): it exists, so it is no ADD still under way.
-    pub seen_by_runtime: bool,
+/// What the agent knows of an attachment's pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodKnown {
+    /// A live read shows it gone or finished (a release mark's answer).
+    Ended,
+    /// The node's pod cache shows it, under the attachment's UID, not finished.
+    Running,
+    /// The cache does not show it running: gone, finished, or not seen yet.
+    NotRunning,
 }
 
 /// The verdict on an attachment whose sandbox the runtime answered `sandbox` for, `age` after
-/// the attachment was recorded (`None`: recorded after the runtime was asked).
+/// the attachment was recorded (`None`: recorded after the runtime was asked); `seen`: the
+/// runtime listed the sandbox before it was asked.
 ///
-/// containerd adds a sandbox to the store its listing reads only after the sandbox's network
-/// is set up (CNI ADD) and its pause container started, so a sandbox that is not listed may be
-/// one whose ADD has just returned. Such an absence counts once the runtime has listed the
-/// sandbox before (sandbox IDs never come back), once the attachment is older than `settle`,
-/// or when its pod ended (the pod of a release mark: a sandbox still starting for it is torn
-/// down by the kubelet, and a released IP waits out the reuse cooldown).
-pub fn verdict(sandbox: RuntimeSandbox, age: Option<Duration>, known: Known, settle: Duration) -> SandboxVerdict {
-    let absence_counts = age.is_some_and(|age| age >= settle || known.pod_ended || known.seen_by_runtime);
+/// containerd adds a sandbox to the store its listing reads only after the CNI ADD returned
+/// and the sandbox was created and started (which may pull the pause image; other plugins of a
+/// Multus chain run in between too), so a sandbox that is not listed may be one still being
+/// made. Such an absence counts when the runtime listed the sandbox before (sandbox IDs never
+/// come back); when a live read shows its pod ended (a release mark: a sandbox still starting
+/// for a deleted pod is torn down by the kubelet, and a released IP waits out the reuse
+/// cooldown); or once the attachment is older than `settle` and its pod is not running. The
+/// IP of a running pod whose sandbox the runtime never listed is left to the release handshake.
+pub fn verdict(
+    sandbox: RuntimeSandbox,
+    age: Option<Duration>,
+    seen: bool,
+    pod: PodKnown,
+    settle: Duration,
+) -> SandboxVerdict {
+    let absence_counts =
+        age.is_some_and(|age| seen || pod == PodKnown::Ended || (pod == PodKnown::NotRunning && age >= settle));
     match sandbox {
         RuntimeSandbox::Ready | RuntimeSandbox::NotReady { network_closed: false } => SandboxVerdict::Live,
         RuntimeSandbox::NotReady { network_closed: true } if age.is_some() => SandboxVerdict::Gone,
@@ -117,31 +143,31 @@ mod tests {
 
     #[test]
     fn the_verdict_table() {
+        use PodKnown::{Ended, NotRunning, Running};
         let old = Some(Duration::from_secs(61));
         let young = Some(Duration::from_secs(5));
         let closed = RuntimeSandbox::NotReady { network_closed: true };
         let open = RuntimeSandbox::NotReady { network_closed: false };
-        let nothing = Known::default();
-        let ended = Known { pod_ended: true, ..Known::default() };
-        let seen = Known { seen_by_runtime: true, ..Known::default() };
+        let absent = RuntimeSandbox::Absent;
         let cases = [
-            // (runtime's answer, age, what else is known, verdict)
-            (RuntimeSandbox::Ready, old, ended, SandboxVerdict::Live),
-            (RuntimeSandbox::Ready, None, ended, SandboxVerdict::Live),
-            (open, old, ended, SandboxVerdict::Live),
-            (closed, young, nothing, SandboxVerdict::Gone),
-            (closed, None, ended, SandboxVerdict::Unsure),
-            (RuntimeSandbox::Absent, old, nothing, SandboxVerdict::Gone),
-            (RuntimeSandbox::Absent, Some(SETTLE), nothing, SandboxVerdict::Gone),
-            (RuntimeSandbox::Absent, young, nothing, SandboxVerdict::Unsure),
-            (RuntimeSandbox::Absent, young, ended, SandboxVerdict::Gone),
-            (RuntimeSandbox::Absent, young, seen, SandboxVerdict::Gone),
-            (RuntimeSandbox::Absent, None, ended, SandboxVerdict::Unsure),
-            (RuntimeSandbox::Absent, None, seen, SandboxVerdict::Unsure),
-            (RuntimeSandbox::Unknown, old, ended, SandboxVerdict::Unsure),
+            // (runtime's answer, age, listed before, pod, verdict)
+            (RuntimeSandbox::Ready, old, false, Ended, SandboxVerdict::Live),
+            (RuntimeSandbox::Ready, None, false, NotRunning, SandboxVerdict::Live),
+            (open, old, true, Ended, SandboxVerdict::Live),
+            (closed, young, false, Running, SandboxVerdict::Gone),
+            (closed, None, true, Ended, SandboxVerdict::Unsure),
+            (absent, old, false, NotRunning, SandboxVerdict::Gone),
+            (absent, Some(SETTLE), false, NotRunning, SandboxVerdict::Gone),
+            (absent, young, false, NotRunning, SandboxVerdict::Unsure),
+            // A running pod whose sandbox was never listed: still being made, however long.
+            (absent, old, false, Running, SandboxVerdict::Unsure),
+            (absent, young, true, Running, SandboxVerdict::Gone),
+            (absent, young, false, Ended, SandboxVerdict::Gone),
+            (absent, None, true, Ended, SandboxVerdict::Unsure),
+            (RuntimeSandbox::Unknown, old, true, Ended, SandboxVerdict::Unsure),
         ];
-        for (sandbox, age, known, expected) in cases {
-            assert_eq!(verdict(sandbox, age, known, SETTLE), expected, "{sandbox:?} {age:?} {known:?}");
+        for (sandbox, age, seen, pod, expected) in cases {
+            assert_eq!(verdict(sandbox, age, seen, pod, SETTLE), expected, "{sandbox:?} {age:?} seen={seen} {pod:?}");
         }
     }
 
@@ -149,8 +175,7 @@ mod tests {
     fn an_attachment_the_runtime_was_not_asked_about_is_unsure() {
         let now = Instant::now();
         let listing = RuntimeSandboxes { requested_at: now, sandboxes: BTreeMap::new() };
-        let ended = Known { pod_ended: true, ..Known::default() };
-        assert_eq!(listing.verdict("abc", now, ended, SETTLE), SandboxVerdict::Unsure);
+        assert_eq!(listing.verdict("abc", now, None, PodKnown::Ended, SETTLE), SandboxVerdict::Unsure);
     }
 
     #[test]
@@ -159,9 +184,23 @@ mod tests {
         let recorded = asked + Duration::from_millis(1);
         let listing =
             RuntimeSandboxes { requested_at: asked, sandboxes: BTreeMap::from([("a".into(), RuntimeSandbox::Absent)]) };
-        let ended = Known { pod_ended: true, ..Known::default() };
-        assert_eq!(listing.verdict("a", recorded, ended, Duration::ZERO), SandboxVerdict::Unsure);
-        assert_eq!(listing.verdict("a", asked, ended, Duration::ZERO), SandboxVerdict::Gone);
+        assert_eq!(listing.verdict("a", recorded, None, PodKnown::Ended, Duration::ZERO), SandboxVerdict::Unsure);
+        assert_eq!(listing.verdict("a", asked, None, PodKnown::Ended, Duration::ZERO), SandboxVerdict::Gone);
+    }
+
+    #[test]
+    fn only_a_listing_older_than_the_answer_makes_an_absence_count() {
+        // The sandbox entered the runtime's store just after this answer's listing, and a later
+        // question listed it: this answer's absence is no proof that it is gone.
+        let recorded = Instant::now();
+        let asked = recorded + Duration::from_secs(1);
+        let listing =
+            RuntimeSandboxes { requested_at: asked, sandboxes: BTreeMap::from([("a".into(), RuntimeSandbox::Absent)]) };
+        let later = Some(asked + Duration::from_millis(1));
+        let earlier = Some(asked - Duration::from_millis(1));
+        assert_eq!(listing.verdict("a", recorded, later, PodKnown::Running, SETTLE), SandboxVerdict::Unsure);
+        assert_eq!(listing.verdict("a", recorded, Some(asked), PodKnown::Running, SETTLE), SandboxVerdict::Unsure);
+        assert_eq!(listing.verdict("a", recorded, earlier, PodKnown::Running, SETTLE), SandboxVerdict::Gone);
     }
 
     #[test]

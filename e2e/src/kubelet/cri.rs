@@ -30,6 +30,13 @@ use crate::error::{Error, Result};
 /// The socket's name in the node's directory.
 pub const CRI_SOCKET: &str = "cri.sock";
 
+/// The runtime's name, as `Version` answers it; the Node reports
+/// `<RUNTIME_NAME>://<RUNTIME_VERSION>` as its `containerRuntimeVersion`, as kubelet does.
+pub const RUNTIME_NAME: &str = "e2e";
+
+/// The runtime's version, as `Version` answers it.
+pub const RUNTIME_VERSION: &str = "0";
+
 /// How many events a slow follower of the event stream may fall behind before it misses some.
 const EVENTS_BUFFERED: usize = 1024;
 
@@ -75,6 +82,9 @@ impl CriService {
     }
 
     fn find(&self, id: &str) -> Option<(String, Sandbox)> {
+        if self.faults.hidden_from_cri(id) {
+            return None;
+        }
         let sandboxes = self.sandboxes.lock().ok()?;
         sandboxes.iter().find(|(_, s)| s.container_id == id).map(|(uid, s)| (uid.clone(), s.clone()))
     }
@@ -118,13 +128,30 @@ runtime_service! {
         type GetContainerEventsStream =
             Pin<Box<dyn futures::Stream<Item = std::result::Result<ContainerEventResponse, Status>> + Send>>;
 
+        async fn version(
+            &self,
+            _request: Request<VersionRequest>,
+        ) -> std::result::Result<Response<VersionResponse>, Status> {
+            self.check_available()?;
+            Ok(Response::new(VersionResponse {
+                version: "0.1.0".to_string(),
+                runtime_name: RUNTIME_NAME.to_string(),
+                runtime_version: RUNTIME_VERSION.to_string(),
+                runtime_api_version: "v1".to_string(),
+            }))
+        }
+
         async fn list_pod_sandbox(
             &self,
             _request: Request<ListPodSandboxRequest>,
         ) -> std::result::Result<Response<ListPodSandboxResponse>, Status> {
             self.check_available()?;
             let sandboxes = self.sandboxes.lock().map_err(|_| Status::internal("sandbox table poisoned"))?;
-            let items = sandboxes.iter().map(|(uid, s)| pod_sandbox(uid, s)).collect();
+            let items = sandboxes
+            .iter()
+            .filter(|(_, s)| !self.faults.hidden_from_cri(&s.container_id))
+            .map(|(uid, s)| pod_sandbox(uid, s))
+            .collect();
             Ok(Response::new(ListPodSandboxResponse { items }))
         }
 
@@ -166,7 +193,6 @@ runtime_service! {
         Ok(Response::new(Box::pin(events)))
         }
     }
-    version(VersionRequest) -> VersionResponse;
     run_pod_sandbox(RunPodSandboxRequest) -> RunPodSandboxResponse;
     stop_pod_sandbox(StopPodSandboxRequest) -> StopPodSandboxResponse;
     remove_pod_sandbox(RemovePodSandboxRequest) -> RemovePodSandboxResponse;

@@ -68,6 +68,8 @@ pub struct Faults {
     crash_adds: AtomicUsize,
     cri_unavailable: AtomicBool,
     hold_teardowns: AtomicBool,
+    hide_new_sandboxes: AtomicBool,
+    hidden: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Faults {
@@ -119,6 +121,30 @@ impl Faults {
     /// Whether teardowns wait.
     pub fn hold_teardowns(&self) -> bool {
         self.hold_teardowns.load(Ordering::Relaxed)
+    }
+
+    /// While on, a new sandbox enters the runtime's store only when this is switched off: CRI
+    /// neither lists it nor finds its status, as containerd while it still creates and starts
+    /// a sandbox whose CNI ADD has returned (a slow pause image pull). Its pod runs meanwhile.
+    pub fn set_hide_new_sandboxes(&self, hide: bool) {
+        self.hide_new_sandboxes.store(hide, Ordering::Relaxed);
+        if !hide && let Ok(mut hidden) = self.hidden.lock() {
+            hidden.clear();
+        }
+    }
+
+    /// Hides sandbox `id` from CRI if new sandboxes are hidden.
+    fn hide_if_asked(&self, id: &str) {
+        if self.hide_new_sandboxes.load(Ordering::Relaxed)
+            && let Ok(mut hidden) = self.hidden.lock()
+        {
+            hidden.insert(id.to_string());
+        }
+    }
+
+    /// Whether CRI must not show sandbox `id` yet.
+    fn hidden_from_cri(&self, id: &str) -> bool {
+        self.hidden.lock().is_ok_and(|hidden| hidden.contains(id))
     }
 
     /// Consumes one pending ADD crash, if any.
@@ -303,7 +329,8 @@ async fn post_status(client: &Client, name: &str, ready_since: Timestamp) -> Res
             "nodeInfo": {
                 "machineID": name, "systemUUID": name, "bootID": since,
                 "kernelVersion": "simulated", "osImage": "ipwarden e2e simulated node",
-                "containerRuntimeVersion": "e2e://0", "kubeletVersion": "v1.37.2",
+                "containerRuntimeVersion": format!("{}://{}", cri::RUNTIME_NAME, cri::RUNTIME_VERSION),
+            "kubeletVersion": "v1.37.2",
                 "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64",
             },
         },

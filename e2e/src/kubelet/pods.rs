@@ -246,11 +246,16 @@ impl NodeRuntime {
             Some(sandbox) => {
                 let id = sandbox.container_id.clone();
                 if sandboxes.insert(uid.to_string(), sandbox).is_none_or(|old| old.container_id != id) {
-                    super::cri::publish(&self.events, &id, true);
+                    self.faults.hide_if_asked(&id);
+                    if !self.faults.hidden_from_cri(&id) {
+                        super::cri::publish(&self.events, &id, true);
+                    }
                 }
             }
             None => {
-                if let Some(old) = sandboxes.remove(uid) {
+                if let Some(old) = sandboxes.remove(uid)
+                    && !self.faults.hidden_from_cri(&old.container_id)
+                {
                     super::cri::publish(&self.events, &old.container_id, false);
                 }
             }
