@@ -133,8 +133,8 @@ async fn the_chart_lints_and_renders_restricted_workloads_least_privilege_rbac_a
         .collect();
     assert_eq!(cri_mounts.len(), 2, "one mount per socket directory");
     assert!(
-        cri_mounts.iter().all(|m| m["readOnly"] == true),
-        "the runtime's directories are read-only: {cri_mounts:?}"
+        cri_mounts.iter().all(|m| m["readOnly"] == true && m["mountPropagation"] == "HostToContainer"),
+        "the runtime's directories are read-only and follow the host's mounts: {cri_mounts:?}"
     );
     let without_cri =
         helm.template("ipwarden", NAMESPACE, &["agent.cri.enabled=false"], &[]).await.expect("renders without CRI");
