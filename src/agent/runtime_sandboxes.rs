@@ -82,7 +82,7 @@ impl Core {
         let mut tried = Vec::new();
         for candidate in &runtime.candidates {
             match candidate.version().await {
-                Ok(version) if version.as_node_reports() == reported => {
+                Ok(version) if version.is_reported_as(&reported) => {
                     tracing::info!(socket = %candidate.socket().display(), runtime = %reported, "asking the node's runtime over CRI which sandboxes it has");
                     if let Ok(mut chosen) = runtime.chosen.lock() {
                         *chosen = Some((candidate.clone(), version.clone()));

@@ -79,10 +79,20 @@ pub struct RuntimeVersion {
 }
 
 impl RuntimeVersion {
-    /// The Node's `status.nodeInfo.containerRuntimeVersion` kubelet writes for this runtime
-    /// (`<name>://<version>`): the agent asks only the runtime its kubelet uses.
+    /// How it reads as a Node's `containerRuntimeVersion`: `<name>://<version>`.
     pub fn as_node_reports(&self) -> String {
         format!("{}://{}", self.name, self.version)
+    }
+
+    /// Whether the Node's `status.nodeInfo.containerRuntimeVersion`, `reported`, names this
+    /// runtime: kubelet writes `<name>://<version>` from the same `Version` call, the version
+    /// parsed as semantic (containerd's `v2.4.2` reads `2.4.2` there), so a leading `v` is
+    /// ignored on both sides. The agent asks only the runtime its kubelet uses.
+    pub fn is_reported_as(&self, reported: &str) -> bool {
+        let bare = |version: &str| version.strip_prefix('v').unwrap_or(version).to_string();
+        reported
+            .split_once("://")
+            .is_some_and(|(name, version)| name == self.name && bare(version) == bare(&self.version))
     }
 
     /// Whether the runtime hands each container event to one follower only, taking them from
@@ -211,5 +221,32 @@ impl CriClient {
 
     fn failed(&self, call: &'static str, status: tonic::Status) -> CriError {
         CriError::Call { call, socket: self.socket.clone(), status: Box::new(status) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_runtime_is_the_nodes_when_kubelet_reports_its_name_and_version() {
+        let containerd = RuntimeVersion { name: "containerd".into(), version: "v2.4.2".into() };
+        assert!(containerd.is_reported_as("containerd://2.4.2"), "kubelet drops the v of a semantic version");
+        assert!(containerd.is_reported_as("containerd://v2.4.2"));
+        assert!(!containerd.is_reported_as("containerd://1.7.2"), "another containerd");
+        assert!(!containerd.is_reported_as("cri-o://2.4.2"));
+        assert!(!containerd.is_reported_as("containerd"));
+        assert!(!containerd.is_reported_as(""));
+        let crio = RuntimeVersion { name: "cri-o".into(), version: "1.32.0".into() };
+        assert!(crio.is_reported_as("cri-o://1.32.0"));
+    }
+
+    #[test]
+    fn only_containerd_1_hands_each_event_to_one_follower() {
+        let version = |name: &str, version: &str| RuntimeVersion { name: name.into(), version: version.into() };
+        assert!(version("containerd", "v1.7.27").events_exclusive());
+        assert!(version("containerd", "1.7.2").events_exclusive());
+        assert!(!version("containerd", "v2.4.2").events_exclusive());
+        assert!(!version("cri-o", "1.32.0").events_exclusive());
     }
 }

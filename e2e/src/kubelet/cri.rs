@@ -10,7 +10,9 @@
 //! (the kubelet's `RemovePodSandbox` following its `StopPodSandbox` at once), so it never
 //! lists a NOTREADY one. `GetContainerEvents` streams a sandbox's `CONTAINER_CREATED_EVENT`
 //! and `CONTAINER_STARTED_EVENT` when it enters the store and its `CONTAINER_DELETED_EVENT`
-//! when it leaves, naming the sandbox itself as the container, as containerd does. The calls
+//! when it leaves, naming the sandbox itself as the container, as containerd does (which sends
+//! the stream's response headers only with its first event; this one sends them at once,
+//! which the agent, setting no timeout on the stream, does not tell apart). The calls
 //! the agent makes are served; the others answer `Unimplemented`.
 //! [`super::Faults::set_cri_unavailable`] makes every call fail with
 //! `Unavailable`, as containerd answers while it is not initialized.
