@@ -33,6 +33,17 @@ const LONG_GRACE: Duration = Duration::from_secs(150);
 /// runtime's word.
 const SHORT_GRACE: Duration = Duration::from_secs(3);
 
+/// Waits until agent `index` has had `count` more questions answered by its runtime than now.
+async fn wait_questions(ipwarden: &Ipwarden, index: usize, count: u32) {
+    let asked = metric(&ipwarden.scrape_agent(index).await, QUERIES_OK);
+    wait::until(&format!("{count} more questions to the runtime"), TIMEOUT, || async {
+        let now = metric(&ipwarden.scrape_agent(index).await, QUERIES_OK);
+        Ok(if now >= asked + f64::from(count) { Probe::Done(()) } else { Probe::Pending(format!("{now} questions")) })
+    })
+    .await
+    .expect("questions");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_del_is_freed_before_the_grace_a_ready_sandbox_never_and_an_unreachable_runtime_falls_back_to_the_grace()
 {
@@ -56,13 +67,7 @@ async fn a_lost_del_is_freed_before_the_grace_a_ready_sandbox_never_and_an_unrea
     ipwarden.cluster.nodes()[0].faults().set_skip_del(true);
     create_pod(&client, NS, "alone", "node-0", json!({"app": "alone"})).await;
     let alone_ip = ip_of(&wait_pods_with_ips(&client, NS, "app=alone", 1).await["alone"]);
-    let asked = metric(&ipwarden.scrape_agent(0).await, QUERIES_OK);
-    wait::until("the agent asked the runtime twice since the pod ran", TIMEOUT, || async {
-        let now = metric(&ipwarden.scrape_agent(0).await, QUERIES_OK);
-        Ok(if now >= asked + 2.0 { Probe::Done(()) } else { Probe::Pending(format!("{now} questions")) })
-    })
-    .await
-    .expect("questions");
+    wait_questions(&ipwarden, 0, 2).await;
     pods.delete("alone", &DeleteParams::default()).await.expect("delete pod");
     wait_record_gone(&client, &alone_ip, TIMEOUT, "the lost DEL's IP freed by the agent alone").await;
 
@@ -155,13 +160,7 @@ async fn a_running_pods_sandbox_the_runtime_has_not_listed_yet_keeps_its_ip_past
     create_pod(&client, NS, "starting", "node-0", json!({"app": "starting"})).await;
     let pod = wait_pods_with_ips(&client, NS, "app=starting", 1).await.remove("starting").expect("pod");
     let (ip, uid) = (ip_of(&pod), pod.uid().unwrap_or_default());
-    let asked = metric(&ipwarden.scrape_agent(0).await, QUERIES_OK);
-    wait::until("five questions to the runtime since the pod ran", TIMEOUT, || async {
-        let now = metric(&ipwarden.scrape_agent(0).await, QUERIES_OK);
-        Ok(if now >= asked + 5.0 { Probe::Done(()) } else { Probe::Pending(format!("{now} questions")) })
-    })
-    .await
-    .expect("questions");
+    wait_questions(&ipwarden, 0, 5).await;
     assert_eq!(
         record_state(&client, &ip).await.map(|(owner, _)| owner),
         Some(uid),
