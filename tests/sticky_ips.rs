@@ -6,6 +6,7 @@
 mod support;
 
 use e2e::cni::{Invocation, NodeInfo, PodArgs};
+use e2e::ipwarden::ReleaseHold;
 use e2e::kubelet::{EXTRA_INTERFACES_ANNOTATION, Sandbox};
 use e2e::wait::{self, Probe};
 use ipwarden::crd::{Allocation, HandshakeState, IPBlock, IPClaim};
@@ -462,9 +463,12 @@ async fn a_fast_statefulset_scale_down_and_up_keeps_the_reservation_a_sweep_deci
     let agent_args = ["--release-sandbox-grace-seconds=1", "--reuse-cooldown-seconds=0"];
     let mut ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
     let client = ipwarden.client();
-    // A long batch window is the gap between a release decided from the caches and its write;
-    // the slow janitor leaves web-1's claim while the set is scaled down.
-    let args = ["--full-scan-interval-seconds=1", "--batch-window-ms=6000", "--claim-janitor-interval-seconds=600"];
+    // The hold keeps the release of web-1's answered mark, decided from the caches, from its
+    // live re-reads until the test has scaled the set back up; the slow janitor leaves web-1's
+    // claim while the set is scaled down.
+    let hold = ReleaseHold::start(&ipwarden.cluster.dir().join("release-hold")).expect("release hold");
+    let hold_flag = hold.flag();
+    let args = ["--full-scan-interval-seconds=1", "--claim-janitor-interval-seconds=600", &hold_flag];
     let controller = ipwarden.start_controller("controller", &args);
     ipwarden.wait_leader(controller).await;
     let sts: StatefulSet = serde_json::from_value(json!({
@@ -488,9 +492,8 @@ async fn a_fast_statefulset_scale_down_and_up_keeps_the_reservation_a_sweep_deci
     .expect("sandbox dropped");
     node.faults().set_skip_del(false);
 
-    // The agent answers the controller's mark; the controller decides to release at once (the
-    // set wants one replica) and a sweep after that decides it again; the writes wait for
-    // the batch window.
+    // The agent answers the controller's mark; the controller decides to release (the set
+    // wants one replica), and the release waits on the hold before its live re-reads.
     wait::until("web-1's record answered ready-for-release", TIMEOUT, || async {
         let state = record_of(&client, &ip).await;
         Ok(match state {
@@ -500,21 +503,18 @@ async fn a_fast_statefulset_scale_down_and_up_keeps_the_reservation_a_sweep_deci
     })
     .await
     .expect("the agent answers");
-    let scanned = || async {
-        let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
-        metric(&text, "ipwarden_gc_sweep_records_scanned_total")
-    };
-    let before = scanned().await;
-    wait::until("a sweep planned on the scaled-down state", TIMEOUT, || async {
-        let now = scanned().await;
-        Ok(if now > before { Probe::Done(()) } else { Probe::Pending(format!("{now} records scanned")) })
+    wait::until("the release decided on the scaled-down state held", TIMEOUT, || async {
+        Ok(if hold.holds_a_release() { Probe::Done(()) } else { Probe::Pending("not held yet".into()) })
     })
     .await
-    .expect("a sweep plans");
+    .expect("a release held");
 
     // Scaled back up before the write; web-1 stays Pending (node cordoned) so no ADD interferes.
     cordon(&client, "node-0", true).await;
     scale_web(&client, 2).await;
+    let replicas = Api::<StatefulSet>::namespaced(client.clone(), NS).get("web").await.expect("read web");
+    assert_eq!(replicas.spec.replicas, Some(2), "the scale-up landed before the write");
+    drop(hold);
     let outcome = wait::until("the stale release written or dropped (the mark cleared)", TIMEOUT, || async {
         Ok(match record_of(&client, &ip).await {
             Some((_, Some(_), _)) => Probe::Pending("still marked".into()),

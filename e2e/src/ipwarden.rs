@@ -87,6 +87,41 @@ impl Drop for CheckpointHold {
     }
 }
 
+/// Holds the controller's releases of answered marks before their live re-reads, while it
+/// lives: the controller started with `--test-release-hold=<path>` waits while the file at
+/// `path` exists, and says it waits by writing `<path>.held`. A test stages "the release was
+/// decided on the old state, then the state changed, then the write re-read it" with it,
+/// instead of racing the batch window.
+#[derive(Debug)]
+pub struct ReleaseHold {
+    path: PathBuf,
+}
+
+impl ReleaseHold {
+    /// Starts holding the releases of a controller given `--test-release-hold=<path>`.
+    pub fn start(path: &Path) -> Result<Self> {
+        let _stale = std::fs::remove_file(path.with_extension("held"));
+        std::fs::write(path, b"").map_err(Error::io("making the release hold", path))?;
+        Ok(Self { path: path.to_path_buf() })
+    }
+
+    /// The controller flag that obeys this hold.
+    pub fn flag(&self) -> String {
+        format!("--test-release-hold={}", self.path.display())
+    }
+
+    /// Whether a release waits on the hold.
+    pub fn holds_a_release(&self) -> bool {
+        self.path.with_extension("held").exists()
+    }
+}
+
+impl Drop for ReleaseHold {
+    fn drop(&mut self) {
+        let _gone = std::fs::remove_file(&self.path);
+    }
+}
+
 /// Who an ipwarden process talks to the apiserver as, and where the controller keeps its
 /// Lease and trigger ConfigMap.
 #[derive(Clone, Debug)]

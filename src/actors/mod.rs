@@ -110,6 +110,11 @@ pub struct ControllerArgs {
     /// for the Lease, to play a node whose clock is off.
     #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
     pub test_clock_offset_seconds: i64,
+    /// Tests only (hidden): while this file exists, a release of an answered mark waits before
+    /// its live re-reads, so a test can change the pod or its owner between the decision and
+    /// the write instead of racing the batch window ([`pool::PoolContext::test_release_hold`]).
+    #[arg(long, hide = true)]
+    pub test_release_hold: Option<std::path::PathBuf>,
 }
 
 /// Runs the controller until SIGINT or SIGTERM. Must run inside an actix System.
@@ -198,6 +203,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         own_writes: own_block_writes,
         batch_window: Duration::from_millis(args.batch_window_ms),
         events,
+        test_release_hold: args.test_release_hold.clone(),
     };
 
     let mut subscribers = Vec::new();

@@ -149,6 +149,9 @@ pub struct PoolContext {
     pub batch_window: Duration,
     /// The writer of release and repair Events.
     pub events: EventWriter,
+    /// Tests only (`--test-release-hold`): while this file exists, a release of an answered
+    /// mark waits before its live re-reads, after writing `<file>.held` to say it does.
+    pub test_release_hold: Option<std::path::PathBuf>,
 }
 
 /// Starts and stops pool actors and routes changes to them.
@@ -563,6 +566,11 @@ async fn read_live_facts(
             facts.push(LiveFacts { settled_by_mark: true, ..LiveFacts::default() });
             continue;
         }
+        if step == ControllerStep::Release
+            && let Some(hold) = &context.test_release_hold
+        {
+            wait_while_held(hold).await;
+        }
         let key = (change.ip.as_str(), change.pod.uid.as_str());
         let recheck = match pods_read.get(&key) {
             Some(known) => known.clone(),
@@ -591,6 +599,25 @@ async fn read_live_facts(
         facts.push(LiveFacts { recheck: Some(recheck), settled_by_mark: false, owner_wants });
     }
     facts
+}
+
+/// How often a held release looks whether its hold is gone.
+const HOLD_POLL: Duration = Duration::from_millis(50);
+
+/// Tests only: while `hold` exists, waits, having written `<hold>.held` so the test knows a
+/// release is held (`--test-release-hold`).
+async fn wait_while_held(hold: &std::path::Path) {
+    if !hold.exists() {
+        return;
+    }
+    let held = hold.with_extension("held");
+    if let Err(e) = std::fs::write(&held, b"") {
+        tracing::warn!(path = %held.display(), error = %e, "test hold: cannot say that a release is held");
+    }
+    tracing::warn!(path = %hold.display(), "test hold: a release waits before its live re-reads");
+    while hold.exists() {
+        tokio::time::sleep(HOLD_POLL).await;
+    }
 }
 
 /// Applies `changes` to block `name` in one compare-and-swap write
