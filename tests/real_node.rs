@@ -486,6 +486,17 @@ async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_falls_back_to_the_
     ipwarden.cluster.wait_real_nodes_ready().await.expect("the node is Ready");
     pods.create(&PostParams::default(), &real_pod("lost")).await.expect("create pod");
     let lost_ip = support::ip_of(&wait_running(&client, "lost").await);
+    // containerd has the sandbox and has said so to the agent (two more questions answered):
+    // a sandbox the runtime never returned may be one still being made, and only the settle
+    // time or the grace may free its IP.
+    let asked = || async { support::metric(&ipwarden.scrape_agent(0).await, QUERIES_OK) };
+    let asked_running = asked().await;
+    wait::until("containerd answers two more questions", TIMEOUT, || async {
+        let now = asked().await;
+        Ok(if now >= asked_running + 2.0 { Probe::Done(()) } else { Probe::Pending(format!("{now} questions")) })
+    })
+    .await
+    .expect("questions");
     ipwarden.cluster.real_node(0).power_off();
     pods.delete("lost", &force).await.expect("force-delete the pod");
     let deleted = std::time::Instant::now();

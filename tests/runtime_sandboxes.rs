@@ -76,10 +76,11 @@ async fn a_lost_del_is_freed_before_the_grace_a_ready_sandbox_never_and_an_unrea
     ipwarden.wait_leader(controller).await;
 
     // node-0: the pod's DEL is lost (the runtime tears its sandbox down without it). Its IP is
-    // free well before the sandbox grace: the runtime no longer lists the sandbox.
+    // free well before the sandbox grace: the runtime listed the sandbox, and no longer does.
     ipwarden.cluster.nodes()[0].faults().set_skip_del(true);
     create_pod(&client, NS, "lost", "node-0", json!({"app": "lost"})).await;
     let lost_ip = ip_of(&wait_pods_with_ips(&client, NS, "app=lost", 1).await["lost"]);
+    wait_questions(&ipwarden, 0, 2).await;
     pods.delete("lost", &DeleteParams::default()).await.expect("delete pod");
     let deleted = Instant::now();
     wait_record_gone(&client, &lost_ip, LONG_GRACE / 2, "the lost DEL's IP freed before the sandbox grace").await;
@@ -163,8 +164,27 @@ async fn a_running_pods_sandbox_the_runtime_has_not_listed_yet_keeps_its_ip_past
     wait_questions(&ipwarden, 0, 5).await;
     assert_eq!(
         record_state(&client, &ip).await.map(|(owner, _)| owner),
-        Some(uid),
+        Some(uid.clone()),
         "a running pod keeps the IP of a sandbox the runtime has not listed yet"
+    );
+
+    // One status call for the unlisted sandbox fails (containerd restarting, or a call past
+    // the agent's timeout): the runtime said nothing of the sandbox, so its absence from the
+    // next answers, still unlisted, proves nothing either.
+    node.faults().fail_next_status_calls(1);
+    wait::until("the failing status call made", TIMEOUT, || async {
+        Ok(match node.faults().status_calls_to_fail() {
+            0 => Probe::Done(()),
+            n => Probe::Pending(format!("{n} to fail")),
+        })
+    })
+    .await
+    .expect("status call");
+    wait_questions(&ipwarden, 0, 3).await;
+    assert_eq!(
+        record_state(&client, &ip).await.map(|(owner, _)| owner),
+        Some(uid),
+        "a running pod keeps the IP of a sandbox whose status the runtime once failed to give"
     );
 
     // The pod ends and its sandbox goes without a DEL, never listed: once the pod is gone from
@@ -172,4 +192,90 @@ async fn a_running_pods_sandbox_the_runtime_has_not_listed_yet_keeps_its_ip_past
     node.faults().set_skip_del(true);
     pods.delete("starting", &DeleteParams::default()).await.expect("delete pod");
     wait_record_gone(&client, &ip, TIMEOUT, "the never-listed sandbox's IP freed once its pod is gone").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mark_on_a_sandbox_still_being_made_for_a_deleted_pod_waits_for_the_runtime_to_have_it() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pool = json!({"cidr": "10.76.0.0/24", "default": true});
+    let args = [
+        WITH_CRI,
+        "--cri-poll-interval-seconds=1",
+        "--cri-sandbox-settle-seconds=3600",
+        "--reuse-cooldown-seconds=0",
+        "--release-sandbox-grace-seconds=3600",
+    ];
+    let mut ipwarden = Ipwarden::start(1, &[("pool", pool)], &args).await;
+    let controller =
+        ipwarden.start_controller("gc", &["--full-scan-interval-seconds=2", "--additional-grace-seconds=0"]);
+    ipwarden.wait_leader(controller).await;
+    let client = ipwarden.client();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+
+    // The runtime is still making the pod's sandbox (its ADD returned; it is not in the store
+    // yet) when the pod is force-deleted, and the kubelet's teardown of it waits: a StatefulSet
+    // pod's successor elsewhere would get the IP at once if the mark were answered now.
+    let node = &ipwarden.cluster.nodes()[0];
+    node.faults().set_hide_new_sandboxes(true);
+    node.faults().set_hold_teardowns(true);
+    create_pod(&client, NS, "starting", "node-0", json!({"app": "starting"})).await;
+    let pod = wait_pods_with_ips(&client, NS, "app=starting", 1).await.remove("starting").expect("pod");
+    let (ip, uid) = (ip_of(&pod), pod.uid().unwrap_or_default());
+    let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+    pods.delete("starting", &force).await.expect("force delete");
+    wait::until("the controller acts on the record", TIMEOUT, || async {
+        Ok(match record_state(&client, &ip).await {
+            Some((owner, None)) if owner == uid => Probe::Pending(format!("record of {ip} unmarked")),
+            _ => Probe::Done(()),
+        })
+    })
+    .await
+    .expect("mark");
+    wait_questions(&ipwarden, 0, 5).await;
+    assert_eq!(
+        record_state(&client, &ip).await,
+        Some((uid.clone(), Some(HandshakeState::MarkedForRelease))),
+        "the mark on the IP of a sandbox the runtime may still start stays unanswered"
+    );
+    assert_eq!(node.sandboxes().len(), 1, "the sandbox is still up");
+
+    // The runtime has the sandbox at last, and the kubelet tears it down with its DEL.
+    node.faults().set_hide_new_sandboxes(false);
+    wait_questions(&ipwarden, 0, 2).await;
+    node.faults().set_hold_teardowns(false);
+    wait_record_gone(&client, &ip, TIMEOUT, "the IP freed by the sandbox's DEL").await;
+    assert!(node.sandboxes().is_empty(), "the sandbox is gone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_that_ends_its_event_stream_at_once_is_asked_at_the_poll_interval() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    const POLL: Duration = Duration::from_secs(3);
+    let pool = json!({"cidr": "10.77.0.0/24", "default": true});
+    let mut ipwarden = Ipwarden::without_agents(1, &[("pool", pool)], support::network()).await;
+    // As CRI-O with its default enable_pod_events = false: every event stream ends at once.
+    ipwarden.cluster.nodes()[0].faults().set_events_end_at_once(true);
+    let poll = format!("--cri-poll-interval-seconds={}", POLL.as_secs());
+    ipwarden.start_agent(0, &[WITH_CRI, &poll]).await;
+    wait::until("the agent followed the events twice", TIMEOUT, || async {
+        Ok(match ipwarden.cluster.nodes()[0].cri_calls() {
+            (_, streams) if streams >= 2 => Probe::Done(()),
+            (_, streams) => Probe::Pending(format!("{streams} event streams")),
+        })
+    })
+    .await
+    .expect("event streams");
+
+    // Five questions take four poll intervals at least: none comes from the empty streams.
+    // A loaded machine only makes them slower.
+    wait_questions(&ipwarden, 0, 1).await;
+    let (first, (lists_before, streams_before)) = (Instant::now(), ipwarden.cluster.nodes()[0].cri_calls());
+    wait_questions(&ipwarden, 0, 5).await;
+    let took = first.elapsed();
+    let (lists, streams) = ipwarden.cluster.nodes()[0].cri_calls();
+    tracing::info!(?took, lists = lists - lists_before, streams = streams - streams_before, "five questions");
+    assert!(
+        took >= POLL * 5 / 2,
+        "five questions to a runtime that streams no events came within {took:?}, not one per {POLL:?}"
+    );
 }

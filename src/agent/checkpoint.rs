@@ -132,9 +132,13 @@ struct File {
 pub struct Checkpoint {
     path: PathBuf,
     entries: BTreeMap<AttachmentKey, CheckpointEntry>,
-    /// When the runtime's CNI GC last listed each recorded attachment as valid. In memory
-    /// only: after a restart, the runtime's next GC call says it again.
+    /// The newest question (CRI or CNI GC) whose answer had each recorded attachment's
+    /// sandbox, or could not deny having it: a release mark waits for its DEL. In memory
+    /// only: after a restart, the runtime's next answer says it again.
     listed: BTreeMap<AttachmentKey, Instant>,
+    /// The newest question whose answer returned each recorded attachment's sandbox: the
+    /// runtime had it then, so a later answer without it means it is gone. In memory only.
+    seen: BTreeMap<AttachmentKey, Instant>,
     /// When each entry was recorded by this agent, or loaded at its start: the runtime may
     /// not list a sandbox whose ADD has just returned (module `crate::cri::sandboxes`). In
     /// memory only.
@@ -159,6 +163,7 @@ impl Checkpoint {
             path: path.to_path_buf(),
             entries: BTreeMap::new(),
             listed: BTreeMap::new(),
+            seen: BTreeMap::new(),
             recorded: BTreeMap::new(),
         };
         let bytes = match std::fs::read(path) {
@@ -219,6 +224,7 @@ impl Checkpoint {
             Touched::Keys(keys) => {
                 for key in keys {
                     self.listed.remove(&key);
+                    self.seen.remove(&key);
                     match self.entries.contains_key(&key) {
                         true => self.recorded.insert(key, now),
                         false => self.recorded.remove(&key),
@@ -227,6 +233,7 @@ impl Checkpoint {
             }
             Touched::All => {
                 self.listed.retain(|k, _| self.entries.contains_key(k));
+                self.seen.retain(|k, _| self.entries.contains_key(k));
                 self.recorded.retain(|k, _| self.entries.contains_key(k));
                 for key in self.entries.keys() {
                     self.recorded.entry(key.clone()).or_insert(now);
@@ -236,11 +243,24 @@ impl Checkpoint {
         applied
     }
 
-    /// Notes that the runtime's CNI GC listed `keys` as valid attachments at `at` (keys
-    /// not recorded are ignored): the runtime still has those sandboxes.
-    pub fn note_listed<'a>(&mut self, keys: impl IntoIterator<Item = &'a AttachmentKey>, at: Instant) {
+    /// Notes what the runtime's answer to a question asked at `at` said of the sandboxes of
+    /// `keys` (keys not recorded are ignored). Each time only moves forward: an older answer
+    /// that arrives after a newer one changes nothing.
+    pub fn note_listed<'a>(
+        &mut self,
+        keys: impl IntoIterator<Item = &'a AttachmentKey>,
+        at: Instant,
+        listing: Listing,
+    ) {
+        let newer = |map: &mut BTreeMap<AttachmentKey, Instant>, key: &AttachmentKey| {
+            let kept = map.entry(key.clone()).or_insert(at);
+            *kept = (*kept).max(at);
+        };
         for key in keys.into_iter().filter(|k| self.entries.contains_key(*k)) {
-            self.listed.insert(key.clone(), at);
+            newer(&mut self.listed, key);
+            if listing == Listing::Returned {
+                newer(&mut self.seen, key);
+            }
         }
     }
 
@@ -249,11 +269,32 @@ impl Checkpoint {
         self.recorded.get(key).copied()
     }
 
-    /// When the runtime's CNI GC last listed a recorded attachment, if it has since the
-    /// attachment was recorded (and since this agent started).
+    /// When the newest question was asked whose answer had a recorded attachment's sandbox
+    /// or could not deny having it, if one has since the attachment was recorded (and since
+    /// this agent started).
     pub fn listed_at(&self, key: &AttachmentKey) -> Option<Instant> {
         self.listed.get(key).copied()
     }
+
+    /// When the newest question was asked whose answer returned a recorded attachment's
+    /// sandbox ([`Listing::Returned`]), if one has since the attachment was recorded (and
+    /// since this agent started).
+    pub fn seen_at(&self, key: &AttachmentKey) -> Option<Instant> {
+        self.seen.get(key).copied()
+    }
+}
+
+/// What an answer of the runtime said of a sandbox it did not deny having
+/// ([`Checkpoint::note_listed`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Listing {
+    /// The answer returned the sandbox (CRI listed it or gave its status, CNI GC named it a
+    /// valid attachment): the runtime had it, and sandbox IDs never come back, so a later
+    /// answer without it means it is gone.
+    Returned,
+    /// The runtime could not say (its status call failed): a release mark keeps waiting for
+    /// the sandbox's DEL, but nothing is proven of it.
+    Undenied,
 }
 
 /// A change to the checkpoint, saved before its caller hears back.

@@ -12,7 +12,9 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
-use super::checkpoint::{Applied, AttachmentKey, Change, Checkpoint, CheckpointEntry, CheckpointError, write_file};
+use super::checkpoint::{
+    Applied, AttachmentKey, Change, Checkpoint, CheckpointEntry, CheckpointError, Listing, write_file,
+};
 
 /// The checkpoint, shared by the agent's concurrent calls.
 pub struct CheckpointStore {
@@ -62,9 +64,10 @@ impl CheckpointStore {
         f(&lock(&self.inner.saved))
     }
 
-    /// Notes that the runtime's CNI GC listed `keys` at `at` ([`Checkpoint::note_listed`]).
-    pub fn note_listed(&self, keys: &[AttachmentKey], at: Instant) {
-        lock(&self.inner.saved).note_listed(keys, at);
+    /// Notes what the runtime's answer to a question asked at `at` said of the sandboxes of
+    /// `keys` ([`Checkpoint::note_listed`]).
+    pub fn note_listed(&self, keys: &[AttachmentKey], at: Instant, listing: Listing) {
+        lock(&self.inner.saved).note_listed(keys, at, listing);
     }
 
     /// Records an attachment once the file holds it.
@@ -171,11 +174,11 @@ async fn write_pending(inner: Arc<Inner>) {
 #[cfg(test)]
 mod test {
     use std::collections::BTreeSet;
-    use std::time::Instant;
+    use std::time::{Duration, Instant};
 
     use super::CheckpointStore;
-    use crate::agent::checkpoint::Checkpoint;
     use crate::agent::checkpoint::test::{entry, scratch};
+    use crate::agent::checkpoint::{Checkpoint, Listing};
 
     fn store(name: &str) -> (CheckpointStore, std::path::PathBuf) {
         let path = scratch(name);
@@ -215,15 +218,37 @@ mod test {
         store.insert(entry("c1")).await.expect("insert");
         store.insert(entry("c2")).await.expect("insert");
         let at = Instant::now();
-        store.note_listed(&[entry("c1").key, entry("c2").key, entry("unknown").key], at);
+        store.note_listed(&[entry("c1").key, entry("c2").key, entry("unknown").key], at, Listing::Returned);
         let listed = |name: &str| store.read(|c| c.listed_at(&entry(name).key));
-        assert_eq!(listed("c1"), Some(at));
+        let seen = |name: &str| store.read(|c| c.seen_at(&entry(name).key));
+        assert_eq!((listed("c1"), seen("c1")), (Some(at), Some(at)));
         assert_eq!(listed("unknown"), None, "an unrecorded attachment is not noted");
         store.remove(&entry("c1").key).await.expect("remove");
         store.insert(entry("c1")).await.expect("insert");
-        assert_eq!(listed("c1"), None, "a new record of the attachment was not listed yet");
+        assert_eq!((listed("c1"), seen("c1")), (None, None), "a new record of the attachment was not listed yet");
         store.retain_recorded(BTreeSet::new()).await.expect("retain");
-        assert_eq!(listed("c2"), None, "a dropped attachment's listing goes with it");
+        assert_eq!((listed("c2"), seen("c2")), (None, None), "a dropped attachment's listing goes with it");
+    }
+
+    #[tokio::test]
+    async fn only_an_answer_that_returned_the_sandbox_makes_it_seen_and_no_older_answer_moves_a_time_back() {
+        let (store, _) = store("seen");
+        store.insert(entry("c1")).await.expect("insert");
+        let listed = || store.read(|c| (c.listed_at(&entry("c1").key), c.seen_at(&entry("c1").key)));
+        let first = Instant::now();
+        let (second, third) = (first + Duration::from_secs(1), first + Duration::from_secs(2));
+        store.note_listed(&[entry("c1").key], first, Listing::Undenied);
+        assert_eq!(
+            listed(),
+            (Some(first), None),
+            "a status the runtime could not give keeps a mark waiting, proves nothing"
+        );
+        store.note_listed(&[entry("c1").key], second, Listing::Returned);
+        assert_eq!(listed(), (Some(second), Some(second)));
+        store.note_listed(&[entry("c1").key], third, Listing::Undenied);
+        assert_eq!(listed(), (Some(third), Some(second)));
+        store.note_listed(&[entry("c1").key], first, Listing::Returned);
+        assert_eq!(listed(), (Some(third), Some(second)), "a slower answer to an older question moves nothing back");
     }
 
     #[tokio::test]

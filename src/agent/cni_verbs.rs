@@ -6,7 +6,7 @@ use std::time::Instant;
 use kube::api::Api;
 
 use super::block_writes::ReleaseTrigger;
-use super::checkpoint::{AttachmentKey, CheckpointEntry};
+use super::checkpoint::{AttachmentKey, CheckpointEntry, Listing};
 use super::core::{Core, attachment_key};
 use super::error::Error;
 use crate::crd::IPBlock;
@@ -89,7 +89,7 @@ impl Core {
                 ifname: a.ifname.clone(),
             })
             .collect();
-        self.checkpoint.note_listed(&listed, Instant::now());
+        self.checkpoint.note_listed(&listed, Instant::now(), Listing::Returned);
         self.runtime_gc_called();
         let stale: Vec<CheckpointEntry> = self.checkpoint.read(|c| {
             c.entries()

@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::Node;
 use kube::runtime::reflector::ObjectRef;
 
 use super::block_writes::ReleaseTrigger;
-use super::checkpoint::{AttachmentKey, CheckpointEntry};
+use super::checkpoint::{AttachmentKey, CheckpointEntry, Listing};
 use super::core::Core;
 use super::error::Error;
 use crate::crd::PodRef;
@@ -54,6 +54,55 @@ impl Runtime {
     /// The runtime behind one of `candidates` (the sockets that exist, in the order given).
     pub fn new(candidates: Vec<CriClient>, settle: Duration) -> Self {
         Self { candidates, chosen: Mutex::new(None), settle, last: Mutex::new(None), reachable: AtomicBool::new(true) }
+    }
+}
+
+/// When the agent follows the runtime's event stream again, and whether a new stream wakes
+/// the sweep ([`Core::follow_runtime_events`]).
+#[derive(Debug)]
+struct Following {
+    /// The next wait before following again.
+    retry: Duration,
+    /// Whether the last stream ended cleanly without an event: nothing was missed.
+    last_was_empty: bool,
+}
+
+impl Default for Following {
+    fn default() -> Self {
+        Self { retry: EVENTS_RETRY, last_was_empty: false }
+    }
+}
+
+impl Following {
+    /// Whether a stream just opened wakes the sweep: events may have been missed since the
+    /// last stream, unless it ended at once and empty (a runtime that sends none).
+    fn wakes_on_open(&self) -> bool {
+        !self.last_was_empty
+    }
+
+    /// A stream ended after `lasted`: `carried`, it gave at least one event; `broke`, it ended
+    /// with an error. The backoff starts over only after a stream that carried an event or
+    /// lasted the longest wait. Returns whether this is the first of a run of empty streams.
+    fn ended(&mut self, carried: bool, broke: bool, lasted: Duration) -> bool {
+        let empty = !carried && !broke;
+        let first_empty = empty && !self.last_was_empty;
+        self.last_was_empty = empty;
+        if carried || lasted >= EVENTS_RETRY_MAX {
+            self.retry = EVENTS_RETRY;
+        }
+        first_empty
+    }
+
+    /// The stream could not be opened: events may be missed meanwhile.
+    fn failed(&mut self) {
+        self.last_was_empty = false;
+    }
+
+    /// The wait before following again; the next one doubles, up to [`EVENTS_RETRY_MAX`].
+    fn next_wait(&mut self) -> Duration {
+        let wait = self.retry;
+        self.retry = (self.retry * 2).min(EVENTS_RETRY_MAX);
+        wait
     }
 }
 
@@ -142,15 +191,18 @@ impl Core {
         if !runtime.reachable.swap(true, Ordering::Relaxed) {
             tracing::info!("the runtime answers which sandboxes it has");
         }
-        // A sandbox whose status the runtime could not give counts as listed too: only an
-        // answer that it lacks one may end a wait.
-        let listed: Vec<AttachmentKey> = self.checkpoint.read(|c| {
+        // A sandbox whose status the runtime could not give counts as listed too (only an
+        // answer that it lacks one may end a wait), but not as seen: a sandbox still being made
+        // fails its status as easily as one that runs, and only a sandbox the runtime had can
+        // be gone.
+        let (live, unknown): (Vec<AttachmentKey>, Vec<AttachmentKey>) = self.checkpoint.read(|c| {
             c.entries()
                 .filter(|e| answer.is_live(&e.key.container_id) || answer.is_unknown(&e.key.container_id))
                 .map(|e| e.key.clone())
-                .collect()
+                .partition(|key| answer.is_live(&key.container_id))
         });
-        self.checkpoint.note_listed(&listed, answer.requested_at);
+        self.checkpoint.note_listed(&live, answer.requested_at, Listing::Returned);
+        self.checkpoint.note_listed(&unknown, answer.requested_at, Listing::Undenied);
         self.runtime_gc_called();
         if let Ok(mut last) = runtime.last.lock()
             && last.as_ref().is_none_or(|kept| kept.requested_at <= answer.requested_at)
@@ -184,9 +236,9 @@ impl Core {
         answer: Option<&RuntimeSandboxes>,
     ) -> SandboxVerdict {
         let Some(runtime) = &self.runtime else { return SandboxVerdict::Unsure };
-        let Some((recorded_at, listed_at, pod)) = self
+        let Some((recorded_at, seen_at, pod)) = self
             .checkpoint
-            .read(|c| c.get(key).and_then(|e| Some((c.recorded_at(key)?, c.listed_at(key), e.pod.clone()))))
+            .read(|c| c.get(key).and_then(|e| Some((c.recorded_at(key)?, c.seen_at(key), e.pod.clone()))))
         else {
             return SandboxVerdict::Unsure;
         };
@@ -196,22 +248,27 @@ impl Core {
             None => runtime.last.lock().ok().and_then(|l| l.clone()),
         };
         match answer.or(kept.as_deref()) {
-            Some(answer) => answer.verdict(&key.container_id, recorded_at, listed_at, known, runtime.settle),
+            Some(answer) => answer.verdict(&key.container_id, recorded_at, seen_at, known, runtime.settle),
             None => SandboxVerdict::Unsure,
         }
     }
 
     /// Follows the node runtime's container events (`GetContainerEvents`) and wakes `sweep`
     /// (the loop sending [`super::allocator::SweepRuntime`]) when one reports the end of a
-    /// sandbox the checkpoint holds, and on each (re)connection, since events may have been
-    /// missed: the sandbox's release then waits for no poll. A runtime that streams no events
-    /// (`Unimplemented`), or hands each event to one follower only (containerd 1.x, whose
-    /// events kubelet's evented PLEG would lose), leaves the poll alone, said once; a broken
-    /// stream is followed again after a backoff.
+    /// sandbox the checkpoint holds, and on each (re)connection after a stream that carried
+    /// events or broke, since events may have been missed: the sandbox's release then waits
+    /// for no poll. A runtime that streams no events (`Unimplemented`), or hands each event
+    /// to one follower only (containerd 1.x, whose events kubelet's evented PLEG would lose),
+    /// leaves the poll alone, said once. A broken stream is followed again after a backoff
+    /// (1 s doubling to 30 s), which starts over only after a stream that carried an event or
+    /// lasted the longest wait: a runtime that ends each stream at once without an event
+    /// (CRI-O with `enable_pod_events = false`) is asked every 30 s whether it streams now,
+    /// and never woken for it.
     pub async fn follow_runtime_events(self: Arc<Self>, sweep: Arc<tokio::sync::Notify>) {
         let Some(runtime) = &self.runtime else { return };
-        let mut retry = EVENTS_RETRY;
+        let mut following = Following::default();
         loop {
+            let opened = std::time::Instant::now();
             let followed = match self.node_runtime(runtime).await {
                 Ok((_, version)) if version.events_exclusive() => {
                     tracing::info!(runtime = %version.as_node_reports(), "the runtime hands each container event to one follower, so the agent leaves them to kubelet and asks on its timer only");
@@ -221,38 +278,48 @@ impl Core {
                 Err(NotAsked::Failed(e)) => Err(e),
                 Err(NotAsked::NotTheNodes(why)) => {
                     tracing::debug!(%why, "not following the runtime's events yet");
-                    tokio::time::sleep(retry).await;
-                    retry = (retry * 2).min(EVENTS_RETRY_MAX);
+                    tokio::time::sleep(following.next_wait()).await;
                     continue;
                 }
             };
             match followed {
                 Ok(ended) => {
-                    retry = EVENTS_RETRY;
-                    sweep.notify_one();
+                    if following.wakes_on_open() {
+                        sweep.notify_one();
+                    }
+                    let (mut carried, mut broke) = (false, false);
                     let mut ended = std::pin::pin!(ended);
                     while let Some(event) = ended.next().await {
+                        carried |= event.is_ok();
                         match event {
-                            Ok(id) if self.checkpoint.read(|c| c.entries().any(|e| e.key.container_id == id)) => {
+                            Ok(Some(id)) if self.checkpoint.read(|c| c.entries().any(|e| e.key.container_id == id)) => {
                                 tracing::debug!(container_id = %id, "the runtime reports the end of a sandbox of the checkpoint");
                                 sweep.notify_one();
                             }
                             Ok(_) => {}
                             Err(e) => {
                                 tracing::debug!(error = %e, "the runtime's event stream broke; following it again");
+                                broke = true;
                                 break;
                             }
                         }
+                    }
+                    if following.ended(carried, broke, opened.elapsed()) {
+                        tracing::info!(
+                            "the runtime ended its event stream without an event (CRI-O with enable_pod_events = false does); the agent asks it on its timer and tries its events again at most every 30 s"
+                        );
                     }
                 }
                 Err(e) if crate::cri::client::unimplemented(&e) => {
                     tracing::info!(error = %e, "the runtime streams no container events; the agent asks it on its timer only");
                     return;
                 }
-                Err(e) => tracing::debug!(error = %e, "following the runtime's events failed; trying again"),
+                Err(e) => {
+                    tracing::debug!(error = %e, "following the runtime's events failed; trying again");
+                    following.failed();
+                }
             }
-            tokio::time::sleep(retry).await;
-            retry = (retry * 2).min(EVENTS_RETRY_MAX);
+            tokio::time::sleep(following.next_wait()).await;
         }
     }
 
@@ -310,5 +377,51 @@ impl Core {
             tracing::warn!(error = %e, trigger = trigger.label(), "releasing a stale attachment failed; the next pass retries");
         }
         Err(first)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{EVENTS_RETRY, EVENTS_RETRY_MAX, Following};
+
+    #[test]
+    fn a_runtime_that_ends_every_stream_at_once_without_an_event_is_followed_again_ever_more_rarely() {
+        let mut following = Following::default();
+        assert!(following.wakes_on_open(), "the first stream may follow missed events");
+        let mut waits = Vec::new();
+        for round in 0..8 {
+            let first_empty = following.ended(false, false, Duration::ZERO);
+            assert_eq!(first_empty, round == 0, "said once, at the first empty stream");
+            assert!(!following.wakes_on_open(), "an empty stream missed nothing: no extra question");
+            waits.push(following.next_wait().as_secs());
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30]);
+    }
+
+    #[test]
+    fn a_stream_that_carried_events_or_lasted_starts_the_backoff_over_and_the_next_stream_wakes_the_sweep() {
+        let cases = [
+            // (carried, broke, lasted, backoff starts over, the next stream wakes the sweep)
+            (true, true, Duration::ZERO, true, true),
+            (true, false, Duration::ZERO, true, true),
+            (false, true, Duration::ZERO, false, true),
+            (false, true, EVENTS_RETRY_MAX, true, true),
+            (false, false, EVENTS_RETRY_MAX, true, false),
+        ];
+        for (carried, broke, lasted, starts_over, wakes) in cases {
+            let mut following = Following::default();
+            for _ in 0..4 {
+                following.next_wait();
+            }
+            following.ended(carried, broke, lasted);
+            assert_eq!(following.next_wait() == EVENTS_RETRY, starts_over, "{carried} {broke} {lasted:?}");
+            assert_eq!(following.wakes_on_open(), wakes, "{carried} {broke} {lasted:?}");
+        }
+        let mut following = Following::default();
+        following.ended(false, false, Duration::ZERO);
+        following.failed();
+        assert!(following.wakes_on_open(), "events may be missed while the stream cannot be opened");
     }
 }

@@ -79,20 +79,17 @@ pub struct RuntimeVersion {
 }
 
 impl RuntimeVersion {
-    /// How it reads as a Node's `containerRuntimeVersion`: `<name>://<version>`.
+    /// How kubelet reports it as the Node's `status.nodeInfo.containerRuntimeVersion`:
+    /// `<name>://<version>`, the version as [`kubelet_version`] reads it.
     pub fn as_node_reports(&self) -> String {
-        format!("{}://{}", self.name, self.version)
+        format!("{}://{}", self.name, kubelet_version(&self.version))
     }
 
     /// Whether the Node's `status.nodeInfo.containerRuntimeVersion`, `reported`, names this
-    /// runtime: kubelet writes `<name>://<version>` from the same `Version` call, the version
-    /// parsed as semantic (containerd's `v2.4.2` reads `2.4.2` there), so a leading `v` is
-    /// ignored on both sides. The agent asks only the runtime its kubelet uses.
+    /// runtime: kubelet writes it from the same `Version` call ([`RuntimeVersion::as_node_reports`]).
+    /// The agent asks only the runtime its kubelet uses.
     pub fn is_reported_as(&self, reported: &str) -> bool {
-        let bare = |version: &str| version.strip_prefix('v').unwrap_or(version).to_string();
-        reported
-            .split_once("://")
-            .is_some_and(|(name, version)| name == self.name && bare(version) == bare(&self.version))
+        reported == self.as_node_reports()
     }
 
     /// Whether the runtime hands each container event to one follower only, taking them from
@@ -100,6 +97,68 @@ impl RuntimeVersion {
     pub fn events_exclusive(&self) -> bool {
         self.name == "containerd" && (self.version.starts_with("v1.") || self.version.starts_with("1."))
     }
+}
+
+/// The runtime's version `raw` as kubelet reports it in the Node's `containerRuntimeVersion`
+/// (Kubernetes v1.37 `kuberuntime.newRuntimeVersion` and apimachinery's `util/version`): read
+/// as semantic (three numbers, an optional pre-release and build metadata), else as generic
+/// (two numbers or more, anything after them dropped), after an optional leading `v`, and
+/// written back as its numbers (leading zeros gone), pre-release and build metadata. A version
+/// neither reads is reported `Unknown`. So containerd's `v2.4.2` is `2.4.2`, and a
+/// distribution's `1.6.20~ds1` is `1.6.20`.
+pub fn kubelet_version(raw: &str) -> String {
+    parse_kubelet_version(raw).unwrap_or_else(|| "Unknown".to_string())
+}
+
+fn parse_kubelet_version(raw: &str) -> Option<String> {
+    let trimmed = raw.trim_start();
+    let trimmed = trimmed.strip_prefix('v').unwrap_or(trimmed);
+    // The numbers: runs of digits joined by single dots; whatever follows is the extra.
+    let digits = |from: usize| trimmed[from..].bytes().take_while(u8::is_ascii_digit).count();
+    let mut end = digits(0);
+    if end == 0 {
+        return None;
+    }
+    while trimmed[end..].starts_with('.') && digits(end + 1) > 0 {
+        end += 1 + digits(end + 1);
+    }
+    let (numbers, extra) = trimmed.split_at(end);
+    let components: Vec<&str> = numbers.split('.').collect();
+    let number = |c: &str| c.parse::<u64>().ok();
+    let semantic = components.len() == 3 && components.iter().all(|c| *c == "0" || !c.starts_with('0'));
+    let parsed: Vec<u64> = components.iter().map(|c| number(c)).collect::<Option<_>>()?;
+    let numbers = parsed.iter().map(u64::to_string).collect::<Vec<_>>().join(".");
+    if semantic && let Some(suffix) = semver_suffix(extra) {
+        return Some(numbers + &suffix);
+    }
+    // Generic: at least two numbers, the first without a leading zero; the rest is dropped.
+    (components.len() >= 2 && (components[0] == "0" || !components[0].starts_with('0'))).then_some(numbers)
+}
+
+/// The pre-release and build metadata of a semantic version, as kubelet writes them back
+/// (`-<pre-release>+<build>`), or `None` when `extra` is neither.
+fn semver_suffix(extra: &str) -> Option<String> {
+    let extra = extra.trim_end();
+    let identifiers = |part: &str| {
+        !part.is_empty()
+            && part.split('.').all(|id| !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
+    };
+    let (rest, build) = match extra.split_once('+') {
+        Some((rest, build)) if identifiers(build) => (rest, Some(build)),
+        Some(_) => return None,
+        None => (extra, None),
+    };
+    let pre = match rest {
+        "" => None,
+        rest => {
+            let pre = rest.strip_prefix('-').filter(|pre| identifiers(pre))?;
+            // A numeric identifier has no leading zero.
+            let numeric_zero = |id: &str| id.len() > 1 && id.starts_with('0') && id.chars().all(|c| c.is_ascii_digit());
+            (!pre.split('.').any(numeric_zero)).then_some(pre)?;
+            Some(pre)
+        }
+    };
+    Some(pre.map(|p| format!("-{p}")).unwrap_or_default() + &build.map(|b| format!("+{b}")).unwrap_or_default())
 }
 
 impl CriClient {
@@ -190,12 +249,14 @@ impl CriClient {
     }
 
     /// The runtime's container event stream (`GetContainerEvents`, which kubelet's evented
-    /// PLEG follows), reduced to the IDs of sandboxes it reports stopped or deleted (containerd
-    /// names the sandbox itself as the container of its own events). Ends when the runtime
-    /// closes it or a message fails; a runtime that streams no events answers `Unimplemented`.
+    /// PLEG follows), each event reduced to the ID of the sandbox it reports stopped or deleted
+    /// (containerd names the sandbox itself as the container of its own events), or `None`
+    /// for any other event. Ends when the runtime closes it or a message fails; a runtime
+    /// that streams no events answers `Unimplemented`, or (CRI-O with `enable_pod_events =
+    /// false`) ends the stream at once without an event.
     pub async fn ended_sandboxes(
         &self,
-    ) -> Result<impl futures::Stream<Item = Result<String, CriError>> + use<>, CriError> {
+    ) -> Result<impl futures::Stream<Item = Result<Option<String>, CriError>> + use<>, CriError> {
         let mut client = RuntimeServiceClient::new(self.channel.clone());
         let events = client
             .get_container_events(GetEventsRequest {})
@@ -207,15 +268,13 @@ impl CriClient {
             [ContainerEventType::ContainerStoppedEvent as i32, ContainerEventType::ContainerDeletedEvent as i32];
         Ok(events.filter_map(move |event| {
             let item = match event {
-                Ok(event) if ended.contains(&event.container_event_type) => Some(Ok(event.container_id)),
-                Ok(_) => None,
-                Err(status) => Some(Err(CriError::Call {
-                    call: "GetContainerEvents",
-                    socket: socket.clone(),
-                    status: Box::new(status),
-                })),
+                Ok(event) if ended.contains(&event.container_event_type) => Ok(Some(event.container_id)),
+                Ok(_) => Ok(None),
+                Err(status) => {
+                    Err(CriError::Call { call: "GetContainerEvents", socket: socket.clone(), status: Box::new(status) })
+                }
             };
-            futures::future::ready(item)
+            futures::future::ready(Some(item))
         }))
     }
 
@@ -229,10 +288,43 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_version_reads_as_kubelet_reports_it() {
+        let cases = [
+            // (the runtime's Version, as the Node reports it)
+            ("v2.4.2", "2.4.2"),
+            ("2.4.2", "2.4.2"),
+            ("1.32.0", "1.32.0"),
+            ("1.32.0-rc.1", "1.32.0-rc.1"),
+            ("1.32.0-rc.1+dev.3", "1.32.0-rc.1+dev.3"),
+            ("v1.7.27+unknown", "1.7.27+unknown"),
+            ("1.6.20~ds1", "1.6.20"),
+            ("1.7.24-0ubuntu1~24.04.1", "1.7.24"),
+            ("1.7.24~ds1-1+b1", "1.7.24"),
+            ("2.0", "2.0"),
+            ("1.06.3~x", "1.6.3"),
+            ("1.2.3.4", "1.2.3.4"),
+            ("1.2.3-01", "1.2.3"),
+            ("1.2.", "1.2"),
+            ("1.2..3", "1.2"),
+            ("1..2", "Unknown"),
+            ("1", "Unknown"),
+            ("0", "Unknown"),
+            ("01.2.3", "Unknown"),
+            ("dev", "Unknown"),
+            ("", "Unknown"),
+        ];
+        for (raw, reported) in cases {
+            assert_eq!(kubelet_version(raw), reported, "{raw:?}");
+        }
+    }
+
+    #[test]
     fn a_runtime_is_the_nodes_when_kubelet_reports_its_name_and_version() {
         let containerd = RuntimeVersion { name: "containerd".into(), version: "v2.4.2".into() };
         assert!(containerd.is_reported_as("containerd://2.4.2"), "kubelet drops the v of a semantic version");
-        assert!(containerd.is_reported_as("containerd://v2.4.2"));
+        let debian = RuntimeVersion { name: "containerd".into(), version: "1.6.20~ds1".into() };
+        assert!(debian.is_reported_as("containerd://1.6.20"), "kubelet drops what follows a generic version");
+        assert!(!debian.is_reported_as("containerd://1.6.2"));
         assert!(!containerd.is_reported_as("containerd://1.7.2"), "another containerd");
         assert!(!containerd.is_reported_as("cri-o://2.4.2"));
         assert!(!containerd.is_reported_as("containerd"));

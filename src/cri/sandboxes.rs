@@ -60,21 +60,22 @@ impl RuntimeSandboxes {
         self.sandboxes.get(id) == Some(&RuntimeSandbox::Unknown)
     }
 
-    /// The verdict on the attachment of sandbox `id` recorded at `recorded_at`, last listed by
-    /// the runtime at `listed_at` (over CRI or CNI GC), whose pod is `pod`.
+    /// The verdict on the attachment of sandbox `id` recorded at `recorded_at`, whose pod is
+    /// `pod`; `seen_at`: the newest question (over CRI or CNI GC) whose answer returned the
+    /// sandbox, never one that only failed to deny it.
     pub fn verdict(
         &self,
         id: &str,
         recorded_at: Instant,
-        listed_at: Option<Instant>,
+        seen_at: Option<Instant>,
         pod: PodKnown,
         settle: Duration,
     ) -> SandboxVerdict {
         let Some(&sandbox) = self.sandboxes.get(id) else { return SandboxVerdict::Unsure };
         let age = self.requested_at.checked_duration_since(recorded_at);
-        // Listed before this answer was asked for: a listing as old as this answer, or newer,
-        // may have seen a sandbox this answer's listing missed because it came just after.
-        let seen = listed_at.is_some_and(|at| at < self.requested_at);
+        // Seen before this answer was asked for: an answer as old as this one, or newer, may
+        // have seen a sandbox this answer's listing missed because it came just after.
+        let seen = seen_at.is_some_and(|at| at < self.requested_at);
         verdict(sandbox, age, seen, pod, settle)
     }
 }
@@ -82,7 +83,10 @@ impl RuntimeSandboxes {
 /// What the agent knows of an attachment's pod.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PodKnown {
-    /// A live read shows it gone or finished (a release mark's answer).
+    /// A live read (a release mark's) shows it gone or no longer active (terminating, which
+    /// includes a pod still inside its grace period, or finished): it counts as not running
+    /// whatever the cache still says, and proves nothing of its sandbox, which the kubelet
+    /// may still be starting.
     Ended,
     /// The node's pod cache shows it, under the attachment's UID, not finished.
     Running,
@@ -91,17 +95,18 @@ pub enum PodKnown {
 }
 
 /// The verdict on an attachment whose sandbox the runtime answered `sandbox` for, `age` after
-/// the attachment was recorded (`None`: recorded after the runtime was asked); `seen`: the
-/// runtime listed the sandbox before it was asked.
+/// the attachment was recorded (`None`: recorded after the runtime was asked); `seen`: an
+/// answer to an earlier question returned the sandbox.
 ///
 /// containerd adds a sandbox to the store its listing reads only after the CNI ADD returned
 /// and the sandbox was created and started (which may pull the pause image; other plugins of a
 /// Multus chain run in between too), so a sandbox that is not listed may be one still being
-/// made. Such an absence counts when the runtime listed the sandbox before (sandbox IDs never
-/// come back); when a live read shows its pod ended (a release mark: a sandbox still starting
-/// for a deleted pod is torn down by the kubelet, and a released IP waits out the reuse
-/// cooldown); or once the attachment is older than `settle` and its pod is not running. The
-/// IP of a running pod whose sandbox the runtime never listed is left to the release handshake.
+/// made. Such an absence counts when the runtime had the sandbox before (sandbox IDs never
+/// come back), or once the attachment is older than `settle` and its pod is not running. A
+/// pod known ended changes nothing before that: a sandbox the kubelet is still starting for a
+/// deleted pod holds its IP until the kubelet tears it down, and the IP released early could
+/// go at once to a StatefulSet pod's successor on another node. The IP of a running pod whose
+/// sandbox the runtime never had is left to the release handshake.
 pub fn verdict(
     sandbox: RuntimeSandbox,
     age: Option<Duration>,
@@ -109,8 +114,7 @@ pub fn verdict(
     pod: PodKnown,
     settle: Duration,
 ) -> SandboxVerdict {
-    let absence_counts =
-        age.is_some_and(|age| seen || pod == PodKnown::Ended || (pod == PodKnown::NotRunning && age >= settle));
+    let absence_counts = age.is_some_and(|age| seen || (pod != PodKnown::Running && age >= settle));
     match sandbox {
         RuntimeSandbox::Ready | RuntimeSandbox::NotReady { network_closed: false } => SandboxVerdict::Live,
         RuntimeSandbox::NotReady { network_closed: true } if age.is_some() => SandboxVerdict::Gone,
@@ -162,7 +166,10 @@ mod tests {
             // A running pod whose sandbox was never listed: still being made, however long.
             (absent, old, false, Running, SandboxVerdict::Unsure),
             (absent, young, true, Running, SandboxVerdict::Gone),
-            (absent, young, false, Ended, SandboxVerdict::Gone),
+            // A pod known ended whose sandbox was never returned: it may still be being made.
+            (absent, young, false, Ended, SandboxVerdict::Unsure),
+            (absent, young, true, Ended, SandboxVerdict::Gone),
+            (absent, old, false, Ended, SandboxVerdict::Gone),
             (absent, None, true, Ended, SandboxVerdict::Unsure),
             (RuntimeSandbox::Unknown, old, true, Ended, SandboxVerdict::Unsure),
         ];
@@ -189,7 +196,7 @@ mod tests {
     }
 
     #[test]
-    fn only_a_listing_older_than_the_answer_makes_an_absence_count() {
+    fn only_a_sighting_older_than_the_answer_makes_an_absence_count() {
         // The sandbox entered the runtime's store just after this answer's listing, and a later
         // question listed it: this answer's absence is no proof that it is gone.
         let recorded = Instant::now();

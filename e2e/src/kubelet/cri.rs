@@ -20,12 +20,14 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use k8s_cri::v1::runtime_service_server::{RuntimeService, RuntimeServiceServer};
 use k8s_cri::v1::*;
 use tonic::{Request, Response, Status};
 
+use super::pods::RuntimeCalls;
 use super::{Faults, Sandbox};
 use crate::error::{Error, Result};
 
@@ -33,11 +35,17 @@ use crate::error::{Error, Result};
 pub const CRI_SOCKET: &str = "cri.sock";
 
 /// The runtime's name, as `Version` answers it; the Node reports
-/// `<RUNTIME_NAME>://<RUNTIME_VERSION>` as its `containerRuntimeVersion`, as kubelet does.
+/// `<RUNTIME_NAME>://<REPORTED_RUNTIME_VERSION>` as its `containerRuntimeVersion`.
 pub const RUNTIME_NAME: &str = "e2e";
 
-/// The runtime's version, as `Version` answers it.
-pub const RUNTIME_VERSION: &str = "0";
+/// The runtime's version, as `Version` answers it: a distribution's package version, as
+/// Debian's containerd answers `1.6.20~ds1`.
+pub const RUNTIME_VERSION: &str = "2.4.2~ds1";
+
+/// [`RUNTIME_VERSION`] as kubelet reports it in the Node's `containerRuntimeVersion`: a version
+/// that does not read as semantic is read as generic, which drops what follows its numbers
+/// (Kubernetes v1.37 `kuberuntime.newRuntimeVersion`, apimachinery's `util/version`).
+pub const REPORTED_RUNTIME_VERSION: &str = "2.4.2";
 
 /// How many events a slow follower of the event stream may fall behind before it misses some.
 const EVENTS_BUFFERED: usize = 1024;
@@ -73,6 +81,7 @@ pub(super) struct CriService {
     pub(super) sandboxes: Arc<Mutex<HashMap<String, Sandbox>>>,
     pub(super) faults: Arc<Faults>,
     pub(super) events: Events,
+    pub(super) calls: Arc<RuntimeCalls>,
 }
 
 impl CriService {
@@ -147,6 +156,7 @@ runtime_service! {
             &self,
             _request: Request<ListPodSandboxRequest>,
         ) -> std::result::Result<Response<ListPodSandboxResponse>, Status> {
+            self.calls.cri_listings.fetch_add(1, Ordering::Relaxed);
             self.check_available()?;
             let sandboxes = self.sandboxes.lock().map_err(|_| Status::internal("sandbox table poisoned"))?;
             let items = sandboxes
@@ -162,6 +172,9 @@ runtime_service! {
             request: Request<PodSandboxStatusRequest>,
         ) -> std::result::Result<Response<PodSandboxStatusResponse>, Status> {
             self.check_available()?;
+            if self.faults.take_status_failure() {
+                return Err(Status::unavailable("server is not initialized yet (e2e fault: one status call)"));
+            }
             let id = request.into_inner().pod_sandbox_id;
             let Some((uid, sandbox)) = self.find(&id) else {
                 return Err(Status::not_found(format!("an error occurred when try to find sandbox: not found: {id}")));
@@ -182,7 +195,11 @@ runtime_service! {
             &self,
             _request: Request<GetEventsRequest>,
         ) -> std::result::Result<Response<Self::GetContainerEventsStream>, Status> {
+            self.calls.cri_event_streams.fetch_add(1, Ordering::Relaxed);
             self.check_available()?;
+            if self.faults.events_end_at_once() {
+                return Ok(Response::new(Box::pin(futures::stream::empty())));
+            }
         let events = futures::stream::unfold(self.events.subscribe(), |mut events| async move {
             loop {
                 match events.recv().await {

@@ -70,6 +70,8 @@ pub struct Faults {
     hold_teardowns: AtomicBool,
     hide_new_sandboxes: AtomicBool,
     hidden: Mutex<std::collections::HashSet<String>>,
+    failing_status_calls: AtomicUsize,
+    events_end_at_once: AtomicBool,
 }
 
 impl Faults {
@@ -145,6 +147,34 @@ impl Faults {
     /// Whether CRI must not show sandbox `id` yet.
     fn hidden_from_cri(&self, id: &str) -> bool {
         self.hidden.lock().is_ok_and(|hidden| hidden.contains(id))
+    }
+
+    /// Makes the next `count` CRI `PodSandboxStatus` calls fail with `Unavailable`, as one
+    /// call does while containerd restarts, or as a call past the agent's timeout.
+    pub fn fail_next_status_calls(&self, count: usize) {
+        self.failing_status_calls.store(count, Ordering::Relaxed);
+    }
+
+    /// How many of the status calls made to fail have not been made yet.
+    pub fn status_calls_to_fail(&self) -> usize {
+        self.failing_status_calls.load(Ordering::Relaxed)
+    }
+
+    /// Consumes one pending status call failure, if any.
+    fn take_status_failure(&self) -> bool {
+        self.failing_status_calls.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok()
+    }
+
+    /// When on, CRI `GetContainerEvents` answers with a stream that ends at once without an
+    /// event, as CRI-O does with its default `enable_pod_events = false` (CRI-O
+    /// `server/container_events.go`, v1.34: it returns before sending anything).
+    pub fn set_events_end_at_once(&self, end: bool) {
+        self.events_end_at_once.store(end, Ordering::Relaxed);
+    }
+
+    /// Whether event streams end at once.
+    fn events_end_at_once(&self) -> bool {
+        self.events_end_at_once.load(Ordering::Relaxed)
     }
 
     /// Consumes one pending ADD crash, if any.
@@ -224,6 +254,12 @@ impl NodeHandle {
         self.calls.dels.load(Ordering::Relaxed)
     }
 
+    /// How many CRI `ListPodSandbox` calls were made, and how many `GetContainerEvents`
+    /// streams opened.
+    pub fn cri_calls(&self) -> (u64, u64) {
+        (self.calls.cri_listings.load(Ordering::Relaxed), self.calls.cri_event_streams.load(Ordering::Relaxed))
+    }
+
     /// Stops the node's kubelet tasks (the Node object stays).
     pub fn stop(&mut self) {
         self.tasks.abort_all();
@@ -248,7 +284,12 @@ pub async fn start_node(
     let mut tasks = JoinSet::new();
     tasks.spawn(heartbeat(client.clone(), info.name.clone(), node_uid, alive_rx.clone()));
     let events = cri::events();
-    let cri = cri::CriService { sandboxes: sandboxes.clone(), faults: faults.clone(), events: events.clone() };
+    let cri = cri::CriService {
+        sandboxes: sandboxes.clone(),
+        faults: faults.clone(),
+        events: events.clone(),
+        calls: calls.clone(),
+    };
     tasks.spawn(cri::serve(&info.dir, cri).await?);
     let pods = pods::NodeRuntime {
         client,
@@ -329,7 +370,7 @@ async fn post_status(client: &Client, name: &str, ready_since: Timestamp) -> Res
             "nodeInfo": {
                 "machineID": name, "systemUUID": name, "bootID": since,
                 "kernelVersion": "simulated", "osImage": "ipwarden e2e simulated node",
-                "containerRuntimeVersion": format!("{}://{}", cri::RUNTIME_NAME, cri::RUNTIME_VERSION),
+                "containerRuntimeVersion": format!("{}://{}", cri::RUNTIME_NAME, cri::REPORTED_RUNTIME_VERSION),
             "kubeletVersion": "v1.37.2",
                 "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64",
             },

@@ -42,6 +42,10 @@ pub struct RuntimeCalls {
     pub status: AtomicU64,
     /// How many DEL calls succeeded.
     pub dels: AtomicU64,
+    /// How many CRI `ListPodSandbox` calls were made.
+    pub cri_listings: AtomicU64,
+    /// How many CRI `GetContainerEvents` streams were opened.
+    pub cri_event_streams: AtomicU64,
 }
 
 /// Whether a network configured for CNI `version` gets STATUS calls: 1.1.0 and later.
