@@ -9,6 +9,8 @@ mod support;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
+use e2e::realnode::chain_hold::ChainHold;
+use e2e::realnode::cri_proxy::CriProxy;
 use e2e::realnode::{BUSYBOX_IMAGE, REAL_NODE_LABEL, RealNode};
 use e2e::wait::{self, Probe};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -489,14 +491,7 @@ async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_falls_back_to_the_
     // containerd has the sandbox and has said so to the agent (two more questions answered):
     // a sandbox the runtime never returned may be one still being made, and only the settle
     // time or the grace may free its IP.
-    let asked = || async { support::metric(&ipwarden.scrape_agent(0).await, QUERIES_OK) };
-    let asked_running = asked().await;
-    wait::until("containerd answers two more questions", TIMEOUT, || async {
-        let now = asked().await;
-        Ok(if now >= asked_running + 2.0 { Probe::Done(()) } else { Probe::Pending(format!("{now} questions")) })
-    })
-    .await
-    .expect("questions");
+    wait_questions(&ipwarden, ipwarden.agents.len() - 1, 2).await;
     ipwarden.cluster.real_node(0).power_off();
     pods.delete("lost", &force).await.expect("force-delete the pod");
     let deleted = std::time::Instant::now();
@@ -508,4 +503,77 @@ async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_falls_back_to_the_
         took.as_secs() < LONG_GRACE_SECONDS / 2,
         "a lost DEL is released by containerd's word, long before the sandbox grace: took {took:?}"
     );
+}
+
+/// Waits until agent `agent` (its index among the started agents) has had `count` more
+/// questions answered by containerd than now.
+async fn wait_questions(ipwarden: &Ipwarden, agent: usize, count: u32) {
+    let asked = support::metric(&ipwarden.scrape_agent(agent).await, QUERIES_OK);
+    wait::until(&format!("{count} more questions answered by containerd"), TIMEOUT, || async {
+        let now = support::metric(&ipwarden.scrape_agent(agent).await, QUERIES_OK);
+        Ok(if now >= asked + f64::from(count) { Probe::Done(()) } else { Probe::Pending(format!("{now} questions")) })
+    })
+    .await
+    .expect("questions");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_containerd_is_still_making_keeps_its_ip_when_a_status_call_fails() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::with_real_nodes(1, &[("default", documented_pool())], &[]).await;
+    let client = ipwarden.client();
+    let (node_dir, containerd, cni_bin) = {
+        let node = &ipwarden.cluster.real_nodes()[0];
+        (node.dir().to_path_buf(), node.paths().containerd_socket(), node.paths().cni_bin_dir())
+    };
+    // The agent asks containerd through a proxy that can fail a call; no controller runs, so
+    // only the agent could release an IP, and absence alone never counts (settle time an hour).
+    let proxy = CriProxy::start(&containerd, &node_dir.join("cri-proxy.sock")).await.expect("CRI proxy");
+    ipwarden.agents[0].kill();
+    let cri = format!("--cri-socket={}", proxy.socket().display());
+    ipwarden.start_agent(0, &[&cri, "--cri-poll-interval-seconds=1", "--cri-sandbox-settle-seconds=3600"]).await;
+    let agent = ipwarden.agents.len() - 1;
+
+    // The chain's last plugin holds the ADD after ipwarden returned: the agent has recorded the
+    // sandbox's IP, and containerd, still making the sandbox, does not list it.
+    let hold = ChainHold::start(&cni_bin, &node_dir).expect("chain hold");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    pods.create(&PostParams::default(), &real_pod("starting")).await.expect("create pod");
+    wait::until("the pod's ADD held after ipwarden", TIMEOUT, || async {
+        Ok(if hold.holds_an_add() { Probe::Done(()) } else { Probe::Pending("no ADD held yet".into()) })
+    })
+    .await
+    .expect("ADD held");
+    let (ip, uid) = node_records(&client)
+        .await
+        .into_iter()
+        .find(|(_, (name, _))| name == "starting")
+        .map(|(ip, (_, uid))| (ip, uid))
+        .expect("ipwarden recorded the held ADD's IP");
+    wait_questions(&ipwarden, agent, 2).await;
+
+    // One status call fails (containerd restarting, or a call past the agent's timeout): it
+    // says nothing of the sandbox, so containerd's next NotFound proves nothing either.
+    proxy.fail_next_status_calls(1);
+    wait::until("the failing status call made", TIMEOUT, || async {
+        Ok(match proxy.status_calls_to_fail() {
+            0 => Probe::Done(()),
+            n => Probe::Pending(format!("{n} to fail")),
+        })
+    })
+    .await
+    .expect("status call");
+    wait_questions(&ipwarden, agent, 3).await;
+    assert_eq!(
+        node_records(&client).await.get(&ip),
+        Some(&("starting".to_string(), uid.clone())),
+        "the IP of a sandbox containerd is still making stays recorded for its pod"
+    );
+
+    // The chain goes on: the pod runs with that IP, and it is the one in its network namespace.
+    drop(hold);
+    let pod = wait_running(&client, "starting").await;
+    assert_eq!(support::ip_of(&pod), ip, "the pod runs with the IP recorded for it");
+    let settled = wait_settled(&client, &ipwarden.cluster.real_nodes()[0]).await;
+    assert_eq!(settled, BTreeMap::from([(ip, ("starting".to_string(), uid))]), "one IP, the pod's, none leaked");
 }

@@ -23,7 +23,7 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use k8s_cri::v1::runtime_service_server::{RuntimeService, RuntimeServiceServer};
+use k8s_cri::v1::runtime_service_server::RuntimeServiceServer;
 use k8s_cri::v1::*;
 use tonic::{Request, Response, Status};
 
@@ -118,24 +118,58 @@ fn pod_sandbox(uid: &str, sandbox: &Sandbox) -> PodSandbox {
     }
 }
 
-/// The service: the `served` calls as written, and `Unimplemented` for each call listed after
-/// them (the agent never makes those).
+/// A `RuntimeService` for `$service` serving the calls the agent makes (`Version`,
+/// `ListPodSandbox`, `PodSandboxStatus`, `GetContainerEvents`) as written, and answering
+/// `Unimplemented` for every other call (the agent never makes those).
 macro_rules! runtime_service {
-    ({ $($served:tt)* } $($call:ident($request:ty) -> $response:ty;)*) => {
+    (@impl $service:ty { $($served:tt)* } $($call:ident($request:ident) -> $response:ident;)*) => {
         #[tonic::async_trait]
-        impl RuntimeService for CriService {
+        impl k8s_cri::v1::runtime_service_server::RuntimeService for $service {
             $($served)*
             $(
-                async fn $call(&self, _request: Request<$request>) -> std::result::Result<Response<$response>, Status> {
-                    Err(Status::unimplemented(concat!("the simulated runtime does not serve ", stringify!($call))))
+                async fn $call(
+                    &self,
+                    _request: tonic::Request<k8s_cri::v1::$request>,
+                ) -> std::result::Result<tonic::Response<k8s_cri::v1::$response>, tonic::Status> {
+                    Err(tonic::Status::unimplemented(concat!("the e2e CRI service does not serve ", stringify!($call))))
                 }
             )*
         }
     };
+    ($service:ty { $($served:tt)* }) => {
+        $crate::kubelet::cri::runtime_service!(@impl $service { $($served)* }
+            run_pod_sandbox(RunPodSandboxRequest) -> RunPodSandboxResponse;
+            stop_pod_sandbox(StopPodSandboxRequest) -> StopPodSandboxResponse;
+            remove_pod_sandbox(RemovePodSandboxRequest) -> RemovePodSandboxResponse;
+            create_container(CreateContainerRequest) -> CreateContainerResponse;
+            start_container(StartContainerRequest) -> StartContainerResponse;
+            stop_container(StopContainerRequest) -> StopContainerResponse;
+            remove_container(RemoveContainerRequest) -> RemoveContainerResponse;
+            list_containers(ListContainersRequest) -> ListContainersResponse;
+            container_status(ContainerStatusRequest) -> ContainerStatusResponse;
+            update_container_resources(UpdateContainerResourcesRequest) -> UpdateContainerResourcesResponse;
+            reopen_container_log(ReopenContainerLogRequest) -> ReopenContainerLogResponse;
+            exec_sync(ExecSyncRequest) -> ExecSyncResponse;
+            exec(ExecRequest) -> ExecResponse;
+            attach(AttachRequest) -> AttachResponse;
+            port_forward(PortForwardRequest) -> PortForwardResponse;
+            container_stats(ContainerStatsRequest) -> ContainerStatsResponse;
+            list_container_stats(ListContainerStatsRequest) -> ListContainerStatsResponse;
+            pod_sandbox_stats(PodSandboxStatsRequest) -> PodSandboxStatsResponse;
+            list_pod_sandbox_stats(ListPodSandboxStatsRequest) -> ListPodSandboxStatsResponse;
+            update_runtime_config(UpdateRuntimeConfigRequest) -> UpdateRuntimeConfigResponse;
+            status(StatusRequest) -> StatusResponse;
+            checkpoint_container(CheckpointContainerRequest) -> CheckpointContainerResponse;
+            list_metric_descriptors(ListMetricDescriptorsRequest) -> ListMetricDescriptorsResponse;
+            list_pod_sandbox_metrics(ListPodSandboxMetricsRequest) -> ListPodSandboxMetricsResponse;
+            runtime_config(RuntimeConfigRequest) -> RuntimeConfigResponse;
+        );
+    };
 }
+pub(crate) use runtime_service;
 
 runtime_service! {
-    {
+    CriService {
         type GetContainerEventsStream =
             Pin<Box<dyn futures::Stream<Item = std::result::Result<ContainerEventResponse, Status>> + Send>>;
 
@@ -212,31 +246,6 @@ runtime_service! {
         Ok(Response::new(Box::pin(events)))
         }
     }
-    run_pod_sandbox(RunPodSandboxRequest) -> RunPodSandboxResponse;
-    stop_pod_sandbox(StopPodSandboxRequest) -> StopPodSandboxResponse;
-    remove_pod_sandbox(RemovePodSandboxRequest) -> RemovePodSandboxResponse;
-    create_container(CreateContainerRequest) -> CreateContainerResponse;
-    start_container(StartContainerRequest) -> StartContainerResponse;
-    stop_container(StopContainerRequest) -> StopContainerResponse;
-    remove_container(RemoveContainerRequest) -> RemoveContainerResponse;
-    list_containers(ListContainersRequest) -> ListContainersResponse;
-    container_status(ContainerStatusRequest) -> ContainerStatusResponse;
-    update_container_resources(UpdateContainerResourcesRequest) -> UpdateContainerResourcesResponse;
-    reopen_container_log(ReopenContainerLogRequest) -> ReopenContainerLogResponse;
-    exec_sync(ExecSyncRequest) -> ExecSyncResponse;
-    exec(ExecRequest) -> ExecResponse;
-    attach(AttachRequest) -> AttachResponse;
-    port_forward(PortForwardRequest) -> PortForwardResponse;
-    container_stats(ContainerStatsRequest) -> ContainerStatsResponse;
-    list_container_stats(ListContainerStatsRequest) -> ListContainerStatsResponse;
-    pod_sandbox_stats(PodSandboxStatsRequest) -> PodSandboxStatsResponse;
-    list_pod_sandbox_stats(ListPodSandboxStatsRequest) -> ListPodSandboxStatsResponse;
-    update_runtime_config(UpdateRuntimeConfigRequest) -> UpdateRuntimeConfigResponse;
-    status(StatusRequest) -> StatusResponse;
-    checkpoint_container(CheckpointContainerRequest) -> CheckpointContainerResponse;
-    list_metric_descriptors(ListMetricDescriptorsRequest) -> ListMetricDescriptorsResponse;
-    list_pod_sandbox_metrics(ListPodSandboxMetricsRequest) -> ListPodSandboxMetricsResponse;
-    runtime_config(RuntimeConfigRequest) -> RuntimeConfigResponse;
 }
 
 /// The CRI socket of the simulated node whose directory is `dir`.
@@ -244,10 +253,13 @@ pub fn socket_in(dir: &Path) -> PathBuf {
     dir.join(CRI_SOCKET)
 }
 
-/// Binds the node's CRI socket (replacing a stale one) and serves `service` on it until the
+/// Binds the CRI socket `socket` (replacing a stale one) and serves `service` on it until the
 /// returned task is aborted.
-pub(super) async fn serve(dir: &Path, service: CriService) -> Result<impl std::future::Future<Output = ()> + use<>> {
-    let socket = socket_in(dir);
+pub(crate) async fn serve<S>(socket: &Path, service: S) -> Result<impl std::future::Future<Output = ()> + use<S>>
+where
+    S: k8s_cri::v1::runtime_service_server::RuntimeService,
+{
+    let socket = socket.to_path_buf();
     match std::fs::remove_file(&socket) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -261,7 +273,7 @@ pub(super) async fn serve(dir: &Path, service: CriService) -> Result<impl std::f
             .serve_with_incoming(incoming)
             .await;
         if let Err(e) = served {
-            tracing::warn!(socket = %socket.display(), error = %e, "the simulated CRI service stopped");
+            tracing::warn!(socket = %socket.display(), error = %e, "an e2e CRI service stopped");
         }
     })
 }

@@ -8,7 +8,7 @@
 //! the pod, as a real kubelet and container runtime do. The runtime answers CRI's sandbox
 //! listing on the node's [`CRI_SOCKET`] (module `cri`).
 
-mod cri;
+pub(crate) mod cri;
 mod pods;
 
 use std::collections::HashMap;
@@ -290,7 +290,7 @@ pub async fn start_node(
         events: events.clone(),
         calls: calls.clone(),
     };
-    tasks.spawn(cri::serve(&info.dir, cri).await?);
+    tasks.spawn(cri::serve(&cri::socket_in(&info.dir), cri).await?);
     let pods = pods::NodeRuntime {
         client,
         node: info.clone(),

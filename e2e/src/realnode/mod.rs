@@ -7,7 +7,9 @@
 //! made locally (there is no registry). The agent of a real node runs on the host like the
 //! simulated nodes' agents. docs/testing.md, "Real nodes", says what the host needs.
 
+pub mod chain_hold;
 mod config;
+pub mod cri_proxy;
 pub mod host;
 
 use std::path::{Path, PathBuf};
