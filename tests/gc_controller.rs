@@ -13,7 +13,7 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Event;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use support::{
     Ipwarden, TIMEOUT, claims, create_pod, create_statefulset, inject_claim, inject_legacy_claim, inject_record, ip_of,
@@ -492,4 +492,54 @@ async fn leaks_released_in_one_batch_leave_an_event_each_findable_by_its_pod_and
         .filter_map(|n| leaks.iter().find(|(ip, _)| n.contains(&format!("released {ip} "))).map(|(ip, _)| ip.clone()))
         .collect();
     assert_eq!(ips.len(), leaks.len(), "every release found by the pool's label: {of_pool:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_of_a_static_pods_released_record_is_listed_by_describe_of_its_mirror_pod() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &pool(), &[]).await;
+    let client = ipwarden.client();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    // A static pod's mirror as kubelet creates it: the config hash in kubernetes.io/config.mirror,
+    // a UID of its own. In the host's network, so the simulated runtime runs it without CNI.
+    let mirror: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "static-web-node-0",
+                     "annotations": {"kubernetes.io/config.mirror": "hash-web", "kubernetes.io/config.source": "file"}},
+        "spec": {"nodeName": "node-0", "hostNetwork": true, "containers": [{"name": "c", "image": "registry.invalid/c:1"}]},
+    }))
+    .expect("mirror pod");
+    let mirror = pods.create(&PostParams::default(), &mirror).await.expect("create the mirror pod");
+    let mirror_uid = mirror.uid().expect("a created pod has a UID");
+    wait::until("the mirror pod running", TIMEOUT, || async {
+        let phase = pods.get("static-web-node-0").await.map_err(e2e::Error::kube("read"))?.status.and_then(|s| s.phase);
+        Ok(if phase.as_deref() == Some("Running") { Probe::Done(()) } else { Probe::Pending(format!("{phase:?}")) })
+    })
+    .await
+    .expect("running");
+    // The static pod finished; the record its ADD left names it by its config hash, the UID
+    // its runtime knows (agent.md), and its DEL was lost: the controller's to release.
+    let finished = json!({"status": {"phase": "Succeeded"}});
+    pods.patch_status("static-web-node-0", &PatchParams::default(), &Patch::Merge(&finished))
+        .await
+        .expect("the static pod finishes");
+    let ip = "10.70.0.210";
+    leak(&client, ip, record_json(NS, "static-web-node-0", "hash-web", "node-0", None, false)).await;
+    let controller = ipwarden.start_controller("solo", &[]);
+    ipwarden.wait_leader(controller).await;
+    wait_record_gone(&client, ip, TIMEOUT, "the finished static pod's record released").await;
+
+    // What `kubectl describe pod` asks for the pod's Events: its name and its object's UID.
+    let events: Api<Event> = Api::namespaced(client.clone(), NS);
+    let described =
+        ListParams::default().fields(&format!("involvedObject.name=static-web-node-0,involvedObject.uid={mirror_uid}"));
+    let found = wait::until("the release's Event listed by describe", Duration::from_secs(30), || async {
+        let list = events.list(&described).await.map_err(e2e::Error::kube("events"))?;
+        let released: Vec<Event> =
+            list.items.into_iter().filter(|e| e.reason.as_deref() == Some("IPReleased")).collect();
+        Ok(if released.is_empty() { Probe::Pending("none".into()) } else { Probe::Done(released) })
+    })
+    .await
+    .expect("the Event of the static pod's release regards its mirror pod's UID");
+    let note = found[0].message.clone().unwrap_or_default();
+    assert!(note.contains("hash-web"), "the note names the record's UID, the config hash: {note}");
 }

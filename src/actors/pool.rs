@@ -490,10 +490,17 @@ fn record_event(
     rule: &str,
     trigger: Trigger,
 ) -> impl FnOnce(RecordEventKind) -> RecordEvent {
-    let pool_uid = context.index.read().pool(pool).and_then(|p| p.metadata.uid.clone());
+    let index = context.index.read();
+    let pool_uid = index.pool(pool).and_then(|p| p.metadata.uid.clone());
+    // A static pod's mirror carries a UID of its own beside the config hash the record names.
+    let pod_object_uid = index
+        .pod(&pod.namespace, &pod.name)
+        .filter(|facts| facts.uid == pod.uid && facts.object_uid != pod.uid && !facts.object_uid.is_empty())
+        .map(|facts| facts.object_uid.clone());
+    drop(index);
     let (ip, pool, pod, node) = (change.ip.clone(), pool.to_string(), pod.clone(), node.to_string());
     let (rule, trigger) = (rule.to_string(), trigger.label().to_string());
-    move |kind| RecordEvent { ip, pool, pool_uid, pod, node, rule, trigger, kind }
+    move |kind| RecordEvent { ip, pool, pool_uid, pod, pod_object_uid, node, rule, trigger, kind }
 }
 
 /// The non-terminal pod reporting each of `ips`, from the index.

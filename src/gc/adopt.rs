@@ -431,6 +431,7 @@ mod test {
             namespace: "default".into(),
             name: name.into(),
             uid: uid.into(),
+            object_uid: uid.into(),
             phase: Phase::Active,
             deletion: None,
             ips: ips.iter().map(|s| s.to_string()).collect(),

@@ -39,6 +39,10 @@ pub struct RecordEvent {
     /// The pod the Event regards: the released record's pod, or the pod adopting a repaired
     /// record.
     pub pod: PodRef,
+    /// The regarded pod object's own `metadata.uid`, when it differs from the record's UID (a
+    /// static pod's mirror: the record names the config hash) and the pod is known: `kubectl
+    /// describe pod` lists an Event only under the object's UID.
+    pub pod_object_uid: Option<String>,
     /// The regarded pod's node.
     pub node: String,
     /// Why: the rule's label.
@@ -134,7 +138,7 @@ impl RecordEvent {
                 kind: Some("Pod".into()),
                 namespace: Some(self.pod.namespace.clone()),
                 name: Some(self.pod.name.clone()),
-                uid: Some(self.pod.uid.clone()).filter(|u| !u.is_empty()),
+                uid: self.pod_object_uid.clone().or_else(|| Some(self.pod.uid.clone())).filter(|u| !u.is_empty()),
                 ..ObjectReference::default()
             }),
             related: Some(ObjectReference {
@@ -227,6 +231,7 @@ mod test {
             pool: "default".into(),
             pool_uid: Some("pool-uid".into()),
             pod: pod(name, &format!("uid-{name}")),
+            pod_object_uid: None,
             node: "node-1".into(),
             rule: "pod_gone".into(),
             trigger: "trace".into(),
@@ -258,6 +263,18 @@ mod test {
         let labels = event.metadata.labels.expect("labels");
         assert_eq!(labels.get(POOL_LABEL).map(String::as_str), Some("default"));
         assert_eq!(labels.get(NODE_LABEL).map(String::as_str), Some("node-1"));
+    }
+
+    #[test]
+    fn a_static_pods_release_regards_its_mirror_pod_object_and_its_note_names_the_config_hash() {
+        let mirror = RecordEvent {
+            pod: pod("static-web", "config-hash"),
+            pod_object_uid: Some("mirror-uid".into()),
+            ..released("10.0.0.5", "static-web")
+        };
+        let event = mirror.to_event(&source(), "static-web.1".into(), Timestamp::UNIX_EPOCH);
+        assert_eq!(event.regarding.and_then(|r| r.uid).as_deref(), Some("mirror-uid"));
+        assert!(event.note.unwrap_or_default().contains("config-hash"));
     }
 
     #[test]

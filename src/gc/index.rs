@@ -36,6 +36,9 @@ pub struct PodFacts {
     pub name: String,
     /// Its UID as the runtime knows it ([`workload::runtime_uid`]: a static pod's config hash).
     pub uid: String,
+    /// The pod object's own `metadata.uid` (a static pod's mirror has one beside its config
+    /// hash): what `kubectl describe pod` matches Events on.
+    pub object_uid: String,
     /// Its phase.
     pub phase: Phase,
     /// Its deletionTimestamp.
@@ -67,6 +70,7 @@ impl PodFacts {
             namespace: pod.namespace().unwrap_or_default(),
             name: pod.name_any(),
             uid: workload::runtime_uid(pod).unwrap_or_default().to_string(),
+            object_uid: pod.metadata.uid.clone().unwrap_or_default(),
             phase,
             deletion: pod.metadata.deletion_timestamp.as_ref().map(|t| t.0),
             ips,
