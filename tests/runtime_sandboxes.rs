@@ -44,6 +44,47 @@ async fn wait_questions(ipwarden: &Ipwarden, index: usize, count: u32) {
     .expect("questions");
 }
 
+/// Agent flags under which only the runtime's word may free an IP within a test: a question
+/// every second, absence alone never counting (settle time an hour), no sandbox grace within
+/// the test's time, no reuse cooldown.
+const ONLY_THE_RUNTIMES_WORD: [&str; 5] = [
+    WITH_CRI,
+    "--cri-poll-interval-seconds=1",
+    "--cri-sandbox-settle-seconds=3600",
+    "--reuse-cooldown-seconds=0",
+    "--release-sandbox-grace-seconds=3600",
+];
+
+/// Creates pod `starting` on node-0 while the runtime is still making its sandbox (its ADD
+/// returned; it is not in the runtime's store yet) and holds the kubelet's teardowns: deleted,
+/// the sandbox may still start. Returns the pod's IP and UID.
+async fn start_a_pod_whose_sandbox_is_still_being_made(ipwarden: &Ipwarden) -> (String, String) {
+    let client = ipwarden.client();
+    let node = &ipwarden.cluster.nodes()[0];
+    node.faults().set_hide_new_sandboxes(true);
+    node.faults().set_hold_teardowns(true);
+    create_pod(&client, NS, "starting", "node-0", json!({"app": "starting"})).await;
+    let pod = wait_pods_with_ips(&client, NS, "app=starting", 1).await.remove("starting").expect("pod");
+    (ip_of(&pod), pod.uid().unwrap_or_default())
+}
+
+/// Force-deletes pod `name`.
+async fn force_delete(client: &kube::Client, name: &str) {
+    let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+    Api::<Pod>::namespaced(client.clone(), NS).delete(name, &force).await.expect("force delete");
+}
+
+/// After [`start_a_pod_whose_sandbox_is_still_being_made`]: the runtime has the sandbox at
+/// last (and says so to the agent), and the kubelet tears it down with its DEL, which frees `ip`.
+async fn let_the_sandbox_start_and_end(ipwarden: &Ipwarden, ip: &str) {
+    let node = &ipwarden.cluster.nodes()[0];
+    node.faults().set_hide_new_sandboxes(false);
+    wait_questions(ipwarden, 0, 2).await;
+    node.faults().set_hold_teardowns(false);
+    wait_record_gone(&ipwarden.client(), ip, TIMEOUT, "the IP freed by the sandbox's DEL").await;
+    assert!(node.sandboxes().is_empty(), "the sandbox is gone");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_del_is_freed_before_the_grace_a_ready_sandbox_never_and_an_unreachable_runtime_falls_back_to_the_grace()
 {
@@ -198,31 +239,16 @@ async fn a_running_pods_sandbox_the_runtime_has_not_listed_yet_keeps_its_ip_past
 async fn a_mark_on_a_sandbox_still_being_made_for_a_deleted_pod_waits_for_the_runtime_to_have_it() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let pool = json!({"cidr": "10.76.0.0/24", "default": true});
-    let args = [
-        WITH_CRI,
-        "--cri-poll-interval-seconds=1",
-        "--cri-sandbox-settle-seconds=3600",
-        "--reuse-cooldown-seconds=0",
-        "--release-sandbox-grace-seconds=3600",
-    ];
-    let mut ipwarden = Ipwarden::start(1, &[("pool", pool)], &args).await;
+    let mut ipwarden = Ipwarden::start(1, &[("pool", pool)], &ONLY_THE_RUNTIMES_WORD).await;
     let controller =
         ipwarden.start_controller("gc", &["--full-scan-interval-seconds=2", "--additional-grace-seconds=0"]);
     ipwarden.wait_leader(controller).await;
     let client = ipwarden.client();
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
 
-    // The runtime is still making the pod's sandbox (its ADD returned; it is not in the store
-    // yet) when the pod is force-deleted, and the kubelet's teardown of it waits: a StatefulSet
+    // The pod is force-deleted while the runtime is still making its sandbox: a StatefulSet
     // pod's successor elsewhere would get the IP at once if the mark were answered now.
-    let node = &ipwarden.cluster.nodes()[0];
-    node.faults().set_hide_new_sandboxes(true);
-    node.faults().set_hold_teardowns(true);
-    create_pod(&client, NS, "starting", "node-0", json!({"app": "starting"})).await;
-    let pod = wait_pods_with_ips(&client, NS, "app=starting", 1).await.remove("starting").expect("pod");
-    let (ip, uid) = (ip_of(&pod), pod.uid().unwrap_or_default());
-    let force = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
-    pods.delete("starting", &force).await.expect("force delete");
+    let (ip, uid) = start_a_pod_whose_sandbox_is_still_being_made(&ipwarden).await;
+    force_delete(&client, "starting").await;
     wait::until("the controller acts on the record", TIMEOUT, || async {
         Ok(match record_state(&client, &ip).await {
             Some((owner, None)) if owner == uid => Probe::Pending(format!("record of {ip} unmarked")),
@@ -237,14 +263,8 @@ async fn a_mark_on_a_sandbox_still_being_made_for_a_deleted_pod_waits_for_the_ru
         Some((uid.clone(), Some(HandshakeState::MarkedForRelease))),
         "the mark on the IP of a sandbox the runtime may still start stays unanswered"
     );
-    assert_eq!(node.sandboxes().len(), 1, "the sandbox is still up");
-
-    // The runtime has the sandbox at last, and the kubelet tears it down with its DEL.
-    node.faults().set_hide_new_sandboxes(false);
-    wait_questions(&ipwarden, 0, 2).await;
-    node.faults().set_hold_teardowns(false);
-    wait_record_gone(&client, &ip, TIMEOUT, "the IP freed by the sandbox's DEL").await;
-    assert!(node.sandboxes().is_empty(), "the sandbox is gone");
+    assert_eq!(ipwarden.cluster.nodes()[0].sandboxes().len(), 1, "the sandbox is still up");
+    let_the_sandbox_start_and_end(&ipwarden, &ip).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -278,4 +298,31 @@ async fn a_runtime_that_ends_its_event_stream_at_once_is_asked_at_the_poll_inter
         took >= POLL * 5 / 2,
         "five questions to a runtime that streams no events came within {took:?}, not one per {POLL:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_start_up_gc_keeps_a_gone_pods_ip_while_the_runtime_cannot_say_whether_it_has_the_sandbox() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pool = json!({"cidr": "10.78.0.0/24", "default": true});
+    let mut ipwarden = Ipwarden::start(1, &[("pool", pool)], &ONLY_THE_RUNTIMES_WORD).await;
+    let client = ipwarden.client();
+
+    // The pod is force-deleted while its agent is down and the runtime still makes its sandbox.
+    let (ip, uid) = start_a_pod_whose_sandbox_is_still_being_made(&ipwarden).await;
+    ipwarden.agents[0].kill();
+    force_delete(&client, "starting").await;
+
+    // The agent starts again while every status call fails: its start-up GC finds no pod for
+    // the record, and the runtime cannot say whether it has the sandbox.
+    ipwarden.cluster.nodes()[0].faults().fail_next_status_calls(usize::MAX);
+    ipwarden.agents[0].restart().expect("agent restarts");
+    ipwarden.wait_agent_serving(0).await;
+    ipwarden.cluster.nodes()[0].faults().fail_next_status_calls(0);
+    assert_eq!(
+        record_state(&client, &ip).await,
+        Some((uid, None)),
+        "the start-up GC keeps the IP of a sandbox the runtime could not say it lacks"
+    );
+
+    let_the_sandbox_start_and_end(&ipwarden, &ip).await;
 }

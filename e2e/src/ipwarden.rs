@@ -100,7 +100,7 @@ pub struct ReleaseHold {
 impl ReleaseHold {
     /// Starts holding the releases of a controller given `--test-release-hold=<path>`.
     pub fn start(path: &Path) -> Result<Self> {
-        let _stale = std::fs::remove_file(path.with_extension("held"));
+        let _stale = std::fs::remove_file(held_marker(path));
         std::fs::write(path, b"").map_err(Error::io("making the release hold", path))?;
         Ok(Self { path: path.to_path_buf() })
     }
@@ -112,8 +112,15 @@ impl ReleaseHold {
 
     /// Whether a release waits on the hold.
     pub fn holds_a_release(&self) -> bool {
-        self.path.with_extension("held").exists()
+        held_marker(&self.path).exists()
     }
+}
+
+/// The file the controller keeps while a release waits on the hold at `path`: `<path>.held`.
+fn held_marker(path: &Path) -> PathBuf {
+    let mut held = path.as_os_str().to_owned();
+    held.push(".held");
+    held.into()
 }
 
 impl Drop for ReleaseHold {

@@ -110,9 +110,10 @@ pub struct ControllerArgs {
     /// for the Lease, to play a node whose clock is off.
     #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
     pub test_clock_offset_seconds: i64,
-    /// Tests only (hidden): while this file exists, a release of an answered mark waits before
-    /// its live re-reads, so a test can change the pod or its owner between the decision and
-    /// the write instead of racing the batch window ([`pool::PoolContext::test_release_hold`]).
+    /// Tests only (hidden): while this file exists, every release about to be written (an
+    /// answered mark's, or one no agent can answer) waits before its live re-reads, so a test
+    /// can change the pod or its owner between the decision and the write instead of racing the
+    /// batch window ([`pool::PoolContext::test_release_hold`]).
     #[arg(long, hide = true)]
     pub test_release_hold: Option<std::path::PathBuf>,
 }

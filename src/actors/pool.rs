@@ -149,8 +149,9 @@ pub struct PoolContext {
     pub batch_window: Duration,
     /// The writer of release and repair Events.
     pub events: EventWriter,
-    /// Tests only (`--test-release-hold`): while this file exists, a release of an answered
-    /// mark waits before its live re-reads, after writing `<file>.held` to say it does.
+    /// Tests only (`--test-release-hold`): while this file exists, every release the pool
+    /// actor is about to write (an answered mark's, or one no agent can answer) waits before its
+    /// live re-reads, with `<file>.held` present to say it does.
     pub test_release_hold: Option<std::path::PathBuf>,
 }
 
@@ -611,13 +612,13 @@ async fn read_live_facts(
 /// How often a held release looks whether its hold is gone.
 const HOLD_POLL: Duration = Duration::from_millis(50);
 
-/// Tests only: while `hold` exists, waits, having written `<hold>.held` so the test knows a
+/// Tests only: while `hold` exists, waits, with `<hold>.held` present so the test knows a
 /// release is held (`--test-release-hold`).
 async fn wait_while_held(hold: &std::path::Path) {
     if !hold.exists() {
         return;
     }
-    let held = hold.with_extension("held");
+    let held = held_marker(hold);
     if let Err(e) = std::fs::write(&held, b"") {
         tracing::warn!(path = %held.display(), error = %e, "test hold: cannot say that a release is held");
     }
@@ -625,6 +626,14 @@ async fn wait_while_held(hold: &std::path::Path) {
     while hold.exists() {
         tokio::time::sleep(HOLD_POLL).await;
     }
+    let _gone = std::fs::remove_file(&held);
+}
+
+/// The file that says a release waits on `hold`: `<hold>.held`.
+fn held_marker(hold: &std::path::Path) -> std::path::PathBuf {
+    let mut held = hold.as_os_str().to_owned();
+    held.push(".held");
+    held.into()
 }
 
 /// Applies `changes` to block `name` in one compare-and-swap write

@@ -74,8 +74,8 @@ impl Default for Following {
 }
 
 impl Following {
-    /// Whether a stream just opened wakes the sweep: events may have been missed since the
-    /// last stream, unless it ended at once and empty (a runtime that sends none).
+    /// Whether following the stream again wakes the sweep: events may have been missed since
+    /// the last stream, unless it ended at once and empty (a runtime that sends none).
     fn wakes_on_open(&self) -> bool {
         !self.last_was_empty
     }
@@ -93,9 +93,14 @@ impl Following {
         first_empty
     }
 
-    /// The stream could not be opened: events may be missed meanwhile.
-    fn failed(&mut self) {
+    /// The stream could not be opened, after `waited` (containerd answers the open only with
+    /// its first event, so a restart of a quiet runtime fails an open that waited for hours):
+    /// events may be missed meanwhile, and a long wait starts the backoff over.
+    fn failed(&mut self, waited: Duration) {
         self.last_was_empty = false;
+        if waited >= EVENTS_RETRY_MAX {
+            self.retry = EVENTS_RETRY;
+        }
     }
 
     /// The wait before following again; the next one doubles, up to [`EVENTS_RETRY_MAX`].
@@ -201,8 +206,10 @@ impl Core {
                 .map(|e| e.key.clone())
                 .partition(|key| answer.is_live(&key.container_id))
         });
-        self.checkpoint.note_listed(&live, answer.requested_at, Listing::Returned);
-        self.checkpoint.note_listed(&unknown, answer.requested_at, Listing::Undenied);
+        // Noted when the answer came, not when it was asked: questions overlap, and an older
+        // one may find a sandbox that a newer one missed (`RuntimeSandboxes::answered_at`).
+        self.checkpoint.note_listed(&live, answer.answered_at, Listing::Returned);
+        self.checkpoint.note_listed(&unknown, answer.answered_at, Listing::Undenied);
         self.runtime_gc_called();
         if let Ok(mut last) = runtime.last.lock()
             && last.as_ref().is_none_or(|kept| kept.requested_at <= answer.requested_at)
@@ -255,15 +262,15 @@ impl Core {
 
     /// Follows the node runtime's container events (`GetContainerEvents`) and wakes `sweep`
     /// (the loop sending [`super::allocator::SweepRuntime`]) when one reports the end of a
-    /// sandbox the checkpoint holds, and on each (re)connection after a stream that carried
-    /// events or broke, since events may have been missed: the sandbox's release then waits
-    /// for no poll. A runtime that streams no events (`Unimplemented`), or hands each event
+    /// sandbox the checkpoint holds, and each time it follows the stream again unless the last
+    /// one ended at once without an event, since events may have been missed: the sandbox's
+    /// release then waits for no poll. A runtime that streams no events (`Unimplemented`), or hands each event
     /// to one follower only (containerd 1.x, whose events kubelet's evented PLEG would lose),
     /// leaves the poll alone, said once. A broken stream is followed again after a backoff
     /// (1 s doubling to 30 s), which starts over only after a stream that carried an event or
-    /// lasted the longest wait: a runtime that ends each stream at once without an event
-    /// (CRI-O with `enable_pod_events = false`) is asked every 30 s whether it streams now,
-    /// and never woken for it.
+    /// lasted (or waited to open) the longest wait: a runtime that ends each stream at once
+    /// without an event (CRI-O with `enable_pod_events = false`) has its stream tried again
+    /// ever more rarely, up to every 30 s, and no question is asked for it.
     pub async fn follow_runtime_events(self: Arc<Self>, sweep: Arc<tokio::sync::Notify>) {
         let Some(runtime) = &self.runtime else { return };
         let mut following = Following::default();
@@ -274,7 +281,14 @@ impl Core {
                     tracing::info!(runtime = %version.as_node_reports(), "the runtime hands each container event to one follower, so the agent leaves them to kubelet and asks on its timer only");
                     return;
                 }
-                Ok((client, _)) => client.ended_sandboxes().await,
+                Ok((client, _)) => {
+                    // Asked now, not once the stream is open: containerd answers the open only
+                    // with its first event, which may be hours away on a quiet node.
+                    if following.wakes_on_open() {
+                        sweep.notify_one();
+                    }
+                    client.ended_sandboxes().await
+                }
                 Err(NotAsked::Failed(e)) => Err(e),
                 Err(NotAsked::NotTheNodes(why)) => {
                     tracing::debug!(%why, "not following the runtime's events yet");
@@ -284,9 +298,6 @@ impl Core {
             };
             match followed {
                 Ok(ended) => {
-                    if following.wakes_on_open() {
-                        sweep.notify_one();
-                    }
                     let (mut carried, mut broke) = (false, false);
                     let mut ended = std::pin::pin!(ended);
                     while let Some(event) = ended.next().await {
@@ -306,7 +317,7 @@ impl Core {
                     }
                     if following.ended(carried, broke, opened.elapsed()) {
                         tracing::info!(
-                            "the runtime ended its event stream without an event (CRI-O with enable_pod_events = false does); the agent asks it on its timer and tries its events again at most every 30 s"
+                            "the runtime ended its event stream without an event (CRI-O with enable_pod_events = false does); the agent asks it on its timer and tries its events again with a backoff up to 30 s"
                         );
                     }
                 }
@@ -316,7 +327,7 @@ impl Core {
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "following the runtime's events failed; trying again");
-                    following.failed();
+                    following.failed(opened.elapsed());
                 }
             }
             tokio::time::sleep(following.next_wait()).await;
@@ -421,7 +432,12 @@ mod tests {
         }
         let mut following = Following::default();
         following.ended(false, false, Duration::ZERO);
-        following.failed();
+        following.failed(Duration::ZERO);
         assert!(following.wakes_on_open(), "events may be missed while the stream cannot be opened");
+        following.next_wait();
+        following.failed(Duration::ZERO);
+        assert_eq!(following.next_wait(), EVENTS_RETRY * 2, "a failure at once backs off further");
+        following.failed(EVENTS_RETRY_MAX);
+        assert_eq!(following.next_wait(), EVENTS_RETRY, "an open that waited the longest wait starts over");
     }
 }

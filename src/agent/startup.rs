@@ -61,6 +61,11 @@ impl Core {
                     tracing::info!(%ip, pod = %format!("{}/{}", record.pod.namespace, record.pod.name), container_id = %record.container_id, "start-up GC: no local pod holds it, but the runtime still has its sandbox; its DEL frees it");
                     continue;
                 }
+                // A failed status call says nothing of the sandbox, which may still be starting.
+                if runtime.as_ref().is_some_and(|r| r.is_unknown(&record.container_id)) {
+                    tracing::info!(%ip, pod = %format!("{}/{}", record.pod.namespace, record.pod.name), container_id = %record.container_id, "start-up GC: no local pod holds it, but the runtime could not say whether it has its sandbox; kept for the release handshake");
+                    continue;
+                }
                 stale.push((block.name_any(), ip.clone(), record.clone()));
             }
         }

@@ -89,7 +89,9 @@ impl RuntimeVersion {
     /// runtime: kubelet writes it from the same `Version` call ([`RuntimeVersion::as_node_reports`]).
     /// The agent asks only the runtime its kubelet uses.
     pub fn is_reported_as(&self, reported: &str) -> bool {
-        reported == self.as_node_reports()
+        // Two runtimes of one name whose versions kubelet cannot read would be told apart by
+        // nothing: such a runtime is never taken for the node's.
+        kubelet_version(&self.version) != UNKNOWN_VERSION && reported == self.as_node_reports()
     }
 
     /// Whether the runtime hands each container event to one follower only, taking them from
@@ -107,11 +109,19 @@ impl RuntimeVersion {
 /// neither reads is reported `Unknown`. So containerd's `v2.4.2` is `2.4.2`, and a
 /// distribution's `1.6.20~ds1` is `1.6.20`.
 pub fn kubelet_version(raw: &str) -> String {
-    parse_kubelet_version(raw).unwrap_or_else(|| "Unknown".to_string())
+    parse_kubelet_version(raw).unwrap_or_else(|| UNKNOWN_VERSION.to_string())
+}
+
+/// What kubelet reports for a version it cannot read.
+const UNKNOWN_VERSION: &str = "Unknown";
+
+/// Whether `c` is whitespace to Go's regular expressions (`\s`: `[\t\n\f\r ]`).
+fn go_space(c: char) -> bool {
+    matches!(c, '\t' | '\n' | '\x0c' | '\r' | ' ')
 }
 
 fn parse_kubelet_version(raw: &str) -> Option<String> {
-    let trimmed = raw.trim_start();
+    let trimmed = raw.trim_start_matches(go_space);
     let trimmed = trimmed.strip_prefix('v').unwrap_or(trimmed);
     // The numbers: runs of digits joined by single dots; whatever follows is the extra.
     let digits = |from: usize| trimmed[from..].bytes().take_while(u8::is_ascii_digit).count();
@@ -123,6 +133,10 @@ fn parse_kubelet_version(raw: &str) -> Option<String> {
         end += 1 + digits(end + 1);
     }
     let (numbers, extra) = trimmed.split_at(end);
+    // kubelet's pattern matches no line break after the numbers.
+    if extra.contains('\n') {
+        return None;
+    }
     let components: Vec<&str> = numbers.split('.').collect();
     let number = |c: &str| c.parse::<u64>().ok();
     let semantic = components.len() == 3 && components.iter().all(|c| *c == "0" || !c.starts_with('0'));
@@ -138,7 +152,7 @@ fn parse_kubelet_version(raw: &str) -> Option<String> {
 /// The pre-release and build metadata of a semantic version, as kubelet writes them back
 /// (`-<pre-release>+<build>`), or `None` when `extra` is neither.
 fn semver_suffix(extra: &str) -> Option<String> {
-    let extra = extra.trim_end();
+    let extra = extra.trim_end_matches(go_space);
     let identifiers = |part: &str| {
         !part.is_empty()
             && part.split('.').all(|id| !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
@@ -152,8 +166,8 @@ fn semver_suffix(extra: &str) -> Option<String> {
         "" => None,
         rest => {
             let pre = rest.strip_prefix('-').filter(|pre| identifiers(pre))?;
-            // A numeric identifier has no leading zero.
-            let numeric_zero = |id: &str| id.len() > 1 && id.starts_with('0') && id.chars().all(|c| c.is_ascii_digit());
+            // A numeric identifier has no leading zero (one too long for a number is not checked).
+            let numeric_zero = |id: &str| id.len() > 1 && id.starts_with('0') && id.parse::<u64>().is_ok();
             (!pre.split('.').any(numeric_zero)).then_some(pre)?;
             Some(pre)
         }
@@ -245,7 +259,7 @@ impl CriClient {
             .collect()
             .await;
         sandboxes.extend(answers);
-        Ok(RuntimeSandboxes { requested_at, sandboxes })
+        Ok(RuntimeSandboxes { requested_at, answered_at: Instant::now(), sandboxes })
     }
 
     /// The runtime's container event stream (`GetContainerEvents`, which kubelet's evented
@@ -312,6 +326,17 @@ mod tests {
             ("01.2.3", "Unknown"),
             ("dev", "Unknown"),
             ("", "Unknown"),
+            // Go's `\s` is [\t\n\f\r ], its `.` matches no line break.
+            (" \t1.2.3", "1.2.3"),
+            ("\u{a0}1.2.3", "Unknown"),
+            ("\u{b}1.2.3", "Unknown"),
+            ("1.7.24\n", "Unknown"),
+            ("1.6.20~ds1\n", "Unknown"),
+            ("1.2.3-rc.1 \r", "1.2.3-rc.1"),
+            ("1.2.3-rc.1\u{b}", "1.2.3"),
+            ("1.2.3-rc.1\u{a0}", "1.2.3"),
+            ("1.2.3-099999999999999999999", "1.2.3-099999999999999999999"),
+            ("99999999999999999999.1.2", "Unknown"),
         ];
         for (raw, reported) in cases {
             assert_eq!(kubelet_version(raw), reported, "{raw:?}");
@@ -325,6 +350,8 @@ mod tests {
         let debian = RuntimeVersion { name: "containerd".into(), version: "1.6.20~ds1".into() };
         assert!(debian.is_reported_as("containerd://1.6.20"), "kubelet drops what follows a generic version");
         assert!(!debian.is_reported_as("containerd://1.6.2"));
+        let unreadable = RuntimeVersion { name: "containerd".into(), version: "dev".into() };
+        assert!(!unreadable.is_reported_as("containerd://Unknown"), "an unreadable version is no one's");
         assert!(!containerd.is_reported_as("containerd://1.7.2"), "another containerd");
         assert!(!containerd.is_reported_as("cri-o://2.4.2"));
         assert!(!containerd.is_reported_as("containerd"));

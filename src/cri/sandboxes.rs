@@ -29,6 +29,11 @@ pub struct RuntimeSandboxes {
     /// When the listing was requested: an attachment recorded later may be missing from it
     /// only because it is newer.
     pub requested_at: Instant,
+    /// When the last answer came (the listing's, or the last status call's): what this answer
+    /// returned, the runtime had at some time before then, which is the time it is noted at
+    /// (questions overlap, so an older question's status call may find a sandbox a newer
+    /// question's missed).
+    pub answered_at: Instant,
     /// By sandbox ID (the CNI container ID).
     pub sandboxes: BTreeMap<String, RuntimeSandbox>,
 }
@@ -181,7 +186,7 @@ mod tests {
     #[test]
     fn an_attachment_the_runtime_was_not_asked_about_is_unsure() {
         let now = Instant::now();
-        let listing = RuntimeSandboxes { requested_at: now, sandboxes: BTreeMap::new() };
+        let listing = RuntimeSandboxes { requested_at: now, answered_at: now, sandboxes: BTreeMap::new() };
         assert_eq!(listing.verdict("abc", now, None, PodKnown::Ended, SETTLE), SandboxVerdict::Unsure);
     }
 
@@ -189,8 +194,7 @@ mod tests {
     fn an_attachment_recorded_after_the_listing_was_asked_for_is_never_gone() {
         let asked = Instant::now();
         let recorded = asked + Duration::from_millis(1);
-        let listing =
-            RuntimeSandboxes { requested_at: asked, sandboxes: BTreeMap::from([("a".into(), RuntimeSandbox::Absent)]) };
+        let listing = absent_a(asked);
         assert_eq!(listing.verdict("a", recorded, None, PodKnown::Ended, Duration::ZERO), SandboxVerdict::Unsure);
         assert_eq!(listing.verdict("a", asked, None, PodKnown::Ended, Duration::ZERO), SandboxVerdict::Gone);
     }
@@ -201,13 +205,35 @@ mod tests {
         // question listed it: this answer's absence is no proof that it is gone.
         let recorded = Instant::now();
         let asked = recorded + Duration::from_secs(1);
-        let listing =
-            RuntimeSandboxes { requested_at: asked, sandboxes: BTreeMap::from([("a".into(), RuntimeSandbox::Absent)]) };
+        let listing = absent_a(asked);
         let later = Some(asked + Duration::from_millis(1));
         let earlier = Some(asked - Duration::from_millis(1));
         assert_eq!(listing.verdict("a", recorded, later, PodKnown::Running, SETTLE), SandboxVerdict::Unsure);
         assert_eq!(listing.verdict("a", recorded, Some(asked), PodKnown::Running, SETTLE), SandboxVerdict::Unsure);
         assert_eq!(listing.verdict("a", recorded, earlier, PodKnown::Running, SETTLE), SandboxVerdict::Gone);
+    }
+
+    /// An answer to a question asked at `asked` that did not find sandbox `a`.
+    fn absent_a(asked: Instant) -> RuntimeSandboxes {
+        let sandboxes = BTreeMap::from([("a".into(), RuntimeSandbox::Absent)]);
+        RuntimeSandboxes { requested_at: asked, answered_at: asked, sandboxes }
+    }
+
+    #[test]
+    fn a_sandbox_an_older_question_found_after_a_newer_one_missed_it_is_not_gone_by_the_newer_answer() {
+        // Questions overlap: A is asked, then B; B's status call misses the sandbox still being
+        // made, which then enters the store, and A's status call, queued behind others, finds
+        // it. A's sighting is noted when A was answered, which is after B was asked.
+        let recorded = Instant::now();
+        let a_asked = recorded + Duration::from_secs(1);
+        let b = absent_a(a_asked + Duration::from_millis(10));
+        let a_answered = b.requested_at + Duration::from_millis(10);
+        assert_eq!(b.verdict("a", recorded, Some(a_answered), PodKnown::Running, SETTLE), SandboxVerdict::Unsure);
+        assert_eq!(
+            b.verdict("a", recorded, Some(a_asked), PodKnown::Running, SETTLE),
+            SandboxVerdict::Gone,
+            "noted when A was asked, the sighting would prove B's absence"
+        );
     }
 
     #[test]
