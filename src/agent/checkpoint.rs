@@ -132,12 +132,13 @@ struct File {
 pub struct Checkpoint {
     path: PathBuf,
     entries: BTreeMap<AttachmentKey, CheckpointEntry>,
-    /// The newest question (CRI or CNI GC) whose answer had each recorded attachment's
+    /// When the newest answer (CRI or CNI GC) came that had each recorded attachment's
     /// sandbox, or could not deny having it: a release mark waits for its DEL. In memory
     /// only: after a restart, the runtime's next answer says it again.
     listed: BTreeMap<AttachmentKey, Instant>,
-    /// The newest question whose answer returned each recorded attachment's sandbox: the
-    /// runtime had it then, so a later answer without it means it is gone. In memory only.
+    /// When the newest answer came that returned each recorded attachment's sandbox: the
+    /// runtime had it before then, so an answer to a later question without it means it is
+    /// gone. In memory only.
     seen: BTreeMap<AttachmentKey, Instant>,
     /// When each entry was recorded by this agent, or loaded at its start: the runtime may
     /// not list a sandbox whose ADD has just returned (module `crate::cri::sandboxes`). In
@@ -243,9 +244,9 @@ impl Checkpoint {
         applied
     }
 
-    /// Notes what the runtime's answer to a question asked at `at` said of the sandboxes of
-    /// `keys` (keys not recorded are ignored). Each time only moves forward: an older answer
-    /// that arrives after a newer one changes nothing.
+    /// Notes what the runtime's answer that came at `at` said of the sandboxes of `keys` (keys
+    /// not recorded are ignored). Each time only moves forward: an answer noted after a newer
+    /// one changes nothing.
     pub fn note_listed<'a>(
         &mut self,
         keys: impl IntoIterator<Item = &'a AttachmentKey>,
@@ -269,16 +270,15 @@ impl Checkpoint {
         self.recorded.get(key).copied()
     }
 
-    /// When the newest question was asked whose answer had a recorded attachment's sandbox
-    /// or could not deny having it, if one has since the attachment was recorded (and since
-    /// this agent started).
+    /// When the newest answer came that had a recorded attachment's sandbox or could not deny
+    /// having it, if one has since the attachment was recorded (and since this agent started).
     pub fn listed_at(&self, key: &AttachmentKey) -> Option<Instant> {
         self.listed.get(key).copied()
     }
 
-    /// When the newest question was asked whose answer returned a recorded attachment's
-    /// sandbox ([`Listing::Returned`]), if one has since the attachment was recorded (and
-    /// since this agent started).
+    /// When the newest answer came that returned a recorded attachment's sandbox
+    /// ([`Listing::Returned`]), if one has since the attachment was recorded (and since this
+    /// agent started).
     pub fn seen_at(&self, key: &AttachmentKey) -> Option<Instant> {
         self.seen.get(key).copied()
     }

@@ -64,8 +64,8 @@ impl CheckpointStore {
         f(&lock(&self.inner.saved))
     }
 
-    /// Notes what the runtime's answer to a question asked at `at` said of the sandboxes of
-    /// `keys` ([`Checkpoint::note_listed`]).
+    /// Notes what the runtime's answer that came at `at` said of the sandboxes of `keys`
+    /// ([`Checkpoint::note_listed`]).
     pub fn note_listed(&self, keys: &[AttachmentKey], at: Instant, listing: Listing) {
         lock(&self.inner.saved).note_listed(keys, at, listing);
     }

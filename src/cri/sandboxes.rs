@@ -66,7 +66,7 @@ impl RuntimeSandboxes {
     }
 
     /// The verdict on the attachment of sandbox `id` recorded at `recorded_at`, whose pod is
-    /// `pod`; `seen_at`: the newest question (over CRI or CNI GC) whose answer returned the
+    /// `pod`; `seen_at`: when the newest answer (over CRI or CNI GC) came that returned the
     /// sandbox, never one that only failed to deny it.
     pub fn verdict(
         &self,
@@ -78,8 +78,8 @@ impl RuntimeSandboxes {
     ) -> SandboxVerdict {
         let Some(&sandbox) = self.sandboxes.get(id) else { return SandboxVerdict::Unsure };
         let age = self.requested_at.checked_duration_since(recorded_at);
-        // Seen before this answer was asked for: an answer as old as this one, or newer, may
-        // have seen a sandbox this answer's listing missed because it came just after.
+        // Seen by an answer that came before this one was asked for: an answer that came
+        // later may have seen a sandbox this answer's listing missed because it came just after.
         let seen = seen_at.is_some_and(|at| at < self.requested_at);
         verdict(sandbox, age, seen, pod, settle)
     }
