@@ -87,9 +87,10 @@ impl Drop for CheckpointHold {
     }
 }
 
-/// Holds the controller's releases of answered marks before their live re-reads, while it
-/// lives: the controller started with `--test-release-hold=<path>` waits while the file at
-/// `path` exists, and says it waits by writing `<path>.held`. A test stages "the release was
+/// Holds the releases the controller is about to write (an answered mark's, or one no agent
+/// can answer) before their live re-reads, while it lives: the controller started with
+/// `--test-release-hold=<path>` waits while the file at `path` exists, with `<path>.held`
+/// present while a release waits. A test stages "the release was
 /// decided on the old state, then the state changed, then the write re-read it" with it,
 /// instead of racing the batch window.
 #[derive(Debug)]
