@@ -363,6 +363,18 @@ async fn an_ip_that_is_a_nodes_spare_is_adopted_and_no_new_pod_gets_it() {
     assert_eq!(recorded.get(&taken).map(|r| r.pod.uid.clone()), uid, "{taken} recorded for the old IPAM's pod");
     let blocks = Api::<IPBlock>::all(client.clone()).list(&Default::default()).await.expect("list blocks").items;
     assert!(blocks.iter().all(|b| !b.spec.spares.contains(&taken)), "{taken} is no spare any more");
+    // The agent binds spares from its copy of the block, so a pod created before that copy has
+    // adopt's write may still get the IP (docs/operations.md, "Moving from another IPAM"). The agent reserving a
+    // spare in place of the adopted one is a compare-and-swap write of that block, which only
+    // goes through on a copy that has adopt's write: wait for it.
+    let block =
+        blocks.iter().find(|b| b.spec.allocations.contains_key(&taken)).expect("the adopted IP's block").name_any();
+    wait::until("node-0 to reserve a spare in place of the adopted one", TIMEOUT, || async {
+        let now = Api::<IPBlock>::all(client.clone()).get(&block).await.expect("get the block").spec.spares;
+        Ok(if now.iter().any(|ip| !spares.contains(ip)) { Probe::Done(()) } else { Probe::Pending(format!("{now:?}")) })
+    })
+    .await
+    .expect("a new spare");
 
     for index in 0..6 {
         create_pod(&client, NS, &format!("new-{index}"), "node-0", json!({"app": "new"})).await;
