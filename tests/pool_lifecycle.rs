@@ -288,3 +288,57 @@ async fn a_sticky_record_in_an_orphaned_block_goes_with_its_pod_at_the_pods_dead
     .await
     .expect("the tracer releases a sticky record of a retired block with its pod");
 }
+
+/// Decision 0019 keeps a pool's defaulted gateway (no `spec.gateway`: the CIDR's first address)
+/// from every pod, also where the admin's `ranges` name it: such a pool, sized to its workload
+/// before the upgrade that brought 0019, holds one IP fewer after it. That must not go unseen:
+/// the pool says so in its `GatewayInRanges` condition, `ipwarden check` reports it, and an ADD
+/// that finds the pool full names the gateway. Setting `spec.gateway` says the admin knows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_whose_ranges_name_its_defaulted_gateway_says_so_in_its_condition_check_and_a_refused_add() {
+    let pool = json!({"cidr": "10.86.0.0/29", "default": true, "ranges": [{"start": "10.86.0.1", "end": "10.86.0.2"}]});
+    let ipwarden = Ipwarden::start(1, &[("sized", pool)], &[]).await;
+    let client = ipwarden.client();
+    create_pod(&client, NS, "only", "node-0", json!({"app": "only"})).await;
+    let only = wait_pods_with_ips(&client, NS, "app=only", 1).await;
+    assert_eq!(only.values().map(ip_of).collect::<Vec<_>>(), ["10.86.0.2"], "the gateway is never handed out");
+
+    let refused = manual_add(&ipwarden, "second").await.expect_err("the pool's one IP is taken");
+    let refused = refused.to_string();
+    assert!(refused.contains("exhausted") && refused.contains("10.86.0.1"), "the ADD names the gateway: {refused}");
+    assert!(refused.contains("spec.gateway"), "and says why it is one: {refused}");
+
+    let pools: Api<IPPool> = Api::all(client.clone());
+    let condition = |pool: IPPool| {
+        pool.status
+            .and_then(|s| s.conditions.into_iter().find(|c| c.type_ == "GatewayInRanges"))
+            .map(|c| (c.status, c.message))
+    };
+    let message = wait::until("the pool's GatewayInRanges condition", TIMEOUT, || async {
+        Ok(match condition(pools.get("sized").await.map_err(e2e::Error::kube("reading pool sized"))?) {
+            Some((status, message)) if status == "True" => Probe::Done(message),
+            other => Probe::Pending(format!("{other:?}")),
+        })
+    })
+    .await
+    .expect("the condition says so");
+    assert!(message.contains("10.86.0.1"), "{message}");
+    let flagged = |problems: &[ipwarden::gc::check::Problem]| {
+        problems.iter().any(|p| p.subject == "sized" && p.detail.contains("10.86.0.1"))
+    };
+    let problems = ipwarden::cli::check::problems(&client).await.expect("check reads the cluster");
+    assert!(flagged(&problems), "ipwarden check reports the pool: {problems:?}");
+
+    let knowingly = json!({"spec": {"gateway": "10.86.0.1"}});
+    pools.patch("sized", &PatchParams::default(), &Patch::Merge(&knowingly)).await.expect("set spec.gateway");
+    wait::until("the condition clearing once spec.gateway is set", TIMEOUT, || async {
+        Ok(match condition(pools.get("sized").await.map_err(e2e::Error::kube("reading pool sized"))?) {
+            Some((status, _)) if status == "False" => Probe::Done(()),
+            other => Probe::Pending(format!("{other:?}")),
+        })
+    })
+    .await
+    .expect("the condition clears");
+    let problems = ipwarden::cli::check::problems(&client).await.expect("check reads the cluster");
+    assert!(!flagged(&problems), "nothing to report once the gateway is set: {problems:?}");
+}

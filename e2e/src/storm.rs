@@ -6,6 +6,7 @@
 //! their name had the last time it ran (sticky IPs kept).
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -20,22 +21,30 @@ use serde_json::json;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use crate::CniNetwork;
 use crate::churn::{Latency, watch_conflicts};
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, ClusterOptions};
 use crate::error::{Error, Result};
 use crate::wait::{self, Probe};
 
 /// Pods per StatefulSet, and IPs in the pool.
 pub const REPLICAS: i32 = 5;
 
-/// The pool's CIDR: its first [`REPLICAS`] addresses, [`FIRST_IP`] to [`LAST_IP`], are handed out.
+/// The pool's CIDR: [`REPLICAS`] of its addresses, [`FIRST_IP`] to [`LAST_IP`], are handed out;
+/// its first address, 10.60.0.1, is the gateway (ipwarden defaults it so, decision 0019, as
+/// host-local and Whereabouts do), so the range starts after it.
 pub const CIDR: &str = "10.60.0.0/29";
 
 /// The first IP handed out.
-pub const FIRST_IP: &str = "10.60.0.1";
+pub const FIRST_IP: &str = "10.60.0.2";
 
 /// The last IP handed out.
-pub const LAST_IP: &str = "10.60.0.5";
+pub const LAST_IP: &str = "10.60.0.6";
+
+/// ipwarden's agent flags in the storm: a released IP may be reused after 1 s instead of 30 s,
+/// as in the storm test (tests/rbac_scale_storm.rs); with 5 IPs handed over at once, the
+/// default cooldown would be most of every handover.
+pub const AGENT_ARGS: [&str; 1] = ["--reuse-cooldown-seconds=1"];
 
 /// The namespace of the StatefulSets.
 const NAMESPACE: &str = "default";
@@ -75,6 +84,20 @@ pub struct StormReport {
     pub completed: bool,
     /// Why the storm stopped early; empty when it completed.
     pub failure: String,
+}
+
+/// Starts a cluster of `nodes` simulated nodes (`network`: ipwarden's, from
+/// [`crate::ipwarden::network`]) running `binary`'s agents and controllers on the storm's pool.
+pub async fn start_ipwarden(
+    nodes: usize,
+    binary: &Path,
+    network: CniNetwork,
+) -> Result<(Cluster, crate::ipwarden::Installation)> {
+    let options = ClusterOptions { nodes, network: Some(network), ..ClusterOptions::default() };
+    let cluster = Cluster::start(options).await?;
+    let pool = json!({"cidr": CIDR, "ranges": [{"start": FIRST_IP, "end": LAST_IP}], "default": true});
+    let installation = crate::ipwarden::install_with(&cluster, binary, pool, &AGENT_ARGS, &[]).await?;
+    Ok((cluster, installation))
 }
 
 /// Of the pods `now` (name -> IP), how many ran before under the same name (in `last`) and how

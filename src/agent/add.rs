@@ -788,7 +788,7 @@ impl Core {
             let next_free = next_free.map(|t| t.to_string()).unwrap_or_default();
             return Err(Error::Cooling { pool: pool.name.clone(), cooling, next_free });
         }
-        Err(Error::PoolExhausted { pool: pool.name.clone() })
+        Err(Error::PoolExhausted { pool: pool.name.clone(), withheld_gateway: pool.withheld_gateway.clone() })
     }
 
     /// Records the sticky pod's IPs of `ifname` in its IPClaim (created, or taken over from a

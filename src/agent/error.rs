@@ -51,10 +51,13 @@ pub enum Error {
         cause: SelectError,
     },
     /// Every IP of the chosen pool is allocated.
-    #[error("pool {pool} is exhausted: every IP is allocated")]
+    #[error("pool {pool} is exhausted: every IP is allocated{}", note(.withheld_gateway))]
     PoolExhausted {
         /// The pool.
         pool: String,
+        /// Why the pool holds one IP fewer than its ranges say, when it does
+        /// ([`crate::ipam::pools::gateway_withheld_from_ranges`]).
+        withheld_gateway: Option<String>,
     },
     /// The chosen pool's free IPs are all cooling down after release.
     #[error(
@@ -178,4 +181,9 @@ impl From<crate::claim_writes::AdoptedClaimError> for Error {
             crate::claim_writes::AdoptedClaimError::Read { what, source } => Self::Api { what, source },
         }
     }
+}
+
+/// The tail of [`Error::PoolExhausted`]'s message: why the pool holds one IP fewer, when it does.
+fn note(withheld_gateway: &Option<String>) -> String {
+    withheld_gateway.as_deref().map(|why| format!("; {why}")).unwrap_or_default()
 }

@@ -381,7 +381,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Brings the pools' `Overlapping` conditions up to date each time `changed` is notified.
+/// Brings the pools' conditions (`Overlapping`, `GatewayInRanges`) up to date each time `changed` is notified.
 async fn reconcile_conditions(
     client: Client,
     pools: reflector::Store<IPPool>,

@@ -30,6 +30,9 @@ pub enum ProblemKind {
     ClaimWithoutRecord,
     /// A pool's status counts differ from its records.
     CountDrift,
+    /// A pool's ranges name its defaulted gateway, which it never hands out: it holds one IP
+    /// fewer than its ranges say ([`pools::gateway_withheld_from_ranges`]).
+    GatewayInRanges,
 }
 
 /// One inconsistency.
@@ -134,6 +137,11 @@ pub fn check(snapshot: &Snapshot<'_>, now: Timestamp, settings: &RuleSettings) -
                 }),
                 Verdict::Keep(_) | Verdict::TraceUntil(_) => {}
             }
+        }
+    }
+    for pool in snapshot.pools {
+        if let Some(why) = pools::gateway_withheld_from_ranges(&pool.spec) {
+            problems.push(Problem { kind: ProblemKind::GatewayInRanges, subject: pool.name_any(), detail: why });
         }
     }
     let layouts: Vec<_> =

@@ -16,6 +16,10 @@ use crate::ipam::{LayoutError, PoolLayout, first_host};
 /// The condition type set on a pool that overlaps another; such pools are not used.
 pub const OVERLAPPING_CONDITION: &str = "Overlapping";
 
+/// The condition type set on a pool whose `ranges` name its defaulted gateway
+/// ([`gateway_withheld_from_ranges`]): True while the pool holds one IP fewer than its ranges say.
+pub const GATEWAY_IN_RANGES_CONDITION: &str = "GatewayInRanges";
+
 /// Builds the allocation layout of a pool from its spec: its [`gateway`], set or defaulted,
 /// is never handed out.
 pub fn layout(spec: &IPPoolSpec) -> Result<PoolLayout, LayoutError> {
@@ -41,6 +45,36 @@ pub fn gateway(spec: &IPPoolSpec) -> Option<String> {
         return None;
     }
     first_host(cidr).map(|ip| ip.to_string())
+}
+
+/// The defaulted gateway ([`gateway`]: `spec.gateway` unset) when the pool's `ranges` name it,
+/// with what an admin should know: the layout never hands it out, so the pool holds one IP
+/// fewer than its ranges say. A pool sized to its workload before decision 0019 defaulted the
+/// gateway shrank so in the upgrade; the pool's [`GATEWAY_IN_RANGES_CONDITION`], `ipwarden
+/// check` and the ADD that finds the pool full all say it with this one text. `None` when
+/// `spec.gateway` is set (the admin chose it), without ranges (the whole CIDR, whose first
+/// address host-local withholds too), or when the ranges leave it out or `exclude` takes it.
+pub fn gateway_withheld_from_ranges(spec: &IPPoolSpec) -> Option<String> {
+    if spec.gateway.is_some() {
+        return None;
+    }
+    let defaulted = gateway(spec)?;
+    let address: IpAddr = defaulted.parse().ok()?;
+    let named = spec.ranges.iter().any(|range| {
+        let bounds = (range.start.parse::<IpAddr>(), range.end.parse::<IpAddr>());
+        matches!(bounds, (Ok(start), Ok(end)) if start.is_ipv4() == address.is_ipv4() && start <= address && address <= end)
+    });
+    // An address the admin excluded was never the pool's to hand out: nothing shrank.
+    let excluded = spec.exclude.iter().any(|entry| {
+        entry.parse::<IpNet>().map(|net| net.contains(&address)).unwrap_or_else(|_| entry.parse() == Ok(address))
+    });
+    (named && !excluded).then(|| {
+        format!(
+            "its gateway {defaulted} lies in spec.ranges but is never handed out: spec.gateway is unset, so the \
+             gateway defaults to the CIDR's first address (decision 0019); set spec.gateway to {defaulted} to keep \
+             it so, or start the ranges after it"
+        )
+    })
 }
 
 /// Whether CNI results of the pool carry a default route via its [`gateway`]: `spec.defaultRoute`,
@@ -657,6 +691,49 @@ mod test {
         for (value, expected) in cases {
             let text = value.to_string();
             assert_eq!(gateway(&spec(value)).as_deref(), expected, "{text}");
+        }
+    }
+
+    #[test]
+    fn only_ranges_naming_the_defaulted_gateway_are_reported() {
+        let range = |start: &str, end: &str| json!([{"start": start, "end": end}]);
+        let cases = [
+            // (spec, the gateway reported)
+            (json!({"cidr": "10.60.0.0/29", "ranges": range("10.60.0.1", "10.60.0.5")}), Some("10.60.0.1")),
+            (json!({"cidr": "10.60.0.0/29", "ranges": range("10.60.0.0", "10.60.0.7")}), Some("10.60.0.1")),
+            (json!({"cidr": "fd00::/120", "ranges": range("fd00::1", "fd00::1")}), Some("fd00::1")),
+            // A second range naming it is enough.
+            (
+                json!({"cidr": "10.60.0.0/24", "ranges": [{"start": "10.60.0.9", "end": "10.60.0.9"},
+                                                          {"start": "10.60.0.1", "end": "10.60.0.2"}]}),
+                Some("10.60.0.1"),
+            ),
+            // Ranges that leave it out, or no ranges (the whole CIDR, as host-local): nothing shrank.
+            (json!({"cidr": "10.60.0.0/29", "ranges": range("10.60.0.2", "10.60.0.6")}), None),
+            (json!({"cidr": "10.60.0.0/29"}), None),
+            // The admin set the gateway, or excluded the address: they know.
+            (json!({"cidr": "10.60.0.0/29", "gateway": "10.60.0.1", "ranges": range("10.60.0.1", "10.60.0.5")}), None),
+            (
+                json!({"cidr": "10.60.0.0/29", "exclude": ["10.60.0.1"], "ranges": range("10.60.0.1", "10.60.0.5")}),
+                None,
+            ),
+            (
+                json!({"cidr": "10.60.0.0/29", "exclude": ["10.60.0.0/30"], "ranges": range("10.60.0.1", "10.60.0.5")}),
+                None,
+            ),
+            // No gateway to default (a /31), another family's range, a range that does not parse.
+            (json!({"cidr": "10.60.0.0/31", "ranges": range("10.60.0.0", "10.60.0.1")}), None),
+            (json!({"cidr": "10.60.0.0/29", "ranges": range("::", "ffff::")}), None),
+            (json!({"cidr": "10.60.0.0/29", "ranges": range("x", "10.60.0.5")}), None),
+        ];
+        for (value, expected) in cases {
+            let text = value.to_string();
+            let note = gateway_withheld_from_ranges(&spec(value));
+            assert_eq!(note.is_some(), expected.is_some(), "{text}: {note:?}");
+            if let (Some(note), Some(gateway)) = (note, expected) {
+                assert!(note.starts_with(&format!("its gateway {gateway} lies in spec.ranges")), "{text}: {note}");
+                assert!(note.contains(&format!("set spec.gateway to {gateway}")), "{text}: {note}");
+            }
         }
     }
 

@@ -367,11 +367,6 @@ const CHURN_PLUGIN_DIR: &str = ".e2e/churn-cni-bin";
 /// How long one handover of the storm may take before the storm is given up.
 const STORM_HANDOVER_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// ipwarden's agent flags in the storm: a released IP may be reused after 1 s instead of 30 s,
-/// as in the storm test (tests/rbac_scale_storm.rs); with 5 IPs handed over at once, the
-/// default cooldown would be most of every handover.
-const STORM_AGENT_ARGS: [&str; 1] = ["--reuse-cooldown-seconds=1"];
-
 /// The pool a benchmark cluster's IPAM hands out.
 #[derive(Clone, Copy)]
 enum Pool {
@@ -412,14 +407,10 @@ async fn start_ipam(
             }
             let binary = std::fs::canonicalize(binary).with_context(|| format!("finding {}", binary.display()))?;
             let network =
-                Some(e2e::CniNetwork { runtime_gc, ..e2e::ipwarden::network(&binary, Path::new(CHURN_PLUGIN_DIR))? });
-            let options = e2e::ClusterOptions { nodes, network, ..e2e::ClusterOptions::default() };
-            let cluster = e2e::Cluster::start(options).await.context("starting the test cluster")?;
-            let spec =
-                serde_json::json!({"cidr": CIDR, "ranges": [{"start": FIRST_IP, "end": LAST_IP}], "default": true});
-            let installation = e2e::ipwarden::install_with(&cluster, &binary, spec, &STORM_AGENT_ARGS, &[])
+                e2e::CniNetwork { runtime_gc, ..e2e::ipwarden::network(&binary, Path::new(CHURN_PLUGIN_DIR))? };
+            let (cluster, installation) = e2e::storm::start_ipwarden(nodes, &binary, network)
                 .await
-                .context("starting ipwarden's agents and controllers")?;
+                .context("starting the storm's cluster with ipwarden")?;
             Ok((cluster, Installed::Ipwarden(installation)))
         }
         Ipam::Whereabouts | Ipam::WhereaboutsNodeSlices => {
