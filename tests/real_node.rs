@@ -25,13 +25,14 @@ fn documented_pool() -> serde_json::Value {
 }
 
 /// The spec of a pod of the workload image on the real nodes; its container sleeps (and, as
-/// PID 1 without a handler, ignores SIGTERM, so a deletion ends it after the 1 s grace).
+/// PID 1 without a handler, ignores SIGTERM, so a deletion ends it after the 1 s grace). Its
+/// service-account token is mounted, as users' pods have it (kubelet waits for the namespace's
+/// `kube-root-ca.crt` for that).
 fn real_spec() -> serde_json::Value {
     json!({
         "nodeSelector": {REAL_NODE_LABEL: "true"},
         "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
         "terminationGracePeriodSeconds": 1,
-        "automountServiceAccountToken": false,
         "containers": [{"name": "main", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
                         "command": ["/bin/sleep", "3600"]}],
     })
