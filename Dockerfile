@@ -6,8 +6,8 @@
 # Stage 1 builds the release binary from the locked dependency graph; stage 2 is a slim
 # Debian with only that binary (plus the `ipwarden-cni` name the CNI plugin is invoked by).
 # Debian rather than distroless because the agent's init container copies the plugin and the
-# conflist onto the host with `cp` and `mv` (an atomic install needs a shell, not a new
-# subcommand), and the binary links glibc.
+# conflist onto the host with `cmp`, `cp`, `sync` and `mv` (an atomic install needs a shell,
+# not a new subcommand), and the binary links glibc.
 
 # Builder and runtime share a Debian release, so the binary's glibc matches.
 ARG RUST_IMAGE=rust:1.95-slim-bookworm

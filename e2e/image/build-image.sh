@@ -378,8 +378,8 @@ if grep -q 'not found' <<<"$ldd_out"; then
   failed=1
 fi
 # shellcheck disable=SC2016 # expanded by the container's shell
-check "the agent's init container has /bin/sh, cp and mv" '^(/usr)?/bin/cp (/usr)?/bin/mv$' \
-  "$(run --entrypoint /bin/sh "$image" -c 'echo $(command -v cp) $(command -v mv)')"
+check "the agent's init container has /bin/sh, cmp, cp, sync and mv" '^(/usr)?/bin/cmp (/usr)?/bin/cp (/usr)?/bin/sync (/usr)?/bin/mv$' \
+  "$(run --entrypoint /bin/sh "$image" -c 'echo $(command -v cmp) $(command -v cp) $(command -v sync) $(command -v mv)')"
 
 if ((failed)); then
   die "image $image failed its checks"
