@@ -84,8 +84,9 @@ impl Drop for Up {
 }
 
 /// A cluster of `nodes.simulated` simulated nodes; with `ipwarden`, its CNI plugin (linked into `plugin_dir`) on
-/// every node, called with CNI GC as `runtime_gc` says, an agent per node (with
-/// `agent_args`), the default pool and two controller replicas (with `controller_args`),
+/// every node, called with CNI GC as `runtime_gc` says, an agent per node (with the chart's
+/// defaults, [`CHART_AGENT_DEFAULTS`], then `agent_args`), the default pool and two
+/// controller replicas (with `controller_args`),
 /// saying `progress` when ipwarden starts; `nodes.real` real nodes beside them (with
 /// `ipwarden` only), Ready once their agents serve. `up` and the churn benchmark start their
 /// clusters with it.
@@ -115,7 +116,8 @@ pub async fn start_cluster(
     let Some(binary) = binary else { return Ok((cluster, None)) };
     progress("starting ipwarden: an agent per node, the default pool 10.244.0.0/16, 2 controller replicas");
     let pool = crate::ipwarden::default_pool();
-    let installed = match crate::ipwarden::install_with(&cluster, &binary, pool, agent_args, controller_args).await {
+    let agent_args = with_chart_defaults(agent_args);
+    let installed = match crate::ipwarden::install_with(&cluster, &binary, pool, &agent_args, controller_args).await {
         Ok(installation) => cluster.wait_real_nodes_ready().await.map(|()| installation),
         Err(e) => Err(e),
     };
@@ -126,6 +128,19 @@ pub async fn start_cluster(
             Err(e)
         }
     }
+}
+
+/// The agent flags the chart sets whose value differs from the agent's own default: each agent
+/// asks its node's runtime over CRI (`agent.cri.enabled`), so what `up` and the churn benchmark
+/// run is what the chart ships.
+pub const CHART_AGENT_DEFAULTS: [&str; 1] = [crate::ipwarden::WITH_CRI];
+
+/// [`CHART_AGENT_DEFAULTS`] and then `agent_args`, leaving out a default whose flag
+/// `agent_args` sets itself.
+fn with_chart_defaults<'a>(agent_args: &[&'a str]) -> Vec<&'a str> {
+    let flag = |arg: &str| arg.split('=').next().unwrap_or_default().to_string();
+    let given: Vec<String> = agent_args.iter().map(|a| flag(a)).collect();
+    CHART_AGENT_DEFAULTS.iter().filter(|d| !given.contains(&flag(d))).chain(agent_args).copied().collect()
 }
 
 /// How long the demo's pods may take to run, and its narration to list the IPBlocks.
@@ -229,4 +244,21 @@ fn summary(options: &UpOptions, cluster: &Cluster, installation: Option<&Install
         ));
     }
     say(&format!("  logs:       {}", cluster.dir().display()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agents_get_the_charts_defaults_unless_their_arguments_set_the_same_flag() {
+        let cases: [(&[&str], &[&str]); 3] = [
+            (&[], &["--cri-socket={cri-socket}"]),
+            (&["--spare-ips=4"], &["--cri-socket={cri-socket}", "--spare-ips=4"]),
+            (&["--cri-socket=/run/other.sock"], &["--cri-socket=/run/other.sock"]),
+        ];
+        for (given, expected) in cases {
+            assert_eq!(with_chart_defaults(given), expected, "{given:?}");
+        }
+    }
 }
