@@ -23,6 +23,8 @@ tools: deps
 node: deps
 	@echo "node: kubelet, containerd and CNI plugins from their Go modules (cached; a cold build takes about 5 minutes on 2 cores)"
 	bash e2e/cluster/build-node.sh >/dev/null
+	@echo "node: the Debian base of ipwarden's image, for the test image the chart runs on a real node (cached; debootstrap, under a minute)"
+	bash e2e/image/build-base.sh >/dev/null
 
 test: controlplane tools node
 	cargo fmt --all -- --check

@@ -7,7 +7,6 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 
 use e2e::realnode::chain_hold::ChainHold;
 use e2e::realnode::cri_proxy::CriProxy;
@@ -17,6 +16,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
+use support::realnode::netns_ips;
 use support::{Ipwarden, TIMEOUT};
 
 /// The pool docs/install.md shows: no gateway.
@@ -66,25 +66,6 @@ async fn wait_running(client: &Client, name: &str) -> Pod {
     })
     .await
     .expect("the pod runs with an IP")
-}
-
-/// The IPv4 addresses of `eth0` in every network namespace of the node's containerd: the
-/// IPs its pods really have.
-fn netns_ips(node: &RealNode) -> BTreeSet<String> {
-    let dir = node.paths().netns_dir();
-    let Ok(entries) = std::fs::read_dir(&dir) else { return BTreeSet::new() };
-    entries.flatten().filter_map(|entry| eth0_ipv4(&entry.path())).collect()
-}
-
-fn eth0_ipv4(netns: &Path) -> Option<String> {
-    let output = std::process::Command::new("nsenter")
-        .arg(format!("--net={}", netns.display()))
-        .args(["ip", "-o", "-4", "addr", "show", "dev", "eth0"])
-        .output()
-        .ok()?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    let word = text.split_whitespace().skip_while(|w| *w != "inet").nth(1)?;
-    Some(word.split('/').next()?.to_string())
 }
 
 /// The records of the node's IPs: IP -> (pod name, pod UID).

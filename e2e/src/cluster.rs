@@ -166,6 +166,11 @@ impl Cluster {
         Ok(())
     }
 
+    /// What the real nodes share, while there are any.
+    pub(crate) fn real_context(&self) -> Option<&RealNodeContext> {
+        self.real_context.as_ref()
+    }
+
     /// A client with the admin identity.
     pub fn client(&self) -> Client {
         self.control_plane.client()

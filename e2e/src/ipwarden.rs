@@ -232,23 +232,32 @@ pub fn start_controller_as(
     spawn(binary, &format!("controller-{identity}"), args, log, &run_as.kubeconfig)
 }
 
-/// A plain-HTTP client for an ipwarden process's endpoint on 127.0.0.1:`port`.
-pub fn endpoint_client(port: u16) -> Result<Client> {
-    let text = format!("http://127.0.0.1:{port}");
+/// A plain-HTTP client for an ipwarden process's endpoint on `address`:`port` (127.0.0.1, or
+/// a pod's IP).
+fn endpoint_client(address: &str, port: u16) -> Result<Client> {
+    let text = format!("http://{address}:{port}");
     let uri: http::Uri = text
         .parse()
-        .map_err(|e: http::uri::InvalidUri| Error::Kubeconfig { path: text.into(), reason: e.to_string() })?;
-    Client::try_from(kube::Config::new(uri)).map_err(Error::kube(format!("building a client for 127.0.0.1:{port}")))
+        .map_err(|e: http::uri::InvalidUri| Error::Kubeconfig { path: text.clone().into(), reason: e.to_string() })?;
+    Client::try_from(kube::Config::new(uri)).map_err(Error::kube(format!("building a client for {text}")))
 }
 
 /// GETs `path` (e.g. `/metrics`, or a path with a query) from the process on
 /// 127.0.0.1:`port`.
 pub async fn get(port: u16, path: &str) -> Result<String> {
+    get_at("127.0.0.1", port, path).await
+}
+
+/// GETs `path` from the process on `address`:`port` (a pod's IP and its metrics port).
+pub async fn get_at(address: &str, port: u16, path: &str) -> Result<String> {
     let mut request = http::Request::new(Vec::new());
     *request.uri_mut() = path
         .parse()
         .map_err(|e: http::uri::InvalidUri| Error::Kubeconfig { path: path.into(), reason: e.to_string() })?;
-    endpoint_client(port)?.request_text(request).await.map_err(Error::kube(format!("GET {path} on 127.0.0.1:{port}")))
+    endpoint_client(address, port)?
+        .request_text(request)
+        .await
+        .map_err(Error::kube(format!("GET {path} on {address}:{port}")))
 }
 
 /// Waits until the process on `port` answers `/readyz` with ok, failing at once if it exits.

@@ -5,6 +5,7 @@
 
 pub mod invariants;
 pub mod kubevirt;
+pub mod realnode;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -290,6 +290,23 @@ fn command_with_input(program: &str, args: &[&str], input: &str) -> Result<()> {
     }
 }
 
+/// Makes `dir` a shared mount point (bound onto itself, then shared recursively), as kubelet
+/// does with its root directory: a pod mounting a host path under it with `HostToContainer`
+/// propagation (the chart's agent, the runtime's socket directory) needs it on a shared or
+/// slave mount, which a systemd host's `/` is and this machine's is not ("path ... is mounted
+/// on / but it is not a shared or slave mount"). [`unmount_under`] of `dir` undoes it.
+pub fn share_mounts_under(dir: &Path) -> Result<()> {
+    use nix::mount::{MsFlags, mount};
+    let fail = |what: &str| {
+        let what = format!("{what} {}", dir.display());
+        move |e: nix::Error| Error::Tool { command: what.clone(), reason: e.to_string() }
+    };
+    mount(Some(dir), dir, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+        .map_err(fail("mount --rbind onto itself"))?;
+    mount(None::<&str>, dir, None::<&str>, MsFlags::MS_SHARED | MsFlags::MS_REC, None::<&str>)
+        .map_err(fail("mount --make-rshared"))
+}
+
 /// Unmounts every mount point under `dir`, deepest first (kubelet's bind mount of its root
 /// directory, pod volumes, container root filesystems, network namespaces, shm).
 pub fn unmount_under(dir: &Path) {

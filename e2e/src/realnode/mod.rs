@@ -5,12 +5,15 @@
 //! guess. kubelet, containerd and the CNI plugins come from `e2e/cluster/build-node.sh` (pinned
 //! Go modules, cached outside the repo), runc from Debian; the pause and workload images are
 //! made locally (there is no registry). The agent of a real node runs on the host like the
-//! simulated nodes' agents. docs/testing.md, "Real nodes", says what the host needs.
+//! simulated nodes' agents, or as the chart's pod ([`chart`]). docs/testing.md, "Real nodes",
+//! says what the host needs.
 
 pub mod chain_hold;
+pub mod chart;
 mod config;
 pub mod cri_proxy;
 pub mod host;
+mod service;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -113,6 +116,9 @@ pub struct RealNodeContext {
     /// The ipwarden binary, installed as `ipwarden-cni` in every node's CNI plugin directory.
     pub ipwarden: PathBuf,
     host: Arc<Mutex<HostGuard>>,
+    /// The `kubernetes` Service for the nodes' pods, once a chart install started it; it lives
+    /// as long as the nodes.
+    service: Arc<Mutex<Option<service::KubernetesService>>>,
 }
 
 impl RealNodeContext {
@@ -126,7 +132,8 @@ impl RealNodeContext {
         ipwarden: PathBuf,
     ) -> Result<Self> {
         let host = HostGuard::acquire()?;
-        Ok(Self { binaries, kubeconfig, ca_cert, conflist, ipwarden, host: Arc::new(Mutex::new(host)) })
+        let (host, service) = (Arc::new(Mutex::new(host)), Arc::default());
+        Ok(Self { binaries, kubeconfig, ca_cert, conflist, ipwarden, host, service })
     }
 }
 
@@ -178,6 +185,7 @@ impl RealNode {
         )?;
         // From here on, a failure drops the node, whose teardown undoes what was done.
         let mut node = Self { name, index, paths, context, containerd: None, kubelet: None, stopped: false };
+        host::share_mounts_under(&node.paths.dir)?;
         host::create_cgroups(&settings.cgroup_root)?;
         node.context.host.lock().map_err(|_| poisoned())?.add_node_ip(&host::node_ip(index))?;
         node.start_containerd().await?;

@@ -1,0 +1,152 @@
+//! ipwarden installed on a real node the way users install it: `helm install` of the chart,
+//! its agent DaemonSet and controller Deployment running as pods from ipwarden's image under
+//! the node's kubelet (docs/testing.md, "The chart on a real node"). The image is the test
+//! image (`e2e/image/test-image.sh`: the release image's Debian base and a binary built on
+//! this host), imported into the node's containerd, as there is no registry. The values set
+//! only what differs on this machine: the image, the node's directories, which live in its run
+//! directory instead of `/etc/cni/net.d`, `/opt/cni/bin`, `/run/ipwarden`, `/var/lib/ipwarden`
+//! and `/run/containerd`, and the controllers' toleration of the real nodes' taint. The pods reach the apiserver through the
+//! `kubernetes` Service as in-cluster pods do ([`super::service`]).
+//!
+//! One real node only: the real nodes share this host's network and mount namespaces, so two
+//! would need different host paths and ports from one DaemonSet.
+
+use std::path::{Path, PathBuf};
+
+use super::service::KubernetesService;
+use crate::cluster::Cluster;
+use crate::error::{Error, Result};
+use crate::helm::{Helm, chart};
+
+/// The repository of the test image; its tag names the build ([`install`]).
+pub const IMAGE_REPOSITORY: &str = "localhost/ipwarden";
+
+/// The release's name and namespace.
+pub const RELEASE: &str = "ipwarden";
+
+/// The namespace the chart is installed into, as docs/install.md does it.
+pub const NAMESPACE: &str = "ipwarden-system";
+
+/// The chart installed on the cluster's real node (the `kubernetes` Service for its pods lives
+/// as long as the node).
+#[derive(Debug)]
+pub struct ChartInstallation {
+    helm: Helm,
+    values: Vec<String>,
+}
+
+/// Writes the test image of `binary` as `localhost/ipwarden:<tag>` into `dir` and imports it
+/// into the real node's containerd.
+pub async fn load_image(cluster: &Cluster, binary: &Path, tag: &str, dir: &Path) -> Result<()> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("image/test-image.sh");
+    let archive = dir.join(format!("ipwarden-{tag}.tar"));
+    let args = [
+        script.display().to_string(),
+        binary.display().to_string(),
+        format!("{IMAGE_REPOSITORY}:{tag}"),
+        archive.display().to_string(),
+    ];
+    crate::process::run_tool(Path::new("bash"), &args, None).await?;
+    for node in cluster.real_nodes() {
+        node.ctr(&["images", "import", &archive.display().to_string()]).await?;
+    }
+    Ok(())
+}
+
+/// The chart's values for this machine: image `tag` (never pulled) and the node's directories.
+fn values(cluster: &Cluster, tag: &str) -> Result<Vec<String>> {
+    let [node] = cluster.real_nodes() else {
+        return Err(Error::Tool {
+            command: "helm install (the chart on real nodes)".into(),
+            reason: format!(
+                "{} real nodes: the chart's hostPaths and hostNetwork ports are the same on every node, and the real \
+                 nodes share this host, so only one can run it",
+                cluster.real_nodes().len()
+            ),
+        });
+    };
+    let paths = node.paths();
+    let socket = paths.containerd_socket();
+    Ok(vec![
+        format!("image.repository={IMAGE_REPOSITORY}"),
+        format!("image.tag={tag}"),
+        "image.pullPolicy=Never".into(),
+        format!("cni.binDir={}", paths.cni_bin_dir().display()),
+        format!("cni.confDir={}", paths.cni_conf_dir().display()),
+        format!("agent.socketDir={}", node.dir().display()),
+        format!("agent.checkpointDir={}", node.dir().display()),
+        format!("agent.cri.sockets={{{}}}", socket.display()),
+        // The test's real nodes are tainted (only pods made for them go there); the agent
+        // tolerates every taint already.
+        format!("controller.tolerations[0].key={}", super::REAL_NODE_LABEL),
+        "controller.tolerations[0].operator=Exists".into(),
+    ])
+}
+
+/// Installs the chart (image `tag`, loaded by [`load_image`]) into [`NAMESPACE`], as
+/// docs/install.md says, on a cluster of one real node.
+pub async fn install(cluster: &Cluster, tag: &str) -> Result<ChartInstallation> {
+    let values = values(cluster, tag)?;
+    let context = cluster.real_context().ok_or_else(|| Error::Tool {
+        command: "helm install (the chart on real nodes)".into(),
+        reason: "the cluster has no real nodes".into(),
+    })?;
+    let port = apiserver_port(cluster.server())?;
+    {
+        let mut service = context.service.lock().map_err(|_| super::poisoned())?;
+        if service.is_none() {
+            let mut host = context.host.lock().map_err(|_| super::poisoned())?;
+            *service = Some(KubernetesService::start(&mut host, port)?);
+        }
+    }
+    let helm = Helm::locate()?.for_cluster(cluster.kubeconfig());
+    let chart = chart().display().to_string();
+    let mut args: Vec<&str> = vec!["install", RELEASE, chart.as_str(), "--namespace", NAMESPACE, "--create-namespace"];
+    for value in &values {
+        args.extend(["--set", value.as_str()]);
+    }
+    helm.run(&args).await?;
+    Ok(ChartInstallation { helm, values })
+}
+
+impl ChartInstallation {
+    /// `helm upgrade` to image `tag` (loaded by [`load_image`]), the other values kept.
+    pub async fn upgrade(&mut self, tag: &str) -> Result<()> {
+        for value in &mut self.values {
+            if value.starts_with("image.tag=") {
+                *value = format!("image.tag={tag}");
+            }
+        }
+        let chart = chart().display().to_string();
+        let mut args: Vec<&str> = vec!["upgrade", RELEASE, chart.as_str(), "--namespace", NAMESPACE];
+        for value in &self.values {
+            args.extend(["--set", value.as_str()]);
+        }
+        self.helm.run(&args).await.map(drop)
+    }
+
+    /// `helm uninstall`.
+    pub async fn uninstall(&self) -> Result<()> {
+        self.helm.run(&["uninstall", RELEASE, "--namespace", NAMESPACE, "--wait"]).await.map(drop)
+    }
+}
+
+/// The port of the apiserver URL `server` (`https://127.0.0.1:<port>`).
+fn apiserver_port(server: &str) -> Result<u16> {
+    server.rsplit(':').next().and_then(|port| port.trim_end_matches('/').parse().ok()).ok_or_else(|| Error::Tool {
+        command: "reading the apiserver's port".into(),
+        reason: format!("no port in {server}"),
+    })
+}
+
+/// Where the node's ipwarden files are, for a test to look: the plugin and the conflist the
+/// init container installs.
+pub fn installed_files(cluster: &Cluster) -> Vec<PathBuf> {
+    cluster
+        .real_nodes()
+        .iter()
+        .flat_map(|n| {
+            [n.paths().cni_bin_dir().join("ipwarden-cni"), n.paths().cni_conf_dir().join("10-ipwarden.conflist")]
+        })
+        .collect()
+}
