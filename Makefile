@@ -23,7 +23,7 @@ tools: deps
 node: deps
 	@echo "node: kubelet, containerd and CNI plugins from their Go modules (cached; a cold build takes about 5 minutes on 2 cores)"
 	bash e2e/cluster/build-node.sh >/dev/null
-	@echo "node: the Debian base of ipwarden's image, for the test image the chart runs on a real node (cached; debootstrap, under a minute)"
+	@echo "node: the Debian base of ipwarden's image, for the test image the chart runs on a real node (cached; debootstrap, half a minute here)"
 	bash e2e/image/build-base.sh >/dev/null
 
 test: controlplane tools node
@@ -37,7 +37,9 @@ soak: controlplane
 
 # The demo runs the binaries this build just made (never an older copy), where cargo put them.
 # DEMO_ARGS: any `ipwarden-e2e up` flag, e.g. DEMO_ARGS=--real-nodes=1 for a real kubelet and
-# containerd beside the simulated nodes (root; docs/testing.md, "Real nodes").
+# containerd beside the simulated nodes, or DEMO_ARGS="--nodes 0 --real-nodes 1 --install chart"
+# for ipwarden installed from its Helm chart on a real node (root; docs/testing.md, "Real nodes"
+# and "The chart on a real node").
 DEMO_ARGS ?=
 demo: controlplane
 	@echo "demo: building ipwarden and the test harness (cargo build; a few minutes the first time)"

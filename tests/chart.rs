@@ -306,3 +306,40 @@ async fn helm_installs_upgrades_and_uninstalls_the_chart_on_the_real_control_pla
     assert!(crds.get_opt("ippools.ipwarden.io").await.expect("read").is_some(), "CRDs (and pools) outlive the release");
     cluster.stop();
 }
+
+/// The agent's hostPath directories may coincide (a socket and checkpoint in one directory, as
+/// the real-node test has them): the DaemonSet then mounts that directory once, since the
+/// apiserver refuses two volumeMounts at one path (found installing the chart on a real node).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_mounts_each_host_directory_once_when_its_socket_and_checkpoint_share_one() {
+    let helm = Helm::locate().expect("helm builds");
+    for values in [&[][..], &["agent.socketDir=/var/lib/ipwarden", "agent.checkpointDir=/var/lib/ipwarden"][..]] {
+        let docs =
+            helm.template("ipwarden", NAMESPACE, values, &["templates/agent-daemonset.yaml"]).await.expect("renders");
+        let pod = &one(&docs, "DaemonSet")["spec"]["template"]["spec"];
+        for container in pod["containers"].as_array().into_iter().chain(pod["initContainers"].as_array()).flatten() {
+            let paths: Vec<&str> = container["volumeMounts"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["mountPath"].as_str())
+                .collect();
+            let unique: BTreeSet<&str> = paths.iter().copied().collect();
+            assert_eq!(unique.len(), paths.len(), "{values:?}: {} mounts a path twice: {paths:?}", container["name"]);
+        }
+        let volumes: Vec<&str> =
+            pod["volumes"].as_array().into_iter().flatten().filter_map(|v| v["name"].as_str()).collect();
+        let mounted: BTreeSet<&str> = pod["containers"]
+            .as_array()
+            .into_iter()
+            .chain(pod["initContainers"].as_array())
+            .flatten()
+            .flat_map(|c| c["volumeMounts"].as_array().into_iter().flatten().filter_map(|m| m["name"].as_str()))
+            .collect();
+        assert_eq!(
+            volumes.iter().copied().collect::<BTreeSet<_>>(),
+            mounted,
+            "{values:?}: every volume mounted, none missing"
+        );
+    }
+}

@@ -8,8 +8,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use e2e::cluster::RealNodesOptions;
-use e2e::realnode::chart::{self, ChartInstallation, NAMESPACE};
-use e2e::realnode::{BUSYBOX_IMAGE, REAL_NODE_LABEL};
+use e2e::realnode::chart::{self, AGENT_SELECTOR, CONTROLLER_SELECTOR, ChartInstallation, NAMESPACE};
 use e2e::wait::{self, Probe};
 use e2e::{Cluster, ClusterOptions};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -21,45 +20,9 @@ use serde_json::json;
 use support::realnode::netns_ips;
 use support::{TIMEOUT, metric, pod_template};
 
-/// The pods of `namespace` matching `selector` once there are `count` of them, all Running and
-/// Ready (their probes passed).
+/// The live pods of `namespace` matching `selector`, once `count` of them run and are Ready.
 async fn wait_ready_pods(client: &Client, namespace: &str, selector: &str, count: usize) -> Vec<Pod> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    wait::until(&format!("{count} Ready pods {selector} in {namespace}"), TIMEOUT, || async {
-        let listed =
-            pods.list(&ListParams::default().labels(selector)).await.map_err(e2e::Error::kube("listing pods"))?;
-        let ready = |p: &Pod| {
-            let status = p.status.clone().unwrap_or_default();
-            status.phase.as_deref() == Some("Running")
-                && status.conditions.unwrap_or_default().iter().any(|c| c.type_ == "Ready" && c.status == "True")
-        };
-        let live: Vec<Pod> = listed.items.into_iter().filter(|p| p.metadata.deletion_timestamp.is_none()).collect();
-        Ok(if live.len() == count && live.iter().all(ready) {
-            Probe::Done(live)
-        } else {
-            let states: Vec<String> = live
-                .iter()
-                .map(|p| {
-                    let status = p.status.clone().unwrap_or_default();
-                    let waiting: Vec<String> = status
-                        .init_container_statuses
-                        .unwrap_or_default()
-                        .into_iter()
-                        .chain(status.container_statuses.unwrap_or_default())
-                        .filter_map(|c| {
-                            c.state
-                                .and_then(|s| s.waiting)
-                                .map(|w| format!("{}: {:?} {:?}", c.name, w.reason, w.message))
-                        })
-                        .collect();
-                    format!("{} {:?} {waiting:?}", p.name_any(), status.phase)
-                })
-                .collect();
-            Probe::Pending(format!("{states:?}"))
-        })
-    })
-    .await
-    .expect("the pods run and are Ready")
+    chart::ready_pods(client, namespace, selector, count).await.expect("the pods run and are Ready")
 }
 
 fn pod_ip(pod: &Pod) -> String {
@@ -97,9 +60,7 @@ async fn installed(tags: &[&str], from_empty: bool) -> (Cluster, ChartInstallati
     e2e::ipwarden::create_pool(&client, "default", json!({"cidr": "10.244.0.0/16", "default": true}))
         .await
         .expect("the documented pool");
-    let agents = wait_ready_pods(&client, NAMESPACE, "app.kubernetes.io/component=agent", 1).await;
-    cluster.wait_real_nodes_ready().await.expect("the node turns Ready once the chart's agent serves STATUS");
-    let controllers = wait_ready_pods(&client, NAMESPACE, "app.kubernetes.io/component=controller", 2).await;
+    let (agents, controllers) = chart::wait_running(&mut cluster).await.expect("the chart's pods run, the Node Ready");
     (cluster, installation, agents, controllers)
 }
 
@@ -119,10 +80,9 @@ async fn the_chart_installed_on_a_real_node_runs_from_its_image_and_gives_pods_t
     })
     .await
     .expect("one controller leads");
-    assert!(names.contains(&holder), "{holder} of {names:?}");
 
     // A user's Deployment on the node: its pods get IPs from the chart's agent.
-    let spec = workload_spec();
+    let spec = e2e::realnode::workload_spec();
     let deployment: Deployment = serde_json::from_value(json!({
         "metadata": {"name": "web"},
         "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "web"}}, "template": pod_template("web", spec)},
@@ -155,7 +115,7 @@ async fn the_chart_installed_on_a_real_node_runs_from_its_image_and_gives_pods_t
     pods.delete(&agents[0].name_any(), &Default::default()).await.expect("delete the agent pod");
     wait::until("the agent pod replaced", TIMEOUT, || async {
         let listed = pods
-            .list(&ListParams::default().labels("app.kubernetes.io/component=agent"))
+            .list(&ListParams::default().labels(AGENT_SELECTOR))
             .await
             .map_err(e2e::Error::kube("listing agent pods"))?;
         Ok(if listed.items.iter().any(|p| p.uid() != agents[0].uid()) {
@@ -166,7 +126,7 @@ async fn the_chart_installed_on_a_real_node_runs_from_its_image_and_gives_pods_t
     })
     .await
     .expect("a new agent pod");
-    let agents = wait_ready_pods(&client, NAMESPACE, "app.kubernetes.io/component=agent", 1).await;
+    let agents = wait_ready_pods(&client, NAMESPACE, AGENT_SELECTOR, 1).await;
     assert_unchanged(&client, &cluster, &pod_ips, "the agent pod replaced").await;
 
     // The agent's container SIGKILLed inside containerd: kubelet restarts it in the same pod.
@@ -197,7 +157,7 @@ async fn the_chart_installed_on_a_real_node_runs_from_its_image_and_gives_pods_t
     })
     .await
     .expect("the standby takes over");
-    wait_ready_pods(&client, NAMESPACE, "app.kubernetes.io/component=controller", 2).await;
+    wait_ready_pods(&client, NAMESPACE, CONTROLLER_SELECTOR, 2).await;
     let web_ips: BTreeSet<String> = web.iter().map(pod_ip).collect();
     let records: BTreeSet<String> = support::records(&client).await.into_keys().collect();
     assert!(records.is_superset(&web_ips), "no workload IP released: {records:?}");
@@ -206,7 +166,7 @@ async fn the_chart_installed_on_a_real_node_runs_from_its_image_and_gives_pods_t
 
 /// The PID (on this host) of the chart's agent process of the cluster's real node.
 fn agent_process(cluster: &Cluster) -> String {
-    let socket = format!("--socket={}", cluster.real_nodes()[0].dir().join("agent.sock").display());
+    let socket = format!("--socket={}", chart::agent_dir(&cluster.real_nodes()[0]).join("agent.sock").display());
     let output = std::process::Command::new("pgrep").args(["-f", "--", &socket]).output().expect("pgrep");
     let pids: Vec<String> = String::from_utf8_lossy(&output.stdout).lines().map(|l| l.trim().to_string()).collect();
     assert_eq!(pids.len(), 1, "one agent process: {pids:?}");
@@ -218,16 +178,6 @@ async fn assert_unchanged(client: &Client, cluster: &Cluster, pod_ips: &BTreeSet
     let records: BTreeSet<String> = support::records(client).await.into_keys().collect();
     assert_eq!(&records, pod_ips, "no record changed: {after}");
     assert_eq!(&netns_ips(&cluster.real_nodes()[0]), pod_ips, "no pod's IP changed: {after}");
-}
-
-/// The spec of a pod of the workload image on the real node.
-fn workload_spec() -> serde_json::Value {
-    json!({
-        "nodeSelector": {REAL_NODE_LABEL: "true"},
-        "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
-        "terminationGracePeriodSeconds": 1,
-        "containers": [{"name": "main", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never", "command": ["/bin/sleep", "3600"]}],
-    })
 }
 
 /// Scales Deployment `name` of the default namespace to `replicas`.
@@ -290,7 +240,8 @@ async fn a_helm_upgrade_under_a_changing_workload_then_an_uninstall_and_a_reinst
     let client = cluster.client();
     let deployment: Deployment = serde_json::from_value(json!({
         "metadata": {"name": "web"},
-        "spec": {"replicas": 4, "selector": {"matchLabels": {"app": "web"}}, "template": pod_template("web", workload_spec())},
+        "spec": {"replicas": 4, "selector": {"matchLabels": {"app": "web"}},
+                 "template": pod_template("web", e2e::realnode::workload_spec())},
     }))
     .expect("a Deployment");
     Api::<Deployment>::namespaced(client.clone(), "default")
@@ -313,10 +264,7 @@ async fn a_helm_upgrade_under_a_changing_workload_then_an_uninstall_and_a_reinst
     scale(&client, "web", 6).await;
     let upgraded = format!("{}:e2e-2", chart::IMAGE_REPOSITORY);
     wait::until("the agent and the controllers run the new image", TIMEOUT, || async {
-        let images = [
-            images_of(&client, "app.kubernetes.io/component=agent").await,
-            images_of(&client, "app.kubernetes.io/component=controller").await,
-        ];
+        let images = [images_of(&client, AGENT_SELECTOR).await, images_of(&client, CONTROLLER_SELECTOR).await];
         Ok(if images.iter().all(|i| i.len() == 1 && i.contains(&upgraded)) {
             Probe::Done(())
         } else {
@@ -325,8 +273,8 @@ async fn a_helm_upgrade_under_a_changing_workload_then_an_uninstall_and_a_reinst
     })
     .await
     .expect("the rollout ends");
-    wait_ready_pods(&client, NAMESPACE, "app.kubernetes.io/component=agent", 1).await;
-    wait_ready_pods(&client, NAMESPACE, "app.kubernetes.io/component=controller", 2).await;
+    wait_ready_pods(&client, NAMESPACE, AGENT_SELECTOR, 1).await;
+    wait_ready_pods(&client, NAMESPACE, CONTROLLER_SELECTOR, 2).await;
     let web = wait_ready_pods(&client, "default", "app=web", 6).await;
     wait_consistent(&client, &cluster, "after the upgrade").await;
     let events = Api::<k8s_openapi::api::core::v1::Event>::namespaced(client.clone(), "default")
@@ -347,7 +295,7 @@ async fn a_helm_upgrade_under_a_changing_workload_then_an_uninstall_and_a_reinst
         assert!(file.exists(), "the plugin and the conflist stay on the node (docs/install.md): {}", file.display());
     }
     // A pod created meanwhile waits for the agent (kubelet retries its ADD).
-    let mut spec = workload_spec();
+    let mut spec = e2e::realnode::workload_spec();
     spec["nodeName"] = json!(cluster.real_nodes()[0].name());
     let late: Pod =
         serde_json::from_value(json!({"metadata": {"name": "late", "labels": {"app": "late"}}, "spec": spec}))
@@ -357,8 +305,8 @@ async fn a_helm_upgrade_under_a_changing_workload_then_an_uninstall_and_a_reinst
     // Reinstalled: the agent takes over from its checkpoint, the pods keep their IPs, the late
     // pod gets one, and nothing is doubled or released.
     let _reinstalled = chart::install(&cluster, "e2e-2").await.expect("helm install again");
-    wait_ready_pods(&client, NAMESPACE, "app.kubernetes.io/component=agent", 1).await;
-    wait_ready_pods(&client, NAMESPACE, "app.kubernetes.io/component=controller", 2).await;
+    wait_ready_pods(&client, NAMESPACE, AGENT_SELECTOR, 1).await;
+    wait_ready_pods(&client, NAMESPACE, CONTROLLER_SELECTOR, 2).await;
     wait_ready_pods(&client, "default", "app=late", 1).await;
     let settled = wait_consistent(&client, &cluster, "after the reinstall").await;
     assert!(settled.is_superset(&web_ips), "no web pod's IP changed");

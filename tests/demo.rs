@@ -26,6 +26,7 @@ fn options(name: &str) -> UpOptions {
         demo: None,
         runtime_gc: e2e::cni::RuntimeGc::default(),
         real_nodes: 0,
+        install: e2e::up::Install::default(),
     }
 }
 
@@ -125,4 +126,47 @@ async fn up_passes_agent_and_controller_flags_to_every_agent_and_controller() {
     .expect("the Leases");
     assert_eq!(durations, [17, 17, 13], "agent Leases of node-0 and node-1, then the controller's");
     up.stop();
+}
+
+/// `make demo DEMO_ARGS="--nodes 0 --real-nodes 1 --install chart"`: ipwarden from its chart on
+/// a real node, the demo's pods there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_on_the_chart_installed_on_a_real_node_narrates_a_release_and_a_statefulset_pod_back_with_its_ip() {
+    let (say, lines) = kept_lines();
+    let options = UpOptions {
+        nodes: 0,
+        real_nodes: 1,
+        install: e2e::up::Install::Chart,
+        demo: Some(Duration::from_secs(2)),
+        ..options("chart")
+    };
+    let up = e2e::up::start(&options, say).await.expect("the demo starts on the chart");
+    let started = lines.lock().expect("lines lock").clone();
+    assert!(
+        started
+            .iter()
+            .any(|l| l.starts_with("cluster ready: real node real-node-0 running ipwarden from its Helm chart")),
+        "no summary of the chart:\n{}",
+        started.join("\n")
+    );
+    wait::until("a release and a StatefulSet pod back with its IP", TIMEOUT, || {
+        let lines = lines.lock().expect("lines lock").clone();
+        async move {
+            let released = lines.iter().any(|l| l.contains(" released"));
+            let back = lines.iter().any(|l| l.contains(" back with its IP ") && l.contains("(StatefulSet web)"));
+            Ok(if released && back { Probe::Done(()) } else { Probe::Pending(lines.join("\n")) })
+        }
+    })
+    .await
+    .expect("the demo narrates");
+    up.stop();
+}
+
+#[test]
+fn up_refuses_the_chart_without_one_real_node_and_no_simulated_one() {
+    let runtime = tokio::runtime::Runtime::new().expect("a runtime");
+    let (say, _lines) = kept_lines();
+    let options = UpOptions { install: e2e::up::Install::Chart, ..options("chart-refused") };
+    let refused = runtime.block_on(e2e::up::start(&options, say)).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(refused.contains("--nodes 0 --real-nodes 1"), "{refused}");
 }

@@ -91,8 +91,8 @@ async fn agents_and_controllers_with_the_charts_rbac_survive_a_statefulset_scale
     let pools = [
         (
             "storm",
-            // Five IPs: 10.60.0.1 is the pool's (defaulted) gateway.
-            json!({"cidr": "10.60.0.0/29", "ranges": [{"start": "10.60.0.2", "end": "10.60.0.6"}], "default": true}),
+            // The churn benchmark's storm pool: five IPs.
+            e2e::storm::pool(),
         ),
         ("spare", json!({"cidr": "10.61.0.0/24"})),
     ];

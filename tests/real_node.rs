@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use e2e::realnode::chain_hold::ChainHold;
 use e2e::realnode::cri_proxy::CriProxy;
-use e2e::realnode::{BUSYBOX_IMAGE, REAL_NODE_LABEL, RealNode};
+use e2e::realnode::{BUSYBOX_IMAGE, RealNode};
 use e2e::wait::{self, Probe};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, PostParams};
@@ -24,24 +24,12 @@ fn documented_pool() -> serde_json::Value {
     json!({"cidr": "10.244.0.0/16", "default": true})
 }
 
-/// The spec of a pod of the workload image on the real nodes; its container sleeps (and, as
-/// PID 1 without a handler, ignores SIGTERM, so a deletion ends it after the 1 s grace). Its
-/// service-account token is mounted, as users' pods have it (kubelet waits for the namespace's
-/// `kube-root-ca.crt` for that).
-fn real_spec() -> serde_json::Value {
-    json!({
-        "nodeSelector": {REAL_NODE_LABEL: "true"},
-        "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
-        "terminationGracePeriodSeconds": 1,
-        "containers": [{"name": "main", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
-                        "command": ["/bin/sleep", "3600"]}],
-    })
-}
-
 /// A bare pod named `name` (label `app=<name>`) of [`real_spec`].
 fn real_pod(name: &str) -> Pod {
-    serde_json::from_value(json!({"metadata": {"name": name, "labels": {"app": name}}, "spec": real_spec()}))
-        .expect("pod")
+    serde_json::from_value(
+        json!({"metadata": {"name": name, "labels": {"app": name}}, "spec": e2e::realnode::workload_spec()}),
+    )
+    .expect("pod")
 }
 
 /// Waits until pod `name` runs with an IP; returns it.
@@ -166,7 +154,7 @@ async fn pods_on_a_real_node_run_with_their_ips_keep_them_through_runtime_restar
     );
 
     // A StatefulSet's pod recreated keeps its IP.
-    support::create_statefulset(&client, "default", "db", real_spec()).await;
+    support::create_statefulset(&client, "default", "db", e2e::realnode::workload_spec()).await;
     let db = wait_running(&client, "db-0").await;
     let db_ip = support::ip_of(&db);
     pods.delete("db-0", &Default::default()).await.expect("delete db-0");

@@ -3,6 +3,8 @@
 //! that measure: two StatefulSets of 5 pods take turns on a pool of exactly 5 IPs, every
 //! handover completes and no IP is on two live pods. (Which IP a returning pod gets is a figure
 //! of the benchmark, not a goal: with every IP handed to the other set, none stays reserved.)
+//! Before issue 35 the storm's pool held one IP fewer than its pods (its ranges named the
+//! defaulted gateway) and the first handover never completed.
 
 use std::path::Path;
 use std::time::Duration;
@@ -20,8 +22,6 @@ async fn two_handovers_of_the_storm_complete_with_no_ip_on_two_live_pods() {
     assert!(report.completed, "{report:?}");
     assert_eq!(report.cycles, 2, "{report:?}");
     assert_eq!(report.ip_conflicts, 0, "{report:?}");
-    assert_eq!(report.returned, 5, "the second handover brings alpha's 5 pods back: {report:?}");
-    assert!(report.sticky_kept <= report.returned, "{report:?}");
     drop(installation);
     cluster.stop();
 }

@@ -163,7 +163,7 @@ if ! command -v debootstrap >/dev/null; then
 fi
 
 if [[ ! -s "$base_dir/rootfs.tar" ]]; then
-  say "building a Debian bookworm base with debootstrap from $mirror into $base_dir (about 2 minutes)"
+  say "building a Debian bookworm base with debootstrap from $mirror into $base_dir (half a minute to a few, by the mirror)"
   start=$SECONDS
   staging=$(staging_for "$base_dir")
   rootfs=$staging/rootfs

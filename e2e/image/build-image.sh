@@ -15,12 +15,12 @@
 #      `ipwarden-cni` name, the user, the linked libraries and what the chart's init container
 #      runs.
 #
-# Needs root (debootstrap, chroot and rootful podman); installs debootstrap, podman and runc
-# from Debian when missing. Idempotent: the base and the builder are built once per recipe,
-# and podman's layer cache skips the Dockerfile's steps whose inputs did not change.
-# Environment: IMAGE (the tag to build, default localhost/ipwarden:<crate version>);
-# DEBIAN_MIRROR and DEBIAN_SECURITY_MIRROR (see build-base.sh, which builds the base).
-# Exits non-zero when a step or a check fails.
+# Needs root (debootstrap, chroot and rootful podman); installs podman and runc from Debian when
+# missing (build-base.sh installs debootstrap). Idempotent: the base and the builder are built
+# once per recipe, and podman's layer cache skips the Dockerfile's steps whose inputs did not
+# change. Environment: IMAGE (the tag to build, default localhost/ipwarden:<crate version>);
+# DEBIAN_MIRROR and DEBIAN_SECURITY_MIRROR (see build-base.sh, which builds the base). Exits
+# non-zero when a step or a check fails.
 set -euo pipefail
 
 # Bump when the builder's recipe below changes, so it is built again.
@@ -42,7 +42,6 @@ die() {
 [[ $(id -u) -eq 0 ]] || die "needs root (debootstrap, chroot and rootful podman): run it with sudo"
 
 missing=()
-command -v debootstrap >/dev/null || missing+=(debootstrap)
 command -v podman >/dev/null || missing+=(podman)
 command -v runc >/dev/null || missing+=(runc)
 if ((${#missing[@]} > 0)); then

@@ -31,6 +31,11 @@ trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/layout/blobs/sha256" "$work/rootfs/usr/local/bin"
 strip --strip-debug -o "$work/rootfs/usr/local/bin/ipwarden" "$binary"
 ln -s ipwarden "$work/rootfs/usr/local/bin/ipwarden-cni"
+# The layer's directories replace the base's: the base's modes, whatever this shell's umask.
+chmod 0755 "$work/rootfs" "$work/rootfs/usr" "$work/rootfs/usr/local" "$work/rootfs/usr/local/bin"
+chmod 0755 "$work/rootfs/usr/local/bin/ipwarden"
+# The image's architecture is this host's (Debian's names are OCI's for amd64 and arm64).
+arch=$(dpkg --print-architecture)
 
 # blob FILE: copies FILE into the layout's blob store under its digest; prints "sha256:HEX SIZE".
 blob() {
@@ -45,7 +50,7 @@ tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -C "$work/rootfs"
 read -r base base_size < <(blob "$base_tar")
 read -r layer layer_size < <(blob "$work/binary.tar")
 cat >"$work/config.json" <<JSON
-{"architecture":"amd64","os":"linux",
+{"architecture":"$arch","os":"linux",
  "config":{"User":"65532:65532","Entrypoint":["/usr/local/bin/ipwarden"],
            "Env":["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
            "Labels":{"org.opencontainers.image.title":"ipwarden","org.opencontainers.image.description":"ipwarden test image (e2e/image/test-image.sh)"}},
@@ -62,7 +67,7 @@ JSON
 read -r manifest manifest_size < <(blob "$work/manifest.json")
 cat >"$work/layout/index.json" <<JSON
 {"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"$manifest","size":$manifest_size,
- "platform":{"architecture":"amd64","os":"linux"},
+ "platform":{"architecture":"$arch","os":"linux"},
  "annotations":{"io.containerd.image.name":"$name","org.opencontainers.image.ref.name":"${name##*:}"}}]}
 JSON
 echo '{"imageLayoutVersion":"1.0.0"}' >"$work/layout/oci-layout"

@@ -40,14 +40,15 @@ impl ComponentName {
     }
 }
 
-/// The kube-controller-manager controllers a test cluster runs: those acting on the objects
-/// the tests, the demo and the chart create (ServiceAccounts and their tokens, namespaces,
-/// owner references, the workload controllers, nodes and their taints and pods, the chart's
+/// The kube-controller-manager controllers a test cluster runs: those acting on the objects the
+/// tests, the demo and the chart create (ServiceAccounts and their tokens, namespaces, owner
+/// references, the workload controllers, nodes and their taints and pods, the chart's
 /// PodDisruptionBudget), and the publisher of every namespace's `kube-root-ca.crt`, without
-/// which kubelet never starts a pod whose service-account token is mounted (the default). kube-controller-manager sets up its controllers one after the other
-/// before it starts any, so with every default controller (`*`) the `default` ServiceAccount,
-/// which every test waits for, came about 5 s after start-up on 2 cores; with these, half a
-/// second. A test of an object no controller here acts on adds its controller.
+/// which kubelet never starts a pod whose service-account token is mounted (the default).
+/// kube-controller-manager sets up its controllers one after the other before it starts any, so
+/// with every default controller (`*`) the `default` ServiceAccount, which every test waits
+/// for, came about 5 s after start-up on 2 cores; with these, half a second. A test of an
+/// object no controller here acts on adds its controller.
 pub const TEST_CONTROLLERS: &str = "serviceaccount-controller,serviceaccount-token-controller,namespace-controller,\
 garbage-collector-controller,replicaset-controller,deployment-controller,statefulset-controller,daemonset-controller,\
 job-controller,node-lifecycle-controller,taint-eviction-controller,pod-garbage-collector-controller,\

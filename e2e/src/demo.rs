@@ -25,27 +25,31 @@ pub const NAMESPACE: &str = "default";
 /// The label every demo pod carries, with its workload's name as value.
 const APP_LABEL: &str = "ipwarden-demo";
 
-fn template(app: &str) -> serde_json::Value {
-    json!({
-        "metadata": {"labels": {APP_LABEL: app}},
-        "spec": {
+/// A demo pod template of workload `app`: for the simulated nodes (whose runtime pulls
+/// nothing), or for the real nodes (their workload image: [`crate::realnode::workload_spec`]).
+fn template(app: &str, on_real_nodes: bool) -> serde_json::Value {
+    let spec = match on_real_nodes {
+        true => crate::realnode::workload_spec(),
+        false => json!({
             "terminationGracePeriodSeconds": 5,
             "containers": [{"name": "app", "image": "registry.invalid/ipwarden-demo/app:1"}],
-        },
-    })
+        }),
+    };
+    json!({"metadata": {"labels": {APP_LABEL: app}}, "spec": spec})
 }
 
-/// Creates the demo StatefulSet `web` and Deployment `api`, 3 replicas each.
-pub async fn create(client: &Client) -> Result<()> {
+/// Creates the demo StatefulSet `web` and Deployment `api`, 3 replicas each, on the real nodes
+/// when `on_real_nodes`.
+pub async fn create(client: &Client, on_real_nodes: bool) -> Result<()> {
     let statefulset: StatefulSet = serde_json::from_value(json!({
         "metadata": {"name": "web"},
         "spec": {"replicas": 3, "serviceName": "web", "selector": {"matchLabels": {APP_LABEL: "web"}},
-                 "template": template("web")},
+                 "template": template("web", on_real_nodes)},
     }))
     .map_err(|e| Error::Kube { what: "building the demo StatefulSet".into(), source: kube::Error::SerdeError(e) })?;
     let deployment: Deployment = serde_json::from_value(json!({
         "metadata": {"name": "api"},
-        "spec": {"replicas": 3, "selector": {"matchLabels": {APP_LABEL: "api"}}, "template": template("api")},
+        "spec": {"replicas": 3, "selector": {"matchLabels": {APP_LABEL: "api"}}, "template": template("api", on_real_nodes)},
     }))
     .map_err(|e| Error::Kube { what: "building the demo Deployment".into(), source: kube::Error::SerdeError(e) })?;
     Api::<StatefulSet>::namespaced(client.clone(), NAMESPACE)

@@ -31,8 +31,8 @@ use crate::wait::{self, Probe};
 pub const REPLICAS: i32 = 5;
 
 /// The pool's CIDR: [`REPLICAS`] of its addresses, [`FIRST_IP`] to [`LAST_IP`], are handed out;
-/// its first address, 10.60.0.1, is the gateway (ipwarden defaults it so, decision 0019, as
-/// host-local and Whereabouts do), so the range starts after it.
+/// its first address after the network address, 10.60.0.1, is ipwarden's defaulted gateway
+/// (decision 0019, as host-local's), so the range starts after it, for every IPAM alike.
 pub const CIDR: &str = "10.60.0.0/29";
 
 /// The first IP handed out.
@@ -86,6 +86,11 @@ pub struct StormReport {
     pub failure: String,
 }
 
+/// ipwarden's pool in the storm: [`FIRST_IP`] to [`LAST_IP`] of [`CIDR`], the default pool.
+pub fn pool() -> serde_json::Value {
+    json!({"cidr": CIDR, "ranges": [{"start": FIRST_IP, "end": LAST_IP}], "default": true})
+}
+
 /// Starts a cluster of `nodes` simulated nodes (`network`: ipwarden's, from
 /// [`crate::ipwarden::network`]) running `binary`'s agents and controllers on the storm's pool.
 pub async fn start_ipwarden(
@@ -95,9 +100,13 @@ pub async fn start_ipwarden(
 ) -> Result<(Cluster, crate::ipwarden::Installation)> {
     let options = ClusterOptions { nodes, network: Some(network), ..ClusterOptions::default() };
     let cluster = Cluster::start(options).await?;
-    let pool = json!({"cidr": CIDR, "ranges": [{"start": FIRST_IP, "end": LAST_IP}], "default": true});
-    let installation = crate::ipwarden::install_with(&cluster, binary, pool, &AGENT_ARGS, &[]).await?;
-    Ok((cluster, installation))
+    match crate::ipwarden::install_with(&cluster, binary, pool(), &AGENT_ARGS, &[]).await {
+        Ok(installation) => Ok((cluster, installation)),
+        Err(e) => {
+            cluster.stop_after_failure();
+            Err(e)
+        }
+    }
 }
 
 /// Of the pods `now` (name -> IP), how many ran before under the same name (in `last`) and how

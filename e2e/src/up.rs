@@ -12,6 +12,7 @@ use crate::cluster::{Cluster, ClusterOptions};
 use crate::cni::RuntimeGc;
 use crate::error::{Error, Result};
 use crate::ipwarden::Installation;
+use crate::realnode::chart::{self, ChartInstallation};
 
 /// What `up` starts.
 #[derive(Clone, Debug)]
@@ -35,6 +36,41 @@ pub struct UpOptions {
     /// How many real nodes (kubelet and containerd, docs/testing.md "Real nodes") to run
     /// beside the simulated ones; needs `ipwarden` and root.
     pub real_nodes: usize,
+    /// How ipwarden runs.
+    pub install: Install,
+}
+
+/// How `up` runs ipwarden.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Install {
+    /// As processes on this host: an agent per node, two controller replicas.
+    #[default]
+    Processes,
+    /// As users install it: `helm install` of the chart, its pods from ipwarden's image under
+    /// the real node's kubelet (one real node, no simulated ones: [`chart`]).
+    Chart,
+}
+
+impl std::str::FromStr for Install {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<Self, Self::Err> {
+        match text {
+            "processes" => Ok(Self::Processes),
+            "chart" => Ok(Self::Chart),
+            other => Err(format!("{other:?} is neither `processes` nor `chart`")),
+        }
+    }
+}
+
+/// How ipwarden runs on a cluster `up` started, if it does.
+enum Running<'a> {
+    /// Not at all: a bare cluster.
+    Bare,
+    /// As processes on this host.
+    Processes(&'a Installation),
+    /// From its chart.
+    Chart,
 }
 
 /// How many nodes of each kind a cluster gets.
@@ -57,6 +93,7 @@ pub struct Up {
     // stopped then), then the cluster.
     tasks: Vec<JoinHandle<()>>,
     _installation: Option<Installation>,
+    _chart: Option<ChartInstallation>,
     cluster: Cluster,
     kubeconfig: PathBuf,
 }
@@ -150,6 +187,9 @@ const DEMO_READY_TIMEOUT: Duration = Duration::from_secs(180);
 /// summary and starts the demo; returns once the cluster (and the demo's pods) are ready.
 pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
     let state_dir = options.kubeconfig.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if options.install == Install::Chart {
+        return start_with_chart(options, state_dir, say).await;
+    }
     let plugin_dir = state_dir.join("cni-bin");
     say(&format!("starting the control plane and {} simulated nodes", options.nodes));
     let agent_args: Vec<&str> = options.agent_args.iter().map(String::as_str).collect();
@@ -168,10 +208,65 @@ pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
         say.as_ref(),
     )
     .await?;
-    match demo_and_summary(options, state_dir, &cluster, installation.as_ref(), &say).await {
-        Ok(tasks) => Ok(Up { tasks, _installation: installation, cluster, kubeconfig: options.kubeconfig.clone() }),
+    let running = installation.as_ref().map_or(Running::Bare, Running::Processes);
+    match demo_and_summary(options, state_dir, &cluster, running, &say).await {
+        Ok(tasks) => {
+            Ok(Up { tasks, _installation: installation, _chart: None, cluster, kubeconfig: options.kubeconfig.clone() })
+        }
         Err(e) => {
             drop(installation);
+            cluster.stop_after_failure();
+            Err(e)
+        }
+    }
+}
+
+/// [`start`] with [`Install::Chart`]: one real node, the test image of `options.ipwarden`
+/// loaded into it, the chart installed, the documented pool.
+async fn start_with_chart(options: &UpOptions, state_dir: &Path, say: Say) -> Result<Up> {
+    let binary = match (&options.ipwarden, options.nodes, options.real_nodes) {
+        (Some(binary), 0, 1) => {
+            std::fs::canonicalize(binary).map_err(Error::io("finding the ipwarden binary", binary))?
+        }
+        _ => {
+            return Err(Error::Tool {
+                command: "up --install chart".into(),
+                reason: "the chart runs on one real node and no simulated one: pass --ipwarden <binary> --nodes 0 \
+                         --real-nodes 1 (docs/testing.md, \"The chart on a real node\")"
+                    .into(),
+            });
+        }
+    };
+    say("starting the control plane and 1 real node (kubelet and containerd)");
+    let real_nodes = Some(crate::cluster::RealNodesOptions { count: 1, ipwarden: binary.clone() });
+    let mut cluster = Cluster::start(ClusterOptions { nodes: 0, real_nodes, ..ClusterOptions::default() }).await?;
+    say(
+        "installing ipwarden with its Helm chart: its image loaded into the node, helm install, the default pool 10.244.0.0/16",
+    );
+    let installed = async {
+        chart::load_image(&cluster, &binary, chart::UP_TAG, cluster.dir()).await?;
+        let installation = chart::install(&cluster, chart::UP_TAG).await?;
+        crate::ipwarden::create_pool(&cluster.client(), "default", crate::ipwarden::default_pool()).await?;
+        chart::wait_running(&mut cluster).await?;
+        Ok(installation)
+    }
+    .await;
+    let installation = match installed {
+        Ok(installation) => installation,
+        Err(e) => {
+            cluster.stop_after_failure();
+            return Err(e);
+        }
+    };
+    match demo_and_summary(options, state_dir, &cluster, Running::Chart, &say).await {
+        Ok(tasks) => Ok(Up {
+            tasks,
+            _installation: None,
+            _chart: Some(installation),
+            cluster,
+            kubeconfig: options.kubeconfig.clone(),
+        }),
+        Err(e) => {
             cluster.stop_after_failure();
             Err(e)
         }
@@ -184,7 +279,7 @@ async fn demo_and_summary(
     options: &UpOptions,
     state_dir: &Path,
     cluster: &Cluster,
-    installation: Option<&Installation>,
+    running: Running<'_>,
     say: &Say,
 ) -> Result<Vec<JoinHandle<()>>> {
     std::fs::create_dir_all(state_dir).map_err(Error::io("creating the state directory", state_dir))?;
@@ -193,9 +288,10 @@ async fn demo_and_summary(
     let mut tasks = Vec::new();
     if options.demo.is_some() {
         say("creating the demo workload (StatefulSet default/web, Deployment default/api, 3 pods each)");
-        crate::demo::create(&cluster.client()).await?;
+        let on_real_nodes = cluster.nodes().is_empty() && !cluster.real_nodes().is_empty();
+        crate::demo::create(&cluster.client(), on_real_nodes).await?;
         crate::demo::wait_running(&cluster.client(), DEMO_READY_TIMEOUT).await?;
-        if installation.is_some() {
+        if !matches!(running, Running::Bare) {
             let (synced, listed) = tokio::sync::oneshot::channel();
             tasks.push(tokio::spawn(crate::demo::narrate(cluster.client(), say.clone(), synced)));
             let listing = tokio::time::timeout(DEMO_READY_TIMEOUT, listed).await;
@@ -208,7 +304,7 @@ async fn demo_and_summary(
             }
         }
     }
-    summary(options, cluster, installation, say);
+    summary(options, cluster, &running, say);
     if let Some(interval) = options.demo {
         say(&format!("demo: a pod deleted every {interval:?}; what happens to its IP follows"));
         tasks.push(tokio::spawn(crate::demo::churn(cluster.client(), interval, say.clone())));
@@ -217,31 +313,50 @@ async fn demo_and_summary(
 }
 
 /// The lines a person needs to look at the cluster.
-fn summary(options: &UpOptions, cluster: &Cluster, installation: Option<&Installation>, say: &Say) {
+fn summary(options: &UpOptions, cluster: &Cluster, running: &Running<'_>, say: &Say) {
     let kubeconfig = options.kubeconfig.display();
     let kubectl = format!("{} --kubeconfig {kubeconfig}", cluster.kubectl().display());
-    match installation {
-        Some(installation) => say(&format!(
+    match running {
+        Running::Processes(installation) => say(&format!(
             "cluster ready: {} simulated nodes running ipwarden ({} agents, {} controller replicas)",
             cluster.nodes().len(),
             installation.agents.len(),
             installation.controllers.len()
         )),
-        None => say(&format!("cluster ready: {} simulated nodes on host-local, no ipwarden", cluster.nodes().len())),
+        Running::Chart => say(&format!(
+            "cluster ready: real node {} running ipwarden from its Helm chart (release {} in {}: the agent \
+             DaemonSet, 2 controller pods)",
+            cluster.real_nodes().iter().map(|n| n.name()).collect::<Vec<_>>().join(", "),
+            chart::RELEASE,
+            chart::NAMESPACE
+        )),
+        Running::Bare => {
+            say(&format!("cluster ready: {} simulated nodes on host-local, no ipwarden", cluster.nodes().len()))
+        }
     }
     say(&format!("  kubeconfig: {kubeconfig}"));
     say(&format!("  kubectl:    {kubectl} get pods -A -o wide"));
-    if let (Some(installation), Some(binary)) = (installation, &options.ipwarden) {
+    if let (false, Some(binary)) = (matches!(running, Running::Bare), &options.ipwarden) {
         say(&format!("              {kubectl} get ippools,ipblocks; ... get ipclaims -A"));
         say(&format!("  ipwarden:   KUBECONFIG={kubeconfig} {} status (also: check; gc --dry-run)", binary.display()));
-        let ports = |daemons: &[crate::ipwarden::Daemon]| {
-            daemons.iter().map(|d| d.metrics_port.to_string()).collect::<Vec<_>>().join(" ")
-        };
-        say(&format!(
-            "  metrics:    http://127.0.0.1:<port>/metrics; agents (node order) {}, controllers {}",
-            ports(&installation.agents),
-            ports(&installation.controllers)
-        ));
+    }
+    match running {
+        Running::Processes(installation) => {
+            let ports = |daemons: &[crate::ipwarden::Daemon]| {
+                daemons.iter().map(|d| d.metrics_port.to_string()).collect::<Vec<_>>().join(" ")
+            };
+            say(&format!(
+                "  metrics:    http://127.0.0.1:<port>/metrics; agents (node order) {}, controllers {}",
+                ports(&installation.agents),
+                ports(&installation.controllers)
+            ));
+        }
+        Running::Chart => say(&format!(
+            "  metrics:    the agent's http://127.0.0.1:9612/metrics; the controllers' http://<pod IP>:9611/metrics \
+             ({kubectl} get pods -n {} -o wide)",
+            chart::NAMESPACE
+        )),
+        Running::Bare => {}
     }
     say(&format!("  logs:       {}", cluster.dir().display()));
 }

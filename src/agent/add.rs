@@ -786,7 +786,8 @@ impl Core {
         self.metrics.pool_exhausted.get_or_create(&PoolLabels { pool: pool.name.clone() }).inc();
         if cooling > 0 {
             let next_free = next_free.map(|t| t.to_string()).unwrap_or_default();
-            return Err(Error::Cooling { pool: pool.name.clone(), cooling, next_free });
+            let withheld_gateway = pool.withheld_gateway.clone();
+            return Err(Error::Cooling { pool: pool.name.clone(), cooling, next_free, withheld_gateway });
         }
         Err(Error::PoolExhausted { pool: pool.name.clone(), withheld_gateway: pool.withheld_gateway.clone() })
     }

@@ -61,7 +61,8 @@ pub enum Error {
     },
     /// The chosen pool's free IPs are all cooling down after release.
     #[error(
-        "pool {pool} has no free IP now: {cooling} released IPs are cooling down before reuse; the first is free at {next_free}"
+        "pool {pool} has no free IP now: {cooling} released IPs are cooling down before reuse; the first is free at {next_free}{}",
+        note(.withheld_gateway)
     )]
     Cooling {
         /// The pool.
@@ -70,6 +71,8 @@ pub enum Error {
         cooling: usize,
         /// When the first of them is free.
         next_free: String,
+        /// As [`Error::PoolExhausted`]'s.
+        withheld_gateway: Option<String>,
     },
     /// A hand-edited IPClaim names a block that does not hold its IP's record.
     #[error("IPClaim {claim} of pod {pod} is refused: {cause}; fix or delete the claim")]
@@ -183,7 +186,8 @@ impl From<crate::claim_writes::AdoptedClaimError> for Error {
     }
 }
 
-/// The tail of [`Error::PoolExhausted`]'s message: why the pool holds one IP fewer, when it does.
+/// The tail of [`Error::PoolExhausted`]'s and [`Error::Cooling`]'s messages: why the pool holds
+/// one IP fewer, when it does.
 fn note(withheld_gateway: &Option<String>) -> String {
     withheld_gateway.as_deref().map(|why| format!("; {why}")).unwrap_or_default()
 }

@@ -58,11 +58,14 @@ pub fn gateway_withheld_from_ranges(spec: &IPPoolSpec) -> Option<String> {
     if spec.gateway.is_some() {
         return None;
     }
+    // A pool whose layout is invalid hands out nothing: its gateway withholds nothing.
+    layout(spec).ok()?;
     let defaulted = gateway(spec)?;
     let address: IpAddr = defaulted.parse().ok()?;
+    let family = |ip: &IpAddr| ip.is_ipv4() == address.is_ipv4();
     let named = spec.ranges.iter().any(|range| {
         let bounds = (range.start.parse::<IpAddr>(), range.end.parse::<IpAddr>());
-        matches!(bounds, (Ok(start), Ok(end)) if start.is_ipv4() == address.is_ipv4() && start <= address && address <= end)
+        matches!(bounds, (Ok(start), Ok(end)) if family(&start) && family(&end) && start <= address && address <= end)
     });
     // An address the admin excluded was never the pool's to hand out: nothing shrank.
     let excluded = spec.exclude.iter().any(|entry| {
@@ -71,8 +74,8 @@ pub fn gateway_withheld_from_ranges(spec: &IPPoolSpec) -> Option<String> {
     (named && !excluded).then(|| {
         format!(
             "its gateway {defaulted} lies in spec.ranges but is never handed out: spec.gateway is unset, so the \
-             gateway defaults to the CIDR's first address (decision 0019); set spec.gateway to {defaulted} to keep \
-             it so, or start the ranges after it"
+             gateway defaults to the CIDR's first address after its network address (decision 0019); set \
+             spec.gateway to {defaulted} to keep it so, or start the ranges after it"
         )
     })
 }
@@ -725,6 +728,9 @@ mod test {
             (json!({"cidr": "10.60.0.0/31", "ranges": range("10.60.0.0", "10.60.0.1")}), None),
             (json!({"cidr": "10.60.0.0/29", "ranges": range("::", "ffff::")}), None),
             (json!({"cidr": "10.60.0.0/29", "ranges": range("x", "10.60.0.5")}), None),
+            (json!({"cidr": "10.60.0.0/29", "ranges": range("10.60.0.1", "ffff::")}), None),
+            // A pool whose layout is invalid hands out nothing at all.
+            (json!({"cidr": "10.60.0.0/29", "exclude": ["nonsense"], "ranges": range("10.60.0.1", "10.60.0.5")}), None),
         ];
         for (value, expected) in cases {
             let text = value.to_string();

@@ -7,10 +7,14 @@ use e2e::realnode::RealNode;
 
 /// The IPv4 addresses of `eth0` in every network namespace of the node's containerd: the
 /// IPs its pods really have.
+/// Panics when two namespaces hold one IP: a set would hide it.
 pub fn netns_ips(node: &RealNode) -> BTreeSet<String> {
     let dir = node.paths().netns_dir();
     let Ok(entries) = std::fs::read_dir(&dir) else { return BTreeSet::new() };
-    entries.flatten().filter_map(|entry| eth0_ipv4(&entry.path())).collect()
+    let ips: Vec<String> = entries.flatten().filter_map(|entry| eth0_ipv4(&entry.path())).collect();
+    let unique: BTreeSet<String> = ips.iter().cloned().collect();
+    assert_eq!(unique.len(), ips.len(), "an IP in two of the node's network namespaces: {ips:?}");
+    unique
 }
 
 fn eth0_ipv4(netns: &Path) -> Option<String> {

@@ -63,6 +63,12 @@ enum Command {
         /// `localhost/ipwarden-e2e/busybox:1` with `imagePullPolicy: Never`.
         #[arg(long, default_value_t = 0, requires = "ipwarden")]
         real_nodes: usize,
+        /// With --ipwarden: how it runs. `processes`: an agent per node and two controller
+        /// replicas on this host. `chart`: as users install it, `helm install` of the chart
+        /// with its pods from ipwarden's image under a real node's kubelet; needs `--nodes 0
+        /// --real-nodes 1` (docs/testing.md, "The chart on a real node").
+        #[arg(long, default_value = "processes", value_parser = clap::value_parser!(e2e::up::Install), requires = "ipwarden")]
+        install: e2e::up::Install,
     },
     /// Measure an IPAM under pod churn: start a cluster running it (ipwarden as `up
     /// --ipwarden` does), create bare pods at a set rate round robin over the nodes, delete
@@ -218,6 +224,7 @@ async fn main() -> anyhow::Result<()> {
             controller_args,
             runtime_gc,
             real_nodes,
+            install,
         } => {
             let demo = demo.then(|| Duration::from_secs(churn_seconds));
             up(e2e::up::UpOptions {
@@ -229,6 +236,7 @@ async fn main() -> anyhow::Result<()> {
                 demo,
                 runtime_gc,
                 real_nodes,
+                install,
             })
             .await
         }

@@ -1,27 +1,35 @@
-//! ipwarden installed on a real node the way users install it: `helm install` of the chart,
-//! its agent DaemonSet and controller Deployment running as pods from ipwarden's image under
-//! the node's kubelet (docs/testing.md, "The chart on a real node"). The image is the test
-//! image (`e2e/image/test-image.sh`: the release image's Debian base and a binary built on
-//! this host), imported into the node's containerd, as there is no registry. The values set
-//! only what differs on this machine: the image, the node's directories, which live in its run
+//! ipwarden installed on a real node the way users install it: `helm install` of the chart, its
+//! agent DaemonSet and controller Deployment running as pods from ipwarden's image under the
+//! node's kubelet (docs/testing.md, "The chart on a real node"). The image is the test image
+//! (`e2e/image/test-image.sh`: the release image's Debian base and a binary built on this
+//! host), imported into the node's containerd, as there is no registry. The values set only
+//! what differs on this machine: the image, the node's directories, which live in its run
 //! directory instead of `/etc/cni/net.d`, `/opt/cni/bin`, `/run/ipwarden`, `/var/lib/ipwarden`
-//! and `/run/containerd`, and the controllers' toleration of the real nodes' taint. The pods reach the apiserver through the
-//! `kubernetes` Service as in-cluster pods do ([`super::service`]).
+//! and `/run/containerd`, and the controllers' toleration of the real nodes' taint. The pods
+//! reach the apiserver through the `kubernetes` Service as in-cluster pods do
+//! ([`super::service`]).
 //!
 //! One real node only: the real nodes share this host's network and mount namespaces, so two
 //! would need different host paths and ports from one DaemonSet.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use kube::{Client, ResourceExt};
+
+use super::RealNode;
 use super::service::KubernetesService;
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
 use crate::helm::{Helm, chart};
+use crate::wait::{self, Probe};
 
 /// The repository of the test image; its tag names the build ([`install`]).
 pub const IMAGE_REPOSITORY: &str = "localhost/ipwarden";
 
-/// The release's name and namespace.
+/// The release's name.
 pub const RELEASE: &str = "ipwarden";
 
 /// The namespace the chart is installed into, as docs/install.md does it.
@@ -53,6 +61,13 @@ pub async fn load_image(cluster: &Cluster, binary: &Path, tag: &str, dir: &Path)
     Ok(())
 }
 
+/// The directory of `node` the chart's agent keeps its socket and checkpoint in (one
+/// directory for both, which the chart mounts once), as `/run/ipwarden` and
+/// `/var/lib/ipwarden` on a real machine.
+pub fn agent_dir(node: &RealNode) -> PathBuf {
+    node.dir().join("ipwarden")
+}
+
 /// The chart's values for this machine: image `tag` (never pulled) and the node's directories.
 fn values(cluster: &Cluster, tag: &str) -> Result<Vec<String>> {
     let [node] = cluster.real_nodes() else {
@@ -73,8 +88,8 @@ fn values(cluster: &Cluster, tag: &str) -> Result<Vec<String>> {
         "image.pullPolicy=Never".into(),
         format!("cni.binDir={}", paths.cni_bin_dir().display()),
         format!("cni.confDir={}", paths.cni_conf_dir().display()),
-        format!("agent.socketDir={}", node.dir().display()),
-        format!("agent.checkpointDir={}", node.dir().display()),
+        format!("agent.socketDir={}", agent_dir(node).display()),
+        format!("agent.checkpointDir={}", agent_dir(node).display()),
         format!("agent.cri.sockets={{{}}}", socket.display()),
         // The test's real nodes are tainted (only pods made for them go there); the agent
         // tolerates every taint already.
@@ -137,6 +152,68 @@ fn apiserver_port(server: &str) -> Result<u16> {
         command: "reading the apiserver's port".into(),
         reason: format!("no port in {server}"),
     })
+}
+
+/// The tag of the image `ipwarden-e2e up --install chart` runs.
+pub const UP_TAG: &str = "e2e";
+
+/// Waits until the chart runs: the agent pod Ready, with it the Node, then both controller pods
+/// Ready (on the pod network, they need the agent). Returns the agent and controller pods.
+pub async fn wait_running(cluster: &mut Cluster) -> Result<(Vec<Pod>, Vec<Pod>)> {
+    let client = cluster.client();
+    let agents = ready_pods(&client, NAMESPACE, AGENT_SELECTOR, 1).await?;
+    cluster.wait_real_nodes_ready().await?;
+    let controllers = ready_pods(&client, NAMESPACE, CONTROLLER_SELECTOR, 2).await?;
+    Ok((agents, controllers))
+}
+
+/// The chart's agent pods.
+pub const AGENT_SELECTOR: &str = "app.kubernetes.io/component=agent";
+
+/// The chart's controller pods.
+pub const CONTROLLER_SELECTOR: &str = "app.kubernetes.io/component=controller";
+
+/// How long the chart's pods, or a workload's, may take to run.
+const READY_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// The live pods of `namespace` matching `selector`, once there are `count` of them, all
+/// Running and Ready (their probes passed); while waiting, each pod's phase and why its
+/// containers wait.
+pub async fn ready_pods(client: &Client, namespace: &str, selector: &str, count: usize) -> Result<Vec<Pod>> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    wait::until(&format!("{count} Ready pods {selector} in {namespace}"), READY_TIMEOUT, || async {
+        let listed = pods
+            .list(&ListParams::default().labels(selector))
+            .await
+            .map_err(Error::kube(format!("listing pods {selector} in {namespace}")))?;
+        let live: Vec<Pod> = listed.items.into_iter().filter(|p| p.metadata.deletion_timestamp.is_none()).collect();
+        Ok(if live.len() == count && live.iter().all(is_ready) {
+            Probe::Done(live)
+        } else {
+            Probe::Pending(format!("{:?}", live.iter().map(waiting).collect::<Vec<_>>()))
+        })
+    })
+    .await
+}
+
+/// Whether `pod` runs and is Ready.
+fn is_ready(pod: &Pod) -> bool {
+    let status = pod.status.clone().unwrap_or_default();
+    status.phase.as_deref() == Some("Running")
+        && status.conditions.unwrap_or_default().iter().any(|c| c.type_ == "Ready" && c.status == "True")
+}
+
+/// `pod`'s name, phase and why its containers wait.
+fn waiting(pod: &Pod) -> String {
+    let status = pod.status.clone().unwrap_or_default();
+    let reasons: Vec<String> = status
+        .init_container_statuses
+        .unwrap_or_default()
+        .into_iter()
+        .chain(status.container_statuses.unwrap_or_default())
+        .filter_map(|c| c.state.and_then(|s| s.waiting).map(|w| format!("{}: {:?} {:?}", c.name, w.reason, w.message)))
+        .collect();
+    format!("{} {:?} {reasons:?}", pod.name_any(), status.phase)
 }
 
 /// Where the node's ipwarden files are, for a test to look: the plugin and the conflist the

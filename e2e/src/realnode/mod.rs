@@ -39,6 +39,20 @@ pub const NODE_BIN_DIR_ENV: &str = "IPWARDEN_NODE_BIN_DIR";
 /// name images no registry serves).
 pub const REAL_NODE_LABEL: &str = "e2e.ipwarden.io/real";
 
+/// The spec of a pod of the workload image on the real nodes: the real nodes' toleration and
+/// node selector, and one container of [`BUSYBOX_IMAGE`] (never pulled) sleeping for an hour
+/// (as PID 1 without a handler it ignores SIGTERM, so a deletion ends it after the 1 s grace).
+/// Its service-account token is mounted, as users' pods have it.
+pub fn workload_spec() -> serde_json::Value {
+    serde_json::json!({
+        "nodeSelector": {REAL_NODE_LABEL: "true"},
+        "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+        "terminationGracePeriodSeconds": 1,
+        "containers": [{"name": "main", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                        "command": ["/bin/sleep", "3600"]}],
+    })
+}
+
 /// Where kubelet links every container's log (host-wide; its links into a node's directory
 /// go with the node).
 const CONTAINER_LOG_LINKS: &str = "/var/log/containers";
