@@ -121,7 +121,7 @@ pub(super) struct ResolvedPool {
     /// Whether results route by default via `gateway` ([`pools::default_route`]).
     default_route: bool,
     /// The defaulted gateway its ranges name, for the error of an ADD that finds it full
-    /// ([`pools::gateway_withheld_from_ranges`]).
+    /// ([`pools::gateway_withheld_from_ranges`]; `layout` is valid).
     pub(super) withheld_gateway: Option<String>,
     /// Being deleted: it hands out nothing, and a sticky pod does not get its IP back.
     pub(super) deleting: bool,
@@ -135,7 +135,7 @@ impl ResolvedPool {
             layout,
             gateway: pools::gateway(spec),
             default_route: pools::default_route(spec),
-            withheld_gateway: pools::gateway_withheld_from_ranges(spec),
+            withheld_gateway: pools::gateway_withheld_from_laid_out_ranges(spec),
             deleting,
         }
     }

@@ -55,11 +55,17 @@ pub fn gateway(spec: &IPPoolSpec) -> Option<String> {
 /// `spec.gateway` is set (the admin chose it), without ranges (the whole CIDR, whose first
 /// address host-local withholds too), or when the ranges leave it out or `exclude` takes it.
 pub fn gateway_withheld_from_ranges(spec: &IPPoolSpec) -> Option<String> {
+    // A pool whose layout is invalid hands out nothing: its gateway withholds nothing.
+    layout(spec).ok()?;
+    gateway_withheld_from_laid_out_ranges(spec)
+}
+
+/// [`gateway_withheld_from_ranges`] of a pool whose layout is known to be valid (the ADD path
+/// has it already, and need not lay the pool out again).
+pub fn gateway_withheld_from_laid_out_ranges(spec: &IPPoolSpec) -> Option<String> {
     if spec.gateway.is_some() {
         return None;
     }
-    // A pool whose layout is invalid hands out nothing: its gateway withholds nothing.
-    layout(spec).ok()?;
     let defaulted = gateway(spec)?;
     let address: IpAddr = defaulted.parse().ok()?;
     let family = |ip: &IpAddr| ip.is_ipv4() == address.is_ipv4();
