@@ -114,14 +114,9 @@ pub async fn install(cluster: &Cluster, tag: &str) -> Result<ChartInstallation> 
             *service = Some(KubernetesService::start(&mut host, port)?);
         }
     }
-    let helm = Helm::locate()?.for_cluster(cluster.kubeconfig());
-    let chart = chart().display().to_string();
-    let mut args: Vec<&str> = vec!["install", RELEASE, chart.as_str(), "--namespace", NAMESPACE, "--create-namespace"];
-    for value in &values {
-        args.extend(["--set", value.as_str()]);
-    }
-    helm.run(&args).await?;
-    Ok(ChartInstallation { helm, values })
+    let installation = ChartInstallation { helm: Helm::locate()?.for_cluster(cluster.kubeconfig()), values };
+    installation.run_with_values("install", &["--create-namespace"]).await?;
+    Ok(installation)
 }
 
 impl ChartInstallation {
@@ -132,8 +127,14 @@ impl ChartInstallation {
                 *value = format!("image.tag={tag}");
             }
         }
+        self.run_with_values("upgrade", &[]).await
+    }
+
+    /// `helm <verb>` of the chart as [`RELEASE`] in [`NAMESPACE`] with `flags` and the values.
+    async fn run_with_values(&self, verb: &str, flags: &[&str]) -> Result<()> {
         let chart = chart().display().to_string();
-        let mut args: Vec<&str> = vec!["upgrade", RELEASE, chart.as_str(), "--namespace", NAMESPACE];
+        let mut args: Vec<&str> = vec![verb, RELEASE, chart.as_str(), "--namespace", NAMESPACE];
+        args.extend(flags);
         for value in &self.values {
             args.extend(["--set", value.as_str()]);
         }
