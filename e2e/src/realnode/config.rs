@@ -163,8 +163,10 @@ pub struct KubeletSettings {
 
 /// kubelet's KubeletConfiguration (JSON, which kubelet reads as YAML). What this machine
 /// needs: cgroup v1 allowed (`failCgroupV1: false`) with the cgroupfs driver; servers on
-/// loopback only; no image GC and near-zero eviction thresholds (the images cannot be pulled
-/// again, and the test machine's disk is shared); static pods read every second.
+/// loopback only; no image GC (the images cannot be pulled again) and no eviction for disk
+/// space (the node's filesystem is the test machine's, shared with every build on it: a CI run
+/// saw its kubelet evict the chart's controller pods when that disk fell under 1 % free, `0%`
+/// switches a threshold off); static pods read every second.
 pub fn kubelet_config(paths: &NodePaths, settings: &KubeletSettings) -> serde_json::Value {
     serde_json::json!({
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -191,7 +193,14 @@ pub fn kubelet_config(paths: &NodePaths, settings: &KubeletSettings) -> serde_js
         "podLogsDir": paths.dir.join("pod-logs"),
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
-        "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
+        "mergeDefaultEvictionSettings": false,
+        "evictionHard": {
+            "memory.available": "1Mi",
+            "nodefs.available": "0%",
+            "nodefs.inodesFree": "0%",
+            "imagefs.available": "0%",
+            "imagefs.inodesFree": "0%",
+        },
         "resolvConf": "",
         "maxPods": 110,
         "serializeImagePulls": false,
@@ -236,6 +245,17 @@ mod test {
         assert_eq!(config["failCgroupV1"], false);
         assert_eq!(config["cgroupRoot"], "/e2e-0");
         assert_eq!(config["containerRuntimeEndpoint"], "unix:///tmp/run/real-node-0/containerd/containerd.sock");
+    }
+
+    #[test]
+    fn kubelet_never_evicts_for_the_shared_disk() {
+        let settings =
+            KubeletSettings { port: 1, healthz_port: 2, cgroup_root: "/e2e-0".into(), client_ca: "/ca.crt".into() };
+        let config = kubelet_config(&paths(), &settings);
+        assert_eq!(config["mergeDefaultEvictionSettings"], false);
+        for signal in ["nodefs.available", "nodefs.inodesFree", "imagefs.available", "imagefs.inodesFree"] {
+            assert_eq!(config["evictionHard"][signal], "0%", "{signal} is off");
+        }
     }
 
     #[test]
