@@ -18,11 +18,13 @@ tools: deps
 	bash e2e/cluster/build-helm.sh >/dev/null
 	bash e2e/cluster/build-kubevirt-crds.sh >/dev/null
 
-# What the real nodes run besides ipwarden: kubelet, containerd and the reference CNI plugins
-# from their pinned Go modules, and the node's images (docs/testing.md, "Real nodes").
+# What the real nodes run besides ipwarden: kubelet, containerd, CRI-O and the reference CNI
+# plugins from their pinned Go modules, and the node's images (docs/testing.md, "Real nodes").
 node: deps
 	@echo "node: kubelet, containerd and CNI plugins from their Go modules (cached; a cold build takes about 5 minutes on 2 cores)"
 	bash e2e/cluster/build-node.sh >/dev/null
+	@echo "node: CRI-O from its Go module (cached; a cold build takes about 4 minutes on 2 cores)"
+	bash e2e/cluster/build-crio.sh >/dev/null
 	@echo "node: the Debian base of ipwarden's image, for the test image the chart runs on a real node (cached; debootstrap, half a minute here)"
 	bash e2e/image/build-base.sh >/dev/null
 
@@ -37,7 +39,8 @@ soak: controlplane
 
 # The demo runs the binaries this build just made (never an older copy), where cargo put them.
 # DEMO_ARGS: any `ipwarden-e2e up` flag, e.g. DEMO_ARGS=--real-nodes=1 for a real kubelet and
-# containerd beside the simulated nodes, or DEMO_ARGS="--nodes 0 --real-nodes 1 --install chart"
+# containerd beside the simulated nodes (with --runtime crio: CRI-O instead of containerd), or
+# DEMO_ARGS="--nodes 0 --real-nodes 1 --install chart"
 # for ipwarden installed from its Helm chart on a real node (root; docs/testing.md, "Real nodes"
 # and "The chart on a real node").
 DEMO_ARGS ?=

@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use e2e::cluster::RealNodesOptions;
+use e2e::realnode::Runtime;
 use e2e::realnode::chart::{self, AGENT_SELECTOR, CONTROLLER_SELECTOR, ChartInstallation, NAMESPACE};
 use e2e::wait::{self, Probe};
 use e2e::{Cluster, ClusterOptions};
@@ -42,7 +43,7 @@ async fn installed(tags: &[&str], from_empty: bool) -> (Cluster, ChartInstallati
     let binary = Path::new(env!("CARGO_BIN_EXE_ipwarden"));
     let options = ClusterOptions {
         nodes: 0,
-        real_nodes: Some(RealNodesOptions { count: 1, ipwarden: binary.to_path_buf() }),
+        real_nodes: Some(RealNodesOptions { count: 1, ipwarden: binary.to_path_buf(), runtime: Runtime::Containerd }),
         ..ClusterOptions::default()
     };
     let mut cluster = Cluster::start(options).await.expect("a cluster with a real node");

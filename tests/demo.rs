@@ -26,6 +26,7 @@ fn options(name: &str) -> UpOptions {
         demo: None,
         runtime_gc: e2e::cni::RuntimeGc::default(),
         real_nodes: 0,
+        runtime: e2e::realnode::Runtime::default(),
         install: e2e::up::Install::default(),
     }
 }

@@ -1,8 +1,10 @@
-//! ipwarden on real nodes: a real kubelet and containerd (with runc) joined to the test control
-//! plane, running real containers in real network namespaces through the chart's CNI chain
-//! (`ptp` + `portmap`, `ipwarden-cni` as IPAM). What a real runtime does here (when it calls
-//! which CNI verb, with what) is its own, not the harness's simulation of it (docs/testing.md,
-//! "Real nodes"). Real nodes take a machine-wide lock, so these tests run one at a time.
+//! ipwarden on real nodes: a real kubelet and runtime (containerd, or CRI-O where a test says
+//! so, both with runc) joined to the test control plane, running real containers in real
+//! network namespaces through the chart's CNI chain (`ptp` + `portmap`, `ipwarden-cni` as
+//! IPAM). What a real runtime does here (when it calls which CNI verb, with what) is its own,
+//! not the harness's simulation of it (docs/testing.md, "Real nodes"). The tests of what the
+//! runtime does run on both runtimes. Real nodes take a machine-wide lock, so these tests run
+//! one at a time.
 
 mod support;
 
@@ -10,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use e2e::realnode::chain_hold::ChainHold;
 use e2e::realnode::cri_proxy::CriProxy;
-use e2e::realnode::{BUSYBOX_IMAGE, RealNode};
+use e2e::realnode::{BUSYBOX_IMAGE, RealNode, Runtime};
 use e2e::wait::{self, Probe};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, PostParams};
@@ -66,11 +68,11 @@ async fn released(ipwarden: &Ipwarden) -> f64 {
     support::metric(&ipwarden.scrape_agent(0).await, "ipwarden_agent_releases_total{result=\"released\"}")
 }
 
-/// Waits until containerd holds no sandbox of pod `name` (kubelet removed it: every DEL of
+/// Waits until the runtime holds no sandbox of pod `name` (kubelet removed it: every DEL of
 /// the deletion has run).
 async fn wait_sandbox_removed(node: &RealNode, name: &str) {
-    wait::until(&format!("pod {name}'s sandbox removed by containerd"), TIMEOUT, || async {
-        Ok(match pod_containers(node, name).await.len() {
+    wait::until(&format!("pod {name}'s sandbox removed by the runtime"), TIMEOUT, || async {
+        Ok(match node.pod_containers(name).await?.len() {
             0 => Probe::Done(()),
             left => Probe::Pending(format!("{left} containers left")),
         })
@@ -79,18 +81,9 @@ async fn wait_sandbox_removed(node: &RealNode, name: &str) {
     .expect("the sandbox is removed");
 }
 
-/// The IDs of the containers (the sandbox's included) containerd holds for pod `name`.
-async fn pod_containers(node: &RealNode, name: &str) -> BTreeSet<String> {
-    let filter = format!("labels.\"io.kubernetes.pod.name\"=={name}");
-    let listed = node.ctr(&["containers", "ls", "-q", &filter]).await.expect("ctr lists containers");
-    listed.lines().map(str::to_string).collect()
-}
-
-/// The IDs of every sandbox containerd holds.
+/// The IDs of every sandbox the node's runtime holds.
 async fn sandboxes(node: &RealNode) -> BTreeSet<String> {
-    let filter = "labels.\"io.cri-containerd.kind\"==sandbox";
-    let listed = node.ctr(&["containers", "ls", "-q", filter]).await.expect("ctr lists sandboxes");
-    listed.lines().map(str::to_string).collect()
+    node.sandboxes(None).await.expect("the runtime lists its sandboxes")
 }
 
 /// Waits until the node is Ready, then until a new pod `name` runs on it: kubelet and
@@ -178,7 +171,7 @@ async fn pods_on_a_real_node_run_with_their_ips_keep_them_through_runtime_restar
     ipwarden.cluster.real_node(0).stop_kubelet();
     ipwarden.cluster.real_node(0).restart_kubelet().expect("kubelet starts again");
     wait_node_synced(&mut ipwarden, "after-kubelet").await;
-    ipwarden.cluster.real_node(0).restart_containerd().await.expect("containerd starts again");
+    ipwarden.cluster.real_node(0).restart_runtime().await.expect("containerd starts again");
     wait_node_synced(&mut ipwarden, "after-containerd").await;
     let records_after = node_records(&client).await;
     for (ip, record) in &records_before {
@@ -198,7 +191,7 @@ async fn pods_on_a_real_node_run_with_their_ips_keep_them_through_runtime_restar
     // IP once.
     let released_before = released(&ipwarden).await;
     assert!(
-        !pod_containers(&ipwarden.cluster.real_nodes()[0], "web").await.is_empty(),
+        !ipwarden.cluster.real_nodes()[0].pod_containers("web").await.expect("the runtime lists").is_empty(),
         "containerd lists web's sandbox"
     );
     pods.delete("web", &Default::default()).await.expect("delete web");
@@ -257,13 +250,22 @@ async fn pods_on_a_real_node_run_with_their_ips_keep_them_through_runtime_restar
 async fn wait_settled(client: &Client, node: &RealNode) -> BTreeMap<String, (String, String)> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     wait::until("the records to be the live pods' IPs", TIMEOUT, || async {
-        let live: BTreeMap<String, (String, String)> = pods
-            .list(&Default::default())
-            .await
-            .map_err(e2e::Error::kube("listing pods"))?
-            .items
+        let listed = pods.list(&Default::default()).await.map_err(e2e::Error::kube("listing pods"))?.items;
+        let listed: Vec<Pod> = listed.into_iter().filter(|p| p.metadata.deletion_timestamp.is_none()).collect();
+        // Every pod runs with an IP: after a reboot the pods' statuses lose their IPs until
+        // their new sandboxes run, and an empty cluster would look settled meanwhile.
+        let starting: Vec<String> = listed
+            .iter()
+            .filter(|p| {
+                support::ip_of(p).is_empty() || p.status.as_ref().and_then(|s| s.phase.as_deref()) != Some("Running")
+            })
+            .map(|p| p.name_any())
+            .collect();
+        if !starting.is_empty() {
+            return Ok(Probe::Pending(format!("pods not Running with an IP: {starting:?}")));
+        }
+        let live: BTreeMap<String, (String, String)> = listed
             .into_iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none() && !support::ip_of(p).is_empty())
             .map(|p| {
                 let uid = ipwarden::ipam::workload::runtime_uid(&p).unwrap_or_default().to_string();
                 (support::ip_of(&p), (p.name_any(), uid))
@@ -299,44 +301,66 @@ fn adds_under_way(node: &RealNode) -> usize {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_real_node_leaks_no_ip_when_containerd_dies_during_adds_a_del_is_lost_or_the_node_reboots() {
+    no_leak_when_the_runtime_dies_during_adds_a_del_is_lost_or_the_node_reboots(Runtime::Containerd).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crio_node_leaks_no_ip_when_a_del_is_lost_or_the_node_reboots() {
+    no_leak_when_the_runtime_dies_during_adds_a_del_is_lost_or_the_node_reboots(Runtime::Crio).await;
+}
+
+/// The runtime SIGKILLed under ADDs (containerd only: CRI-O 1.36 killed under a sandbox's ADD
+/// forgets the sandbox at its restart without a DEL, and its pinned network namespace keeps
+/// the interface, the address and ptp's host route; docs/testing.md, "Real nodes"), a lost DEL,
+/// a reboot, on a node running `runtime`.
+async fn no_leak_when_the_runtime_dies_during_adds_a_del_is_lost_or_the_node_reboots(runtime: Runtime) {
     const GRACE_SECONDS: u64 = 10;
     // The handshake's round trips after the grace (the controller's mark, the agent's answer,
     // the controller's release), generous for a loaded machine.
     const LOST_DEL_SLACK_SECONDS: u64 = 50;
     let grace = format!("--release-sandbox-grace-seconds={GRACE_SECONDS}");
-    let mut ipwarden = Ipwarden::with_real_nodes(1, &[("default", documented_pool())], &[&grace]).await;
+    let control_plane = e2e::controlplane::ControlPlaneOptions::default();
+    let mut ipwarden =
+        Ipwarden::with_real_nodes_in(1, runtime, &[("default", documented_pool())], &[&grace], control_plane).await;
     ipwarden.start_controller("controller-a", &[]);
     let client = ipwarden.client();
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
 
     // containerd SIGKILLed while ADDs are under way: the agent is held (SIGSTOP) so the ADDs
-    // wait on it in the plugin, containerd is killed under them, then both go on. kubelet stops
-    // the sandboxes containerd lost at its restart; their DELs release what the held ADDs got.
-    ipwarden.agents[0].pause();
+    // wait on it in the plugin, containerd is killed under them, then both go on. kubelet
+    // stops the sandboxes containerd lost at its restart; their DELs release what the held
+    // ADDs got.
+    let kill_under_adds = runtime == Runtime::Containerd;
+    if kill_under_adds {
+        ipwarden.agents[0].pause();
+    }
     for index in 0..4 {
         pods.create(&PostParams::default(), &real_pod(&format!("burst-{index}"))).await.expect("create pod");
     }
-    let node = &ipwarden.cluster.real_nodes()[0];
-    wait::until("ADDs waiting on the held agent", TIMEOUT, || async {
-        Ok(match adds_under_way(node) {
-            0 => Probe::Pending("no ADD under way yet".to_string()),
-            adds => Probe::Done(adds),
+    if kill_under_adds {
+        let node = &ipwarden.cluster.real_nodes()[0];
+        wait::until("ADDs waiting on the held agent", TIMEOUT, || async {
+            Ok(match adds_under_way(node) {
+                0 => Probe::Pending("no ADD under way yet".to_string()),
+                adds => Probe::Done(adds),
+            })
         })
-    })
-    .await
-    .expect("kubelet's ADDs reach the plugin");
-    ipwarden.cluster.real_node(0).kill_containerd();
-    ipwarden.agents[0].resume();
-    ipwarden.cluster.real_node(0).restart_containerd().await.expect("containerd starts again");
+        .await
+        .expect("kubelet's ADDs reach the plugin");
+        ipwarden.cluster.real_node(0).kill_runtime();
+        ipwarden.agents[0].resume();
+        ipwarden.cluster.real_node(0).restart_runtime().await.expect("the runtime starts again");
+    }
     for index in 0..4 {
         wait_running(&client, &format!("burst-{index}")).await;
     }
     let settled = wait_settled(&client, &ipwarden.cluster.real_nodes()[0]).await;
     assert_eq!(settled.len(), 4, "one IP per pod, none on two: {settled:?}");
 
-    // A lost DEL: containerd's state of a pod's sandbox is gone (a node's disk wiped under a
-    // stopped runtime) and the pod is deleted: no DEL ever comes, and containerd never calls CNI
-    // GC. The release handshake frees the IP once the sandbox grace has passed.
+    // A lost DEL: the runtime's state of a pod's sandbox is gone (containerd's disk wiped under
+    // it, CRI-O's run directories lost in a reboot) and the pod is deleted: no DEL ever comes.
+    // containerd never calls CNI GC: the release handshake frees the IP once the sandbox grace
+    // has passed. CRI-O's start-up CNI GC frees it when CRI-O starts again.
     pods.create(&PostParams::default(), &real_pod("lost")).await.expect("create pod");
     let lost_ip = support::ip_of(&wait_running(&client, "lost").await);
     ipwarden.cluster.real_node(0).power_off();
@@ -356,7 +380,7 @@ async fn a_real_node_leaks_no_ip_when_containerd_dies_during_adds_a_del_is_lost_
     }
     wait_settled(&client, &ipwarden.cluster.real_nodes()[0]).await;
 
-    // A reboot: kubelet, containerd and the agent killed, the runtime's state and network
+    // A reboot: kubelet, the runtime and the agent killed, the runtime's state and network
     // namespaces wiped, the agent's checkpoint kept. The pods' old sandboxes are dead; their
     // IPs are freed, and no other.
     let before = wait_settled(&client, &ipwarden.cluster.real_nodes()[0]).await;
@@ -373,10 +397,10 @@ async fn a_real_node_leaks_no_ip_when_containerd_dies_during_adds_a_del_is_lost_
     assert_eq!(after.len(), before.len(), "every pod runs again with one IP: {after:?}");
 }
 
-/// The agent's count of the questions containerd answered over CRI.
+/// The agent's count of the questions the runtime answered over CRI.
 const QUERIES_OK: &str = "ipwarden_agent_runtime_queries_total{result=\"ok\"}";
 
-/// The agent's count of the questions containerd did not answer.
+/// The agent's count of the questions the runtime did not answer.
 const QUERIES_FAILED: &str = "ipwarden_agent_runtime_queries_total{result=\"error\"}";
 
 /// Waits until the record of `ip` on the real node carries a release mark not yet answered.
@@ -394,6 +418,18 @@ async fn wait_marked(client: &Client, ip: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_falls_back_to_the_grace_when_it_is_silent_and_frees_a_lost_del_at_once()
  {
+    asking_the_runtime_keeps_a_ready_sandbox_falls_back_when_silent_and_frees_a_lost_del(Runtime::Containerd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_asking_crio_keeps_a_ready_sandboxs_ip_falls_back_to_the_grace_when_it_is_silent_and_frees_a_lost_del_at_once()
+ {
+    asking_the_runtime_keeps_a_ready_sandbox_falls_back_when_silent_and_frees_a_lost_del(Runtime::Crio).await;
+}
+
+/// An agent asking `runtime` over CRI: a READY sandbox whose pod is gone keeps its IP, a
+/// frozen runtime falls back to the sandbox grace, a lost DEL is freed by the runtime's word.
+async fn asking_the_runtime_keeps_a_ready_sandbox_falls_back_when_silent_and_frees_a_lost_del(runtime: Runtime) {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     const SHORT_GRACE_SECONDS: u64 = 10;
     const LONG_GRACE_SECONDS: u64 = 150;
@@ -405,16 +441,21 @@ async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_falls_back_to_the_
         node_monitor_grace_period: std::time::Duration::from_secs(300),
         ..Default::default()
     };
-    let mut ipwarden =
-        Ipwarden::with_real_nodes_in(1, &[("default", documented_pool())], &[cri[0], cri[1], &short], control_plane)
-            .await;
+    let mut ipwarden = Ipwarden::with_real_nodes_in(
+        1,
+        runtime,
+        &[("default", documented_pool())],
+        &[cri[0], cri[1], &short],
+        control_plane,
+    )
+    .await;
     ipwarden.start_controller("controller-a", &[]);
     let client = ipwarden.client();
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let force = kube::api::DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
 
-    // kubelet stops, and the pod is force-deleted: containerd still runs its sandbox, READY.
-    // The controller marks its record; the agent, asking containerd, leaves the mark
+    // kubelet stops, and the pod is force-deleted: the runtime still runs its sandbox, READY.
+    // The controller marks its record; the agent, asking the runtime, leaves the mark
     // unanswered for three sandbox graces.
     pods.create(&PostParams::default(), &real_pod("held")).await.expect("create pod");
     let held_ip = support::ip_of(&wait_running(&client, "held").await);
@@ -430,35 +471,35 @@ async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_falls_back_to_the_
         assert_eq!(
             state,
             Some(ipwarden::crd::HandshakeState::MarkedForRelease),
-            "the IP of a sandbox containerd runs stays marked and held {:?} after the mark",
+            "the IP of a sandbox the runtime runs stays marked and held {:?} after the mark",
             marked.elapsed()
         );
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     }
-    assert!(asked().await > asked_at_mark, "containerd answered the agent's questions meanwhile");
-    // containerd stops answering (frozen: its socket stays, every call hangs): the agent falls
+    assert!(asked().await > asked_at_mark, "the runtime answered the agent's questions meanwhile");
+    // The runtime stops answering (frozen: its socket stays, every call hangs): the agent falls
     // back to the sandbox grace, counts the failures, and the IP is released.
-    ipwarden.cluster.real_node(0).freeze_containerd();
+    ipwarden.cluster.real_node(0).freeze_runtime();
     let frozen = std::time::Instant::now();
-    support::wait_record_gone(&client, &held_ip, TIMEOUT, "the grace frees the IP once containerd is silent").await;
+    support::wait_record_gone(&client, &held_ip, TIMEOUT, "the grace frees the IP once the runtime is silent").await;
     let failed = support::metric(&ipwarden.scrape_agent(0).await, QUERIES_FAILED);
-    assert!(failed > 0.0, "the questions containerd did not answer are counted");
-    tracing::info!(seconds = frozen.elapsed().as_secs_f64(), "released by the grace after containerd froze");
-    // containerd and kubelet back: kubelet stops the orphaned sandbox; its DEL finds nothing.
-    ipwarden.cluster.real_node(0).thaw_containerd();
+    assert!(failed > 0.0, "the questions the runtime did not answer are counted");
+    tracing::info!(seconds = frozen.elapsed().as_secs_f64(), "released by the grace after the runtime froze");
+    // The runtime and kubelet back: kubelet stops the orphaned sandbox; its DEL finds nothing.
+    ipwarden.cluster.real_node(0).thaw_runtime();
     ipwarden.cluster.real_node(0).restart_kubelet().expect("kubelet starts again");
     wait_sandbox_removed(&ipwarden.cluster.real_nodes()[0], "held").await;
 
     // The agent again, with a sandbox grace far longer than the test waits: a lost DEL
-    // (containerd's state wiped under the pod, the pod force-deleted) is freed before it, by
-    // containerd no longer having the sandbox.
+    // (the runtime's state wiped under the pod, the pod force-deleted) is freed before it, by
+    // the runtime no longer having the sandbox (or, on CRI-O, by its start-up CNI GC).
     ipwarden.agents[0].kill();
     let long = format!("--release-sandbox-grace-seconds={LONG_GRACE_SECONDS}");
     ipwarden.start_agent(0, &[cri[0], cri[1], &long]).await;
     ipwarden.cluster.wait_real_nodes_ready().await.expect("the node is Ready");
     pods.create(&PostParams::default(), &real_pod("lost")).await.expect("create pod");
     let lost_ip = support::ip_of(&wait_running(&client, "lost").await);
-    // containerd has the sandbox and has said so to the agent (two more questions answered):
+    // The runtime has the sandbox and has said so to the agent (two more questions answered):
     // a sandbox the runtime never returned may be one still being made, and only the settle
     // time or the grace may free its IP.
     wait_questions(&ipwarden, ipwarden.agents.len() - 1, 2).await;
@@ -471,15 +512,15 @@ async fn an_agent_asking_containerd_keeps_a_ready_sandboxs_ip_falls_back_to_the_
     tracing::info!(seconds = took.as_secs_f64(), "lost DEL released on the real node");
     assert!(
         took.as_secs() < LONG_GRACE_SECONDS / 2,
-        "a lost DEL is released by containerd's word, long before the sandbox grace: took {took:?}"
+        "a lost DEL is released by the runtime's word, long before the sandbox grace: took {took:?}"
     );
 }
 
 /// Waits until agent `agent` (its index among the started agents) has had `count` more
-/// questions answered by containerd than now.
+/// questions answered by the runtime than now.
 async fn wait_questions(ipwarden: &Ipwarden, agent: usize, count: u32) {
     let asked = support::metric(&ipwarden.scrape_agent(agent).await, QUERIES_OK);
-    wait::until(&format!("{count} more questions answered by containerd"), TIMEOUT, || async {
+    wait::until(&format!("{count} more questions answered by the runtime"), TIMEOUT, || async {
         let now = support::metric(&ipwarden.scrape_agent(agent).await, QUERIES_OK);
         Ok(if now >= asked + f64::from(count) { Probe::Done(()) } else { Probe::Pending(format!("{now} questions")) })
     })
@@ -494,7 +535,7 @@ async fn a_sandbox_containerd_is_still_making_keeps_its_ip_when_a_status_call_fa
     let client = ipwarden.client();
     let (node_dir, containerd, cni_bin) = {
         let node = &ipwarden.cluster.real_nodes()[0];
-        (node.dir().to_path_buf(), node.paths().containerd_socket(), node.paths().cni_bin_dir())
+        (node.dir().to_path_buf(), node.paths().runtime_socket(), node.paths().cni_bin_dir())
     };
     // The agent asks containerd through a proxy that can fail a call; no controller runs, so
     // only the agent could release an IP, and absence alone never counts (settle time an hour).
@@ -547,3 +588,84 @@ async fn a_sandbox_containerd_is_still_making_keeps_its_ip_when_a_status_call_fa
     let settled = wait_settled(&client, &ipwarden.cluster.real_nodes()[0]).await;
     assert_eq!(settled, BTreeMap::from([(ip, ("starting".to_string(), uid))]), "one IP, the pod's, none leaked");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crio_asks_at_the_agents_interval_and_its_start_up_cni_gc_frees_exactly_the_ip_of_a_sandbox_it_lost() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    const INTERVAL_SECONDS: u64 = 5;
+    const WINDOW_SECONDS: u64 = 30;
+    let interval = format!("--cri-poll-interval-seconds={INTERVAL_SECONDS}");
+    let control_plane = e2e::controlplane::ControlPlaneOptions {
+        node_monitor_grace_period: std::time::Duration::from_secs(300),
+        ..Default::default()
+    };
+    let mut ipwarden = Ipwarden::with_real_nodes_in(
+        1,
+        Runtime::Crio,
+        &[("default", documented_pool())],
+        &[e2e::ipwarden::WITH_CRI, &interval],
+        control_plane,
+    )
+    .await;
+    let client = ipwarden.client();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    for name in ["keep", "lost"] {
+        pods.create(&PostParams::default(), &real_pod(name)).await.expect("create pod");
+    }
+    let keep_ip = support::ip_of(&wait_running(&client, "keep").await);
+    let lost = wait_running(&client, "lost").await;
+    let lost_ip = support::ip_of(&lost);
+
+    // CRI-O, with pod events off as it ships, ends the agent's event stream at once: the agent
+    // still asks it at its interval, not at every reopening of the stream (once a second).
+    let window = std::time::Instant::now();
+    let asked_before = support::metric(&ipwarden.scrape_agent(0).await, QUERIES_OK);
+    tokio::time::sleep(std::time::Duration::from_secs(WINDOW_SECONDS)).await;
+    let asked = support::metric(&ipwarden.scrape_agent(0).await, QUERIES_OK) - asked_before;
+    let most = (window.elapsed().as_secs() / INTERVAL_SECONDS + 3) as f64;
+    tracing::info!(asked, seconds = window.elapsed().as_secs_f64(), "questions CRI-O answered");
+    assert!(asked >= 1.0, "the agent asks CRI-O: {asked} questions in {:?}", window.elapsed());
+    assert!(asked <= most, "the agent asks CRI-O at its interval: {asked} questions in {:?}", window.elapsed());
+
+    // The agent again, without asking CRI-O and with no controller running: only the runtime's
+    // CNI calls can release an IP now. kubelet stops; pod `lost` is force-deleted (its DEL
+    // never comes); CRI-O is killed, `lost`'s processes die, and its sandbox's state is lost.
+    ipwarden.agents[0].kill();
+    ipwarden.start_agent(0, &[]).await;
+    let agent = ipwarden.agents.len() - 1;
+    let released_before = support::metric(&ipwarden.scrape_agent(agent).await, RELEASED);
+    let sandbox = {
+        let node = &ipwarden.cluster.real_nodes()[0];
+        let ids = node.sandboxes(Some("lost")).await.expect("CRI-O lists lost's sandbox");
+        assert_eq!(ids.len(), 1, "one sandbox of lost: {ids:?}");
+        ids.into_iter().next().expect("checked above")
+    };
+    ipwarden.cluster.real_node(0).stop_kubelet();
+    let force = kube::api::DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+    pods.delete("lost", &force).await.expect("force-delete lost");
+    ipwarden.cluster.real_node(0).kill_runtime();
+    let node = &ipwarden.cluster.real_nodes()[0];
+    node.kill_pod(&lost.uid().expect("a pod has a UID"));
+    node.forget_sandbox(&sandbox).expect("CRI-O's state of lost's sandbox removed");
+    assert!(node_records(&client).await.contains_key(&lost_ip), "lost's IP is still recorded before CRI-O starts");
+
+    // CRI-O starts: it restores keep, cannot restore lost, and its start-up CNI GC (the DEL of
+    // every cached attachment it did not restore, then GC with the ones it did) frees lost's
+    // IP, and only that one.
+    ipwarden.cluster.real_node(0).restart_runtime().await.expect("CRI-O starts again");
+    support::wait_record_gone(&client, &lost_ip, TIMEOUT, "CRI-O's start-up GC frees the lost sandbox's IP").await;
+    let released = support::metric(&ipwarden.scrape_agent(agent).await, RELEASED) - released_before;
+    assert_eq!(released, 1.0, "one IP released, lost's");
+    assert_eq!(
+        node_records(&client).await.get(&keep_ip).map(|(name, _)| name.as_str()),
+        Some("keep"),
+        "the restored pod keeps its IP"
+    );
+    assert!(netns_ips(&ipwarden.cluster.real_nodes()[0]).contains(&keep_ip), "keep's network namespace keeps its IP");
+    ipwarden.cluster.real_node(0).restart_kubelet().expect("kubelet starts again");
+    let settled = wait_settled(&client, &ipwarden.cluster.real_nodes()[0]).await;
+    assert_eq!(settled.keys().collect::<Vec<_>>(), vec![&keep_ip], "keep's IP and nothing else: {settled:?}");
+}
+
+/// The agent's count of the IPs its DELs, GCs and answers released.
+const RELEASED: &str = "ipwarden_agent_releases_total{result=\"released\"}";

@@ -15,8 +15,7 @@ bin_dir=$(cache_entry k8s "$k8s_version" "$RECIPE" "$module/go.mod" "$module/go.
 commands=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl)
 
 complete() {
-  local c
-  for c in "${commands[@]}"; do [[ -x "$bin_dir/$c" ]] || return 1; done
+  all_present "$bin_dir" "${commands[@]}"
 }
 
 lock_cache build.lock

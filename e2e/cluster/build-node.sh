@@ -27,8 +27,7 @@ outputs=(kubelet containerd containerd-shim-runc-v2 ctr cni/ptp cni/bridge cni/p
 images_stamp=$(cat "$node/images.sh" /bin/busybox | sha256sum | cut -c1-12)
 
 complete() {
-  local o
-  for o in "${outputs[@]}"; do [[ -x "$out_dir/$o" ]] || return 1; done
+  all_present "$out_dir" "${outputs[@]}"
 }
 
 images_complete() {

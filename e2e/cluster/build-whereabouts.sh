@@ -18,8 +18,7 @@ out_dir=$(cache_entry whereabouts "$version" "$RECIPE" "$module/go.mod" "$module
 outputs=(whereabouts whereabouts-controller nodeslicecontroller crds.yaml)
 
 complete() {
-  local o
-  for o in "${outputs[@]}"; do [[ -s "$out_dir/$o" ]] || return 1; done
+  all_present "$out_dir" "${outputs[@]}"
 }
 
 lock_cache build-whereabouts.lock

@@ -30,6 +30,13 @@ cache_entry() {
   echo "$cache_root/$name-$version-$hash"
 }
 
+# all_present DIR FILE...: whether every FILE is a non-empty file in DIR (a build's outputs).
+all_present() {
+  local dir=$1 file
+  shift
+  for file in "$@"; do [[ -s "$dir/$file" ]] || return 1; done
+}
+
 # lock_cache LOCK: holds "$cache_root/LOCK" until the script exits, so concurrent runs build
 # once and the others then find the result.
 lock_cache() {

@@ -58,6 +58,8 @@ pub struct RealNodesOptions {
     pub count: usize,
     /// The ipwarden binary, installed as the nodes' `ipwarden-cni` plugin.
     pub ipwarden: PathBuf,
+    /// The container runtime they run.
+    pub runtime: crate::realnode::Runtime,
 }
 
 /// Where the chart's conflist, rendered for the real nodes, names the agent's socket directory;
@@ -122,7 +124,7 @@ impl Cluster {
     /// containerd and kubelet, then waits until every one is registered (Ready comes with its
     /// agent: [`Cluster::wait_real_nodes_ready`]).
     async fn start_real_nodes(&mut self, options: &RealNodesOptions) -> Result<()> {
-        let binaries = NodeBinaries::locate()?;
+        let binaries = NodeBinaries::locate(options.runtime)?;
         let rendered = crate::helm::Helm::locate()?
             .template(
                 "ipwarden",
@@ -140,8 +142,14 @@ impl Cluster {
             })?
             .replace(&format!("{SOCKET_DIR_MARKER}/agent.sock"), crate::realnode::AGENT_SOCKET_PLACEHOLDER);
         let admin = self.kubeconfig().to_path_buf();
-        let context =
-            RealNodeContext::new(binaries, admin, self.pki().ca_cert.clone(), conflist, options.ipwarden.clone())?;
+        let context = RealNodeContext::new(
+            binaries,
+            admin,
+            self.pki().ca_cert.clone(),
+            conflist,
+            options.ipwarden.clone(),
+            options.runtime,
+        )?;
         self.real_context = Some(context.clone());
         for index in 0..options.count {
             let name = format!("real-node-{index}");
@@ -225,10 +233,10 @@ impl Cluster {
     }
 
     /// Every node's CRI socket, in [`Cluster::node_dirs`]'s order: the simulated runtime's
-    /// (module `kubelet`), then each real node's containerd.
+    /// (module `kubelet`), then each real node's runtime.
     pub fn cri_sockets(&self) -> Vec<PathBuf> {
         let simulated = self.nodes.iter().map(|n| crate::kubelet::cri_socket(n.dir()));
-        let real = self.real_nodes.iter().map(|n| n.paths().containerd_socket());
+        let real = self.real_nodes.iter().map(|n| n.paths().runtime_socket());
         simulated.chain(real).collect()
     }
 

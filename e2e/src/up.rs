@@ -12,6 +12,7 @@ use crate::cluster::{Cluster, ClusterOptions};
 use crate::cni::RuntimeGc;
 use crate::error::{Error, Result};
 use crate::ipwarden::Installation;
+use crate::realnode::Runtime;
 use crate::realnode::chart::{self, ChartInstallation};
 
 /// What `up` starts.
@@ -36,6 +37,8 @@ pub struct UpOptions {
     /// How many real nodes (kubelet and containerd, docs/testing.md "Real nodes") to run
     /// beside the simulated ones; needs `ipwarden` and root.
     pub real_nodes: usize,
+    /// The real nodes' container runtime.
+    pub runtime: Runtime,
     /// How ipwarden runs.
     pub install: Install,
 }
@@ -78,8 +81,10 @@ enum Running<'a> {
 pub struct NodeCounts {
     /// Simulated nodes.
     pub simulated: usize,
-    /// Real nodes (kubelet and containerd; only with ipwarden).
+    /// Real nodes (kubelet and a runtime; only with ipwarden).
     pub real: usize,
+    /// The real nodes' container runtime.
+    pub runtime: Runtime,
 }
 
 /// Where `up` writes what a person reads, one line per call: progress, the summary, the
@@ -144,10 +149,11 @@ pub async fn start_cluster(
         Some(binary) => Some(crate::CniNetwork { runtime_gc, ..crate::ipwarden::network(binary, plugin_dir)? }),
         None => None,
     };
-    let real_nodes = binary
-        .clone()
-        .filter(|_| nodes.real > 0)
-        .map(|ipwarden| crate::cluster::RealNodesOptions { count: nodes.real, ipwarden });
+    let real_nodes = binary.clone().filter(|_| nodes.real > 0).map(|ipwarden| crate::cluster::RealNodesOptions {
+        count: nodes.real,
+        ipwarden,
+        runtime: nodes.runtime,
+    });
     let options = ClusterOptions { nodes: nodes.simulated, network, real_nodes, ..ClusterOptions::default() };
     let mut cluster = Cluster::start(options).await?;
     let Some(binary) = binary else { return Ok((cluster, None)) };
@@ -196,10 +202,10 @@ pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
     let controller_args: Vec<&str> = options.controller_args.iter().map(String::as_str).collect();
     let ipwarden = options.ipwarden.as_deref();
     if options.real_nodes > 0 {
-        say(&format!("and {} real nodes (kubelet and containerd)", options.real_nodes));
+        say(&format!("and {} real nodes (kubelet and {})", options.real_nodes, options.runtime.name()));
     }
     let (cluster, installation) = start_cluster(
-        NodeCounts { simulated: options.nodes, real: options.real_nodes },
+        NodeCounts { simulated: options.nodes, real: options.real_nodes, runtime: options.runtime },
         ipwarden,
         &plugin_dir,
         &agent_args,
@@ -237,8 +243,9 @@ async fn start_with_chart(options: &UpOptions, state_dir: &Path, say: Say) -> Re
             });
         }
     };
-    say("starting the control plane and 1 real node (kubelet and containerd)");
-    let real_nodes = Some(crate::cluster::RealNodesOptions { count: 1, ipwarden: binary.clone() });
+    say(&format!("starting the control plane and 1 real node (kubelet and {})", options.runtime.name()));
+    let real_nodes =
+        Some(crate::cluster::RealNodesOptions { count: 1, ipwarden: binary.clone(), runtime: options.runtime });
     let mut cluster = Cluster::start(ClusterOptions { nodes: 0, real_nodes, ..ClusterOptions::default() }).await?;
     say(
         "installing ipwarden with its Helm chart: its image loaded into the node, helm install, the default pool 10.244.0.0/16",

@@ -14,6 +14,7 @@ use std::time::Duration;
 use e2e::cni::{Invocation, NodeInfo, PodArgs};
 use e2e::kubelet::Sandbox;
 use e2e::process::Component;
+use e2e::realnode::Runtime;
 use e2e::wait::{self, Probe};
 use e2e::{Cluster, ClusterOptions, CniNetwork, Error};
 use ipwarden::crd::{IPBlock, IPClaim, IPPool};
@@ -101,20 +102,24 @@ impl Ipwarden {
     /// A cluster of `real` real nodes (kubelet, containerd, the chart's conflist) and no
     /// simulated one, with the CRDs, `pools` and an agent per node started with `agent_args`.
     pub async fn with_real_nodes(real: usize, pools: &[(&str, serde_json::Value)], agent_args: &[&str]) -> Self {
-        Self::with_real_nodes_in(real, pools, agent_args, e2e::controlplane::ControlPlaneOptions::default()).await
+        let control_plane = e2e::controlplane::ControlPlaneOptions::default();
+        Self::with_real_nodes_in(real, Runtime::Containerd, pools, agent_args, control_plane).await
     }
 
-    /// Like [`Ipwarden::with_real_nodes`], on a control plane with `control_plane`'s settings
-    /// (a node monitor grace long enough to stop kubelet without its Node turning NotReady).
+    /// Like [`Ipwarden::with_real_nodes`], with the nodes running `runtime`, on a control
+    /// plane with `control_plane`'s settings (a node monitor grace long enough to stop kubelet
+    /// without its Node turning NotReady).
     pub async fn with_real_nodes_in(
         real: usize,
+        runtime: Runtime,
         pools: &[(&str, serde_json::Value)],
         agent_args: &[&str],
         control_plane: e2e::controlplane::ControlPlaneOptions,
     ) -> Self {
+        let ipwarden = binary().to_path_buf();
         let options = ClusterOptions {
             nodes: 0,
-            real_nodes: Some(e2e::cluster::RealNodesOptions { count: real, ipwarden: binary().to_path_buf() }),
+            real_nodes: Some(e2e::cluster::RealNodesOptions { count: real, ipwarden, runtime }),
             control_plane,
             ..ClusterOptions::default()
         };

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use e2e::realnode::RealNode;
 
-/// The IPv4 addresses of `eth0` in every network namespace of the node's containerd: the
+/// The IPv4 addresses of `eth0` in every network namespace of the node's runtime: the
 /// IPs its pods really have.
 /// Panics when two namespaces hold one IP: a set would hide it.
 pub fn netns_ips(node: &RealNode) -> BTreeSet<String> {

@@ -63,6 +63,10 @@ enum Command {
         /// `localhost/ipwarden-e2e/busybox:1` with `imagePullPolicy: Never`.
         #[arg(long, default_value_t = 0, requires = "ipwarden")]
         real_nodes: usize,
+        /// The container runtime of the real nodes: `containerd` or `crio` (CRI-O, built by
+        /// e2e/cluster/build-crio.sh; conmon from Debian).
+        #[arg(long, default_value = "containerd", value_enum)]
+        runtime: e2e::realnode::Runtime,
         /// With --ipwarden: how it runs. `processes`: an agent per node and two controller
         /// replicas on this host. `chart`: as users install it, `helm install` of the chart
         /// with its pods from ipwarden's image under a real node's kubelet; needs `--nodes 0
@@ -224,6 +228,7 @@ async fn main() -> anyhow::Result<()> {
             controller_args,
             runtime_gc,
             real_nodes,
+            runtime,
             install,
         } => {
             let demo = demo.then(|| Duration::from_secs(churn_seconds));
@@ -236,6 +241,7 @@ async fn main() -> anyhow::Result<()> {
                 demo,
                 runtime_gc,
                 real_nodes,
+                runtime,
                 install,
             })
             .await
@@ -402,7 +408,7 @@ async fn start_ipam(
                 let agent_args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
                 let plugin_dir = Path::new(CHURN_PLUGIN_DIR);
                 let (cluster, installation) = e2e::up::start_cluster(
-                    e2e::up::NodeCounts { simulated: nodes, real: 0 },
+                    e2e::up::NodeCounts { simulated: nodes, real: 0, runtime: e2e::realnode::Runtime::Containerd },
                     Some(binary),
                     plugin_dir,
                     &agent_args,

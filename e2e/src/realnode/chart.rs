@@ -44,7 +44,7 @@ pub struct ChartInstallation {
 }
 
 /// Writes the test image of `binary` as `localhost/ipwarden:<tag>` into `dir` and imports it
-/// into the real node's containerd.
+/// into the real node's runtime.
 pub async fn load_image(cluster: &Cluster, binary: &Path, tag: &str, dir: &Path) -> Result<()> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("image/test-image.sh");
     let archive = dir.join(format!("ipwarden-{tag}.tar"));
@@ -56,7 +56,7 @@ pub async fn load_image(cluster: &Cluster, binary: &Path, tag: &str, dir: &Path)
     ];
     crate::process::run_tool(Path::new("bash"), &args, None).await?;
     for node in cluster.real_nodes() {
-        node.ctr(&["images", "import", &archive.display().to_string()]).await?;
+        node.import_image(&archive, &format!("{IMAGE_REPOSITORY}:{tag}")).await?;
     }
     Ok(())
 }
@@ -81,7 +81,16 @@ fn values(cluster: &Cluster, tag: &str) -> Result<Vec<String>> {
         });
     };
     let paths = node.paths();
-    let socket = paths.containerd_socket();
+    if paths.runtime == super::Runtime::Crio && !super::host::has_sys_resource() {
+        return Err(Error::Tool {
+            command: "helm install (the chart on a CRI-O node)".into(),
+            reason: "the chart's agent is system-node-critical, so kubelet gives it oom_score_adj -997, which runc \
+                     may set only with CAP_SYS_RESOURCE, which this host's root lacks; containerd clamps the value \
+                     (restrict_oom_score_adj), CRI-O has no such setting: run the chart on containerd here"
+                .into(),
+        });
+    }
+    let socket = paths.runtime_socket();
     Ok(vec![
         format!("image.repository={IMAGE_REPOSITORY}"),
         format!("image.tag={tag}"),

@@ -12,14 +12,76 @@ pub const PAUSE_IMAGE: &str = "localhost/ipwarden-e2e/pause:1";
 /// use it with `imagePullPolicy: Never`.
 pub const BUSYBOX_IMAGE: &str = "localhost/ipwarden-e2e/busybox:1";
 
+/// The container runtime a real node runs: containerd (with its runc shim) or CRI-O (with
+/// conmon), both with Debian's runc (docs/testing.md, "Real nodes").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Runtime {
+    /// containerd 2, the default of most distributions.
+    #[default]
+    Containerd,
+    /// CRI-O, OpenShift's runtime, the one that calls CNI GC (at its start).
+    Crio,
+}
+
+impl Runtime {
+    /// The runtime's name, as its process and log are named.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Containerd => "containerd",
+            Self::Crio => "crio",
+        }
+    }
+}
+
 /// Where one real node keeps its state, all under its own directory.
 #[derive(Clone, Debug)]
 pub struct NodePaths {
     /// The node's directory.
     pub dir: PathBuf,
+    /// The runtime the node runs, whose paths these are.
+    pub runtime: Runtime,
 }
 
 impl NodePaths {
+    /// The runtime's CRI socket, which kubelet and the agent dial.
+    pub fn runtime_socket(&self) -> PathBuf {
+        match self.runtime {
+            Runtime::Containerd => self.containerd_socket(),
+            Runtime::Crio => self.crio_dir().join("crio.sock"),
+        }
+    }
+
+    /// A text on the command line of every process of the node's runtime and of nothing else:
+    /// containerd and its shims name its socket, CRI-O and its conmons the CRI-O directory.
+    pub fn runtime_marker(&self) -> String {
+        match self.runtime {
+            Runtime::Containerd => self.containerd_socket().display().to_string(),
+            Runtime::Crio => self.crio_dir().display().to_string(),
+        }
+    }
+
+    /// The runtime's log file.
+    pub fn runtime_log(&self) -> PathBuf {
+        self.dir.join(format!("{}.log", self.runtime.name()))
+    }
+
+    /// The directory of everything the runtime keeps (configuration, socket, storage, state).
+    pub fn runtime_dir(&self) -> PathBuf {
+        self.dir.join(self.runtime.name())
+    }
+
+    /// What [`super::RealNode::power_off`] wipes. containerd: its state and its root
+    /// (sandboxes, containers, images; the images are imported again at boot). CRI-O: what a
+    /// reboot loses, its run directories (on tmpfs on a real machine: runroot, the version
+    /// file, exit files, network namespaces, runc's state), so its restart is a real one
+    /// after a reboot; its storage and the clean-shutdown marker stay, as on disk.
+    pub fn wiped_at_power_off(&self) -> Vec<PathBuf> {
+        match self.runtime {
+            Runtime::Containerd => vec![self.containerd_state(), self.containerd_root()],
+            Runtime::Crio => ["runroot", "run", "ns", "runc"].map(|d| self.crio_dir().join(d)).to_vec(),
+        }
+    }
+
     /// containerd's CRI and API socket.
     pub fn containerd_socket(&self) -> PathBuf {
         self.dir.join("containerd/containerd.sock")
@@ -35,10 +97,42 @@ impl NodePaths {
         self.dir.join("containerd/state")
     }
 
-    /// Where containerd's CRI plugin mounts the pods' network namespaces
-    /// (`netns_mounts_under_state_dir`).
+    /// Where the runtime mounts the pods' network namespaces: containerd's CRI plugin under its
+    /// state (`netns_mounts_under_state_dir`), CRI-O's pinns under `namespaces_dir`.
     pub fn netns_dir(&self) -> PathBuf {
-        self.containerd_state().join("io.containerd.grpc.v1.cri/netns")
+        match self.runtime {
+            Runtime::Containerd => self.containerd_state().join("io.containerd.grpc.v1.cri/netns"),
+            Runtime::Crio => self.crio_dir().join("ns/netns"),
+        }
+    }
+
+    /// CRI-O's directory: its configuration, socket, storage and state.
+    pub fn crio_dir(&self) -> PathBuf {
+        self.dir.join(Runtime::Crio.name())
+    }
+
+    /// CRI-O's configuration file.
+    pub fn crio_config(&self) -> PathBuf {
+        self.crio_dir().join("crio.conf")
+    }
+
+    /// CRI-O's drop-in configuration directory, empty (so nothing of the host's
+    /// `/etc/crio/crio.conf.d` applies).
+    pub fn crio_config_dir(&self) -> PathBuf {
+        self.crio_dir().join("crio.conf.d")
+    }
+
+    /// The image signature policy of CRI-O and of the image copier: accept the local images.
+    pub fn crio_policy(&self) -> PathBuf {
+        self.crio_dir().join("policy.json")
+    }
+
+    /// The node's own libcni result cache, bound over `/var/lib/cni` in CRI-O's mount
+    /// namespace ([`super::RealNode`]): CRI-O's start-up CNI GC deletes every cached attachment
+    /// of its network that it did not restore, so with the host-wide cache it would delete
+    /// the other real nodes' pods (containernetworking/cni issue 1086).
+    pub fn crio_cni_cache(&self) -> PathBuf {
+        self.crio_dir().join("cni-cache")
     }
 
     /// containerd's configuration file.
@@ -147,6 +241,88 @@ imports = []
     )
 }
 
+/// The signature policy of a CRI-O node ([`NodePaths::crio_policy`]): its images are made on
+/// this machine and never pulled.
+pub const CRIO_POLICY: &str = r#"{"default": [{"type": "insecureAcceptAnything"}]}"#;
+
+/// CRI-O 1.36's configuration (the keys `crio config` prints) for a node at `paths`, with
+/// `pinns` from the CRI-O build, conmon and runc from Debian. What this machine needs: the
+/// cgroupfs driver (no systemd), conmon in the pod's cgroup, runc as the one runtime, NRI off,
+/// the local pause image pinned (`pause_command` empty: the image's own command), and every
+/// file CRI-O writes under the node's directory instead of /var/lib/containers,
+/// /run/containers, /var/run/crio, /var/log/crio and /var/run/netns. Pod events stay off, as
+/// CRI-O ships them (`enable_pod_events = false`: its event stream ends at once).
+pub fn crio_conf(paths: &NodePaths, pinns: &Path, conmon: &Path, runc: &Path) -> String {
+    let crio = paths.crio_dir();
+    let q = |p: PathBuf| toml_string(&p.display().to_string());
+    let sub = |d: &str| q(crio.join(d));
+    format!(
+        r#"[crio]
+root = {root}
+runroot = {runroot}
+storage_driver = "overlay"
+log_dir = {log_dir}
+version_file = {version}
+version_file_persist = {version_persist}
+clean_shutdown_file = {clean_shutdown}
+
+[crio.api]
+listen = {socket}
+stream_address = "127.0.0.1"
+stream_port = "0"
+
+[crio.runtime]
+default_runtime = "runc"
+cgroup_manager = "cgroupfs"
+container_exits_dir = {exits}
+container_attach_socket_dir = {attach}
+namespaces_dir = {namespaces}
+pinns_path = {pinns}
+hooks_dir = [{hooks}]
+enable_pod_events = false
+
+[crio.runtime.runtimes.runc]
+runtime_path = {runc}
+runtime_type = "oci"
+runtime_root = {runc_root}
+monitor_path = {conmon}
+monitor_cgroup = "pod"
+
+[crio.image]
+pause_image = {pause}
+pause_command = ""
+pinned_images = [{pause}]
+signature_policy = {policy}
+
+[crio.network]
+network_dir = {cni_conf}
+plugin_dirs = [{cni_bin}]
+
+[crio.nri]
+enable_nri = false
+"#,
+        root = sub("root"),
+        runroot = sub("runroot"),
+        log_dir = sub("pods"),
+        version = sub("run/version"),
+        version_persist = sub("lib/version"),
+        clean_shutdown = sub("lib/clean.shutdown"),
+        socket = q(paths.runtime_socket()),
+        exits = sub("run/exits"),
+        attach = sub("run"),
+        namespaces = sub("ns"),
+        pinns = toml_string(&pinns.display().to_string()),
+        hooks = sub("hooks.d"),
+        runc = toml_string(&runc.display().to_string()),
+        runc_root = sub("runc"),
+        conmon = toml_string(&conmon.display().to_string()),
+        pause = toml_string(PAUSE_IMAGE),
+        policy = q(paths.crio_policy()),
+        cni_conf = q(paths.cni_conf_dir()),
+        cni_bin = q(paths.cni_bin_dir()),
+    )
+}
+
 /// What a kubelet's configuration depends on besides its paths.
 #[derive(Clone, Debug)]
 pub struct KubeletSettings {
@@ -186,7 +362,7 @@ pub fn kubelet_config(paths: &NodePaths, settings: &KubeletSettings) -> serde_js
         "cgroupRoot": settings.cgroup_root,
         "failCgroupV1": false,
         "failSwapOn": false,
-        "containerRuntimeEndpoint": format!("unix://{}", paths.containerd_socket().display()),
+        "containerRuntimeEndpoint": format!("unix://{}", paths.runtime_socket().display()),
         "staticPodPath": paths.static_pods(),
         "volumePluginDir": paths.kubelet_root().join("volume-plugins"),
         "fileCheckFrequency": "1s",
@@ -217,7 +393,34 @@ mod test {
     use super::*;
 
     fn paths() -> NodePaths {
-        NodePaths { dir: PathBuf::from("/tmp/run/real-node-0") }
+        NodePaths { dir: PathBuf::from("/tmp/run/real-node-0"), runtime: Runtime::Containerd }
+    }
+
+    #[test]
+    fn crio_keeps_everything_under_the_node_directory_with_cgroupfs_and_conmon_in_the_pod() {
+        let paths = NodePaths { runtime: Runtime::Crio, ..paths() };
+        let text = crio_conf(&paths, Path::new("/b/pinns"), Path::new("/usr/bin/conmon"), Path::new("/usr/sbin/runc"));
+        for line in [
+            "root = \"/tmp/run/real-node-0/crio/root\"",
+            "runroot = \"/tmp/run/real-node-0/crio/runroot\"",
+            "listen = \"/tmp/run/real-node-0/crio/crio.sock\"",
+            "namespaces_dir = \"/tmp/run/real-node-0/crio/ns\"",
+            "cgroup_manager = \"cgroupfs\"",
+            "monitor_cgroup = \"pod\"",
+            "network_dir = \"/tmp/run/real-node-0/cni/net.d\"",
+            "pause_image = \"localhost/ipwarden-e2e/pause:1\"",
+            "enable_nri = false",
+        ] {
+            assert!(text.contains(line), "{line} in:\n{text}");
+        }
+        assert_eq!(paths.netns_dir(), Path::new("/tmp/run/real-node-0/crio/ns/netns"));
+        assert_eq!(paths.runtime_log(), Path::new("/tmp/run/real-node-0/crio.log"));
+        let settings =
+            KubeletSettings { port: 1, healthz_port: 2, cgroup_root: "/e2e-0".into(), client_ca: "/ca.crt".into() };
+        assert_eq!(
+            kubelet_config(&paths, &settings)["containerRuntimeEndpoint"],
+            "unix:///tmp/run/real-node-0/crio/crio.sock"
+        );
     }
 
     #[test]

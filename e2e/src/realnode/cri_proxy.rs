@@ -80,17 +80,8 @@ pub struct CriProxy {
 impl CriProxy {
     /// Serves on `socket` a proxy of the runtime listening on `runtime`.
     pub async fn start(runtime: &Path, socket: &Path) -> Result<Self> {
-        let dial = runtime.to_path_buf();
-        let endpoint = Endpoint::try_from("http://cri.invalid").map_err(|e| Error::Tool {
-            command: "CRI proxy".to_string(),
-            reason: format!("building the endpoint of {}: {e}", runtime.display()),
-        })?;
-        let channel = endpoint.connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
-            let dial = dial.clone();
-            async move { tokio::net::UnixStream::connect(dial).await.map(TokioIo::new) }
-        }));
         let failures = Arc::new(Failures::default());
-        let proxy = Proxy { runtime: RuntimeServiceClient::new(channel), failures: failures.clone() };
+        let proxy = Proxy { runtime: runtime_client(runtime)?, failures: failures.clone() };
         let task = tokio::spawn(serve(socket, proxy).await?);
         Ok(Self { socket: socket.to_path_buf(), failures, task })
     }
@@ -109,6 +100,20 @@ impl CriProxy {
     pub fn status_calls_to_fail(&self) -> usize {
         self.failures.status_calls.load(Ordering::Relaxed)
     }
+}
+
+/// A CRI client of the runtime listening on `socket`, connecting on its first call.
+pub(crate) fn runtime_client(socket: &Path) -> Result<RuntimeServiceClient<Channel>> {
+    let dial = socket.to_path_buf();
+    let endpoint = Endpoint::try_from("http://cri.invalid").map_err(|e| Error::Tool {
+        command: "CRI client".to_string(),
+        reason: format!("building the endpoint of {}: {e}", socket.display()),
+    })?;
+    let channel = endpoint.connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
+        let dial = dial.clone();
+        async move { tokio::net::UnixStream::connect(dial).await.map(TokioIo::new) }
+    }));
+    Ok(RuntimeServiceClient::new(channel))
 }
 
 impl Drop for CriProxy {

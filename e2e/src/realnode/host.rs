@@ -11,6 +11,7 @@ use std::process::Command;
 
 use serde::{Deserialize, Serialize};
 
+use super::Runtime;
 use crate::error::{Error, Result};
 
 /// The machine-wide lock of real nodes: held while any run has real nodes.
@@ -50,8 +51,12 @@ struct HostState {
     ip6tables: String,
     /// Node IPs added to [`NODE_IP_DEVICE`].
     node_ips: Vec<String>,
-    /// The real nodes started: (directory, containerd socket, cgroup root).
+    /// The real nodes started: (directory, runtime marker (`NodePaths::runtime_marker`),
+    /// cgroup root).
     nodes: Vec<(PathBuf, String, String)>,
+    /// The cgroup v1 hierarchies mounted for the nodes, by their mount points.
+    #[serde(default)]
+    cgroup_mounts: Vec<PathBuf>,
 }
 
 /// Held while real nodes run: the machine-wide lock and the recorded host state, put back on
@@ -99,16 +104,17 @@ impl HostGuard {
             ip6tables: command_output("ip6tables-save", &[]).unwrap_or_default(),
             node_ips: Vec::new(),
             nodes: Vec::new(),
+            cgroup_mounts: Vec::new(),
         };
         let guard = Self { _lock: lock, state };
         guard.save()?;
         Ok(guard)
     }
 
-    /// Records a node (its directory, containerd socket and cgroup root) about to start, for a
+    /// Records a node (its directory, runtime marker and cgroup root) about to start, for a
     /// later run to stop should this one be killed.
-    pub fn add_node(&mut self, dir: &Path, socket: &Path, cgroup_root: &str) -> Result<()> {
-        self.state.nodes.push((dir.to_path_buf(), socket.display().to_string(), cgroup_root.to_string()));
+    pub fn add_node(&mut self, dir: &Path, marker: &str, cgroup_root: &str) -> Result<()> {
+        self.state.nodes.push((dir.to_path_buf(), marker.to_string(), cgroup_root.to_string()));
         self.save()
     }
 
@@ -126,6 +132,35 @@ impl HostGuard {
         command_output("ip", &["addr", "add", &cidr, "dev", NODE_IP_DEVICE])?;
         self.state.node_ips.push(ip.to_string());
         self.save()
+    }
+
+    /// Mounts a cgroup v1 hierarchy of each of `controllers` that the kernel has but no v1
+    /// hierarchy holds (this machine's hybrid layout leaves `hugetlb` to the unused cgroup v2
+    /// hierarchy), at `/sys/fs/cgroup/<controller>`, to be unmounted at teardown. CRI-O needs
+    /// it: it reads the controllers from `/proc/cgroups` and sets hugetlb limits, which runc
+    /// then fails to apply ("cannot set hugetlb limit: container could not join or create
+    /// cgroup"); containerd drops them instead (`tolerate_missing_hugetlb_controller`). A real
+    /// cgroup v1 machine mounts every controller.
+    pub fn mount_cgroup_v1_controllers(&mut self, controllers: &[&str]) -> Result<()> {
+        let table = std::fs::read_to_string("/proc/cgroups").map_err(Error::io("reading", "/proc/cgroups"))?;
+        for controller in unmounted_v1_controllers(&table, controllers) {
+            let point = Path::new("/sys/fs/cgroup").join(&controller);
+            std::fs::create_dir_all(&point).map_err(Error::io("making a cgroup mount point", &point))?;
+            nix::mount::mount(
+                Some("cgroup"),
+                &point,
+                Some("cgroup"),
+                nix::mount::MsFlags::empty(),
+                Some(controller.as_str()),
+            )
+            .map_err(|e| Error::Tool {
+                command: format!("mount -t cgroup -o {controller} cgroup {}", point.display()),
+                reason: e.to_string(),
+            })?;
+            self.state.cgroup_mounts.push(point);
+            self.save()?;
+        }
+        Ok(())
     }
 
     fn save(&self) -> Result<()> {
@@ -180,7 +215,42 @@ impl HostState {
         for ip in &self.node_ips {
             let _gone = command_output("ip", &["addr", "del", &format!("{ip}/32"), "dev", NODE_IP_DEVICE]);
         }
+        for point in &self.cgroup_mounts {
+            if let Err(e) = nix::mount::umount2(point, nix::mount::MntFlags::MNT_DETACH) {
+                eprintln!("ipwarden-e2e: could not unmount {}: {e}", point.display());
+            }
+            let _gone = std::fs::remove_dir(point);
+        }
     }
+}
+
+/// Whether this process has CAP_SYS_RESOURCE (which lowering a process's `oom_score_adj`
+/// needs): bit 24 of `CapEff` in `/proc/self/status`.
+pub fn has_sys_resource() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    effective_caps_have(&status, 24)
+}
+
+/// Whether the `CapEff` line of `status` (`/proc/<pid>/status`) has capability `bit`.
+fn effective_caps_have(status: &str, bit: u32) -> bool {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << bit) != 0)
+}
+
+/// Which of `wanted` the kernel has enabled (`/proc/cgroups`, `table`) in no cgroup v1
+/// hierarchy (hierarchy ID 0: unused, or left to cgroup v2).
+fn unmounted_v1_controllers(table: &str, wanted: &[&str]) -> Vec<String> {
+    table
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| match line.split_whitespace().collect::<Vec<_>>()[..] {
+            [name, "0", _, "1"] if wanted.contains(&name) => Some(name.to_string()),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The prefixes of the chains kubelet (`KUBE-`) and the CNI plugins (`CNI-`: portmap, ptp's
@@ -381,21 +451,23 @@ pub fn remove_files_naming(dir: &Path, target: &Path) {
     }
 }
 
-/// SIGKILLs every process whose command line contains `text` (a node's containerd socket,
-/// which its containerd, its shims and an agent asking it over CRI name; its kubelet's
+/// SIGKILLs every process whose command line contains `text` (a node's runtime marker, which
+/// its runtime, its shims or conmons and an agent asking it over CRI name; its kubelet's
 /// configuration file): the leftovers of a killed run.
 pub fn kill_processes_naming(text: &str) {
     kill_processes(text, None);
 }
 
-/// SIGKILLs the containerd shims whose command line names `socket` (their containerd's), and
-/// no other process naming it (an agent asking containerd over CRI lives on).
-pub fn kill_shims_of(socket: &str) {
-    kill_processes(socket, Some(SHIM));
+/// SIGKILLs the container monitors of a node's `runtime` whose command line names `marker`
+/// (`NodePaths::runtime_marker`): containerd's shims, CRI-O's conmons; no other process naming
+/// it (an agent asking the runtime over CRI lives on).
+pub fn kill_monitors_of(runtime: Runtime, marker: &str) {
+    let monitor = match runtime {
+        Runtime::Containerd => "containerd-shim-runc-v2",
+        Runtime::Crio => "conmon",
+    };
+    kill_processes(marker, Some(monitor));
 }
-
-/// The file name of containerd's runc shim.
-const SHIM: &str = "containerd-shim-runc-v2";
 
 /// SIGKILLs every process but this one whose command line contains `text` and, with
 /// `program`, whose executable's file name is `program`.
@@ -454,6 +526,23 @@ mod test {
              *nat\n-D POSTROUTING -s 10.0.0.2/32 -j CNI-abc\n-F CNI-abc\n-X CNI-abc\nCOMMIT\n"
         );
         assert_eq!(removal_of_added_chains(now, now), "");
+    }
+
+    #[test]
+    fn only_enabled_controllers_in_no_v1_hierarchy_are_mounted() {
+        let table = "#subsys_name\thierarchy\tnum_cgroups\tenabled\ncpu\t1\t13\t1\nhugetlb\t0\t13\t1\n\
+                     net_cls\t0\t13\t1\npids\t0\t1\t0\n";
+        assert_eq!(unmounted_v1_controllers(table, &["hugetlb", "cpu", "pids"]), vec!["hugetlb".to_string()]);
+        assert!(unmounted_v1_controllers("hugetlb\t10\t1\t1\n", &["hugetlb"]).is_empty());
+    }
+
+    #[test]
+    fn capabilities_are_read_from_the_effective_set() {
+        let without = "CapInh:\t0000000000000000\nCapEff:\t00000000a80425fb\n";
+        assert!(!effective_caps_have(without, 24));
+        assert!(effective_caps_have(without, 0));
+        assert!(effective_caps_have("CapEff:\t000001ffffffffff\n", 24));
+        assert!(!effective_caps_have("no such line", 0));
     }
 
     #[test]

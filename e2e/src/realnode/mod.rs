@@ -1,10 +1,11 @@
-//! Real nodes: a real kubelet and containerd (with runc) on this machine, joined to the test
-//! cluster's control plane, running real containers in real network namespaces through the
-//! chart's CNI chain (`ptp` + `portmap`, `ipwarden-cni` as IPAM), so what a real runtime does
-//! (when it calls which CNI verb, what it passes) is the runtime's own, not the harness's
-//! guess. kubelet, containerd and the CNI plugins come from `e2e/cluster/build-node.sh` (pinned
-//! Go modules, cached outside the repo), runc from Debian; the pause and workload images are
-//! made locally (there is no registry). The agent of a real node runs on the host like the
+//! Real nodes: a real kubelet and container runtime (containerd, or CRI-O: [`Runtime`], both
+//! with runc) on this machine, joined to the test cluster's control plane, running real
+//! containers in real network namespaces through the chart's CNI chain (`ptp` + `portmap`,
+//! `ipwarden-cni` as IPAM), so what a real runtime does (when it calls which CNI verb, what it
+//! passes) is the runtime's own, not the harness's guess. kubelet, containerd and the CNI
+//! plugins come from `e2e/cluster/build-node.sh`, CRI-O from `e2e/cluster/build-crio.sh`
+//! (pinned Go modules, cached outside the repo), runc and conmon from Debian; the pause and
+//! workload images are made locally (there is no registry). The agent of a real node runs on the host like the
 //! simulated nodes' agents, or as the chart's pod ([`chart`]). docs/testing.md, "Real nodes",
 //! says what the host needs.
 
@@ -15,15 +16,17 @@ pub mod cri_proxy;
 pub mod host;
 mod service;
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use k8s_cri::v1::{ContainerFilter, ListContainersRequest, ListPodSandboxRequest, PodSandboxFilter};
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::Api;
 
-pub use config::{BUSYBOX_IMAGE, NodePaths, PAUSE_IMAGE};
+pub use config::{BUSYBOX_IMAGE, NodePaths, PAUSE_IMAGE, Runtime};
 use host::HostGuard;
 
 use crate::error::{Error, Result};
@@ -57,14 +60,27 @@ pub fn workload_spec() -> serde_json::Value {
 /// go with the node).
 const CONTAINER_LOG_LINKS: &str = "/var/log/containers";
 
+/// libcni's cache directory (host-wide; neither runtime lets it move).
+const CNI_CACHE: &str = "/var/lib/cni";
+
 /// Where libcni caches each attachment's result (host-wide; containerd does not let it move).
 const CNI_RESULT_CACHE: &str = "/var/lib/cni/results";
+
+/// Environment variable naming a directory that already holds CRI-O's binaries (crio,
+/// copyimg, pinns); skips `e2e/cluster/build-crio.sh`.
+pub const CRIO_BIN_DIR_ENV: &str = "IPWARDEN_CRIO_BIN_DIR";
 
 /// Where Debian installs runc.
 const RUNC: &str = "/usr/sbin/runc";
 
-/// How long containerd may take to answer on its socket after its start.
-const CONTAINERD_READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// Where Debian installs conmon, CRI-O's container monitor.
+const CONMON: &str = "/usr/bin/conmon";
+
+/// The images every node holds: archive name in the build's `images/`, image name.
+const NODE_IMAGES: [(&str, &str); 2] = [("pause.tar", PAUSE_IMAGE), ("busybox.tar", BUSYBOX_IMAGE)];
+
+/// How long the runtime may take to answer on its socket after its start.
+const RUNTIME_READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How long a real node may take to register and turn Ready (11 s seen on this machine).
 const NODE_READY_TIMEOUT: Duration = Duration::from_secs(120);
@@ -75,12 +91,15 @@ pub struct NodeBinaries {
     /// The directory holding kubelet, containerd, containerd-shim-runc-v2, ctr, the CNI
     /// plugins in `cni/` and the image archives in `images/`.
     pub dir: PathBuf,
+    /// The directory holding CRI-O's crio, copyimg and pinns, when the nodes run CRI-O.
+    pub crio: Option<PathBuf>,
 }
 
 impl NodeBinaries {
-    /// Finds them: from [`NODE_BIN_DIR_ENV`] when set, otherwise by running the build script,
-    /// which returns at once when the pinned build is already cached.
-    pub fn locate() -> Result<Self> {
+    /// Finds them for nodes running `runtime`: from [`NODE_BIN_DIR_ENV`] (and
+    /// [`CRIO_BIN_DIR_ENV`]) when set, otherwise by running the build scripts, which return at
+    /// once when the pinned build is already cached.
+    pub fn locate(runtime: Runtime) -> Result<Self> {
         let dir = match std::env::var_os(NODE_BIN_DIR_ENV) {
             Some(dir) => PathBuf::from(dir),
             None => crate::binaries::run_build_script(
@@ -88,25 +107,41 @@ impl NodeBinaries {
                 "binary directory",
             )?,
         };
-        let found = Self { dir };
+        let crio = match runtime {
+            Runtime::Containerd => None,
+            Runtime::Crio => Some(match std::env::var_os(CRIO_BIN_DIR_ENV) {
+                Some(dir) => PathBuf::from(dir),
+                None => crate::binaries::run_build_script(
+                    &Path::new(env!("CARGO_MANIFEST_DIR")).join("cluster/build-crio.sh"),
+                    "binary directory",
+                )?,
+            }),
+        };
+        let found = Self { dir, crio };
         for name in ["kubelet", "containerd", "containerd-shim-runc-v2", "ctr", "cni/ptp", "images/pause.tar"] {
-            let path = found.dir.join(name);
-            if !path.is_file() {
-                return Err(Error::MissingBinary {
-                    what: name.to_string(),
-                    path,
-                    hint: format!("run e2e/cluster/build-node.sh or unset {NODE_BIN_DIR_ENV}"),
-                });
+            present(
+                &found.dir.join(name),
+                name,
+                &format!("run e2e/cluster/build-node.sh or unset {NODE_BIN_DIR_ENV}"),
+            )?;
+        }
+        if let Some(crio) = &found.crio {
+            for name in ["crio", "copyimg", "pinns"] {
+                present(&crio.join(name), name, &format!("run e2e/cluster/build-crio.sh or unset {CRIO_BIN_DIR_ENV}"))?;
             }
+            present(Path::new(CONMON), "conmon", "install Debian's conmon (e2e/cluster/install-deps.sh)")?;
         }
-        if !Path::new(RUNC).is_file() {
-            return Err(Error::MissingBinary {
-                what: "runc".to_string(),
-                path: PathBuf::from(RUNC),
-                hint: "install Debian's runc (e2e/cluster/install-deps.sh)".to_string(),
-            });
-        }
+        present(Path::new(RUNC), "runc", "install Debian's runc (e2e/cluster/install-deps.sh)")?;
         Ok(found)
+    }
+
+    /// CRI-O's binary `name`.
+    fn crio(&self, name: &str) -> Result<PathBuf> {
+        self.crio.as_ref().map(|dir| dir.join(name)).ok_or_else(|| Error::MissingBinary {
+            what: name.to_string(),
+            path: PathBuf::from(name),
+            hint: "the real nodes' binaries were located for containerd only".to_string(),
+        })
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -129,6 +164,8 @@ pub struct RealNodeContext {
     pub conflist: String,
     /// The ipwarden binary, installed as `ipwarden-cni` in every node's CNI plugin directory.
     pub ipwarden: PathBuf,
+    /// The runtime every node runs.
+    pub runtime: Runtime,
     host: Arc<Mutex<HostGuard>>,
     /// The `kubernetes` Service for the nodes' pods, once a chart install started it; it lives
     /// as long as the nodes.
@@ -144,46 +181,54 @@ impl RealNodeContext {
         ca_cert: PathBuf,
         conflist: String,
         ipwarden: PathBuf,
+        runtime: Runtime,
     ) -> Result<Self> {
         let host = HostGuard::acquire()?;
         let (host, service) = (Arc::new(Mutex::new(host)), Arc::default());
-        Ok(Self { binaries, kubeconfig, ca_cert, conflist, ipwarden, host, service })
+        Ok(Self { binaries, kubeconfig, ca_cert, conflist, ipwarden, runtime, host, service })
     }
 }
 
 /// The placeholder of the agent's socket in [`RealNodeContext::conflist`].
 pub const AGENT_SOCKET_PLACEHOLDER: &str = "{AGENT_SOCKET}";
 
-/// One real node: its containerd and kubelet processes and its directory.
+/// One real node: its runtime and kubelet processes and its directory.
 pub struct RealNode {
     name: String,
     index: usize,
     paths: NodePaths,
     context: RealNodeContext,
-    containerd: Option<Component>,
+    runtime: Option<Component>,
     kubelet: Option<Component>,
     stopped: bool,
 }
 
 impl RealNode {
     /// Prepares node `index` named `name` in `dir` (conflist, plugins, configuration), starts
-    /// containerd, imports the images, starts kubelet. Does not wait for the Node: see
+    /// its runtime, imports the images, starts kubelet. Does not wait for the Node: see
     /// [`RealNode::wait_registered`].
     pub async fn start(context: RealNodeContext, name: String, index: usize, dir: PathBuf) -> Result<Self> {
-        let paths = NodePaths { dir };
-        for dir in [
-            paths.cni_conf_dir(),
-            paths.cni_bin_dir(),
-            paths.static_pods(),
-            paths.kubelet_root(),
-            paths.containerd_root(),
-        ] {
-            std::fs::create_dir_all(&dir).map_err(Error::io("creating a real node directory", &dir))?;
+        let paths = NodePaths { dir, runtime: context.runtime };
+        for dir in [paths.cni_conf_dir(), paths.cni_bin_dir(), paths.static_pods(), paths.kubelet_root()] {
+            create_dir(&dir)?;
         }
         install_plugins(&context, &paths)?;
         let conflist = context.conflist.replace(AGENT_SOCKET_PLACEHOLDER, &paths.agent_socket().display().to_string());
         write(&paths.cni_conf_dir().join("10-ipwarden.conflist"), &conflist)?;
-        write(&paths.containerd_config(), &config::containerd_toml(&paths, Path::new(RUNC)))?;
+        match paths.runtime {
+            Runtime::Containerd => {
+                create_dir(&paths.containerd_root())?;
+                write(&paths.containerd_config(), &config::containerd_toml(&paths, Path::new(RUNC)))?;
+            }
+            Runtime::Crio => {
+                for dir in [paths.crio_config_dir(), paths.crio_cni_cache(), paths.crio_dir().join("hooks.d")] {
+                    create_dir(&dir)?;
+                }
+                let pinns = context.binaries.crio("pinns")?;
+                write(&paths.crio_config(), &config::crio_conf(&paths, &pinns, Path::new(CONMON), Path::new(RUNC)))?;
+                write(&paths.crio_policy(), config::CRIO_POLICY)?;
+            }
+        }
         let settings = config::KubeletSettings {
             port: crate::process::free_port()?,
             healthz_port: crate::process::free_port()?,
@@ -194,15 +239,18 @@ impl RealNode {
         write(&paths.kubelet_config(), &kubelet_config.to_string())?;
         context.host.lock().map_err(|_| poisoned())?.add_node(
             &paths.dir,
-            &paths.containerd_socket(),
+            &paths.runtime_marker(),
             &settings.cgroup_root,
         )?;
         // From here on, a failure drops the node, whose teardown undoes what was done.
-        let mut node = Self { name, index, paths, context, containerd: None, kubelet: None, stopped: false };
+        let mut node = Self { name, index, paths, context, runtime: None, kubelet: None, stopped: false };
         host::share_mounts_under(&node.paths.dir)?;
+        if node.paths.runtime == Runtime::Crio {
+            node.context.host.lock().map_err(|_| poisoned())?.mount_cgroup_v1_controllers(&["hugetlb"])?;
+        }
         host::create_cgroups(&settings.cgroup_root)?;
         node.context.host.lock().map_err(|_| poisoned())?.add_node_ip(&host::node_ip(index))?;
-        node.start_containerd().await?;
+        node.start_runtime().await?;
         node.import_images().await?;
         node.start_kubelet()?;
         Ok(node)
@@ -230,9 +278,9 @@ impl RealNode {
         let nodes: Api<Node> = Api::all(client.clone());
         let name = self.name.clone();
         let what = if ready { format!("real node {name} Ready") } else { format!("real node {name} registered") };
-        let (containerd, kubelet) = (&mut self.containerd, &mut self.kubelet);
+        let (runtime, kubelet) = (&mut self.runtime, &mut self.kubelet);
         wait::until(&what, NODE_READY_TIMEOUT, || {
-            let running = ensure(containerd).and_then(|()| ensure(kubelet));
+            let running = ensure(runtime).and_then(|()| ensure(kubelet));
             let nodes = nodes.clone();
             let name = name.clone();
             async move {
@@ -247,30 +295,51 @@ impl RealNode {
         .await
     }
 
-    async fn start_containerd(&mut self) -> Result<()> {
-        let args = vec!["--config".to_string(), self.paths.containerd_config().display().to_string()];
-        let log = self.paths.dir.join("containerd.log");
+    /// Starts the node's runtime and waits until it answers on its socket. CRI-O runs in a
+    /// mount namespace of its own where the node's [`NodePaths::crio_cni_cache`] is bound over
+    /// `/var/lib/cni` (the node directory's mounts stay shared with the host, so kubelet and
+    /// the tests see its network namespaces and root filesystems).
+    async fn start_runtime(&mut self) -> Result<()> {
+        let (program, args) = match self.paths.runtime {
+            Runtime::Containerd => (
+                self.context.binaries.path("containerd"),
+                vec!["--config".to_string(), self.paths.containerd_config().display().to_string()],
+            ),
+            Runtime::Crio => {
+                let crio = self.context.binaries.crio("crio")?;
+                let mut args: Vec<String> =
+                    ["--mount", "--propagation", "unchanged", "--", "sh", "-c"].map(String::from).to_vec();
+                args.push(format!("mount --bind \"$0\" {CNI_CACHE} && exec \"$@\""));
+                args.extend([
+                    self.paths.crio_cni_cache().display().to_string(),
+                    crio.display().to_string(),
+                    "--config".to_string(),
+                    self.paths.crio_config().display().to_string(),
+                    "--config-dir".to_string(),
+                    self.paths.crio_config_dir().display().to_string(),
+                ]);
+                (PathBuf::from("unshare"), args)
+            }
+        };
         let component = Component::start_with_env(
-            &format!("containerd-{}", self.name),
-            &self.context.binaries.path("containerd"),
+            &format!("{}-{}", self.paths.runtime.name(), self.name),
+            &program,
             args,
             vec![("PATH".to_string(), path_with(&self.context.binaries.dir))],
-            log,
+            self.paths.runtime_log(),
         )?;
-        self.containerd = Some(component);
-        let socket = self.paths.containerd_socket();
-        let containerd = &mut self.containerd;
-        let ctr = self.context.binaries.path("ctr");
-        wait::until(&format!("containerd of {} answering", self.name), CONTAINERD_READY_TIMEOUT, || {
-            let running = ensure(containerd);
-            let ctr = ctr.clone();
+        self.runtime = Some(component);
+        let socket = self.paths.runtime_socket();
+        let runtime = &mut self.runtime;
+        let what = format!("{} of {} answering", self.paths.runtime.name(), self.name);
+        wait::until(&what, RUNTIME_READY_TIMEOUT, || {
+            let running = ensure(runtime);
             let socket = socket.clone();
             async move {
                 running?;
-                let args = ["--address".to_string(), socket.display().to_string(), "version".to_string()];
-                Ok(match wait::quietly(crate::process::run_tool(&ctr, &args, None)).await {
+                Ok(match tokio::net::UnixStream::connect(&socket).await {
                     Ok(_) => Probe::Done(()),
-                    Err(e) => Probe::Pending(e.to_string()),
+                    Err(e) => Probe::Pending(format!("{}: {e}", socket.display())),
                 })
             }
         })
@@ -278,11 +347,36 @@ impl RealNode {
     }
 
     async fn import_images(&self) -> Result<()> {
-        for archive in ["pause.tar", "busybox.tar"] {
-            self.ctr(&["images", "import", &self.context.binaries.path("images").join(archive).display().to_string()])
-                .await?;
+        for (archive, name) in NODE_IMAGES {
+            self.import_image(&self.context.binaries.path("images").join(archive), name).await?;
         }
         Ok(())
+    }
+
+    /// Imports the OCI archive `archive` as image `name` into the node's runtime: with `ctr`
+    /// for containerd, with CRI-O's image copier into its storage for CRI-O.
+    pub async fn import_image(&self, archive: &Path, name: &str) -> Result<()> {
+        match self.paths.runtime {
+            Runtime::Containerd => self.ctr(&["images", "import", &archive.display().to_string()]).await.map(drop),
+            Runtime::Crio => {
+                let crio = self.paths.crio_dir();
+                let args = [
+                    "--root".to_string(),
+                    crio.join("root").display().to_string(),
+                    "--runroot".to_string(),
+                    crio.join("runroot").display().to_string(),
+                    "--storage-driver".to_string(),
+                    "overlay".to_string(),
+                    "--signature-policy".to_string(),
+                    self.paths.crio_policy().display().to_string(),
+                    "--image-name".to_string(),
+                    name.to_string(),
+                    "--import-from".to_string(),
+                    format!("oci-archive:{}", archive.display()),
+                ];
+                crate::process::run_tool(&self.context.binaries.crio("copyimg")?, &args, None).await.map(drop)
+            }
+        }
     }
 
     fn start_kubelet(&mut self) -> Result<()> {
@@ -308,8 +402,47 @@ impl RealNode {
         Ok(())
     }
 
-    /// Runs `ctr` against this node's containerd in the `k8s.io` namespace (kubelet's).
+    /// The IDs of the sandboxes the node's runtime holds, in any state, of pod `pod` only when
+    /// given: what kubelet sees over CRI, from either runtime.
+    pub async fn sandboxes(&self, pod: Option<&str>) -> Result<BTreeSet<String>> {
+        let filter = pod.map(|name| PodSandboxFilter { label_selector: pod_label(name), ..Default::default() });
+        let request = ListPodSandboxRequest { filter };
+        let listed = cri_proxy::runtime_client(&self.paths.runtime_socket())?
+            .list_pod_sandbox(request)
+            .await
+            .map_err(|e| self.cri_failed("ListPodSandbox", e))?;
+        Ok(listed.into_inner().items.into_iter().map(|s| s.id).collect())
+    }
+
+    /// The IDs of pod `pod`'s sandboxes and containers, in any state, that the node's runtime
+    /// holds: empty once kubelet has removed the pod from the runtime.
+    pub async fn pod_containers(&self, pod: &str) -> Result<BTreeSet<String>> {
+        let filter = ContainerFilter { label_selector: pod_label(pod), ..Default::default() };
+        let listed = cri_proxy::runtime_client(&self.paths.runtime_socket())?
+            .list_containers(ListContainersRequest { filter: Some(filter) })
+            .await
+            .map_err(|e| self.cri_failed("ListContainers", e))?;
+        let mut ids: BTreeSet<String> = listed.into_inner().containers.into_iter().map(|c| c.id).collect();
+        ids.extend(self.sandboxes(Some(pod)).await?);
+        Ok(ids)
+    }
+
+    fn cri_failed(&self, call: &str, status: tonic::Status) -> Error {
+        Error::Tool {
+            command: format!("CRI {call} on {}", self.paths.runtime_socket().display()),
+            reason: status.to_string(),
+        }
+    }
+
+    /// Runs `ctr` against this node's containerd in the `k8s.io` namespace (kubelet's); fails
+    /// on a node running another runtime.
     pub async fn ctr(&self, args: &[&str]) -> Result<String> {
+        if self.paths.runtime != Runtime::Containerd {
+            return Err(Error::Tool {
+                command: format!("ctr {}", args.join(" ")),
+                reason: format!("{} runs {}, not containerd", self.name, self.paths.runtime.name()),
+            });
+        }
         let mut full = vec![
             "--address".to_string(),
             self.paths.containerd_socket().display().to_string(),
@@ -342,71 +475,90 @@ impl RealNode {
         }
     }
 
-    /// Stops containerd (SIGTERM): its containers keep running under their shims.
-    pub fn stop_containerd(&mut self) {
-        if let Some(containerd) = self.containerd.as_mut() {
-            containerd.stop();
+    /// Stops the runtime (SIGTERM): its containers keep running under their shims (conmons).
+    pub fn stop_runtime(&mut self) {
+        if let Some(runtime) = self.runtime.as_mut() {
+            runtime.stop();
         }
     }
 
-    /// Kills containerd (SIGKILL): its containers keep running under their shims.
-    pub fn kill_containerd(&mut self) {
-        if let Some(containerd) = self.containerd.as_mut() {
-            containerd.kill();
+    /// Kills the runtime (SIGKILL): its containers keep running under their shims (conmons).
+    pub fn kill_runtime(&mut self) {
+        if let Some(runtime) = self.runtime.as_mut() {
+            runtime.kill();
         }
     }
 
-    /// Freezes containerd (SIGSTOP): its socket stays, and every call on it hangs, as a runtime
-    /// stuck under load. Its containers keep running.
-    pub fn freeze_containerd(&self) {
-        if let Some(containerd) = self.containerd.as_ref() {
-            containerd.pause();
+    /// Freezes the runtime (SIGSTOP): its socket stays, and every call on it hangs, as a
+    /// runtime stuck under load. Its containers keep running.
+    pub fn freeze_runtime(&self) {
+        if let Some(runtime) = self.runtime.as_ref() {
+            runtime.pause();
         }
     }
 
-    /// Lets containerd run again after [`RealNode::freeze_containerd`] (SIGCONT).
-    pub fn thaw_containerd(&self) {
-        if let Some(containerd) = self.containerd.as_ref() {
-            containerd.resume();
+    /// Lets the runtime run again after [`RealNode::freeze_runtime`] (SIGCONT).
+    pub fn thaw_runtime(&self) {
+        if let Some(runtime) = self.runtime.as_ref() {
+            runtime.resume();
         }
     }
 
-    /// Starts containerd again and waits until it answers.
-    pub async fn restart_containerd(&mut self) -> Result<()> {
-        if let Some(containerd) = self.containerd.as_mut() {
-            containerd.stop();
+    /// Starts the runtime again and waits until it answers.
+    pub async fn restart_runtime(&mut self) -> Result<()> {
+        if let Some(runtime) = self.runtime.as_mut() {
+            runtime.stop();
         }
-        self.start_containerd().await
+        self.start_runtime().await
     }
 
-    /// Kills every container of this node and their shims, as a machine's power loss does.
+    /// Kills every container of this node and their shims (conmons), as a machine's power
+    /// loss does.
     pub fn kill_containers(&self) {
         host::remove_cgroups(&cgroup_root(&self.name));
-        host::kill_shims_of(&self.paths.containerd_socket().display().to_string());
+        host::kill_monitors_of(self.paths.runtime, &self.paths.runtime_marker());
     }
 
-    /// A node's "reboot" of its runtime state: kubelet and containerd killed, every container
-    /// killed, the network namespaces, containerd's state and root (sandboxes, containers; the
-    /// images are imported again) and kubelet's pod directories wiped. The node directory's
-    /// agent checkpoint is kept. Start the node again with [`RealNode::boot`].
+    /// Kills pod `uid`'s containers and their shim or conmon (everything in its cgroup, in each
+    /// QoS class kubelet may have put it), as a crash of that pod's processes does.
+    pub fn kill_pod(&self, uid: &str) {
+        for qos in ["kubepods/besteffort", "kubepods/burstable", "kubepods"] {
+            host::remove_cgroups(&format!("{}/{qos}/pod{uid}", cgroup_root(&self.name)));
+        }
+    }
+
+    /// CRI-O only, with CRI-O stopped: removes sandbox `id`'s spec from CRI-O's storage
+    /// (`overlay-containers/<id>/userdata/config.json`, what `LoadSandbox` reads at its start),
+    /// so the next CRI-O cannot restore the sandbox, as when a disk fault loses its state.
+    pub fn forget_sandbox(&self, id: &str) -> Result<()> {
+        let spec = self.paths.crio_dir().join("root/overlay-containers").join(id).join("userdata/config.json");
+        std::fs::remove_file(&spec).map_err(Error::io("removing a CRI-O sandbox's spec", &spec))
+    }
+
+    /// A node's "reboot" of its runtime state: kubelet and the runtime killed, every container
+    /// killed, the network namespaces, the runtime's state ([`NodePaths::wiped_at_power_off`])
+    /// and kubelet's pod directories wiped. The node directory's agent checkpoint is kept (and
+    /// a CRI-O node's CNI result cache, on disk in /var/lib/cni on a real machine). Start the
+    /// node again with [`RealNode::boot`].
     pub fn power_off(&mut self) {
         self.kill_kubelet();
-        self.kill_containerd();
+        self.kill_runtime();
         self.kill_containers();
-        host::unmount_under(&self.paths.dir.join("containerd"));
+        host::unmount_under(&self.paths.runtime_dir());
         host::unmount_under(&self.paths.kubelet_root());
-        for dir in [self.paths.containerd_state(), self.paths.containerd_root(), self.paths.kubelet_root()] {
-            let _gone = std::fs::remove_dir_all(&dir);
+        for dir in self.paths.wiped_at_power_off().iter().chain([&self.paths.kubelet_root()]) {
+            let _gone = std::fs::remove_dir_all(dir);
         }
     }
 
-    /// Starts containerd, the images and kubelet again after [`RealNode::power_off`].
+    /// Starts the runtime, the images and kubelet again after [`RealNode::power_off`].
     pub async fn boot(&mut self) -> Result<()> {
-        for dir in [self.paths.kubelet_root(), self.paths.containerd_root()] {
-            std::fs::create_dir_all(&dir).map_err(Error::io("creating a real node directory", &dir))?;
+        create_dir(&self.paths.kubelet_root())?;
+        if self.paths.runtime == Runtime::Containerd {
+            create_dir(&self.paths.containerd_root())?;
         }
         host::create_cgroups(&cgroup_root(&self.name))?;
-        self.start_containerd().await?;
+        self.start_runtime().await?;
         self.import_images().await?;
         match self.kubelet.as_mut() {
             Some(kubelet) => kubelet.restart(),
@@ -416,10 +568,10 @@ impl RealNode {
 
     /// The component logs, for failure messages.
     pub fn logs(&self) -> Vec<PathBuf> {
-        vec![self.paths.dir.join("kubelet.log"), self.paths.dir.join("containerd.log")]
+        vec![self.paths.dir.join("kubelet.log"), self.paths.runtime_log()]
     }
 
-    /// Stops kubelet and containerd, kills every container, unmounts and removes what the node
+    /// Stops kubelet and the runtime, kills every container, unmounts and removes what the node
     /// made outside its directory (cgroups); the host-wide changes are put back when the last
     /// node of the set is gone.
     pub fn stop(&mut self) {
@@ -428,7 +580,7 @@ impl RealNode {
         }
         self.stop_kubelet();
         self.kill_containers();
-        self.stop_containerd();
+        self.stop_runtime();
         self.kill_containers();
         host::unmount_under(&self.paths.dir);
         host::remove_links_into(Path::new(CONTAINER_LOG_LINKS), &self.paths.dir);
@@ -440,6 +592,11 @@ impl Drop for RealNode {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// The CRI label selector of pod `name`'s sandboxes and containers (kubelet's label).
+fn pod_label(name: &str) -> std::collections::HashMap<String, String> {
+    [("io.kubernetes.pod.name".to_string(), name.to_string())].into()
 }
 
 /// The message of the Node's Ready condition (why it is not Ready).
@@ -470,6 +627,18 @@ fn link(target: &Path, link: &Path) -> Result<()> {
     std::os::unix::fs::symlink(target, link).map_err(Error::io(format!("linking {}", target.display()), link))
 }
 
+fn create_dir(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(Error::io("creating a real node directory", dir))
+}
+
+/// Fails naming `what` and `hint` when `path` is not a file.
+fn present(path: &Path, what: &str, hint: &str) -> Result<()> {
+    match path.is_file() {
+        true => Ok(()),
+        false => Err(Error::MissingBinary { what: what.to_string(), path: path.to_path_buf(), hint: hint.to_string() }),
+    }
+}
+
 fn write(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text).map_err(Error::io("writing a real node's configuration", path))
 }
@@ -482,7 +651,8 @@ fn poisoned() -> Error {
     Error::Tool { command: "real node host guard".to_string(), reason: "a thread panicked holding it".to_string() }
 }
 
-/// `PATH` with `dir` first (containerd finds its shim there, the shim finds runc in /usr/sbin).
+/// `PATH` with `dir` first (containerd finds its shim there, the shim finds runc in /usr/sbin;
+/// CRI-O finds conmon and runc in /usr/bin and /usr/sbin from its configuration).
 fn path_with(dir: &Path) -> String {
     let rest = std::env::var("PATH").unwrap_or_default();
     format!("{}:/usr/sbin:/usr/bin:/sbin:/bin:{rest}", dir.display())
