@@ -41,7 +41,7 @@ pub struct ClusterOptions {
     pub network: Option<CniNetwork>,
     /// Control-plane settings.
     pub control_plane: ControlPlaneOptions,
-    /// Real nodes (kubelet and containerd) besides the simulated ones; none by default.
+    /// Real nodes (kubelet and a runtime) besides the simulated ones; none by default.
     pub real_nodes: Option<RealNodesOptions>,
 }
 
@@ -121,7 +121,7 @@ impl Cluster {
     }
 
     /// Starts the real nodes: the chart's conflist rendered by helm, then each node's
-    /// containerd and kubelet, then waits until every one is registered (Ready comes with its
+    /// runtime and kubelet, then waits until every one is registered (Ready comes with its
     /// agent: [`Cluster::wait_real_nodes_ready`]).
     async fn start_real_nodes(&mut self, options: &RealNodesOptions) -> Result<()> {
         let binaries = NodeBinaries::locate(options.runtime)?;
@@ -219,7 +219,7 @@ impl Cluster {
         &self.real_nodes
     }
 
-    /// Real node `index`, to stop, kill or restart its kubelet and containerd.
+    /// Real node `index`, to stop, kill or restart its kubelet and runtime.
     pub fn real_node(&mut self, index: usize) -> &mut RealNode {
         &mut self.real_nodes[index]
     }

@@ -34,7 +34,7 @@ pub struct UpOptions {
     pub demo: Option<Duration>,
     /// When the simulated runtime calls CNI GC (default never, as containerd).
     pub runtime_gc: RuntimeGc,
-    /// How many real nodes (kubelet and containerd, docs/testing.md "Real nodes") to run
+    /// How many real nodes (kubelet and a runtime, docs/testing.md "Real nodes") to run
     /// beside the simulated ones; needs `ipwarden` and root.
     pub real_nodes: usize,
     /// The real nodes' container runtime.

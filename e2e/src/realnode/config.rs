@@ -51,12 +51,13 @@ impl NodePaths {
         }
     }
 
-    /// A text on the command line of every process of the node's runtime and of nothing else:
-    /// containerd and its shims name its socket, CRI-O and its conmons the CRI-O directory.
+    /// A text on the command line of every process of the node's runtime: containerd and its
+    /// shims name its socket, CRI-O and its conmons paths in the CRI-O directory (an agent
+    /// asking the runtime over CRI names it too).
     pub fn runtime_marker(&self) -> String {
         match self.runtime {
             Runtime::Containerd => self.containerd_socket().display().to_string(),
-            Runtime::Crio => self.crio_dir().display().to_string(),
+            Runtime::Crio => format!("{}/", self.crio_dir().display()),
         }
     }
 
@@ -248,9 +249,11 @@ pub const CRIO_POLICY: &str = r#"{"default": [{"type": "insecureAcceptAnything"}
 /// CRI-O 1.36's configuration (the keys `crio config` prints) for a node at `paths`, with
 /// `pinns` from the CRI-O build, conmon and runc from Debian. What this machine needs: the
 /// cgroupfs driver (no systemd), conmon in the pod's cgroup, runc as the one runtime, NRI off,
-/// the local pause image pinned (`pause_command` empty: the image's own command), and every
-/// file CRI-O writes under the node's directory instead of /var/lib/containers,
-/// /run/containers, /var/run/crio, /var/log/crio and /var/run/netns. Pod events stay off, as
+/// the local pause image pinned (`pause_command` empty: the image's own command), and its
+/// storage, state, logs and network namespaces under the node's directory instead of
+/// /var/lib/containers/storage, /run/containers, /var/run/crio, /var/log/crio and
+/// /var/run/netns (containers/image's blob-info cache stays host-wide, in
+/// /var/lib/containers/cache, for CRI-O and the image copier alike). Pod events stay off, as
 /// CRI-O ships them (`enable_pod_events = false`: its event stream ends at once).
 pub fn crio_conf(paths: &NodePaths, pinns: &Path, conmon: &Path, runc: &Path) -> String {
     let crio = paths.crio_dir();

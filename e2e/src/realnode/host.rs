@@ -134,29 +134,30 @@ impl HostGuard {
         self.save()
     }
 
-    /// Mounts a cgroup v1 hierarchy of each of `controllers` that the kernel has but no v1
-    /// hierarchy holds (this machine's hybrid layout leaves `hugetlb` to the unused cgroup v2
-    /// hierarchy), at `/sys/fs/cgroup/<controller>`, to be unmounted at teardown. CRI-O needs
+    /// On a cgroup v1 (or hybrid) host, mounts a cgroup v1 hierarchy of each of `controllers`
+    /// that the kernel has but no mounted v1 hierarchy holds (this machine's hybrid layout
+    /// leaves `hugetlb` to the unused cgroup v2 hierarchy), at `/sys/fs/cgroup/<controller>`,
+    /// to be unmounted at teardown. CRI-O needs
     /// it: it reads the controllers from `/proc/cgroups` and sets hugetlb limits, which runc
     /// then fails to apply ("cannot set hugetlb limit: container could not join or create
     /// cgroup"); containerd drops them instead (`tolerate_missing_hugetlb_controller`). A real
     /// cgroup v1 machine mounts every controller.
     pub fn mount_cgroup_v1_controllers(&mut self, controllers: &[&str]) -> Result<()> {
         let table = std::fs::read_to_string("/proc/cgroups").map_err(Error::io("reading", "/proc/cgroups"))?;
-        for controller in unmounted_v1_controllers(&table, controllers) {
+        let mounts =
+            std::fs::read_to_string("/proc/self/mountinfo").map_err(Error::io("reading", "/proc/self/mountinfo"))?;
+        for controller in unmounted_v1_controllers(&table, &mounts, controllers) {
             let point = Path::new("/sys/fs/cgroup").join(&controller);
-            std::fs::create_dir_all(&point).map_err(Error::io("making a cgroup mount point", &point))?;
-            nix::mount::mount(
-                Some("cgroup"),
-                &point,
-                Some("cgroup"),
-                nix::mount::MsFlags::empty(),
-                Some(controller.as_str()),
-            )
-            .map_err(|e| Error::Tool {
-                command: format!("mount -t cgroup -o {controller} cgroup {}", point.display()),
-                reason: e.to_string(),
-            })?;
+            std::fs::create_dir(&point).map_err(Error::io("making a cgroup mount point", &point))?;
+            let flags = nix::mount::MsFlags::empty();
+            if let Err(e) = nix::mount::mount(Some("cgroup"), &point, Some("cgroup"), flags, Some(controller.as_str()))
+            {
+                let _gone = std::fs::remove_dir(&point);
+                return Err(Error::Tool {
+                    command: format!("mount -t cgroup -o {controller} cgroup {}", point.display()),
+                    reason: e.to_string(),
+                });
+            }
             self.state.cgroup_mounts.push(point);
             self.save()?;
         }
@@ -179,11 +180,11 @@ impl Drop for HostGuard {
 
 impl HostState {
     /// Stops what the recorded nodes left running: their containers and cgroups, the processes
-    /// naming their containerd's socket (containerd, shims), their mounts.
+    /// naming their runtime marker (the runtime, its shims or conmons), their mounts.
     fn stop_nodes(&self) {
-        for (dir, socket, cgroup_root) in &self.nodes {
+        for (dir, marker, cgroup_root) in &self.nodes {
             remove_cgroups(cgroup_root);
-            kill_processes_naming(socket);
+            kill_processes_naming(marker);
             kill_processes_naming(&dir.join("kubelet-config.yaml").display().to_string());
             unmount_under(dir);
         }
@@ -240,14 +241,32 @@ fn effective_caps_have(status: &str, bit: u32) -> bool {
         .is_some_and(|caps| caps & (1 << bit) != 0)
 }
 
-/// Which of `wanted` the kernel has enabled (`/proc/cgroups`, `table`) in no cgroup v1
-/// hierarchy (hierarchy ID 0: unused, or left to cgroup v2).
-fn unmounted_v1_controllers(table: &str, wanted: &[&str]) -> Vec<String> {
+/// Which of `wanted` the kernel has enabled (`/proc/cgroups`, `table`) and no mounted cgroup
+/// v1 hierarchy holds (`/proc/self/mountinfo`, `mounts`); none on a host whose
+/// `/sys/fs/cgroup` is not the tmpfs of cgroup v1 (a cgroup v2 host).
+fn unmounted_v1_controllers(table: &str, mounts: &str, wanted: &[&str]) -> Vec<String> {
+    // A mountinfo line: ID, parent, device, root, mount point, options, optional fields, "-",
+    // file system type, source, super options.
+    let mounted: Vec<(&str, &str, &str)> = mounts
+        .lines()
+        .filter_map(|line| {
+            let (before, after) = line.split_once(" - ")?;
+            let point = before.split(' ').nth(4)?;
+            let mut after = after.split(' ');
+            Some((point, after.next()?, after.nth(1)?))
+        })
+        .collect();
+    if !mounted.iter().any(|(point, fstype, _)| *point == "/sys/fs/cgroup" && *fstype == "tmpfs") {
+        return Vec::new();
+    }
+    let in_v1 = |controller: &str| {
+        mounted.iter().any(|(_, fstype, options)| *fstype == "cgroup" && options.split(',').any(|o| o == controller))
+    };
     table
         .lines()
         .filter(|line| !line.starts_with('#'))
         .filter_map(|line| match line.split_whitespace().collect::<Vec<_>>()[..] {
-            [name, "0", _, "1"] if wanted.contains(&name) => Some(name.to_string()),
+            [name, _, _, "1"] if wanted.contains(&name) && !in_v1(name) => Some(name.to_string()),
             _ => None,
         })
         .collect()
@@ -529,11 +548,21 @@ mod test {
     }
 
     #[test]
-    fn only_enabled_controllers_in_no_v1_hierarchy_are_mounted() {
+    fn only_enabled_controllers_no_mounted_v1_hierarchy_holds_are_mounted_and_only_on_v1_hosts() {
         let table = "#subsys_name\thierarchy\tnum_cgroups\tenabled\ncpu\t1\t13\t1\nhugetlb\t0\t13\t1\n\
                      net_cls\t0\t13\t1\npids\t0\t1\t0\n";
-        assert_eq!(unmounted_v1_controllers(table, &["hugetlb", "cpu", "pids"]), vec!["hugetlb".to_string()]);
-        assert!(unmounted_v1_controllers("hugetlb\t10\t1\t1\n", &["hugetlb"]).is_empty());
+        let hybrid = "25 21 0:22 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755\n\
+                      26 25 0:23 / /sys/fs/cgroup/cpu rw,relatime shared:7 - cgroup cgroup rw,cpu\n\
+                      27 25 0:24 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n";
+        let wanted = ["hugetlb", "cpu", "pids"];
+        assert_eq!(unmounted_v1_controllers(table, hybrid, &wanted), vec!["hugetlb".to_string()]);
+        // A lingering hierarchy (non-zero ID, no mount) is mounted again.
+        let lingering = "hugetlb\t10\t1\t1\n";
+        assert_eq!(unmounted_v1_controllers(lingering, hybrid, &["hugetlb"]), vec!["hugetlb".to_string()]);
+        let with_hugetlb = format!("{hybrid}28 25 0:25 / /sys/fs/cgroup/hugetlb rw - cgroup cgroup rw,hugetlb\n");
+        assert!(unmounted_v1_controllers(table, &with_hugetlb, &["hugetlb"]).is_empty());
+        let v2 = "25 21 0:22 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        assert!(unmounted_v1_controllers(table, v2, &["hugetlb"]).is_empty());
     }
 
     #[test]

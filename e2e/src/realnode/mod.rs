@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use k8s_cri::v1::{ContainerFilter, ListContainersRequest, ListPodSandboxRequest, PodSandboxFilter};
+use k8s_cri::v1::{ContainerFilter, ListContainersRequest, ListPodSandboxRequest, PodSandboxFilter, VersionRequest};
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::Api;
@@ -81,6 +81,9 @@ const NODE_IMAGES: [(&str, &str); 2] = [("pause.tar", PAUSE_IMAGE), ("busybox.ta
 
 /// How long the runtime may take to answer on its socket after its start.
 const RUNTIME_READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long one readiness question to the runtime may take.
+const VERSION_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a real node may take to register and turn Ready (11 s seen on this machine).
 const NODE_READY_TIMEOUT: Duration = Duration::from_secs(120);
@@ -295,10 +298,13 @@ impl RealNode {
         .await
     }
 
-    /// Starts the node's runtime and waits until it answers on its socket. CRI-O runs in a
+    /// Starts the node's runtime and waits until it answers a CRI `Version` call (CRI-O opens
+    /// its socket before its start-up work: storage repair, restore, CNI GC). CRI-O runs in a
     /// mount namespace of its own where the node's [`NodePaths::crio_cni_cache`] is bound over
-    /// `/var/lib/cni` (the node directory's mounts stay shared with the host, so kubelet and
-    /// the tests see its network namespaces and root filesystems).
+    /// `/var/lib/cni`, the mount holding that directory made private there first (on a systemd
+    /// host `/` is shared, and the bind would reach the host); the node directory's mounts
+    /// stay shared with the host, so kubelet and the tests see its network namespaces and root
+    /// filesystems.
     async fn start_runtime(&mut self) -> Result<()> {
         let (program, args) = match self.paths.runtime {
             Runtime::Containerd => (
@@ -306,10 +312,14 @@ impl RealNode {
                 vec!["--config".to_string(), self.paths.containerd_config().display().to_string()],
             ),
             Runtime::Crio => {
+                create_dir(Path::new(CNI_CACHE))?;
                 let crio = self.context.binaries.crio("crio")?;
                 let mut args: Vec<String> =
                     ["--mount", "--propagation", "unchanged", "--", "sh", "-c"].map(String::from).to_vec();
-                args.push(format!("mount --bind \"$0\" {CNI_CACHE} && exec \"$@\""));
+                args.push(format!(
+                    "mount --make-private \"$(findmnt -no TARGET -T {CNI_CACHE})\" && mount --bind \"$0\" {CNI_CACHE} && \
+                     exec \"$@\""
+                ));
                 args.extend([
                     self.paths.crio_cni_cache().display().to_string(),
                     crio.display().to_string(),
@@ -332,14 +342,18 @@ impl RealNode {
         let socket = self.paths.runtime_socket();
         let runtime = &mut self.runtime;
         let what = format!("{} of {} answering", self.paths.runtime.name(), self.name);
+        let client = cri_proxy::runtime_client(&socket)?;
         wait::until(&what, RUNTIME_READY_TIMEOUT, || {
             let running = ensure(runtime);
+            let mut client = client.clone();
             let socket = socket.clone();
             async move {
                 running?;
-                Ok(match tokio::net::UnixStream::connect(&socket).await {
-                    Ok(_) => Probe::Done(()),
-                    Err(e) => Probe::Pending(format!("{}: {e}", socket.display())),
+                let version = client.version(VersionRequest { version: "v1".to_string() });
+                Ok(match tokio::time::timeout(VERSION_CALL_TIMEOUT, version).await {
+                    Ok(Ok(_)) => Probe::Done(()),
+                    Ok(Err(status)) => Probe::Pending(format!("{}: {status}", socket.display())),
+                    Err(_) => Probe::Pending(format!("{}: no answer in {VERSION_CALL_TIMEOUT:?}", socket.display())),
                 })
             }
         })
@@ -353,8 +367,9 @@ impl RealNode {
         Ok(())
     }
 
-    /// Imports the OCI archive `archive` as image `name` into the node's runtime: with `ctr`
-    /// for containerd, with CRI-O's image copier into its storage for CRI-O.
+    /// Imports the OCI archive `archive` into the node's runtime: with `ctr` for containerd
+    /// (which names the image from the archive's annotation), with CRI-O's image copier into
+    /// its storage as image `name` for CRI-O.
     pub async fn import_image(&self, archive: &Path, name: &str) -> Result<()> {
         match self.paths.runtime {
             Runtime::Containerd => self.ctr(&["images", "import", &archive.display().to_string()]).await.map(drop),
@@ -531,6 +546,12 @@ impl RealNode {
     /// (`overlay-containers/<id>/userdata/config.json`, what `LoadSandbox` reads at its start),
     /// so the next CRI-O cannot restore the sandbox, as when a disk fault loses its state.
     pub fn forget_sandbox(&self, id: &str) -> Result<()> {
+        if self.paths.runtime != Runtime::Crio {
+            return Err(Error::Tool {
+                command: format!("forgetting sandbox {id}"),
+                reason: format!("{} runs {}, not CRI-O", self.name, self.paths.runtime.name()),
+            });
+        }
         let spec = self.paths.crio_dir().join("root/overlay-containers").join(id).join("userdata/config.json");
         std::fs::remove_file(&spec).map_err(Error::io("removing a CRI-O sandbox's spec", &spec))
     }
