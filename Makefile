@@ -23,7 +23,7 @@ tools: deps
 node: deps
 	@echo "node: kubelet, containerd and CNI plugins from their Go modules (cached; a cold build takes about 5 minutes on 2 cores)"
 	bash e2e/cluster/build-node.sh >/dev/null
-	@echo "node: CRI-O from its Go module (cached; a cold build takes about 4 minutes on 2 cores)"
+	@echo "node: CRI-O from its Go module (cached; a cold build takes about 1.5 minutes on 2 cores, plus its download)"
 	bash e2e/cluster/build-crio.sh >/dev/null
 	@echo "node: the Debian base of ipwarden's image, for the test image the chart runs on a real node (cached; debootstrap, half a minute here)"
 	bash e2e/image/build-base.sh >/dev/null

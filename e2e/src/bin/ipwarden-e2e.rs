@@ -65,7 +65,7 @@ enum Command {
         real_nodes: usize,
         /// The container runtime of the real nodes: `containerd` or `crio` (CRI-O, built by
         /// e2e/cluster/build-crio.sh; conmon from Debian).
-        #[arg(long, default_value = "containerd", value_enum)]
+        #[arg(long, default_value = "containerd", value_enum, requires = "real_nodes")]
         runtime: e2e::realnode::Runtime,
         /// With --ipwarden: how it runs. `processes`: an agent per node and two controller
         /// replicas on this host. `chart`: as users install it, `helm install` of the chart
