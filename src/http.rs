@@ -20,6 +20,20 @@ const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=
 /// The content type of the classic Prometheus text format.
 const CLASSIC_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
+/// Parses the address an endpoint listens on: `IP:port`, `[IPv6]:port`, or an IPv6 address
+/// and port without brackets (`fd00::1:9612`, the last colon before the port), which is what
+/// a pod spec's `$(HOST_IP):<port>` gives on an IPv6 node.
+pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
+    if let Ok(address) = text.parse() {
+        return Ok(address);
+    }
+    let bare = text.rsplit_once(':').and_then(|(ip, port)| {
+        let ip: std::net::Ipv6Addr = ip.parse().ok()?;
+        Some(SocketAddr::from((ip, port.parse::<u16>().ok()?)))
+    });
+    bare.ok_or_else(|| format!("{text:?} is not an address to listen on (IP:port, [IPv6]:port or IPv6:port)"))
+}
+
 /// What the endpoint reports on.
 #[derive(Clone)]
 pub struct Endpoint {
@@ -105,7 +119,25 @@ async fn readyz(State(endpoint): State<Endpoint>) -> impl IntoResponse {
 
 #[cfg(test)]
 mod test {
-    use super::classic_text;
+    use super::{classic_text, parse_listen_address};
+
+    #[test]
+    fn listen_addresses_take_ipv6_with_or_without_brackets() {
+        for (text, want) in [
+            ("0.0.0.0:9612", Some("0.0.0.0:9612")),
+            ("192.0.2.10:9612", Some("192.0.2.10:9612")),
+            ("[fd00::1]:9612", Some("[fd00::1]:9612")),
+            ("fd00::1:9612", Some("[fd00::1]:9612")),
+            ("192.0.2.10", None),
+            ("fd00::1", None),
+            ("$(HOST_IP):9612", None),
+            ("192.0.2.10:70000", None),
+            ("", None),
+        ] {
+            let got = parse_listen_address(text).ok().map(|a| a.to_string());
+            assert_eq!(got.as_deref(), want, "{text}");
+        }
+    }
 
     #[test]
     fn counter_families_take_their_samples_total_name_and_eof_goes() {

@@ -343,3 +343,26 @@ async fn the_agent_mounts_each_host_directory_once_when_its_socket_and_checkpoin
         );
     }
 }
+
+/// `agent.listenOnHostIP` binds the agent's metrics and probe port to the node's IP from the
+/// downward API (several real nodes of the harness share one host's network); by default it
+/// listens on every address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_listens_on_every_address_or_on_the_nodes_ip_only() {
+    let helm = Helm::locate().expect("helm builds");
+    for (values, address, host_ip) in [
+        (&[][..], "--metrics-address=0.0.0.0:9612", false),
+        (&["agent.listenOnHostIP=true"][..], "--metrics-address=$(HOST_IP):9612", true),
+    ] {
+        let docs =
+            helm.template("ipwarden", NAMESPACE, values, &["templates/agent-daemonset.yaml"]).await.expect("renders");
+        let agent = &one(&docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0];
+        let args: Vec<&str> = agent["args"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+        assert!(args.contains(&address), "{values:?}: {args:?}");
+        let env = agent["env"].as_array().into_iter().flatten();
+        let from_host_ip: Vec<&Value> = env
+            .filter(|e| e["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP" && e["name"] == "HOST_IP")
+            .collect();
+        assert_eq!(from_host_ip.len() == 1, host_ip, "{values:?}: {:?}", agent["env"]);
+    }
+}

@@ -1,6 +1,6 @@
-//! ipwarden installed the way users install it, on a real node (kubelet + containerd): `helm
+//! ipwarden installed the way users install it, on real nodes (kubelet + containerd): `helm
 //! install` of the chart, whose agent DaemonSet and controller Deployment run as pods from
-//! ipwarden's image under kubelet (docs/testing.md, "The chart on a real node").
+//! ipwarden's image under kubelet (docs/testing.md, "The chart on real nodes").
 
 mod support;
 
@@ -8,8 +8,8 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use e2e::cluster::RealNodesOptions;
-use e2e::realnode::Runtime;
 use e2e::realnode::chart::{self, AGENT_SELECTOR, CONTROLLER_SELECTOR, ChartInstallation, NAMESPACE};
+use e2e::realnode::{NODE_VIEW, Runtime};
 use e2e::wait::{self, Probe};
 use e2e::{Cluster, ClusterOptions};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -34,16 +34,20 @@ async fn scrape(address: &str, port: u16) -> String {
     e2e::ipwarden::get_at(address, port, "/metrics").await.unwrap_or_else(|e| panic!("scraping {address}:{port}: {e}"))
 }
 
-/// A cluster of one real node with the chart installed (image tag `tags[0]`, every tag of
-/// `tags` loaded), the documented pool, the agent and both controllers Ready, the Node Ready;
-/// with `from_empty`, the node's plugin and conflist removed first, so the init container
-/// installs them.
-async fn installed(tags: &[&str], from_empty: bool) -> (Cluster, ChartInstallation, Vec<Pod>, Vec<Pod>) {
+/// A cluster of `nodes` real nodes with the chart installed (image tag `tags[0]`, every tag of
+/// `tags` loaded), the documented pool, the agents and both controllers Ready, the Nodes Ready;
+/// with `from_empty`, the nodes' plugin and conflist removed first, so the init containers
+/// install them.
+async fn installed(nodes: usize, tags: &[&str], from_empty: bool) -> (Cluster, ChartInstallation, Vec<Pod>, Vec<Pod>) {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let binary = Path::new(env!("CARGO_BIN_EXE_ipwarden"));
     let options = ClusterOptions {
         nodes: 0,
-        real_nodes: Some(RealNodesOptions { count: 1, ipwarden: binary.to_path_buf(), runtime: Runtime::Containerd }),
+        real_nodes: Some(RealNodesOptions {
+            count: nodes,
+            ipwarden: binary.to_path_buf(),
+            runtime: Runtime::Containerd,
+        }),
         ..ClusterOptions::default()
     };
     let mut cluster = Cluster::start(options).await.expect("a cluster with a real node");
@@ -67,7 +71,7 @@ async fn installed(tags: &[&str], from_empty: bool) -> (Cluster, ChartInstallati
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_chart_installed_on_a_real_node_runs_from_its_image_and_gives_pods_their_ips() {
-    let (cluster, _installation, agents, controllers) = installed(&["e2e-1"], true).await;
+    let (cluster, _installation, agents, controllers) = installed(1, &["e2e-1"], true).await;
     let client = cluster.client();
     for file in chart::installed_files(&cluster) {
         assert!(file.exists(), "the init container installed {}", file.display());
@@ -104,7 +108,7 @@ async fn the_chart_installed_on_a_real_node_runs_from_its_image_and_gives_pods_t
     assert!(problems.is_empty(), "{problems:?}");
 
     // Metrics from the pods' ports: the agent's on the node's network, the controllers' on theirs.
-    let agent_metrics = scrape("127.0.0.1", 9612).await;
+    let agent_metrics = scrape(&pod_ip(&agents[0]), 9612).await;
     assert!(metric(&agent_metrics, "ipwarden_agent_allocations_total{result=\"success\"}") >= 5.0, "{agent_metrics}");
     for controller in &controllers {
         let text = scrape(&pod_ip(controller), 9611).await;
@@ -131,7 +135,7 @@ async fn the_chart_installed_on_a_real_node_runs_from_its_image_and_gives_pods_t
     assert_unchanged(&client, &cluster, &pod_ips, "the agent pod replaced").await;
 
     // The agent's container SIGKILLed inside containerd: kubelet restarts it in the same pod.
-    let killed = std::process::Command::new("kill").args(["-KILL", &agent_process(&cluster)]).status();
+    let killed = std::process::Command::new("kill").args(["-KILL", &agent_process(node.name())]).status();
     assert!(killed.as_ref().is_ok_and(|s| s.success()), "SIGKILL the agent: {killed:?}");
     wait::until("the agent container restarted and Ready", TIMEOUT, || async {
         let pod = pods.get(&agents[0].name_any()).await.map_err(e2e::Error::kube("reading the agent pod"))?;
@@ -165,20 +169,41 @@ async fn the_chart_installed_on_a_real_node_runs_from_its_image_and_gives_pods_t
     cluster.stop();
 }
 
-/// The PID (on this host) of the chart's agent process of the cluster's real node.
-fn agent_process(cluster: &Cluster) -> String {
-    let socket = format!("--socket={}", chart::agent_dir(&cluster.real_nodes()[0]).join("agent.sock").display());
+/// The PID (on this host) of the chart's agent process on real node `node`: every node's agent
+/// has the same command line, its `NODE_NAME` tells them apart.
+fn agent_process(node: &str) -> String {
+    let socket = format!("--socket={NODE_VIEW}/ipwarden/agent.sock");
     let output = std::process::Command::new("pgrep").args(["-f", "--", &socket]).output().expect("pgrep");
-    let pids: Vec<String> = String::from_utf8_lossy(&output.stdout).lines().map(|l| l.trim().to_string()).collect();
-    assert_eq!(pids.len(), 1, "one agent process: {pids:?}");
+    let wanted = format!("NODE_NAME={node}");
+    let pids: Vec<String> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|l| l.trim().to_string())
+        .filter(|pid| {
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            environ.split(|b| *b == 0).any(|v| v == wanted.as_bytes())
+        })
+        .collect();
+    assert_eq!(pids.len(), 1, "one agent process of {node}: {pids:?}");
     pids[0].clone()
+}
+
+/// The IPs in the network namespaces of every real node's pods.
+fn all_netns_ips(cluster: &Cluster) -> BTreeSet<String> {
+    let mut all = BTreeSet::new();
+    for node in cluster.real_nodes() {
+        let ips = netns_ips(node);
+        let twice: Vec<&String> = ips.intersection(&all).collect();
+        assert!(twice.is_empty(), "an IP in network namespaces of two nodes: {twice:?}");
+        all.extend(ips);
+    }
+    all
 }
 
 /// Asserts that the records, and the IPs in the pods' network namespaces, are still `pod_ips`.
 async fn assert_unchanged(client: &Client, cluster: &Cluster, pod_ips: &BTreeSet<String>, after: &str) {
     let records: BTreeSet<String> = support::records(client).await.into_keys().collect();
     assert_eq!(&records, pod_ips, "no record changed: {after}");
-    assert_eq!(&netns_ips(&cluster.real_nodes()[0]), pod_ips, "no pod's IP changed: {after}");
+    assert_eq!(&all_netns_ips(cluster), pod_ips, "no pod's IP changed: {after}");
 }
 
 /// Scales Deployment `name` of the default namespace to `replicas`.
@@ -211,7 +236,7 @@ async fn wait_consistent(client: &Client, cluster: &Cluster, what: &str) -> BTre
             return Err(e2e::Error::Tool { command: what.into(), reason: format!("an IP on two pods: {ips:?}") });
         }
         let records: BTreeSet<String> = support::records(client).await.into_keys().collect();
-        let netns = netns_ips(&cluster.real_nodes()[0]);
+        let netns = all_netns_ips(cluster);
         Ok(if records == unique && netns == unique {
             Probe::Done(unique)
         } else {
@@ -235,13 +260,35 @@ async fn images_of(client: &Client, selector: &str) -> BTreeSet<String> {
         .collect()
 }
 
+/// The agent pods' `Ready` times and creation times show the DaemonSet's rollout one node at a
+/// time: each new agent pod was created only once the one before it was Ready.
+fn assert_one_node_at_a_time(agents: &[Pod]) {
+    let ready_at = |pod: &Pod| {
+        let conditions = pod.status.as_ref().and_then(|s| s.conditions.clone()).unwrap_or_default();
+        conditions.into_iter().find(|c| c.type_ == "Ready").and_then(|c| c.last_transition_time).map(|t| t.0)
+    };
+    let mut agents: Vec<&Pod> = agents.iter().collect();
+    agents.sort_by_key(|p| p.metadata.creation_timestamp.clone().map(|t| t.0));
+    for pair in agents.windows(2) {
+        let (earlier, later) = (pair[0], pair[1]);
+        let ready = ready_at(earlier).expect("a Ready agent has a Ready time");
+        let created = later.metadata.creation_timestamp.clone().expect("a creation time").0;
+        assert!(
+            ready <= created,
+            "{} was created at {created} before {} was Ready at {ready}: two nodes without their agent",
+            later.name_any(),
+            earlier.name_any()
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_helm_upgrade_under_a_changing_workload_then_an_uninstall_and_a_reinstall_change_no_pods_ip() {
-    let (cluster, mut installation, _, _) = installed(&["e2e-1", "e2e-2"], false).await;
+    let (cluster, mut installation, _, _) = installed(2, &["e2e-1", "e2e-2"], false).await;
     let client = cluster.client();
     let deployment: Deployment = serde_json::from_value(json!({
         "metadata": {"name": "web"},
-        "spec": {"replicas": 4, "selector": {"matchLabels": {"app": "web"}},
+        "spec": {"replicas": 12, "selector": {"matchLabels": {"app": "web"}},
                  "template": pod_template("web", e2e::realnode::workload_spec())},
     }))
     .expect("a Deployment");
@@ -249,22 +296,25 @@ async fn a_helm_upgrade_under_a_changing_workload_then_an_uninstall_and_a_reinst
         .create(&Default::default(), &deployment)
         .await
         .expect("create the Deployment");
-    wait_ready_pods(&client, "default", "app=web", 4).await;
+    wait_ready_pods(&client, "default", "app=web", 12).await;
 
-    // The upgrade while the workload grows, loses two pods by force and shrinks.
+    // The upgrade rolls the agents of both nodes while the workload grows to 24 pods, loses
+    // three by force and shrinks.
     installation.upgrade("e2e-2").await.expect("helm upgrade");
-    scale(&client, "web", 10).await;
+    scale(&client, "web", 24).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let listed = pods.list(&ListParams::default().labels("app=web")).await.expect("list web").items;
-    for pod in listed.iter().take(2) {
+    for pod in listed.iter().take(3) {
         pods.delete(&pod.name_any(), &kube::api::DeleteParams { grace_period_seconds: Some(0), ..Default::default() })
             .await
             .expect("force-delete a web pod");
     }
-    wait_ready_pods(&client, "default", "app=web", 10).await;
-    scale(&client, "web", 6).await;
+    let grown = wait_ready_pods(&client, "default", "app=web", 24).await;
+    let on: BTreeSet<String> = grown.iter().filter_map(|p| p.spec.as_ref().and_then(|s| s.node_name.clone())).collect();
+    assert_eq!(on.len(), 2, "the workload runs on both real nodes: {on:?}");
+    scale(&client, "web", 14).await;
     let upgraded = format!("{}:e2e-2", chart::IMAGE_REPOSITORY);
-    wait::until("the agent and the controllers run the new image", TIMEOUT, || async {
+    wait::until("the agents and the controllers run the new image", TIMEOUT, || async {
         let images = [images_of(&client, AGENT_SELECTOR).await, images_of(&client, CONTROLLER_SELECTOR).await];
         Ok(if images.iter().all(|i| i.len() == 1 && i.contains(&upgraded)) {
             Probe::Done(())
@@ -274,9 +324,10 @@ async fn a_helm_upgrade_under_a_changing_workload_then_an_uninstall_and_a_reinst
     })
     .await
     .expect("the rollout ends");
-    wait_ready_pods(&client, NAMESPACE, AGENT_SELECTOR, 1).await;
+    let agents = wait_ready_pods(&client, NAMESPACE, AGENT_SELECTOR, 2).await;
+    assert_one_node_at_a_time(&agents);
     wait_ready_pods(&client, NAMESPACE, CONTROLLER_SELECTOR, 2).await;
-    let web = wait_ready_pods(&client, "default", "app=web", 6).await;
+    let web = wait_ready_pods(&client, "default", "app=web", 14).await;
     wait_consistent(&client, &cluster, "after the upgrade").await;
     let events = Api::<k8s_openapi::api::core::v1::Event>::namespaced(client.clone(), "default")
         .list(&ListParams::default())
@@ -291,7 +342,7 @@ async fn a_helm_upgrade_under_a_changing_workload_then_an_uninstall_and_a_reinst
     let web_ips: BTreeSet<String> = web.iter().map(pod_ip).collect();
     let records: BTreeSet<String> = support::records(&client).await.into_keys().collect();
     assert!(records.is_superset(&web_ips), "the records stay: {records:?}");
-    assert!(netns_ips(&cluster.real_nodes()[0]).is_superset(&web_ips), "the pods keep their IPs");
+    assert!(all_netns_ips(&cluster).is_superset(&web_ips), "the pods keep their IPs");
     for file in chart::installed_files(&cluster) {
         assert!(file.exists(), "the plugin and the conflist stay on the node (docs/install.md): {}", file.display());
     }
@@ -306,7 +357,7 @@ async fn a_helm_upgrade_under_a_changing_workload_then_an_uninstall_and_a_reinst
     // Reinstalled: the agent takes over from its checkpoint, the pods keep their IPs, the late
     // pod gets one, and nothing is doubled or released.
     let _reinstalled = chart::install(&cluster, "e2e-2").await.expect("helm install again");
-    wait_ready_pods(&client, NAMESPACE, AGENT_SELECTOR, 1).await;
+    wait_ready_pods(&client, NAMESPACE, AGENT_SELECTOR, 2).await;
     wait_ready_pods(&client, NAMESPACE, CONTROLLER_SELECTOR, 2).await;
     wait_ready_pods(&client, "default", "app=late", 1).await;
     let settled = wait_consistent(&client, &cluster, "after the reinstall").await;

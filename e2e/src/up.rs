@@ -227,28 +227,29 @@ pub async fn start(options: &UpOptions, say: Say) -> Result<Up> {
     }
 }
 
-/// [`start`] with [`Install::Chart`]: one real node, the test image of `options.ipwarden`
-/// loaded into it, the chart installed, the documented pool.
+/// [`start`] with [`Install::Chart`]: the real nodes, the test image of `options.ipwarden`
+/// loaded into each, the chart installed, the documented pool.
 async fn start_with_chart(options: &UpOptions, state_dir: &Path, say: Say) -> Result<Up> {
     let binary = match (&options.ipwarden, options.nodes, options.real_nodes) {
-        (Some(binary), 0, 1) => {
+        (Some(binary), 0, 1..) => {
             std::fs::canonicalize(binary).map_err(Error::io("finding the ipwarden binary", binary))?
         }
         _ => {
             return Err(Error::Tool {
                 command: "up --install chart".into(),
-                reason: "the chart runs on one real node and no simulated one: pass --ipwarden <binary> --nodes 0 \
-                         --real-nodes 1 (docs/testing.md, \"The chart on a real node\")"
+                reason: "the chart runs on real nodes only: pass --ipwarden <binary> --nodes 0 --real-nodes N \
+                         (docs/testing.md, \"The chart on real nodes\")"
                     .into(),
             });
         }
     };
-    say(&format!("starting the control plane and 1 real node (kubelet and {})", options.runtime.name()));
+    let count = options.real_nodes;
+    say(&format!("starting the control plane and {count} real nodes (kubelet and {})", options.runtime.name()));
     let real_nodes =
-        Some(crate::cluster::RealNodesOptions { count: 1, ipwarden: binary.clone(), runtime: options.runtime });
+        Some(crate::cluster::RealNodesOptions { count, ipwarden: binary.clone(), runtime: options.runtime });
     let mut cluster = Cluster::start(ClusterOptions { nodes: 0, real_nodes, ..ClusterOptions::default() }).await?;
     say(
-        "installing ipwarden with its Helm chart: its image loaded into the node, helm install, the default pool 10.244.0.0/16",
+        "installing ipwarden with its Helm chart: its image loaded into the nodes, helm install, the default pool 10.244.0.0/16",
     );
     let installed = async {
         chart::load_image(&cluster, &binary, chart::UP_TAG, cluster.dir()).await?;

@@ -69,8 +69,8 @@ enum Command {
         runtime: e2e::realnode::Runtime,
         /// With --ipwarden: how it runs. `processes`: an agent per node and two controller
         /// replicas on this host. `chart`: as users install it, `helm install` of the chart
-        /// with its pods from ipwarden's image under a real node's kubelet; needs `--nodes 0
-        /// --real-nodes 1` (docs/testing.md, "The chart on a real node").
+        /// with its pods from ipwarden's image under the real nodes' kubelets; needs `--nodes 0
+        /// --real-nodes N` (docs/testing.md, "The chart on real nodes").
         #[arg(long, default_value = "processes", value_parser = clap::value_parser!(e2e::up::Install), requires = "ipwarden")]
         install: e2e::up::Install,
     },

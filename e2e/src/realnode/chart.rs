@@ -2,15 +2,14 @@
 //! agent DaemonSet and controller Deployment running as pods from ipwarden's image under the
 //! node's kubelet (docs/testing.md, "The chart on a real node"). The image is the test image
 //! (`e2e/image/test-image.sh`: the release image's Debian base and a binary built on this
-//! host), imported into the node's containerd, as there is no registry. The values set only
-//! what differs on this machine: the image, the node's directories, which live in its run
+//! host), imported into each node's containerd, as there is no registry. The values set only
+//! what differs on this machine: the image; the node's directories, which live in its run
 //! directory instead of `/etc/cni/net.d`, `/opt/cni/bin`, `/run/ipwarden`, `/var/lib/ipwarden`
-//! and `/run/containerd`, and the controllers' toleration of the real nodes' taint. The pods
-//! reach the apiserver through the `kubernetes` Service as in-cluster pods do
-//! ([`super::service`]).
-//!
-//! One real node only: the real nodes share this host's network and mount namespaces, so two
-//! would need different host paths and ports from one DaemonSet.
+//! and `/run/containerd`, and which every node's kubelet and runtime see at one path
+//! ([`super::NODE_VIEW`]), as every real machine has its own `/etc/cni/net.d`; the agent's port
+//! on the node's IP only (`agent.listenOnHostIP`), as the real nodes share this host's network;
+//! and the controllers' toleration of the real nodes' taint. The pods reach the apiserver
+//! through the `kubernetes` Service as in-cluster pods do ([`super::service`]).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -68,16 +67,13 @@ pub fn agent_dir(node: &RealNode) -> PathBuf {
     node.dir().join("ipwarden")
 }
 
-/// The chart's values for this machine: image `tag` (never pulled) and the node's directories.
+/// The chart's values for this machine: image `tag` (never pulled) and the nodes' directories
+/// as the nodes see them.
 fn values(cluster: &Cluster, tag: &str) -> Result<Vec<String>> {
-    let [node] = cluster.real_nodes() else {
+    let Some(node) = cluster.real_nodes().first() else {
         return Err(Error::Tool {
             command: "helm install (the chart on real nodes)".into(),
-            reason: format!(
-                "{} real nodes: the chart's hostPaths and hostNetwork ports are the same on every node, and the real \
-                 nodes share this host, so only one can run it",
-                cluster.real_nodes().len()
-            ),
+            reason: "the cluster has no real nodes".into(),
         });
     };
     let paths = node.paths();
@@ -90,16 +86,17 @@ fn values(cluster: &Cluster, tag: &str) -> Result<Vec<String>> {
                 .into(),
         });
     }
-    let socket = paths.runtime_socket();
+    let seen = |path: &Path| paths.seen_by_node(path).display().to_string();
     Ok(vec![
         format!("image.repository={IMAGE_REPOSITORY}"),
         format!("image.tag={tag}"),
         "image.pullPolicy=Never".into(),
-        format!("cni.binDir={}", paths.cni_bin_dir().display()),
-        format!("cni.confDir={}", paths.cni_conf_dir().display()),
-        format!("agent.socketDir={}", agent_dir(node).display()),
-        format!("agent.checkpointDir={}", agent_dir(node).display()),
-        format!("agent.cri.sockets={{{}}}", socket.display()),
+        format!("cni.binDir={}", seen(&paths.cni_bin_dir())),
+        format!("cni.confDir={}", seen(&paths.cni_conf_dir())),
+        format!("agent.socketDir={}", seen(&agent_dir(node))),
+        format!("agent.checkpointDir={}", seen(&agent_dir(node))),
+        format!("agent.cri.sockets={{{}}}", seen(&paths.runtime_socket())),
+        "agent.listenOnHostIP=true".into(),
         // The test's real nodes are tainted (only pods made for them go there); the agent
         // tolerates every taint already.
         format!("controller.tolerations[0].key={}", super::REAL_NODE_LABEL),
@@ -108,7 +105,7 @@ fn values(cluster: &Cluster, tag: &str) -> Result<Vec<String>> {
 }
 
 /// Installs the chart (image `tag`, loaded by [`load_image`]) into [`NAMESPACE`], as
-/// docs/install.md says, on a cluster of one real node.
+/// docs/install.md says, on the cluster's real nodes.
 pub async fn install(cluster: &Cluster, tag: &str) -> Result<ChartInstallation> {
     let values = values(cluster, tag)?;
     let context = cluster.real_context().ok_or_else(|| Error::Tool {
@@ -167,11 +164,12 @@ fn apiserver_port(server: &str) -> Result<u16> {
 /// The tag of the image `ipwarden-e2e up --install chart` runs.
 pub const UP_TAG: &str = "e2e";
 
-/// Waits until the chart runs: the agent pod Ready, with it the Node, then both controller pods
-/// Ready (on the pod network, they need the agent). Returns the agent and controller pods.
+/// Waits until the chart runs: an agent pod Ready on every real node, with them the Nodes, then
+/// both controller pods Ready (on the pod network, they need the agents). Returns the agent
+/// and controller pods.
 pub async fn wait_running(cluster: &mut Cluster) -> Result<(Vec<Pod>, Vec<Pod>)> {
     let client = cluster.client();
-    let agents = ready_pods(&client, NAMESPACE, AGENT_SELECTOR, 1).await?;
+    let agents = ready_pods(&client, NAMESPACE, AGENT_SELECTOR, cluster.real_nodes().len()).await?;
     cluster.wait_real_nodes_ready().await?;
     let controllers = ready_pods(&client, NAMESPACE, CONTROLLER_SELECTOR, 2).await?;
     Ok((agents, controllers))

@@ -33,6 +33,12 @@ impl Runtime {
     }
 }
 
+/// The path at which each real node's kubelet and runtime see the node's own directory (bound
+/// there in their mount namespace): one host path naming a different directory on each node, as
+/// `/etc/cni/net.d` does on real machines, so that one DaemonSet's hostPaths serve every node
+/// ([`NodePaths::seen_by_node`]).
+pub const NODE_VIEW: &str = "/run/ipwarden-e2e-node";
+
 /// Where one real node keeps its state, all under its own directory.
 #[derive(Clone, Debug)]
 pub struct NodePaths {
@@ -43,6 +49,15 @@ pub struct NodePaths {
 }
 
 impl NodePaths {
+    /// `path` (under the node's directory) as the node's kubelet, runtime and their containers
+    /// see it, under [`NODE_VIEW`]; a path outside the directory is returned as it is.
+    pub fn seen_by_node(&self, path: &Path) -> PathBuf {
+        match path.strip_prefix(&self.dir) {
+            Ok(rest) => Path::new(NODE_VIEW).join(rest),
+            Err(_) => path.to_path_buf(),
+        }
+    }
+
     /// The runtime's CRI socket, which kubelet and the agent dial.
     pub fn runtime_socket(&self) -> PathBuf {
         match self.runtime {
@@ -462,6 +477,15 @@ mod test {
         for signal in ["nodefs.available", "nodefs.inodesFree", "imagefs.available", "imagefs.inodesFree"] {
             assert_eq!(config["evictionHard"][signal], "0%", "{signal} is off");
         }
+    }
+
+    #[test]
+    fn the_node_sees_its_directory_at_one_path_shared_by_every_node() {
+        let cni = paths().cni_conf_dir();
+        assert_eq!(paths().seen_by_node(&cni), Path::new("/run/ipwarden-e2e-node/cni/net.d"));
+        let other = NodePaths { dir: PathBuf::from("/tmp/run/real-node-1"), ..paths() };
+        assert_eq!(other.seen_by_node(&other.cni_conf_dir()), paths().seen_by_node(&cni));
+        assert_eq!(paths().seen_by_node(Path::new("/usr/sbin/runc")), Path::new("/usr/sbin/runc"));
     }
 
     #[test]

@@ -26,7 +26,7 @@ use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::Api;
 
-pub use config::{BUSYBOX_IMAGE, NodePaths, PAUSE_IMAGE, Runtime};
+pub use config::{BUSYBOX_IMAGE, NODE_VIEW, NodePaths, PAUSE_IMAGE, Runtime};
 use host::HostGuard;
 
 use crate::error::{Error, Result};
@@ -299,38 +299,32 @@ impl RealNode {
     }
 
     /// Starts the node's runtime and waits until it answers a CRI `Version` call (CRI-O opens
-    /// its socket before its start-up work: storage repair, restore, CNI GC). CRI-O runs in a
-    /// mount namespace of its own where the node's [`NodePaths::crio_cni_cache`] is bound over
-    /// `/var/lib/cni`, the mount holding that directory made private there first (on a systemd
-    /// host `/` is shared, and the bind would reach the host); the node directory's mounts
-    /// stay shared with the host, so kubelet and the tests see its network namespaces and root
-    /// filesystems.
+    /// its socket before its start-up work: storage repair, restore, CNI GC). The runtime runs
+    /// in the node's mount namespace ([`RealNode::node_namespace`]); CRI-O's also has the
+    /// node's [`NodePaths::crio_cni_cache`] bound over `/var/lib/cni`.
     async fn start_runtime(&mut self) -> Result<()> {
-        let (program, args) = match self.paths.runtime {
+        let (program, args, extra) = match self.paths.runtime {
             Runtime::Containerd => (
                 self.context.binaries.path("containerd"),
                 vec!["--config".to_string(), self.paths.containerd_config().display().to_string()],
+                None,
             ),
             Runtime::Crio => {
                 create_dir(Path::new(CNI_CACHE))?;
-                let crio = self.context.binaries.crio("crio")?;
-                let mut args: Vec<String> =
-                    ["--mount", "--propagation", "unchanged", "--", "sh", "-c"].map(String::from).to_vec();
-                args.push(format!(
-                    "mount --make-private \"$(findmnt -no TARGET -T {CNI_CACHE})\" && mount --bind \"$0\" {CNI_CACHE} && \
-                     exec \"$@\""
-                ));
-                args.extend([
-                    self.paths.crio_cni_cache().display().to_string(),
-                    crio.display().to_string(),
+                let args = vec![
                     "--config".to_string(),
                     self.paths.crio_config().display().to_string(),
                     "--config-dir".to_string(),
                     self.paths.crio_config_dir().display().to_string(),
-                ]);
-                (PathBuf::from("unshare"), args)
+                ];
+                (
+                    self.context.binaries.crio("crio")?,
+                    args,
+                    Some((self.paths.crio_cni_cache(), PathBuf::from(CNI_CACHE))),
+                )
             }
         };
+        let (program, args) = self.node_namespace(&program, args, extra)?;
         let component = Component::start_with_env(
             &format!("{}-{}", self.paths.runtime.name(), self.name),
             &program,
@@ -394,6 +388,38 @@ impl RealNode {
         }
     }
 
+    /// `program` with `args` as started in the node's own mount namespace, where the node's
+    /// directory is bound at [`NODE_VIEW`] (and `extra`'s source at its target): kubelet
+    /// and the runtime of every node see their own directory at that one path, which the
+    /// chart's hostPaths name. The mount holding each target is made private there first (on a
+    /// systemd host `/` is shared, and the bind would reach the host and the other nodes); the
+    /// node directory's own mounts stay shared with the host, so kubelet, the runtime and the
+    /// tests see each other's network namespaces, volumes and root filesystems.
+    fn node_namespace(
+        &self,
+        program: &Path,
+        args: Vec<String>,
+        extra: Option<(PathBuf, PathBuf)>,
+    ) -> Result<(PathBuf, Vec<String>)> {
+        create_dir(Path::new(NODE_VIEW))?;
+        let binds = [(self.paths.dir.clone(), PathBuf::from(NODE_VIEW))].into_iter().chain(extra);
+        let mut command: Vec<String> =
+            ["--mount", "--propagation", "unchanged", "--", "sh", "-ec"].map(String::from).to_vec();
+        command.push(
+            "while [ \"$1\" != -- ]; do mount --make-private \"$(findmnt -no TARGET -T \"$2\")\"; \
+             mount --rbind \"$1\" \"$2\"; shift 2; done; shift; exec \"$@\""
+                .to_string(),
+        );
+        command.push("node-namespace".to_string());
+        for (source, target) in binds {
+            command.extend([source.display().to_string(), target.display().to_string()]);
+        }
+        command.push("--".to_string());
+        command.push(program.display().to_string());
+        command.extend(args);
+        Ok((PathBuf::from("unshare"), command))
+    }
+
     fn start_kubelet(&mut self) -> Result<()> {
         let args = vec![
             format!("--config={}", self.paths.kubelet_config().display()),
@@ -406,9 +432,10 @@ impl RealNode {
             format!("--register-with-taints={REAL_NODE_LABEL}=true:NoSchedule"),
             "--v=2".to_string(),
         ];
+        let (program, args) = self.node_namespace(&self.context.binaries.path("kubelet"), args, None)?;
         let component = Component::start_with_env(
             &format!("kubelet-{}", self.name),
-            &self.context.binaries.path("kubelet"),
+            &program,
             args,
             vec![("PATH".to_string(), path_with(&self.context.binaries.dir))],
             self.paths.dir.join("kubelet.log"),
