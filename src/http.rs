@@ -20,18 +20,19 @@ const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=
 /// The content type of the classic Prometheus text format.
 const CLASSIC_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-/// Parses the address an endpoint listens on: `IP:port`, `[IPv6]:port`, or an IPv6 address
-/// and port without brackets (`fd00::1:9612`, the last colon before the port), which is what
-/// a pod spec's `$(HOST_IP):<port>` gives on an IPv6 node.
+/// Parses the address an endpoint listens on: `IPv4:port`, `[IPv6]:port`, or `[IPv4]:port`,
+/// which is what a pod spec's `[$(HOST_IP)]:<port>` gives on an IPv4 node (the same text gives
+/// `[IPv6]:port` on an IPv6 one, so one chart line serves both families).
 pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
     if let Ok(address) = text.parse() {
         return Ok(address);
     }
-    let bare = text.rsplit_once(':').and_then(|(ip, port)| {
-        let ip: std::net::Ipv6Addr = ip.parse().ok()?;
-        Some(SocketAddr::from((ip, port.parse::<u16>().ok()?)))
+    let bracketed = text.strip_prefix('[').and_then(|rest| rest.split_once("]:")).and_then(|(ip, port)| {
+        let ip: std::net::Ipv4Addr = ip.parse().ok()?;
+        let port: u16 = port.bytes().all(|b| b.is_ascii_digit()).then(|| port.parse().ok())??;
+        Some(SocketAddr::from((ip, port)))
     });
-    bare.ok_or_else(|| format!("{text:?} is not an address to listen on (IP:port, [IPv6]:port or IPv6:port)"))
+    bracketed.ok_or_else(|| format!("{text:?} is not an address to listen on (IPv4:port, [IPv6]:port or [IPv4]:port)"))
 }
 
 /// What the endpoint reports on.
@@ -122,15 +123,19 @@ mod test {
     use super::{classic_text, parse_listen_address};
 
     #[test]
-    fn listen_addresses_take_ipv6_with_or_without_brackets() {
+    fn listen_addresses_take_ipv4_also_in_brackets() {
         for (text, want) in [
             ("0.0.0.0:9612", Some("0.0.0.0:9612")),
             ("192.0.2.10:9612", Some("192.0.2.10:9612")),
             ("[fd00::1]:9612", Some("[fd00::1]:9612")),
-            ("fd00::1:9612", Some("[fd00::1]:9612")),
+            ("[192.0.2.10]:9612", Some("192.0.2.10:9612")),
+            ("fd00::1:9612", None),
+            ("fd00::1:2", None),
+            ("[192.0.2.10]:+80", None),
+            ("[192.0.2.10]", None),
             ("192.0.2.10", None),
             ("fd00::1", None),
-            ("$(HOST_IP):9612", None),
+            ("[$(HOST_IP)]:9612", None),
             ("192.0.2.10:70000", None),
             ("", None),
         ] {

@@ -352,7 +352,7 @@ async fn the_agent_listens_on_every_address_or_on_the_nodes_ip_only() {
     let helm = Helm::locate().expect("helm builds");
     for (values, address, host_ip) in [
         (&[][..], "--metrics-address=0.0.0.0:9612", false),
-        (&["agent.listenOnHostIP=true"][..], "--metrics-address=$(HOST_IP):9612", true),
+        (&["agent.listenOnHostIP=true"][..], "--metrics-address=[$(HOST_IP)]:9612", true),
     ] {
         let docs =
             helm.template("ipwarden", NAMESPACE, values, &["templates/agent-daemonset.yaml"]).await.expect("renders");

@@ -164,10 +164,10 @@ async fn the_demo_on_the_chart_installed_on_a_real_node_narrates_a_release_and_a
 }
 
 #[test]
-fn up_refuses_the_chart_without_one_real_node_and_no_simulated_one() {
+fn up_refuses_the_chart_without_real_nodes_or_with_simulated_ones() {
     let runtime = tokio::runtime::Runtime::new().expect("a runtime");
     let (say, _lines) = kept_lines();
     let options = UpOptions { install: e2e::up::Install::Chart, ..options("chart-refused") };
     let refused = runtime.block_on(e2e::up::start(&options, say)).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(refused.contains("--nodes 0 --real-nodes 1"), "{refused}");
+    assert!(refused.contains("--nodes 0 --real-nodes N"), "{refused}");
 }

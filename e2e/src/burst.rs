@@ -276,10 +276,13 @@ pub struct BurstReport {
     pub bursts: Vec<Burst>,
     /// The bursts added up.
     pub summary: BurstSummary,
-    /// Distinct (IP, pods) pairs seen on two live pods at once: must be 0.
+    /// Distinct (IP, pods) pairs whose pods' sandboxes held the IP at once: must be 0.
     pub ip_conflicts: usize,
     /// Up to ten of them.
     pub conflict_examples: Vec<String>,
+    /// Distinct IPs a deleted pod still showed after its sandbox let go of them, while another
+    /// pod had them (not conflicts).
+    pub lingering: usize,
     /// Whether every burst ran and released all its pods within the bounds; when not, why
     /// in `failure`.
     pub completed: bool,
@@ -529,7 +532,7 @@ pub async fn run(cluster: &Cluster, installed: &Installed, options: &BurstOption
     let client = cluster.client();
     let mut background = JoinSet::new();
     let Watched { timeline, pods: store, conflicts: seen } =
-        watch(&client, ipam, &mut background, "the burst's pod watch").await?;
+        watch(cluster, ipam, &mut background, "the burst's pod watch").await?;
     let mut bursts = Vec::new();
     let mut failure = String::new();
     for index in 0..options.bursts {
@@ -549,7 +552,7 @@ pub async fn run(cluster: &Cluster, installed: &Installed, options: &BurstOption
         }
     }
     background.abort_all();
-    let conflicts = with(&seen, |(all, _)| all.iter().cloned().collect::<Vec<_>>());
+    let seen = with(&seen, |seen| seen.clone());
     Ok(BurstReport {
         ipam: ipam.to_string(),
         records: ipam.records().plural,
@@ -557,8 +560,9 @@ pub async fn run(cluster: &Cluster, installed: &Installed, options: &BurstOption
         per_node: options.per_node,
         summary: summarize(&bursts),
         bursts,
-        ip_conflicts: conflicts.len(),
-        conflict_examples: conflicts.into_iter().take(10).collect(),
+        ip_conflicts: seen.conflicts.len(),
+        conflict_examples: seen.conflicts.into_iter().take(10).collect(),
+        lingering: seen.lingering.len(),
         completed: failure.is_empty(),
         failure,
     })
@@ -663,7 +667,7 @@ impl std::fmt::Display for BurstReport {
         for example in &self.conflict_examples {
             writeln!(f, "  {example}")?;
         }
-        Ok(())
+        writeln!(f, "IPs a deleted pod still showed after its sandbox let go (not conflicts): {}", self.lingering)
     }
 }
 

@@ -27,7 +27,7 @@ use crate::cluster::Cluster;
 use crate::error::{Error, Result};
 use crate::exposition::{Histogram, Labels, Scrape};
 use crate::ipwarden;
-use crate::kubelet::SKIP_DEL_ANNOTATION;
+use crate::kubelet::{SKIP_DEL_ANNOTATION, SandboxSource};
 use crate::peers::{Installed, Ipam, Measured};
 use crate::procstat::{self, Usage};
 use crate::storm::{REPLICAS, StormReport};
@@ -226,10 +226,15 @@ pub struct GcActivity {
 /// IPs seen on two live pods at once, and compare-and-swap retries.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Conflicts {
-    /// Distinct (IP, pods) pairs seen: must be 0.
+    /// Distinct (IP, pods) pairs whose pods' sandboxes held the IP at once: must be 0.
     pub ip_conflicts: usize,
     /// Up to ten of them, `ip: pod, pod`.
     pub examples: Vec<String>,
+    /// Distinct IPs a deleted pod still showed in the API after its sandbox let go of them,
+    /// while another pod had them (not conflicts: kubelet had yet to confirm the deletion).
+    pub lingering: usize,
+    /// Up to ten of them, `ip: holder; sandbox gone: pod`.
+    pub lingering_examples: Vec<String>,
     /// How many times the pods were checked.
     pub polls: u64,
     /// IPBlock writes the agents retried after a resourceVersion conflict.
@@ -404,19 +409,21 @@ pub(crate) struct Watched {
     pub(crate) timeline: Shared<Timeline>,
     /// Every pod of the cluster.
     pub(crate) pods: Store<Pod>,
-    /// What the conflict checks saw: the conflicts and the number of checks.
-    pub(crate) conflicts: Shared<(BTreeSet<String>, u64)>,
+    /// What the conflict checks saw.
+    pub(crate) conflicts: Shared<ChecksSeen>,
 }
 
-/// Starts on `background` the watches of the pods (IP times, conflict checks) and of the
-/// IPAM's records (release times); returns once the pods are listed (`what` names the
-/// pod watch in the timeout error).
-pub(crate) async fn watch(client: &Client, ipam: Ipam, background: &mut JoinSet<()>, what: &str) -> Result<Watched> {
+/// Starts on `background` the watches of `cluster`'s pods (IP times, conflict checks against
+/// its nodes' sandboxes) and of the IPAM's records (release times); returns once the pods are
+/// listed (`what` names the pod watch in the timeout error).
+pub(crate) async fn watch(cluster: &Cluster, ipam: Ipam, background: &mut JoinSet<()>, what: &str) -> Result<Watched> {
+    let client = cluster.client();
     let timeline: Shared<Timeline> = Arc::default();
     let (pods, writer) = reflector::store::<Pod>();
     background.spawn(watch_pods(client.clone(), writer, timeline.clone()));
     background.spawn(watch_releases(client.clone(), ipam, timeline.clone()));
-    let conflicts = watch_conflicts(pods.clone(), background, what).await?;
+    let sandboxes = SandboxSource::of(cluster.nodes());
+    let conflicts = watch_conflicts(pods.clone(), sandboxes, background, what).await?;
     Ok(Watched { timeline, pods, conflicts })
 }
 
@@ -463,39 +470,74 @@ fn pod_ips(pod: &Pod) -> Vec<String> {
     ips
 }
 
-/// The IPs that two or more live (not Succeeded or Failed; terminating counts, its sandbox
-/// is still up), non-host-network pods report at once, each as `ip: ns/pod, ns/pod`.
-pub fn conflicts<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> Vec<String> {
-    let mut holders: HashMap<String, BTreeSet<String>> = HashMap::new();
+/// The IPs that two or more live (not Succeeded or Failed), non-host-network pods report at
+/// once, told apart by what the runtimes hold (`sandboxes`: the IPs of each pod's sandbox, by
+/// pod UID; `None` when unknown, and every holder then counts as holding the IP).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SharedIps {
+    /// IPs two or more pods' sandboxes hold at once: a real conflict, each as
+    /// `ip: ns/pod (uid), ns/pod (uid)`.
+    pub conflicts: Vec<String>,
+    /// IPs that a pod still reports in the API after its sandbox let go of them (a deleted pod
+    /// whose DEL freed the IP, not yet removed) while another pod has them: not a conflict,
+    /// each as `ip: ns/pod (uid), ...; sandbox gone: ns/pod (uid), ...`.
+    pub lingering: Vec<String>,
+}
+
+/// Classifies the IPs of `pods` that two or more of them report ([`SharedIps`]).
+pub fn shared_ips<'a>(
+    pods: impl IntoIterator<Item = &'a Pod>,
+    sandboxes: Option<&HashMap<String, BTreeSet<String>>>,
+) -> SharedIps {
+    let mut holders: HashMap<String, BTreeMap<String, bool>> = HashMap::new();
     for pod in pods {
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
         let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
         if host_network || phase == "Succeeded" || phase == "Failed" {
             continue;
         }
-        let key =
-            format!("{}/{} ({})", pod.namespace().unwrap_or_default(), pod.name_any(), pod.uid().unwrap_or_default());
+        let uid = pod.uid().unwrap_or_default();
+        let key = format!("{}/{} ({uid})", pod.namespace().unwrap_or_default(), pod.name_any());
         for ip in pod_ips(pod) {
-            holders.entry(ip).or_default().insert(key.clone());
+            let held = sandboxes.is_none_or(|s| s.get(&uid).is_some_and(|ips| ips.contains(&ip)));
+            holders.entry(ip).or_default().insert(key.clone(), held);
         }
     }
-    let mut found: Vec<String> = holders
-        .into_iter()
-        .filter(|(_, pods)| pods.len() > 1)
-        .map(|(ip, pods)| format!("{ip}: {}", pods.into_iter().collect::<Vec<_>>().join(", ")))
-        .collect();
-    found.sort();
+    let mut found = SharedIps::default();
+    for (ip, pods) in holders.into_iter().filter(|(_, pods)| pods.len() > 1) {
+        let (held, gone): (Vec<_>, Vec<_>) = pods.into_iter().partition(|(_, held)| *held);
+        let names = |pods: Vec<(String, bool)>| pods.into_iter().map(|(key, _)| key).collect::<Vec<_>>().join(", ");
+        if held.len() > 1 {
+            found.conflicts.push(format!("{ip}: {}", names(held)));
+        } else {
+            found.lingering.push(format!("{ip}: {}; sandbox gone: {}", names(held), names(gone)));
+        }
+    }
+    found.conflicts.sort();
+    found.lingering.sort();
     found
 }
 
+/// What the conflict checks saw.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ChecksSeen {
+    /// Every distinct conflict ([`SharedIps::conflicts`]).
+    pub(crate) conflicts: BTreeSet<String>,
+    /// Every distinct lingering IP ([`SharedIps::lingering`]).
+    pub(crate) lingering: BTreeSet<String>,
+    /// How many checks ran.
+    pub(crate) polls: u64,
+}
+
 /// Waits until `watch` (which feeds `store`) has listed the pods, then checks them for
-/// conflicts every [`CONFLICT_POLL`] in a task on `background`; returns what the checks see:
-/// the conflicts and the number of checks.
+/// conflicts, against what `sandboxes` hold, every [`CONFLICT_POLL`] in a task on
+/// `background`; returns what the checks see.
 pub(crate) async fn watch_conflicts(
     store: Store<Pod>,
+    sandboxes: SandboxSource,
     background: &mut JoinSet<()>,
     watch: &str,
-) -> Result<Shared<(BTreeSet<String>, u64)>> {
+) -> Result<Shared<ChecksSeen>> {
     let synced = tokio::time::timeout(WATCH_SYNC_TIMEOUT, store.wait_until_ready()).await;
     if !matches!(synced, Ok(Ok(()))) {
         return Err(Error::Timeout {
@@ -504,23 +546,31 @@ pub(crate) async fn watch_conflicts(
             last: format!("{synced:?}"),
         });
     }
-    let seen: Shared<(BTreeSet<String>, u64)> = Arc::default();
-    background.spawn(poll_conflicts(store, seen.clone()));
+    let seen: Shared<ChecksSeen> = Arc::default();
+    background.spawn(poll_conflicts(store, sandboxes, seen.clone()));
     Ok(seen)
 }
 
-/// Checks the pod store for conflicts every [`CONFLICT_POLL`] until aborted.
-async fn poll_conflicts(store: Store<Pod>, seen: Shared<(BTreeSet<String>, u64)>) {
+/// Checks the pod store for conflicts every [`CONFLICT_POLL`] until aborted. The runtimes are
+/// read after the pods: a sandbox torn down in between makes its pod's IP lingering, one set up
+/// in between is not in the API yet.
+async fn poll_conflicts(store: Store<Pod>, sandboxes: SandboxSource, seen: Shared<ChecksSeen>) {
     let mut ticker = tokio::time::interval(CONFLICT_POLL);
     loop {
         ticker.tick().await;
         let state = store.state();
-        let found = conflicts(state.iter().map(|pod| &**pod));
-        with(&seen, |(all, polls)| {
-            *polls += 1;
-            for conflict in found {
-                if all.insert(conflict.clone()) {
+        let held = sandboxes.ips_by_pod();
+        let found = shared_ips(state.iter().map(|pod| &**pod), Some(&held));
+        with(&seen, |seen| {
+            seen.polls += 1;
+            for conflict in found.conflicts {
+                if seen.conflicts.insert(conflict.clone()) {
                     tracing::error!(%conflict, "churn: an IP is held by two live pods");
+                }
+            }
+            for lingering in found.lingering {
+                if seen.lingering.insert(lingering.clone()) {
+                    tracing::info!(%lingering, "churn: a deleted pod still shows an IP its sandbox let go");
                 }
             }
         });
@@ -592,7 +642,7 @@ pub async fn run(cluster: &Cluster, installed: &Installed, options: &ChurnOption
     let client = cluster.client();
     let mut background = JoinSet::new();
     let Watched { timeline, conflicts: seen, .. } =
-        watch(&client, ipam, &mut background, "the churn's pod watch").await?;
+        watch(cluster, ipam, &mut background, "the churn's pod watch").await?;
     let lease_updates: Arc<AtomicU64> = Arc::default();
     background.spawn(watch_leases(client.clone(), lease_updates.clone()));
 
@@ -629,7 +679,7 @@ pub async fn run(cluster: &Cluster, installed: &Installed, options: &ChurnOption
     let window_seconds = started.elapsed().as_secs_f64();
     let after = snapshot(&client, installed, &lease_updates).await?;
     background.abort_all();
-    let conflicts_seen = with(&seen, |(all, polls)| (all.iter().cloned().collect::<Vec<_>>(), *polls));
+    let conflicts_seen = with(&seen, |seen| seen.clone());
     let identities: Vec<String> = installed.controllers().iter().map(|c| c.name.to_string()).collect();
     let report = with(&timeline, |timeline| Report {
         ipam: ipam.to_string(),
@@ -740,7 +790,7 @@ fn measure(
     after: &Snapshot,
     timeline: &Timeline,
     identities: &[String],
-    (conflicts, polls): (Vec<String>, u64),
+    seen: ChecksSeen,
 ) -> Report {
     let any = |_: &Labels| true;
     let agent_releases = grown(&before.agents, &after.agents, "ipwarden_agent_releases_total", |l| {
@@ -833,9 +883,11 @@ fn measure(
             skips_by_reason: grown_by(&before.controllers, &after.controllers, "ipwarden_gc_skips_total", "reason"),
         },
         conflicts: Conflicts {
-            ip_conflicts: conflicts.len(),
-            examples: conflicts.into_iter().take(10).collect(),
-            polls,
+            ip_conflicts: seen.conflicts.len(),
+            examples: seen.conflicts.into_iter().take(10).collect(),
+            lingering: seen.lingering.len(),
+            lingering_examples: seen.lingering.into_iter().take(10).collect(),
+            polls: seen.polls,
             agent_cas_retries: grown(&before.agents, &after.agents, "ipwarden_agent_conflict_retries_total", any),
             controller_cas_retries: grown(
                 &before.controllers,
@@ -936,6 +988,10 @@ impl std::fmt::Display for Report {
         for example in &c.examples {
             writeln!(f, "  {example}")?;
         }
+        writeln!(f, "IPs a deleted pod still showed after its sandbox let go (not conflicts): {}", c.lingering)?;
+        for example in &c.lingering_examples {
+            writeln!(f, "  {example}")?;
+        }
         writeln!(
             f,
             "CAS retries (resourceVersion conflicts): agents {}, controllers {}",
@@ -956,6 +1012,14 @@ impl std::fmt::Display for Report {
                 writeln!(f, "handover p50 {}, p99 {}", seconds(h.p50_seconds), seconds(h.p99_seconds))?;
                 writeln!(f, "IP conflicts between live pods: {}", storm.ip_conflicts)?;
                 for example in &storm.examples {
+                    writeln!(f, "  {example}")?;
+                }
+                writeln!(
+                    f,
+                    "IPs an outgoing pod still showed after its sandbox let go (not conflicts): {}",
+                    storm.lingering
+                )?;
+                for example in &storm.lingering_examples {
                     writeln!(f, "  {example}")?;
                 }
                 writeln!(
@@ -1094,8 +1158,46 @@ mod test {
             pod("e", &["127.0.0.1"], "Running", true),
             pod("f", &["127.0.0.1"], "Running", true),
         ];
-        assert_eq!(conflicts(&pods), vec!["10.244.0.5: default/a (uid-a), default/b (uid-b)".to_string()]);
-        assert!(conflicts(&pods[2..]).is_empty());
+        let found = shared_ips(&pods, None);
+        assert_eq!(found.conflicts, vec!["10.244.0.5: default/a (uid-a), default/b (uid-b)".to_string()]);
+        assert!(found.lingering.is_empty());
+        assert_eq!(shared_ips(&pods[2..], None), SharedIps::default());
+    }
+
+    #[test]
+    fn an_ip_two_sandboxes_hold_is_a_conflict_and_one_whose_sandbox_let_go_lingers() {
+        let pods = [
+            pod("alpha-2", &["10.60.0.3"], "Running", false),
+            pod("beta-4", &["10.60.0.3"], "Running", false),
+            pod("a", &["10.60.0.4"], "Running", false),
+            pod("b", &["10.60.0.4"], "Running", false),
+            pod("x", &["10.60.0.5"], "Running", false),
+            pod("y", &["10.60.0.5"], "Pending", false),
+        ];
+        let held = |entries: &[(&str, &str)]| -> HashMap<String, BTreeSet<String>> {
+            let mut map: HashMap<String, BTreeSet<String>> = HashMap::new();
+            for (uid, ip) in entries {
+                map.entry(uid.to_string()).or_default().insert(ip.to_string());
+            }
+            map
+        };
+        // alpha-2's sandbox is gone, beta-4's holds the IP; a and b both hold theirs; x's
+        // sandbox holds another IP and y has none: neither holds .5.
+        let sandboxes = held(&[
+            ("uid-beta-4", "10.60.0.3"),
+            ("uid-a", "10.60.0.4"),
+            ("uid-b", "10.60.0.4"),
+            ("uid-x", "10.60.0.9"),
+        ]);
+        let found = shared_ips(&pods, Some(&sandboxes));
+        assert_eq!(found.conflicts, vec!["10.60.0.4: default/a (uid-a), default/b (uid-b)".to_string()]);
+        assert_eq!(
+            found.lingering,
+            vec![
+                "10.60.0.3: default/beta-4 (uid-beta-4); sandbox gone: default/alpha-2 (uid-alpha-2)".to_string(),
+                "10.60.0.5: ; sandbox gone: default/x (uid-x), default/y (uid-y)".to_string(),
+            ]
+        );
     }
 
     fn scrape(text: &str) -> Scrape {
@@ -1149,7 +1251,14 @@ mod test {
         }
         // Half the pods' records are gone: the 409s count per release, the writes per pod.
         timeline.released.extend((0..5).map(|n| (format!("default/p{n}"), Instant::now())));
-        let report = measure(Ipam::Ipwarden, &before, &after, &timeline, &identities, (Vec::new(), 7));
+        let report = measure(
+            Ipam::Ipwarden,
+            &before,
+            &after,
+            &timeline,
+            &identities,
+            ChecksSeen { polls: 7, ..ChecksSeen::default() },
+        );
         let w = report.writes;
         assert_eq!((w.agent_releases, w.controller_releases), (8, 2));
         // Sweep releases stayed at 4: only the handshake trigger grew.
@@ -1161,7 +1270,14 @@ mod test {
         assert_eq!(w.per_pod_life, Some(3.1));
         assert_eq!((w.record_writes_per_pod_life, w.record_conflicts_per_release), (Some(2.5), Some(0.6)));
         // A peer's resources only: ipwarden's writes are none of Whereabouts'.
-        let peer = measure(Ipam::Whereabouts, &before, &after, &timeline, &identities, (Vec::new(), 7));
+        let peer = measure(
+            Ipam::Whereabouts,
+            &before,
+            &after,
+            &timeline,
+            &identities,
+            ChecksSeen { polls: 7, ..ChecksSeen::default() },
+        );
         assert_eq!(peer.writes.by_resource["ippools"], ResourceWrites::default());
         assert_eq!(peer.writes.total, 4);
         assert_eq!(report.controllers[0].cpu_seconds, 2.5);
@@ -1228,7 +1344,7 @@ mod test {
             usage: Vec::new(),
             lease_updates: 0,
         };
-        let report = measure(Ipam::Whereabouts, &empty, &empty, &timeline, &[], (Vec::new(), 0));
+        let report = measure(Ipam::Whereabouts, &empty, &empty, &timeline, &[], ChecksSeen::default());
         assert_eq!((report.pods.created, report.pods.leaked, report.pods.got_ip), (3, 1, 2));
         assert_eq!(report.allocation_end_to_end.p99_seconds, Some(3.0));
         assert_eq!(report.release_deleted.samples, 1);

@@ -71,10 +71,15 @@ pub struct StormReport {
     pub cycles: u32,
     /// From the scale calls to the incoming set running with IPs and the outgoing one gone.
     pub handover: Latency,
-    /// Distinct (IP, pods) pairs seen on live pods at once.
+    /// Distinct (IP, pods) pairs whose pods' sandboxes held the IP at once.
     pub ip_conflicts: usize,
     /// Up to ten of them.
     pub examples: Vec<String>,
+    /// Distinct IPs an outgoing pod still showed after its sandbox let go of them, while an
+    /// incoming pod had them (not conflicts).
+    pub lingering: usize,
+    /// Up to ten of them.
+    pub lingering_examples: Vec<String>,
     /// Pods that ran again under a name that had run before (every incoming pod after the
     /// first two cycles).
     pub returned: u64,
@@ -178,7 +183,8 @@ pub async fn run(cluster: &Cluster, options: &StormOptions) -> Result<StormRepor
     let config = watcher::Config::default().labels(&format!("{STORM_LABEL}=true"));
     let reflected = watcher(pods.clone(), config).default_backoff().reflect(writer).applied_objects();
     background.spawn(reflected.for_each(|_| async {}));
-    let seen = watch_conflicts(store, &mut background, "the storm's pod watch").await?;
+    let sandboxes = crate::kubelet::SandboxSource::of(cluster.nodes());
+    let seen = watch_conflicts(store, sandboxes, &mut background, "the storm's pod watch").await?;
 
     let sets: Api<StatefulSet> = Api::namespaced(client, NAMESPACE);
     for (name, replicas) in [(SETS[0], REPLICAS), (SETS[1], 0)] {
@@ -214,9 +220,11 @@ pub async fn run(cluster: &Cluster, options: &StormOptions) -> Result<StormRepor
         Err(e) => return Err(e),
     }
     report.handover = Latency::of_samples(handovers);
-    let conflicts = crate::churn::with(&seen, |(all, _)| all.iter().cloned().collect::<Vec<_>>());
-    report.ip_conflicts = conflicts.len();
-    report.examples = conflicts.into_iter().take(10).collect();
+    let seen = crate::churn::with(&seen, |seen| seen.clone());
+    report.ip_conflicts = seen.conflicts.len();
+    report.examples = seen.conflicts.into_iter().take(10).collect();
+    report.lingering = seen.lingering.len();
+    report.lingering_examples = seen.lingering.into_iter().take(10).collect();
     Ok(report)
 }
 

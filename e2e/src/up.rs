@@ -50,7 +50,7 @@ pub enum Install {
     #[default]
     Processes,
     /// As users install it: `helm install` of the chart, its pods from ipwarden's image under
-    /// the real node's kubelet (one real node, no simulated ones: [`chart`]).
+    /// the real nodes' kubelets (real nodes only, no simulated ones: [`chart`]).
     Chart,
 }
 
@@ -244,7 +244,8 @@ async fn start_with_chart(options: &UpOptions, state_dir: &Path, say: Say) -> Re
         }
     };
     let count = options.real_nodes;
-    say(&format!("starting the control plane and {count} real nodes (kubelet and {})", options.runtime.name()));
+    let nodes = if count == 1 { "1 real node".to_string() } else { format!("{count} real nodes") };
+    say(&format!("starting the control plane and {nodes} (kubelet and {})", options.runtime.name()));
     let real_nodes =
         Some(crate::cluster::RealNodesOptions { count, ipwarden: binary.clone(), runtime: options.runtime });
     let mut cluster = Cluster::start(ClusterOptions { nodes: 0, real_nodes, ..ClusterOptions::default() }).await?;

@@ -103,8 +103,8 @@ pub struct AgentArgs {
     /// Owner kinds whose pods keep their IPs across restarts (comma-separated; empty: none).
     #[arg(long, env = "IPWARDEN_STICKY_OWNER_KINDS", value_delimiter = ',', default_values_t = DEFAULT_STICKY_KINDS.map(String::from))]
     pub sticky_owner_kinds: Vec<String>,
-    /// Where /metrics, /healthz and /readyz are served (IP:port; an IPv6 address may go
-    /// without brackets, as the chart's `$(HOST_IP):<port>` gives it).
+    /// Where /metrics, /healthz and /readyz are served (IPv4:port or [IPv6]:port; an IPv4
+    /// address may go in brackets too, as the chart's `[$(HOST_IP)]:<port>` gives it).
     #[arg(long, env = "IPWARDEN_AGENT_METRICS_ADDRESS", default_value = "0.0.0.0:9612",
           value_parser = crate::http::parse_listen_address)]
     pub metrics_address: SocketAddr,

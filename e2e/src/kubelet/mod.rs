@@ -11,7 +11,7 @@
 pub(crate) mod cri;
 mod pods;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -198,6 +198,31 @@ pub struct Sandbox {
     pub ips: Vec<String>,
     /// The secondary interfaces (`e2e.ipwarden.io/extra-interfaces`) and their ADD results.
     pub extra: Vec<(String, serde_json::Value)>,
+}
+
+/// The simulated runtimes' sandboxes, readable from any task while the nodes run: what the
+/// conflict checks of the benchmarks ask to tell an IP two pods really hold from one a deleted
+/// pod still shows in the API after its sandbox is gone.
+#[derive(Clone, Debug, Default)]
+pub struct SandboxSource(Vec<Arc<Mutex<HashMap<String, Sandbox>>>>);
+
+impl SandboxSource {
+    /// The sandboxes of `nodes`.
+    pub fn of(nodes: &[NodeHandle]) -> Self {
+        Self(nodes.iter().map(|n| n.sandboxes.clone()).collect())
+    }
+
+    /// The IPs each pod's sandbox holds now, by pod UID.
+    pub fn ips_by_pod(&self) -> HashMap<String, BTreeSet<String>> {
+        let mut ips: HashMap<String, BTreeSet<String>> = HashMap::new();
+        for node in &self.0 {
+            let Ok(sandboxes) = node.lock() else { continue };
+            for (uid, sandbox) in sandboxes.iter() {
+                ips.entry(uid.clone()).or_default().extend(sandbox.ips.iter().cloned());
+            }
+        }
+        ips
+    }
 }
 
 /// A simulated node a test can inspect and break.

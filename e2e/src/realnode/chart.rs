@@ -1,6 +1,6 @@
-//! ipwarden installed on a real node the way users install it: `helm install` of the chart, its
+//! ipwarden installed on real nodes the way users install it: `helm install` of the chart, its
 //! agent DaemonSet and controller Deployment running as pods from ipwarden's image under the
-//! node's kubelet (docs/testing.md, "The chart on a real node"). The image is the test image
+//! nodes' kubelets (docs/testing.md, "The chart on real nodes"). The image is the test image
 //! (`e2e/image/test-image.sh`: the release image's Debian base and a binary built on this
 //! host), imported into each node's containerd, as there is no registry. The values set only
 //! what differs on this machine: the image; the node's directories, which live in its run

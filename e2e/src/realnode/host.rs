@@ -180,12 +180,13 @@ impl Drop for HostGuard {
 
 impl HostState {
     /// Stops what the recorded nodes left running: their containers and cgroups, the processes
-    /// naming their runtime marker (the runtime, its shims or conmons), their mounts.
+    /// naming their runtime marker (shims, conmons) or a path in their directory (kubelet, the
+    /// runtime, whose configuration is there, and agents), their mounts.
     fn stop_nodes(&self) {
         for (dir, marker, cgroup_root) in &self.nodes {
             remove_cgroups(cgroup_root);
             kill_processes_naming(marker);
-            kill_processes_naming(&dir.join("kubelet-config.yaml").display().to_string());
+            kill_processes_naming(&format!("{}/", dir.display()));
             unmount_under(dir);
         }
     }
