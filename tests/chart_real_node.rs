@@ -30,6 +30,17 @@ fn pod_ip(pod: &Pod) -> String {
     pod.status.as_ref().and_then(|s| s.pod_ip.clone()).unwrap_or_default()
 }
 
+/// Runs the `ipwarden` CLI with `args` against `cluster`, as an admin would; whether it
+/// succeeded, and its output.
+fn ipwarden_cli(cluster: &Cluster, args: &[&str]) -> (bool, String) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_ipwarden"))
+        .args(args)
+        .env("KUBECONFIG", cluster.kubeconfig())
+        .output()
+        .expect("ipwarden runs");
+    (output.status.success(), String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
 async fn scrape(address: &str, port: u16) -> String {
     e2e::ipwarden::get_at(address, port, "/metrics").await.unwrap_or_else(|e| panic!("scraping {address}:{port}: {e}"))
 }
@@ -104,8 +115,13 @@ async fn the_chart_installed_on_a_real_node_runs_from_its_image_and_gives_pods_t
     assert_eq!(netns_ips(node), pod_ips, "the IPs in the pods' network namespaces are their podIPs");
     let records: BTreeSet<String> = support::records(&client).await.into_keys().collect();
     assert_eq!(records, pod_ips, "one record per pod IP");
-    let problems = ipwarden::cli::check::problems(&client).await.expect("ipwarden check reads the installation");
-    assert!(problems.is_empty(), "{problems:?}");
+    let (ok, text) = ipwarden_cli(&cluster, &["check"]);
+    assert!(ok && text.contains("no problem found"), "ipwarden check passes on the installation: {text}");
+    let (ok, status) = ipwarden_cli(&cluster, &["status", "-o", "json"]);
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap_or_else(|e| panic!("{e}: {status}"));
+    assert!(ok, "{status}");
+    assert_eq!(status["summary"][0]["node"], node.name(), "{status}");
+    assert_eq!(status["summary"][0]["counts"]["used"], 5, "ipwarden status counts the five pods: {status}");
 
     // Metrics from the pods' ports: the agent's on the node's network, the controllers' on theirs.
     let agent_metrics = scrape(&pod_ip(&agents[0]), 9612).await;

@@ -41,10 +41,11 @@ pub const FIRST_IP: &str = "10.60.0.2";
 /// The last IP handed out.
 pub const LAST_IP: &str = "10.60.0.6";
 
-/// ipwarden's agent flags in the storm: a released IP may be reused after 1 s instead of 30 s,
-/// as in the storm test (tests/rbac_scale_storm.rs); with 5 IPs handed over at once, the
-/// default cooldown would be most of every handover.
-pub const AGENT_ARGS: [&str; 1] = ["--reuse-cooldown-seconds=1"];
+/// ipwarden's agent flags in the storm: the chart's default of asking the node's runtime over
+/// CRI, and a released IP may be reused after 1 s instead of 30 s, as in the storm test
+/// (tests/rbac_scale_storm.rs); with 5 IPs handed over at once, the default cooldown would be
+/// most of every handover.
+pub const AGENT_ARGS: [&str; 2] = [crate::ipwarden::WITH_CRI, "--reuse-cooldown-seconds=1"];
 
 /// The namespace of the StatefulSets.
 const NAMESPACE: &str = "default";
