@@ -1,6 +1,6 @@
 # The project's entry points. `make test` is the test command CI runs (.ci/run); `make demo`
 # is the main job on the local default. Both install what they need themselves.
-.PHONY: test demo soak churn-bench scale-bench peer-bench cluster-up cluster-down controlplane tools node deps image
+.PHONY: test demo soak churn-bench scale-bench peer-bench node-bench cluster-up cluster-down controlplane tools node deps image
 
 # Where cargo puts what it builds (CARGO_TARGET_DIR when set).
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
@@ -64,6 +64,15 @@ SCALE_FLAGS ?=
 scale-bench: controlplane
 	cargo build --release --locked --workspace --bins
 	$(TARGET_DIR)/release/ipwarden-e2e scale --ipwarden $(TARGET_DIR)/release/ipwarden $(SCALE_FLAGS)
+
+# The node benchmark on real nodes (docs/benchmarks.md, "On real nodes"; root): create,
+# re-create, recover and delete of 20 Deployments of 10 pods on 2 real nodes, host-local then
+# ipwarden with an ample and an exact pool (NODE_BENCH_ARGS to change them). Not part of
+# `make test`, which runs a small one (tests/node_bench_smoke.rs).
+NODE_BENCH_ARGS ?=
+node-bench: controlplane tools node deps
+	cargo build --release --locked --workspace --bins
+	$(TARGET_DIR)/release/ipwarden-e2e node-bench --ipwarden $(TARGET_DIR)/release/ipwarden $(NODE_BENCH_ARGS)
 
 # The churn benchmark of ipwarden and its peers back to back, same seed and workload, with a
 # comparison (docs/benchmarks.md, "Peers"). Builds the peers from their pinned Go modules the

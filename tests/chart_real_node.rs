@@ -58,6 +58,7 @@ async fn installed(nodes: usize, tags: &[&str], from_empty: bool) -> (Cluster, C
             count: nodes,
             ipwarden: binary.to_path_buf(),
             runtime: Runtime::Containerd,
+            ipam: None,
         }),
         ..ClusterOptions::default()
     };

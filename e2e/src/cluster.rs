@@ -60,6 +60,23 @@ pub struct RealNodesOptions {
     pub ipwarden: PathBuf,
     /// The container runtime they run.
     pub runtime: crate::realnode::Runtime,
+    /// Another IPAM for the nodes' network: replaces ipwarden's `ipam` section of the chart's
+    /// conflist, with its `cniVersion` (`None`: the chart's conflist as it is). `{NODE_INDEX}`
+    /// and `{NODE_DIR}` in it stand for each node's index and directory (per-node ranges, a
+    /// per-node data directory).
+    pub ipam: Option<(String, serde_json::Value)>,
+}
+
+/// The chart's `conflist` with `ipam` as its main plugin's IPAM and `version` as its
+/// `cniVersion`.
+fn with_ipam(conflist: &str, version: &str, ipam: &serde_json::Value) -> Result<String> {
+    let invalid = |reason: String| Error::Tool { command: "replacing the conflist's IPAM".to_string(), reason };
+    let mut parsed: serde_json::Value =
+        serde_json::from_str(conflist).map_err(|e| invalid(format!("the chart's conflist: {e}")))?;
+    let main = parsed["plugins"].get_mut(0).ok_or_else(|| invalid(format!("no plugin in {conflist}")))?;
+    main["ipam"] = ipam.clone();
+    parsed["cniVersion"] = serde_json::Value::String(version.to_string());
+    serde_json::to_string_pretty(&parsed).map_err(|e| invalid(e.to_string()))
 }
 
 /// Where the chart's conflist, rendered for the real nodes, names the agent's socket directory;
@@ -141,6 +158,10 @@ impl Cluster {
                 reason: "the chart rendered no conflist".to_string(),
             })?
             .replace(&format!("{SOCKET_DIR_MARKER}/agent.sock"), crate::realnode::AGENT_SOCKET_PLACEHOLDER);
+        let conflist = match &options.ipam {
+            None => conflist,
+            Some((version, ipam)) => with_ipam(&conflist, version, ipam)?,
+        };
         let admin = self.kubeconfig().to_path_buf();
         let context = RealNodeContext::new(
             binaries,

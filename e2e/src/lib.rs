@@ -21,6 +21,7 @@ pub mod helm;
 pub mod ipwarden;
 pub mod kubelet;
 pub mod kubevirt;
+pub mod nodebench;
 pub mod peers;
 pub mod pki;
 pub mod process;

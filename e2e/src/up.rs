@@ -153,6 +153,7 @@ pub async fn start_cluster(
         count: nodes.real,
         ipwarden,
         runtime: nodes.runtime,
+        ipam: None,
     });
     let options = ClusterOptions { nodes: nodes.simulated, network, real_nodes, ..ClusterOptions::default() };
     let mut cluster = Cluster::start(options).await?;
@@ -246,8 +247,12 @@ async fn start_with_chart(options: &UpOptions, state_dir: &Path, say: Say) -> Re
     let count = options.real_nodes;
     let nodes = if count == 1 { "1 real node".to_string() } else { format!("{count} real nodes") };
     say(&format!("starting the control plane and {nodes} (kubelet and {})", options.runtime.name()));
-    let real_nodes =
-        Some(crate::cluster::RealNodesOptions { count, ipwarden: binary.clone(), runtime: options.runtime });
+    let real_nodes = Some(crate::cluster::RealNodesOptions {
+        count,
+        ipwarden: binary.clone(),
+        runtime: options.runtime,
+        ipam: None,
+    });
     let mut cluster = Cluster::start(ClusterOptions { nodes: 0, real_nodes, ..ClusterOptions::default() }).await?;
     say(
         "installing ipwarden with its Helm chart: its image loaded into the nodes, helm install, the default pool 10.244.0.0/16",

@@ -119,7 +119,7 @@ impl Ipwarden {
         let ipwarden = binary().to_path_buf();
         let options = ClusterOptions {
             nodes: 0,
-            real_nodes: Some(e2e::cluster::RealNodesOptions { count: real, ipwarden, runtime }),
+            real_nodes: Some(e2e::cluster::RealNodesOptions { count: real, ipwarden, runtime, ipam: None }),
             control_plane,
             ..ClusterOptions::default()
         };

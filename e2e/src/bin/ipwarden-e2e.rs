@@ -151,6 +151,37 @@ enum Command {
     /// and claims written in bulk as kubelets and agents would, a controller pair; report its
     /// start-up, first sweep, requests in a quiet window and the reclaim of injected leaks.
     /// Exits non-zero when a leak was not reclaimed in time.
+    /// The node benchmark on real nodes (kubelet, containerd, runc; root): the four phases
+    /// peers publish (create, re-create, recover, delete) of Deployments of pods, for each run
+    /// in turn on a cluster of its own (docs/benchmarks.md, "On real nodes"). Exits non-zero
+    /// when a phase did not complete or an ipwarden run left records, pod IPs and network
+    /// namespaces in disagreement.
+    NodeBench {
+        /// The ipwarden binary to measure.
+        #[arg(long)]
+        ipwarden: PathBuf,
+        /// Real nodes.
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=200))]
+        nodes: u64,
+        /// Deployments.
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+        deployments: u64,
+        /// Pods per Deployment.
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+        replicas: u64,
+        /// The runs, in order (comma-separated).
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "host-local,ipwarden-ample,ipwarden-exact")]
+        runs: Vec<e2e::nodebench::BenchIpam>,
+        /// How long a phase may take before its run is given up.
+        #[arg(long, default_value_t = 900)]
+        phase_timeout_seconds: u64,
+        /// How long the records, pod IPs and network namespaces may take to agree after a phase.
+        #[arg(long, default_value_t = 90)]
+        settle_timeout_seconds: u64,
+        /// `table` for people, `json` for scripts.
+        #[arg(long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
     Scale {
         /// The ipwarden binary to measure.
         #[arg(long)]
@@ -196,7 +227,7 @@ enum Command {
     },
 }
 
-/// How `churn` and `scale` print their report.
+/// How `churn`, `scale` and `node-bench` print their report.
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum Output {
     /// Aligned text for people.
@@ -320,6 +351,39 @@ async fn main() -> anyhow::Result<()> {
                     report.unsettled
                 );
             }
+            Ok(())
+        }
+        Command::NodeBench {
+            ipwarden,
+            nodes,
+            deployments,
+            replicas,
+            runs,
+            phase_timeout_seconds,
+            settle_timeout_seconds,
+            output,
+        } => {
+            let options = e2e::nodebench::NodeBenchOptions {
+                nodes: usize::try_from(nodes)?,
+                deployments: usize::try_from(deployments)?,
+                replicas: usize::try_from(replicas)?,
+                runs,
+                ipwarden: std::fs::canonicalize(&ipwarden)
+                    .with_context(|| format!("finding the ipwarden binary {}", ipwarden.display()))?,
+                phase_timeout: Duration::from_secs(phase_timeout_seconds),
+                settle_timeout: Duration::from_secs(settle_timeout_seconds),
+            };
+            let measured = async { e2e::nodebench::run(&options).await.context("running the node benchmark") };
+            let report = stoppable("node-bench", measured).await?;
+            match output {
+                Output::Table => println!("{report}"),
+                Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+            }
+            anyhow::ensure!(report.all_completed(), "node-bench: a phase did not complete (see the report)");
+            anyhow::ensure!(
+                report.ipwarden_consistent(),
+                "node-bench: an ipwarden run left records, pod IPs and network namespaces in disagreement"
+            );
             Ok(())
         }
         Command::Scale {

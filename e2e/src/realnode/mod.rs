@@ -195,6 +195,14 @@ impl RealNodeContext {
 /// The placeholder of the agent's socket in [`RealNodeContext::conflist`].
 pub const AGENT_SOCKET_PLACEHOLDER: &str = "{AGENT_SOCKET}";
 
+/// The placeholder of the node's index in [`RealNodeContext::conflist`] (another IPAM's
+/// per-node range).
+pub const NODE_INDEX_PLACEHOLDER: &str = "{NODE_INDEX}";
+
+/// The placeholder of the node's directory in [`RealNodeContext::conflist`] (another IPAM's
+/// per-node data).
+pub const NODE_DIR_PLACEHOLDER: &str = "{NODE_DIR}";
+
 /// One real node: its runtime and kubelet processes and its directory.
 pub struct RealNode {
     name: String,
@@ -216,7 +224,11 @@ impl RealNode {
             create_dir(&dir)?;
         }
         install_plugins(&context, &paths)?;
-        let conflist = context.conflist.replace(AGENT_SOCKET_PLACEHOLDER, &paths.agent_socket().display().to_string());
+        let conflist = context
+            .conflist
+            .replace(AGENT_SOCKET_PLACEHOLDER, &paths.agent_socket().display().to_string())
+            .replace(NODE_INDEX_PLACEHOLDER, &index.to_string())
+            .replace(NODE_DIR_PLACEHOLDER, &paths.dir.display().to_string());
         write(&paths.cni_conf_dir().join("10-ipwarden.conflist"), &conflist)?;
         match paths.runtime {
             Runtime::Containerd => {
@@ -614,6 +626,14 @@ impl RealNode {
         }
     }
 
+    /// The IPv4 addresses of `eth0` in every network namespace of the node's runtime, one per
+    /// namespace that has one: the IPs its pods really have (an IP in two namespaces shows
+    /// twice).
+    pub fn netns_ips(&self) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(self.paths.netns_dir()) else { return Vec::new() };
+        entries.flatten().filter_map(|entry| eth0_ipv4(&entry.path())).collect()
+    }
+
     /// The component logs, for failure messages.
     pub fn logs(&self) -> Vec<PathBuf> {
         vec![self.paths.dir.join("kubelet.log"), self.paths.runtime_log()]
@@ -642,6 +662,18 @@ impl Drop for RealNode {
     }
 }
 
+/// The IPv4 address of `eth0` in network namespace `netns`, if it has one.
+fn eth0_ipv4(netns: &Path) -> Option<String> {
+    let output = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .args(["ip", "-o", "-4", "addr", "show", "dev", "eth0"])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let word = text.split_whitespace().skip_while(|w| *w != "inet").nth(1)?;
+    Some(word.split('/').next()?.to_string())
+}
+
 /// The CRI label selector of pod `name`'s sandboxes and containers (kubelet's label).
 fn pod_label(name: &str) -> std::collections::HashMap<String, String> {
     [("io.kubernetes.pod.name".to_string(), name.to_string())].into()
@@ -667,6 +699,8 @@ fn install_plugins(context: &RealNodeContext, paths: &NodePaths) -> Result<()> {
     for plugin in ["ptp", "bridge", "portmap", "loopback"] {
         link(&context.binaries.path("cni").join(plugin), &bin.join(plugin))?;
     }
+    // Debian's, the node benchmark's floor (nodebench).
+    link(&crate::binaries::standard_cni_plugins()?.join("host-local"), &bin.join("host-local"))?;
     link(&context.ipwarden, &bin.join("ipwarden-cni"))
 }
 

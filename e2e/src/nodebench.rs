@@ -1,0 +1,608 @@
+//! The node benchmark (`ipwarden-e2e node-bench`, docs/benchmarks.md, "On real nodes"): the
+//! four phases peers publish (Spiderpool's docs/concepts/ipam-performance.md) on real nodes
+//! (kubelet, containerd and runc): **create** Deployments of 10 pods until every pod runs,
+//! **re-create** (every pod deleted at once, the Deployments stay) until all run again,
+//! **recover** (every node powered off and on: kubelet, the runtime and ipwarden's agent
+//! killed, the runtime's state and network namespaces wiped, everything started again) until
+//! all run again, and **delete** the Deployments until every pod is gone. Each run is one IPAM
+//! on a cluster of its own, back to back: ipwarden (its agents and controllers as host
+//! processes with the chart's defaults) with a pool of exactly as many IPs as pods or an ample
+//! one, and Debian's `host-local` with a range per node, the floor (no cluster-wide
+//! coordination at all). After each phase the records, the pods' `podIPs` and the IPs in the
+//! nodes' network namespaces must agree, with no IP on two pods.
+
+use std::collections::{BTreeSet, HashSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use jiff::Timestamp;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Event, Pod};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde::Serialize;
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::churn::{Latency, WRITE_VERBS, histogram, scrape_apiserver, scrape_port};
+use crate::cluster::{Cluster, ClusterOptions, RealNodesOptions};
+use crate::error::{Error, Result};
+use crate::exposition::Scrape;
+use crate::peers::Ipam;
+use crate::realnode::Runtime;
+use crate::wait::{self, Probe};
+
+/// The namespace of the benchmark's Deployments.
+const NAMESPACE: &str = "default";
+
+/// The label of the benchmark's pods.
+const BENCH_LABEL: &str = "e2e.ipwarden.io/node-bench";
+
+/// The network name of the `host-local` runs' conflist (its data directory's subdirectory).
+const HOST_LOCAL_NETWORK: &str = "ipwarden";
+
+/// The CIDR of the exact pool; its ranges hold exactly as many IPs as pods.
+const EXACT_CIDR: &str = "10.70.0.0/16";
+
+/// The IPAM of one run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BenchIpam {
+    /// ipwarden with a pool of exactly as many IPs as pods.
+    IpwardenExact,
+    /// ipwarden with the documented pool, 10.244.0.0/16.
+    IpwardenAmple,
+    /// Debian's `host-local`, a /24 per node (ample).
+    HostLocal,
+}
+
+impl std::fmt::Display for BenchIpam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::IpwardenExact => "ipwarden, exact pool",
+            Self::IpwardenAmple => "ipwarden, ample pool",
+            Self::HostLocal => "host-local, /24 per node",
+        })
+    }
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct NodeBenchOptions {
+    /// Real nodes.
+    pub nodes: usize,
+    /// Deployments, spread over the nodes by the scheduler.
+    pub deployments: usize,
+    /// Pods per Deployment.
+    pub replicas: usize,
+    /// The runs, in order, each on a cluster of its own.
+    pub runs: Vec<BenchIpam>,
+    /// The ipwarden binary (agents, controllers, the CNI plugin).
+    pub ipwarden: PathBuf,
+    /// How long a phase may take before the run is given up.
+    pub phase_timeout: Duration,
+    /// How long the records, the pods' IPs and the network namespaces may take to agree after
+    /// a phase (a DEL in flight, a lost one freed).
+    pub settle_timeout: Duration,
+}
+
+/// One phase of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Phase {
+    /// The Deployments created, until every pod runs.
+    Create,
+    /// Every pod deleted at once, until as many new ones run.
+    Recreate,
+    /// Every node powered off and on, until every pod runs again.
+    Recover,
+    /// The Deployments deleted, until every pod is gone.
+    Delete,
+}
+
+impl Phase {
+    const ALL: [Self; 4] = [Self::Create, Self::Recreate, Self::Recover, Self::Delete];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Create => "create",
+            Self::Recreate => "re-create",
+            Self::Recover => "recover",
+            Self::Delete => "delete",
+        }
+    }
+}
+
+/// What one phase measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct PhaseReport {
+    /// Which phase.
+    pub phase: Phase,
+    /// From its first call until its end state, in seconds.
+    pub seconds: f64,
+    /// Whether it reached its end state within the bound; when not, why in `failure`.
+    pub completed: bool,
+    /// Why it did not complete; empty when it did.
+    pub failure: String,
+    /// Whether, after it, the records, the pods' `podIPs` and the IPs in the nodes' network
+    /// namespaces agreed within the settle bound, with no IP on two pods or in two namespaces
+    /// (no leak, no duplicate); when not, what they were in `inconsistency`.
+    pub consistent: bool,
+    /// What disagreed; empty when consistent.
+    pub inconsistency: String,
+    /// Each pod's time from its creation (recover: from the power-off) to running, from the
+    /// pods' own times (whole seconds, as the apiserver keeps them).
+    pub pod_running: Latency,
+    /// Sandbox creations that failed, from kubelet's `FailedCreatePodSandBox` Events.
+    pub failed_sandboxes: u64,
+    /// ipwarden's ADDs in the phase, from the agents' histogram (`None` for host-local).
+    pub ipam_adds: Option<Latency>,
+    /// Write requests the apiserver served during the phase (every resource).
+    pub apiserver_writes: u64,
+}
+
+/// One IPAM's run.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    /// The IPAM and its pool.
+    pub ipam: BenchIpam,
+    /// The phases it went through, in order (fewer when one failed).
+    pub phases: Vec<PhaseReport>,
+}
+
+/// The benchmark's report.
+#[derive(Clone, Debug, Serialize)]
+pub struct NodeBenchReport {
+    /// Real nodes.
+    pub nodes: usize,
+    /// Pods (Deployments times replicas).
+    pub pods: usize,
+    /// The runs, in order.
+    pub runs: Vec<RunReport>,
+}
+
+impl NodeBenchReport {
+    /// Whether every phase of every run completed.
+    pub fn all_completed(&self) -> bool {
+        self.runs.iter().all(|r| r.phases.len() == Phase::ALL.len() && r.phases.iter().all(|p| p.completed))
+    }
+
+    /// Whether every phase of every ipwarden run left the records, the pods' IPs and the
+    /// network namespaces in agreement (host-local's are reported, not judged: it leaks every
+    /// reservation of a rebooted node by design).
+    pub fn ipwarden_consistent(&self) -> bool {
+        let ipwarden = self.runs.iter().filter(|r| r.ipam != BenchIpam::HostLocal);
+        ipwarden.flat_map(|r| &r.phases).all(|p| p.consistent)
+    }
+
+    /// The time of `phase` in the host-local run, if there is one.
+    fn floor(&self, phase: Phase) -> Option<f64> {
+        let run = self.runs.iter().find(|r| r.ipam == BenchIpam::HostLocal)?;
+        run.phases.iter().find(|p| p.phase == phase && p.completed).map(|p| p.seconds)
+    }
+}
+
+impl std::fmt::Display for NodeBenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "node benchmark: {} pods as Deployments on {} real nodes", self.pods, self.nodes)?;
+        for run in &self.runs {
+            writeln!(f, "\n{}", run.ipam)?;
+            writeln!(
+                f,
+                "{:<10} {:>9} {:>9} {:>14} {:>8} {:>16} {:>7}",
+                "phase", "seconds", "x floor", "pod p50/p99 s", "failed", "ADD p50/p99 ms", "writes"
+            )?;
+            for phase in &run.phases {
+                let ratio = self.floor(phase.phase).filter(|f| *f > 0.0).map(|f| phase.seconds / f);
+                let adds = phase.ipam_adds.map_or("-".to_string(), |a| {
+                    let ms = |v: Option<f64>| v.map_or("-".to_string(), |s| format!("{:.0}", s * 1000.0));
+                    format!("{}/{}", ms(a.p50_seconds), ms(a.p99_seconds))
+                });
+                let pods = format!(
+                    "{}/{}",
+                    phase.pod_running.p50_seconds.map_or("-".into(), |s| format!("{s:.0}")),
+                    phase.pod_running.p99_seconds.map_or("-".into(), |s| format!("{s:.0}"))
+                );
+                let mut line = format!(
+                    "{:<10} {:>9.1} {:>9} {:>14} {:>8} {:>16} {:>7}",
+                    phase.phase.name(),
+                    phase.seconds,
+                    ratio.map_or("-".to_string(), |r| format!("{r:.2}")),
+                    pods,
+                    phase.failed_sandboxes,
+                    adds,
+                    phase.apiserver_writes
+                );
+                if !phase.failure.is_empty() {
+                    let _ = write!(line, "  FAILED: {}", phase.failure);
+                }
+                if !phase.inconsistency.is_empty() {
+                    let _ = write!(line, "  NOT SETTLED: {}", phase.inconsistency);
+                }
+                writeln!(f, "{line}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs the benchmark: each run of `options` on a cluster of its own, one after the other.
+pub async fn run(options: &NodeBenchOptions) -> Result<NodeBenchReport> {
+    if options.nodes == 0 || options.deployments == 0 || options.replicas == 0 {
+        return Err(Error::Churn("the node benchmark needs nodes, Deployments and replicas".into()));
+    }
+    let pods = options.deployments * options.replicas;
+    let mut runs = Vec::new();
+    for ipam in &options.runs {
+        runs.push(one_run(*ipam, options).await?);
+    }
+    Ok(NodeBenchReport { nodes: options.nodes, pods, runs })
+}
+
+/// The `ipam` section of the host-local runs' conflist: a /24 per node, its data in the node's
+/// directory (on a real machine, `/var/lib/cni/networks`, one per node).
+fn host_local_ipam() -> serde_json::Value {
+    json!({
+        "type": "host-local",
+        "ranges": [[{"subnet": format!("10.80.{}.0/24", crate::realnode::NODE_INDEX_PLACEHOLDER)}]],
+        "dataDir": format!("{}/host-local", crate::realnode::NODE_DIR_PLACEHOLDER),
+    })
+}
+
+/// The exact pool's spec: ranges of exactly `pods` IPs from 10.70.0.1, a gateway outside them.
+fn exact_pool(pods: usize) -> serde_json::Value {
+    let last = u32::from(std::net::Ipv4Addr::new(10, 70, 0, 0)) + pods as u32;
+    json!({"cidr": EXACT_CIDR, "gateway": "10.70.255.254", "default": true,
+           "ranges": [{"start": "10.70.0.1", "end": std::net::Ipv4Addr::from(last).to_string()}]})
+}
+
+/// ipwarden as the run installs it, or nothing for host-local.
+type Installed = Option<crate::ipwarden::Installation>;
+
+async fn one_run(ipam: BenchIpam, options: &NodeBenchOptions) -> Result<RunReport> {
+    let pods = options.deployments * options.replicas;
+    let host_local = (ipam == BenchIpam::HostLocal).then(|| ("1.0.0".to_string(), host_local_ipam()));
+    let real_nodes = RealNodesOptions {
+        count: options.nodes,
+        ipwarden: options.ipwarden.clone(),
+        runtime: Runtime::Containerd,
+        ipam: host_local,
+    };
+    let mut cluster =
+        Cluster::start(ClusterOptions { nodes: 0, real_nodes: Some(real_nodes), ..Default::default() }).await?;
+    let installed = match start_ipam(&mut cluster, ipam, &options.ipwarden, pods).await {
+        Ok(installed) => installed,
+        Err(e) => {
+            cluster.stop_after_failure();
+            return Err(e);
+        }
+    };
+    let mut installed = installed;
+    let mut phases = Vec::new();
+    for phase in Phase::ALL {
+        tracing::info!(%ipam, phase = phase.name(), "node-bench: phase starts");
+        let report = run_phase(&mut cluster, &mut installed, ipam, phase, options).await?;
+        let stop = !report.completed;
+        phases.push(report);
+        if stop {
+            break;
+        }
+    }
+    drop(installed);
+    cluster.stop();
+    Ok(RunReport { ipam, phases })
+}
+
+/// Starts ipwarden's agents (with the chart's defaults) and controllers on the pool `ipam`
+/// names, or nothing for host-local; returns once the nodes are Ready.
+async fn start_ipam(cluster: &mut Cluster, ipam: BenchIpam, binary: &Path, pods: usize) -> Result<Installed> {
+    let installed = match ipam {
+        BenchIpam::HostLocal => None,
+        BenchIpam::IpwardenExact | BenchIpam::IpwardenAmple => {
+            let pool =
+                if ipam == BenchIpam::IpwardenExact { exact_pool(pods) } else { crate::ipwarden::default_pool() };
+            let agent_args = crate::up::CHART_AGENT_DEFAULTS;
+            Some(crate::ipwarden::install_with(cluster, binary, pool, &agent_args, &[]).await?)
+        }
+    };
+    cluster.wait_real_nodes_ready().await?;
+    Ok(installed)
+}
+
+/// What the phase's counters read at one moment.
+struct Counters {
+    agents: Vec<Scrape>,
+    apiserver: Scrape,
+    failed_sandboxes: u64,
+}
+
+async fn counters(client: &Client, installed: &Installed) -> Result<Counters> {
+    let mut agents = Vec::new();
+    for agent in installed.iter().flat_map(|i| &i.agents) {
+        agents.push(scrape_port(agent.metrics_port, &agent.name).await?);
+    }
+    let apiserver = scrape_apiserver(client).await?;
+    let events = Api::<Event>::namespaced(client.clone(), NAMESPACE)
+        .list(&ListParams::default())
+        .await
+        .map_err(Error::kube("listing Events"))?
+        .items;
+    let failed_sandboxes = events
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("FailedCreatePodSandBox"))
+        .map(|e| u64::try_from(e.count.unwrap_or(1)).unwrap_or(0))
+        .sum();
+    Ok(Counters { agents, apiserver, failed_sandboxes })
+}
+
+async fn run_phase(
+    cluster: &mut Cluster,
+    installed: &mut Installed,
+    ipam: BenchIpam,
+    phase: Phase,
+    options: &NodeBenchOptions,
+) -> Result<PhaseReport> {
+    let client = cluster.client();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let total = options.deployments * options.replicas;
+    let before = counters(&client, installed).await?;
+    let started = Instant::now();
+    let since = Timestamp::now();
+    let outcome: Result<Vec<Pod>> = match phase {
+        Phase::Create => {
+            create_deployments(&client, options.deployments, options.replicas).await?;
+            wait_running(&pods, total, |_| true, options.phase_timeout).await
+        }
+        Phase::Recreate => {
+            let old: HashSet<String> = bench_pods(&pods).await?.iter().filter_map(|p| p.uid()).collect();
+            pods.delete_collection(&DeleteParams::default(), &ListParams::default().labels(BENCH_LABEL))
+                .await
+                .map_err(Error::kube("deleting every bench pod"))?;
+            wait_running(&pods, total, |p| !old.contains(&p.uid().unwrap_or_default()), options.phase_timeout).await
+        }
+        Phase::Recover => {
+            power_cycle(cluster, installed).await?;
+            let floor = Timestamp::from_second(since.as_second()).unwrap_or(since);
+            wait_running(&pods, total, |p| started_at(p).is_some_and(|t| t >= floor), options.phase_timeout).await
+        }
+        Phase::Delete => {
+            Api::<Deployment>::namespaced(client.clone(), NAMESPACE)
+                .delete_collection(&DeleteParams::default(), &ListParams::default().labels(BENCH_LABEL))
+                .await
+                .map_err(Error::kube("deleting the Deployments"))?;
+            wait_gone(&pods, options.phase_timeout).await.map(|()| Vec::new())
+        }
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    let after = counters(&client, installed).await?;
+    let (completed, failure, running) = match outcome {
+        Ok(running) => (true, String::new(), running),
+        Err(Error::Timeout { what, last, .. }) => (false, format!("{what}: {last}"), Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let samples: Vec<f64> = running.iter().filter_map(|p| running_after(p, phase, since)).collect();
+    let inconsistency = match check_settled(cluster, ipam, options.settle_timeout).await {
+        Ok(()) => String::new(),
+        Err(why) => why,
+    };
+    let adds = installed.as_ref().map(|_| {
+        let name = "ipwarden_agent_allocation_duration_seconds";
+        let after = histogram(&after.agents, name);
+        // The recover phase restarted the agents: their histograms hold its ADDs alone.
+        match phase {
+            Phase::Recover => Latency::of_histogram(&after),
+            _ => Latency::of_histogram(&after.since(&histogram(&before.agents, name))),
+        }
+    });
+    let writes = |s: &Scrape| {
+        s.sum_where("apiserver_request_total", |l| l.get("verb").is_some_and(|v| WRITE_VERBS.contains(&v.as_str())))
+    };
+    Ok(PhaseReport {
+        phase,
+        seconds,
+        completed,
+        failure,
+        consistent: inconsistency.is_empty(),
+        inconsistency,
+        pod_running: Latency::of_samples(samples),
+        failed_sandboxes: after.failed_sandboxes.saturating_sub(before.failed_sandboxes),
+        ipam_adds: adds,
+        apiserver_writes: (writes(&after.apiserver) - writes(&before.apiserver)).max(0.0).round() as u64,
+    })
+}
+
+/// Creates `count` Deployments of `replicas` pods on the real nodes.
+async fn create_deployments(client: &Client, count: usize, replicas: usize) -> Result<()> {
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NAMESPACE);
+    for index in 0..count {
+        let name = format!("bench-{index}");
+        let labels = json!({"app": name, BENCH_LABEL: "true"});
+        let deployment: Deployment = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {BENCH_LABEL: "true"}},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
+                     "template": {"metadata": {"labels": labels}, "spec": crate::realnode::workload_spec()}},
+        }))
+        .map_err(|e| Error::Kube { what: format!("building Deployment {name}"), source: kube::Error::SerdeError(e) })?;
+        deployments
+            .create(&PostParams::default(), &deployment)
+            .await
+            .map_err(Error::kube(format!("creating Deployment {name}")))?;
+    }
+    Ok(())
+}
+
+/// The benchmark's live pods (not being deleted).
+async fn bench_pods(pods: &Api<Pod>) -> Result<Vec<Pod>> {
+    let listed =
+        pods.list(&ListParams::default().labels(BENCH_LABEL)).await.map_err(Error::kube("listing bench pods"))?;
+    Ok(listed.items.into_iter().filter(|p| p.metadata.deletion_timestamp.is_none()).collect())
+}
+
+/// Whether `pod` runs, Ready, with an IP.
+fn is_running(pod: &Pod) -> bool {
+    let status = pod.status.clone().unwrap_or_default();
+    status.phase.as_deref() == Some("Running")
+        && status.pod_ip.is_some()
+        && status.conditions.unwrap_or_default().iter().any(|c| c.type_ == "Ready" && c.status == "True")
+}
+
+/// When `pod`'s container last started.
+fn started_at(pod: &Pod) -> Option<Timestamp> {
+    let statuses = pod.status.as_ref()?.container_statuses.as_ref()?;
+    statuses.iter().filter_map(|c| c.state.as_ref()?.running.as_ref()?.started_at.as_ref()).map(|t| t.0).max()
+}
+
+/// When `pod` turned Ready.
+fn ready_at(pod: &Pod) -> Option<Timestamp> {
+    let conditions = pod.status.as_ref()?.conditions.as_ref()?;
+    conditions.iter().find(|c| c.type_ == "Ready" && c.status == "True")?.last_transition_time.as_ref().map(|t| t.0)
+}
+
+/// `pod`'s seconds from its creation (recover: from `since`, the power-off) to Ready.
+fn running_after(pod: &Pod, phase: Phase, since: Timestamp) -> Option<f64> {
+    let start = match phase {
+        Phase::Recover => since,
+        _ => pod.metadata.creation_timestamp.as_ref()?.0,
+    };
+    let ready = ready_at(pod)?;
+    Some(ready.duration_since(start).as_secs_f64().max(0.0))
+}
+
+/// Waits until `count` live bench pods that `counts` selects run; returns them.
+async fn wait_running(
+    pods: &Api<Pod>,
+    count: usize,
+    counts: impl Fn(&Pod) -> bool,
+    timeout: Duration,
+) -> Result<Vec<Pod>> {
+    wait::until(&format!("{count} bench pods running"), timeout, || async {
+        let live = bench_pods(pods).await?;
+        let running: Vec<Pod> = live.into_iter().filter(|p| counts(p) && is_running(p)).collect();
+        Ok(if running.len() >= count {
+            Probe::Done(running)
+        } else {
+            Probe::Pending(format!("{} running", running.len()))
+        })
+    })
+    .await
+}
+
+/// Waits until no bench pod is left, being deleted or not.
+async fn wait_gone(pods: &Api<Pod>, timeout: Duration) -> Result<()> {
+    wait::until("every bench pod gone", timeout, || async {
+        let listed =
+            pods.list(&ListParams::default().labels(BENCH_LABEL)).await.map_err(Error::kube("listing bench pods"))?;
+        Ok(if listed.items.is_empty() {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("{} left", listed.items.len()))
+        })
+    })
+    .await
+}
+
+/// Every node's "reboot" at once: ipwarden's agents, kubelet and the runtime killed, the
+/// runtime's state and network namespaces wiped; the agents (their checkpoints kept) and the
+/// nodes started again.
+async fn power_cycle(cluster: &mut Cluster, installed: &mut Installed) -> Result<()> {
+    for agent in installed.iter_mut().flat_map(|i| i.agents.iter_mut()) {
+        agent.component.kill();
+    }
+    for index in 0..cluster.real_nodes().len() {
+        cluster.real_node(index).power_off();
+    }
+    for agent in installed.iter_mut().flat_map(|i| i.agents.iter_mut()) {
+        agent.component.restart()?;
+        crate::ipwarden::wait_ready(&mut agent.component, agent.metrics_port, AGENT_READY_TIMEOUT).await?;
+    }
+    for index in 0..cluster.real_nodes().len() {
+        cluster.real_node(index).boot().await?;
+    }
+    cluster.wait_real_nodes_ready().await
+}
+
+/// How long a restarted agent may take to serve.
+const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Waits until no bench pod is being deleted any more and the records, the pods' IPs and the
+/// IPs in the nodes' network namespaces are one set, with no IP on two pods and none in two
+/// namespaces; says why not when the bound passes.
+async fn check_settled(cluster: &Cluster, ipam: BenchIpam, timeout: Duration) -> std::result::Result<(), String> {
+    let client = cluster.client();
+    let outcome = wait::until("records, podIPs and network namespaces agree", timeout, || async {
+        let listed = Api::<Pod>::namespaced(client.clone(), NAMESPACE)
+            .list(&ListParams::default().labels(BENCH_LABEL))
+            .await
+            .map_err(Error::kube("listing bench pods"))?;
+        let terminating = listed.items.iter().filter(|p| p.metadata.deletion_timestamp.is_some()).count();
+        let ips: Vec<String> = listed.items.iter().filter_map(|p| p.status.as_ref()?.pod_ip.clone()).collect();
+        let pod_ips: BTreeSet<String> = ips.iter().cloned().collect();
+        let mut netns: Vec<String> = Vec::new();
+        for node in cluster.real_nodes() {
+            netns.extend(node.netns_ips());
+        }
+        let in_netns: BTreeSet<String> = netns.iter().cloned().collect();
+        let records = records(cluster, ipam).await?;
+        let agree = terminating == 0
+            && pod_ips.len() == ips.len()
+            && in_netns.len() == netns.len()
+            && records == pod_ips
+            && in_netns == pod_ips;
+        Ok(if agree {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!(
+                "{terminating} pods terminating, records {records:?}, podIPs {ips:?}, network namespaces {netns:?}"
+            ))
+        })
+    })
+    .await;
+    outcome.map_err(|e| e.to_string())
+}
+
+/// The IPs the IPAM has recorded: ipwarden's IPBlock records, or host-local's reservation files
+/// in every node's data directory.
+async fn records(cluster: &Cluster, ipam: BenchIpam) -> Result<BTreeSet<String>> {
+    if ipam == BenchIpam::HostLocal {
+        let mut ips = BTreeSet::new();
+        for node in cluster.real_nodes() {
+            let dir = node.dir().join("host-local").join(HOST_LOCAL_NETWORK);
+            let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().to_string();
+                if name.parse::<std::net::IpAddr>().is_ok() {
+                    ips.insert(name);
+                }
+            }
+        }
+        return Ok(ips);
+    }
+    let blocks: Api<DynamicObject> = Api::all_with(cluster.client(), &Ipam::Ipwarden.records());
+    let listed = blocks.list(&ListParams::default()).await.map_err(Error::kube("listing IPBlocks"))?;
+    Ok(listed
+        .items
+        .iter()
+        .flat_map(|b| b.data["spec"]["allocations"].as_object().into_iter().flat_map(|a| a.keys().cloned()))
+        .collect::<BTreeSet<String>>())
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn the_exact_pool_holds_exactly_as_many_ips_as_pods() {
+        let pool = exact_pool(200);
+        assert_eq!(pool["ranges"][0]["start"], "10.70.0.1");
+        assert_eq!(pool["ranges"][0]["end"], "10.70.0.200");
+        assert_eq!(exact_pool(300)["ranges"][0]["end"], "10.70.1.44");
+    }
+
+    #[test]
+    fn host_local_takes_a_range_and_a_data_directory_per_node() {
+        let ipam = host_local_ipam().to_string();
+        assert!(ipam.contains("10.80.{NODE_INDEX}.0/24"), "{ipam}");
+        assert!(ipam.contains("{NODE_DIR}/host-local"), "{ipam}");
+    }
+}
