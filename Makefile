@@ -65,7 +65,7 @@ scale-bench: controlplane
 	cargo build --release --locked --workspace --bins
 	$(TARGET_DIR)/release/ipwarden-e2e scale --ipwarden $(TARGET_DIR)/release/ipwarden $(SCALE_FLAGS)
 
-# The node benchmark on real nodes (docs/benchmarks.md, "On real nodes"; root): create,
+# The node benchmark on real nodes (docs/benchmarks.md, "Real nodes"; root): create,
 # re-create, recover and delete of 20 Deployments of 10 pods on 2 real nodes, host-local then
 # ipwarden with an ample and an exact pool (NODE_BENCH_ARGS to change them). Not part of
 # `make test`, which runs a small one (tests/node_bench_smoke.rs).

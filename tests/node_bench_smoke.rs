@@ -1,4 +1,4 @@
-//! The node benchmark (`ipwarden-e2e node-bench`, docs/benchmarks.md, "On real nodes") through
+//! The node benchmark (`ipwarden-e2e node-bench`, docs/benchmarks.md, "Real nodes") through
 //! its own code at a small size, so it cannot rot between the runs that measure: one real node,
 //! one Deployment of 4 pods, every phase (create, re-create, recover, delete), host-local (the
 //! floor) then ipwarden with a pool of exactly 4 IPs, where every re-created or recovered pod

@@ -1,4 +1,4 @@
-//! The node benchmark (`ipwarden-e2e node-bench`, docs/benchmarks.md, "On real nodes"): the
+//! The node benchmark (`ipwarden-e2e node-bench`, docs/benchmarks.md, "Real nodes"): the
 //! four phases peers publish (Spiderpool's docs/concepts/ipam-performance.md) on real nodes
 //! (kubelet, containerd and runc): **create** Deployments of 10 pods until every pod runs,
 //! **re-create** (every pod deleted at once, the Deployments stay) until all run again,
@@ -11,11 +11,12 @@
 //! coordination at all). After each phase the records, the pods' `podIPs` and the IPs in the
 //! nodes' network namespaces must agree, with no IP on two pods.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use futures::StreamExt;
 use jiff::Timestamp;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Event, Pod};
@@ -38,9 +39,6 @@ const NAMESPACE: &str = "default";
 
 /// The label of the benchmark's pods.
 const BENCH_LABEL: &str = "e2e.ipwarden.io/node-bench";
-
-/// The network name of the `host-local` runs' conflist (its data directory's subdirectory).
-const HOST_LOCAL_NETWORK: &str = "ipwarden";
 
 /// The CIDR of the exact pool; its ranges hold exactly as many IPs as pods.
 const EXACT_CIDR: &str = "10.70.0.0/16";
@@ -136,8 +134,12 @@ pub struct PhaseReport {
     pub pod_running: Latency,
     /// Sandbox creations that failed, from kubelet's `FailedCreatePodSandBox` Events.
     pub failed_sandboxes: u64,
-    /// ipwarden's ADDs in the phase, from the agents' histogram (`None` for host-local).
+    /// ipwarden's ADDs in the phase, from the agents' histogram, failed ones included (`None`
+    /// for host-local).
     pub ipam_adds: Option<Latency>,
+    /// Of those, the ADDs the agents refused (pool exhausted, only cooling IPs, ...), from
+    /// `ipwarden_agent_allocations_total` (`None` for host-local).
+    pub ipam_adds_refused: Option<u64>,
     /// Write requests the apiserver served during the phase (every resource).
     pub apiserver_writes: u64,
 }
@@ -149,6 +151,9 @@ pub struct RunReport {
     pub ipam: BenchIpam,
     /// The phases it went through, in order (fewer when one failed).
     pub phases: Vec<PhaseReport>,
+    /// What stopped the run short of its phases' end states (a failed call, a component that
+    /// would not start); empty when nothing did.
+    pub error: String,
 }
 
 /// The benchmark's report.
@@ -165,7 +170,9 @@ pub struct NodeBenchReport {
 impl NodeBenchReport {
     /// Whether every phase of every run completed.
     pub fn all_completed(&self) -> bool {
-        self.runs.iter().all(|r| r.phases.len() == Phase::ALL.len() && r.phases.iter().all(|p| p.completed))
+        self.runs
+            .iter()
+            .all(|r| r.error.is_empty() && r.phases.len() == Phase::ALL.len() && r.phases.iter().all(|p| p.completed))
     }
 
     /// Whether every phase of every ipwarden run left the records, the pods' IPs and the
@@ -188,10 +195,13 @@ impl std::fmt::Display for NodeBenchReport {
         writeln!(f, "node benchmark: {} pods as Deployments on {} real nodes", self.pods, self.nodes)?;
         for run in &self.runs {
             writeln!(f, "\n{}", run.ipam)?;
+            if !run.error.is_empty() {
+                writeln!(f, "STOPPED: {}", run.error)?;
+            }
             writeln!(
                 f,
-                "{:<10} {:>9} {:>9} {:>14} {:>8} {:>16} {:>7}",
-                "phase", "seconds", "x floor", "pod p50/p99 s", "failed", "ADD p50/p99 ms", "writes"
+                "{:<10} {:>9} {:>9} {:>14} {:>8} {:>16} {:>8} {:>7}",
+                "phase", "seconds", "x floor", "pod p50/p99 s", "failed", "ADD p50/p99 ms", "refused", "writes"
             )?;
             for phase in &run.phases {
                 let ratio = self.floor(phase.phase).filter(|f| *f > 0.0).map(|f| phase.seconds / f);
@@ -199,19 +209,21 @@ impl std::fmt::Display for NodeBenchReport {
                     let ms = |v: Option<f64>| v.map_or("-".to_string(), |s| format!("{:.0}", s * 1000.0));
                     format!("{}/{}", ms(a.p50_seconds), ms(a.p99_seconds))
                 });
+                let refused = phase.ipam_adds_refused.map_or("-".to_string(), |n| n.to_string());
                 let pods = format!(
                     "{}/{}",
                     phase.pod_running.p50_seconds.map_or("-".into(), |s| format!("{s:.0}")),
                     phase.pod_running.p99_seconds.map_or("-".into(), |s| format!("{s:.0}"))
                 );
                 let mut line = format!(
-                    "{:<10} {:>9.1} {:>9} {:>14} {:>8} {:>16} {:>7}",
+                    "{:<10} {:>9.1} {:>9} {:>14} {:>8} {:>16} {:>8} {:>7}",
                     phase.phase.name(),
                     phase.seconds,
                     ratio.map_or("-".to_string(), |r| format!("{r:.2}")),
                     pods,
                     phase.failed_sandboxes,
                     adds,
+                    refused,
                     phase.apiserver_writes
                 );
                 if !phase.failure.is_empty() {
@@ -227,15 +239,24 @@ impl std::fmt::Display for NodeBenchReport {
     }
 }
 
-/// Runs the benchmark: each run of `options` on a cluster of its own, one after the other.
+/// Runs the benchmark: each run of `options` on a cluster of its own, one after the other; a
+/// run that fails says why in its report and the next one runs.
 pub async fn run(options: &NodeBenchOptions) -> Result<NodeBenchReport> {
     if options.nodes == 0 || options.deployments == 0 || options.replicas == 0 {
-        return Err(Error::Churn("the node benchmark needs nodes, Deployments and replicas".into()));
+        return Err(Error::Tool {
+            command: "node-bench".into(),
+            reason: format!(
+                "it needs at least one of each: {} nodes, {} Deployments, {} replicas",
+                options.nodes, options.deployments, options.replicas
+            ),
+        });
     }
     let pods = options.deployments * options.replicas;
     let mut runs = Vec::new();
     for ipam in &options.runs {
-        runs.push(one_run(*ipam, options).await?);
+        let run = one_run(*ipam, options).await;
+        tracing::info!(report = %NodeBenchReport { nodes: options.nodes, pods, runs: vec![run.clone()] }, "node-bench: run done");
+        runs.push(run);
     }
     Ok(NodeBenchReport { nodes: options.nodes, pods, runs })
 }
@@ -260,7 +281,17 @@ fn exact_pool(pods: usize) -> serde_json::Value {
 /// ipwarden as the run installs it, or nothing for host-local.
 type Installed = Option<crate::ipwarden::Installation>;
 
-async fn one_run(ipam: BenchIpam, options: &NodeBenchOptions) -> Result<RunReport> {
+async fn one_run(ipam: BenchIpam, options: &NodeBenchOptions) -> RunReport {
+    let mut phases = Vec::new();
+    let error = match phases_of(ipam, options, &mut phases).await {
+        Ok(()) => String::new(),
+        Err(e) => e.to_string(),
+    };
+    RunReport { ipam, phases, error }
+}
+
+/// The phases of one run, each pushed to `phases` as it ends.
+async fn phases_of(ipam: BenchIpam, options: &NodeBenchOptions, phases: &mut Vec<PhaseReport>) -> Result<()> {
     let pods = options.deployments * options.replicas;
     let host_local = (ipam == BenchIpam::HostLocal).then(|| ("1.0.0".to_string(), host_local_ipam()));
     let real_nodes = RealNodesOptions {
@@ -279,10 +310,16 @@ async fn one_run(ipam: BenchIpam, options: &NodeBenchOptions) -> Result<RunRepor
         }
     };
     let mut installed = installed;
-    let mut phases = Vec::new();
     for phase in Phase::ALL {
         tracing::info!(%ipam, phase = phase.name(), "node-bench: phase starts");
-        let report = run_phase(&mut cluster, &mut installed, ipam, phase, options).await?;
+        let report = match run_phase(&mut cluster, &mut installed, ipam, phase, options).await {
+            Ok(report) => report,
+            Err(e) => {
+                drop(installed);
+                cluster.stop_after_failure();
+                return Err(e);
+            }
+        };
         let stop = !report.completed;
         phases.push(report);
         if stop {
@@ -291,7 +328,7 @@ async fn one_run(ipam: BenchIpam, options: &NodeBenchOptions) -> Result<RunRepor
     }
     drop(installed);
     cluster.stop();
-    Ok(RunReport { ipam, phases })
+    Ok(())
 }
 
 /// Starts ipwarden's agents (with the chart's defaults) and controllers on the pool `ipam`
@@ -355,16 +392,19 @@ async fn run_phase(
             wait_running(&pods, total, |_| true, options.phase_timeout).await
         }
         Phase::Recreate => {
-            let old: HashSet<String> = bench_pods(&pods).await?.iter().filter_map(|p| p.uid()).collect();
-            pods.delete_collection(&DeleteParams::default(), &ListParams::default().labels(BENCH_LABEL))
-                .await
-                .map_err(Error::kube("deleting every bench pod"))?;
+            let old = bench_pods(&pods).await?;
+            delete_all(&pods, &old).await?;
+            let old: HashSet<String> = old.iter().filter_map(|p| p.uid()).collect();
             wait_running(&pods, total, |p| !old.contains(&p.uid().unwrap_or_default()), options.phase_timeout).await
         }
         Phase::Recover => {
+            let before: HashSet<String> = bench_pods(&pods).await?.iter().flat_map(container_ids).collect();
             power_cycle(cluster, installed).await?;
-            let floor = Timestamp::from_second(since.as_second()).unwrap_or(since);
-            wait_running(&pods, total, |p| started_at(p).is_some_and(|t| t >= floor), options.phase_timeout).await
+            let restarted = |p: &Pod| {
+                let now = container_ids(p);
+                !now.is_empty() && now.iter().all(|id| !before.contains(id))
+            };
+            wait_running(&pods, total, restarted, options.phase_timeout).await
         }
         Phase::Delete => {
             Api::<Deployment>::namespaced(client.clone(), NAMESPACE)
@@ -395,6 +435,14 @@ async fn run_phase(
             _ => Latency::of_histogram(&after.since(&histogram(&before.agents, name))),
         }
     });
+    let refused = installed.as_ref().map(|_| {
+        let count = |scrapes: &[Scrape]| -> f64 {
+            let refused = |l: &crate::exposition::Labels| l.get("result").is_some_and(|r| r != "success");
+            scrapes.iter().map(|s| s.sum_where("ipwarden_agent_allocations_total", refused)).sum()
+        };
+        let earlier = if phase == Phase::Recover { 0.0 } else { count(&before.agents) };
+        (count(&after.agents) - earlier).max(0.0).round() as u64
+    });
     let writes = |s: &Scrape| {
         s.sum_where("apiserver_request_total", |l| l.get("verb").is_some_and(|v| WRITE_VERBS.contains(&v.as_str())))
     };
@@ -408,6 +456,7 @@ async fn run_phase(
         pod_running: Latency::of_samples(samples),
         failed_sandboxes: after.failed_sandboxes.saturating_sub(before.failed_sandboxes),
         ipam_adds: adds,
+        ipam_adds_refused: refused,
         apiserver_writes: (writes(&after.apiserver) - writes(&before.apiserver)).max(0.0).round() as u64,
     })
 }
@@ -432,6 +481,26 @@ async fn create_deployments(client: &Client, count: usize, replicas: usize) -> R
     Ok(())
 }
 
+/// Deletes every pod of `old` at once: one request each, many in flight (a DeleteCollection
+/// of hundreds of pods outlasts the apiserver's request timeout on a loaded machine); a pod
+/// already gone counts as deleted.
+async fn delete_all(pods: &Api<Pod>, old: &[Pod]) -> Result<()> {
+    let deletions = old.iter().map(|pod| async move {
+        let name = pod.name_any();
+        match pods.delete(&name, &DeleteParams::default()).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+            Err(e) => Err(Error::kube(format!("deleting bench pod {name}"))(e)),
+        }
+    });
+    let results: Vec<Result<()>> =
+        futures::stream::iter(deletions).buffer_unordered(DELETIONS_IN_FLIGHT).collect().await;
+    results.into_iter().collect()
+}
+
+/// Deletions [`delete_all`] keeps in flight.
+const DELETIONS_IN_FLIGHT: usize = 32;
+
 /// The benchmark's live pods (not being deleted).
 async fn bench_pods(pods: &Api<Pod>) -> Result<Vec<Pod>> {
     let listed =
@@ -447,10 +516,10 @@ fn is_running(pod: &Pod) -> bool {
         && status.conditions.unwrap_or_default().iter().any(|c| c.type_ == "Ready" && c.status == "True")
 }
 
-/// When `pod`'s container last started.
-fn started_at(pod: &Pod) -> Option<Timestamp> {
-    let statuses = pod.status.as_ref()?.container_statuses.as_ref()?;
-    statuses.iter().filter_map(|c| c.state.as_ref()?.running.as_ref()?.started_at.as_ref()).map(|t| t.0).max()
+/// The IDs of `pod`'s containers as its status names them (a restarted container has a new one).
+fn container_ids(pod: &Pod) -> Vec<String> {
+    let statuses = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref());
+    statuses.into_iter().flatten().filter_map(|c| c.container_id.clone()).collect()
 }
 
 /// When `pod` turned Ready.
@@ -459,14 +528,15 @@ fn ready_at(pod: &Pod) -> Option<Timestamp> {
     conditions.iter().find(|c| c.type_ == "Ready" && c.status == "True")?.last_transition_time.as_ref().map(|t| t.0)
 }
 
-/// `pod`'s seconds from its creation (recover: from `since`, the power-off) to Ready.
+/// `pod`'s seconds from its creation (recover: from `since`, the power-off) to Ready. The
+/// apiserver keeps whole seconds, so a figure may be up to a second off (a recover's low).
 fn running_after(pod: &Pod, phase: Phase, since: Timestamp) -> Option<f64> {
     let start = match phase {
-        Phase::Recover => since,
+        Phase::Recover => Timestamp::from_second(since.as_second()).ok()?,
         _ => pod.metadata.creation_timestamp.as_ref()?.0,
     };
     let ready = ready_at(pod)?;
-    Some(ready.duration_since(start).as_secs_f64().max(0.0))
+    Some(ready.duration_since(start).as_secs_f64())
 }
 
 /// Waits until `count` live bench pods that `counts` selects run; returns them.
@@ -526,8 +596,10 @@ async fn power_cycle(cluster: &mut Cluster, installed: &mut Installed) -> Result
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Waits until no bench pod is being deleted any more and the records, the pods' IPs and the
-/// IPs in the nodes' network namespaces are one set, with no IP on two pods and none in two
-/// namespaces; says why not when the bound passes.
+/// IPs in the nodes' network namespaces are one set, each record naming the pod that has its IP
+/// (ipwarden; host-local's name a container), with no IP on two pods and none in two
+/// namespaces; says why not when the bound passes. Pods that ended (Failed, Succeeded) have
+/// no sandbox and are left out.
 async fn check_settled(cluster: &Cluster, ipam: BenchIpam, timeout: Duration) -> std::result::Result<(), String> {
     let client = cluster.client();
     let outcome = wait::until("records, podIPs and network namespaces agree", timeout, || async {
@@ -536,24 +608,32 @@ async fn check_settled(cluster: &Cluster, ipam: BenchIpam, timeout: Duration) ->
             .await
             .map_err(Error::kube("listing bench pods"))?;
         let terminating = listed.items.iter().filter(|p| p.metadata.deletion_timestamp.is_some()).count();
-        let ips: Vec<String> = listed.items.iter().filter_map(|p| p.status.as_ref()?.pod_ip.clone()).collect();
-        let pod_ips: BTreeSet<String> = ips.iter().cloned().collect();
+        let live = listed.items.iter().filter(|p| {
+            let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+            !matches!(phase, Some("Failed" | "Succeeded"))
+        });
+        let holders: Vec<(String, String)> =
+            live.filter_map(|p| Some((p.status.as_ref()?.pod_ip.clone()?, p.uid().unwrap_or_default()))).collect();
+        let pods: BTreeMap<String, String> = holders.iter().cloned().collect();
         let mut netns: Vec<String> = Vec::new();
         for node in cluster.real_nodes() {
             netns.extend(node.netns_ips());
         }
         let in_netns: BTreeSet<String> = netns.iter().cloned().collect();
         let records = records(cluster, ipam).await?;
+        let recorded: BTreeSet<&String> = records.keys().collect();
+        let owners_agree = records.iter().all(|(ip, owner)| owner.as_ref().is_none_or(|uid| pods.get(ip) == Some(uid)));
         let agree = terminating == 0
-            && pod_ips.len() == ips.len()
+            && pods.len() == holders.len()
             && in_netns.len() == netns.len()
-            && records == pod_ips
-            && in_netns == pod_ips;
+            && recorded == pods.keys().collect()
+            && in_netns.iter().eq(pods.keys())
+            && owners_agree;
         Ok(if agree {
             Probe::Done(())
         } else {
             Probe::Pending(format!(
-                "{terminating} pods terminating, records {records:?}, podIPs {ips:?}, network namespaces {netns:?}"
+                "{terminating} pods terminating, records {records:?}, pods {holders:?}, network namespaces {netns:?}"
             ))
         })
     })
@@ -561,18 +641,33 @@ async fn check_settled(cluster: &Cluster, ipam: BenchIpam, timeout: Duration) ->
     outcome.map_err(|e| e.to_string())
 }
 
-/// The IPs the IPAM has recorded: ipwarden's IPBlock records, or host-local's reservation files
-/// in every node's data directory.
-async fn records(cluster: &Cluster, ipam: BenchIpam) -> Result<BTreeSet<String>> {
+/// The IPs the IPAM has recorded, each with the UID of the pod its record names (`None` where
+/// the record names none: host-local's name a container): ipwarden's IPBlock records, or
+/// host-local's reservation files in every node's data directory, under the network name of
+/// the node's conflist.
+async fn records(cluster: &Cluster, ipam: BenchIpam) -> Result<BTreeMap<String, Option<String>>> {
     if ipam == BenchIpam::HostLocal {
-        let mut ips = BTreeSet::new();
+        let mut ips = BTreeMap::new();
         for node in cluster.real_nodes() {
-            let dir = node.dir().join("host-local").join(HOST_LOCAL_NETWORK);
-            let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+            let conflist_path = node.paths().cni_conf_dir().join(crate::realnode::CONFLIST);
+            let text =
+                std::fs::read_to_string(&conflist_path).map_err(Error::io("reading the conflist", &conflist_path))?;
+            let conflist: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Tool {
+                command: format!("parsing {}", conflist_path.display()),
+                reason: e.to_string(),
+            })?;
+            let network = conflist["name"].as_str().unwrap_or_default();
+            let dir = node.dir().join("host-local").join(network);
+            let entries = match std::fs::read_dir(&dir) {
+                Ok(entries) => entries,
+                // No reservation made on this node yet.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(Error::io("reading host-local's reservations", &dir)(e)),
+            };
             for entry in entries.flatten() {
                 let name = entry.file_name().to_string_lossy().to_string();
                 if name.parse::<std::net::IpAddr>().is_ok() {
-                    ips.insert(name);
+                    ips.insert(name, None);
                 }
             }
         }
@@ -580,11 +675,13 @@ async fn records(cluster: &Cluster, ipam: BenchIpam) -> Result<BTreeSet<String>>
     }
     let blocks: Api<DynamicObject> = Api::all_with(cluster.client(), &Ipam::Ipwarden.records());
     let listed = blocks.list(&ListParams::default()).await.map_err(Error::kube("listing IPBlocks"))?;
-    Ok(listed
-        .items
-        .iter()
-        .flat_map(|b| b.data["spec"]["allocations"].as_object().into_iter().flat_map(|a| a.keys().cloned()))
-        .collect::<BTreeSet<String>>())
+    let mut ips = BTreeMap::new();
+    for block in &listed.items {
+        for (ip, record) in block.data["spec"]["allocations"].as_object().into_iter().flatten() {
+            ips.insert(ip.clone(), record["pod"]["uid"].as_str().map(str::to_string));
+        }
+    }
+    Ok(ips)
 }
 
 #[cfg(test)]

@@ -147,13 +147,9 @@ enum Command {
         #[arg(long, default_value = "never", value_parser = clap::value_parser!(e2e::cni::RuntimeGc))]
         runtime_gc: e2e::cni::RuntimeGc,
     },
-    /// Measure the controller at cluster scale: Node objects without kubelets, pods, records
-    /// and claims written in bulk as kubelets and agents would, a controller pair; report its
-    /// start-up, first sweep, requests in a quiet window and the reclaim of injected leaks.
-    /// Exits non-zero when a leak was not reclaimed in time.
     /// The node benchmark on real nodes (kubelet, containerd, runc; root): the four phases
     /// peers publish (create, re-create, recover, delete) of Deployments of pods, for each run
-    /// in turn on a cluster of its own (docs/benchmarks.md, "On real nodes"). Exits non-zero
+    /// in turn on a cluster of its own (docs/benchmarks.md, "Real nodes"). Exits non-zero
     /// when a phase did not complete or an ipwarden run left records, pod IPs and network
     /// namespaces in disagreement.
     NodeBench {
@@ -182,6 +178,10 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Output::Table)]
         output: Output,
     },
+    /// Measure the controller at cluster scale: Node objects without kubelets, pods, records
+    /// and claims written in bulk as kubelets and agents would, a controller pair; report its
+    /// start-up, first sweep, requests in a quiet window and the reclaim of injected leaks.
+    /// Exits non-zero when a leak was not reclaimed in time.
     Scale {
         /// The ipwarden binary to measure.
         #[arg(long)]

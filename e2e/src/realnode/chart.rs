@@ -230,8 +230,6 @@ pub fn installed_files(cluster: &Cluster) -> Vec<PathBuf> {
     cluster
         .real_nodes()
         .iter()
-        .flat_map(|n| {
-            [n.paths().cni_bin_dir().join("ipwarden-cni"), n.paths().cni_conf_dir().join("10-ipwarden.conflist")]
-        })
+        .flat_map(|n| [n.paths().cni_bin_dir().join("ipwarden-cni"), n.paths().cni_conf_dir().join(super::CONFLIST)])
         .collect()
 }

@@ -192,6 +192,10 @@ impl RealNodeContext {
     }
 }
 
+/// The file name of the node's conflist in its CNI configuration directory (the chart's
+/// `cni.confFile`).
+pub const CONFLIST: &str = "10-ipwarden.conflist";
+
 /// The placeholder of the agent's socket in [`RealNodeContext::conflist`].
 pub const AGENT_SOCKET_PLACEHOLDER: &str = "{AGENT_SOCKET}";
 
@@ -229,7 +233,7 @@ impl RealNode {
             .replace(AGENT_SOCKET_PLACEHOLDER, &paths.agent_socket().display().to_string())
             .replace(NODE_INDEX_PLACEHOLDER, &index.to_string())
             .replace(NODE_DIR_PLACEHOLDER, &paths.dir.display().to_string());
-        write(&paths.cni_conf_dir().join("10-ipwarden.conflist"), &conflist)?;
+        write(&paths.cni_conf_dir().join(CONFLIST), &conflist)?;
         match paths.runtime {
             Runtime::Containerd => {
                 create_dir(&paths.containerd_root())?;
