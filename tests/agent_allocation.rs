@@ -211,3 +211,44 @@ async fn overlapping_pools_get_a_condition_and_hand_out_nothing_until_resolved()
     .await
     .expect("the condition clears");
 }
+
+/// A pod whose sandbox the runtime lost after its ADD (the runtime crashed before recording
+/// it, so no DEL follows) gets a new sandbox, whose ADD takes the lost one's IP back at once:
+/// the same pod's own IP carries no other pod's traffic, so the reuse cooldown does not hold
+/// it. The pool has exactly the two pods' IPs and the cooldown outlasts the test, so a new
+/// sandbox that had to wait for the cooldown or take another IP could not run. Both a pod
+/// given any IP and a pod with a fixed IP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pods_new_sandbox_takes_back_at_once_the_ip_of_the_sandbox_the_runtime_lost() {
+    let pool = json!({"cidr": "10.77.0.0/24", "default": true,
+                      "ranges": [{"start": "10.77.0.10", "end": "10.77.0.11"}]});
+    let ipwarden = Ipwarden::start(1, &[("exact", pool)], &["--reuse-cooldown-seconds=3600"]).await;
+    let client = ipwarden.client();
+    let faults = ipwarden.cluster.nodes()[0].faults();
+
+    faults.crash_next_adds(1);
+    create_pod(&client, NS, "any-ip", "node-0", json!({"app": "lost"})).await;
+    let pods = wait_pods_with_ips(&client, NS, "app=lost", 1).await;
+    assert_eq!(ip_of(&pods["any-ip"]), "10.77.0.10", "the pod keeps the IP its lost sandbox got");
+
+    faults.crash_next_adds(1);
+    let fixed: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "fixed-ip", "labels": {"app": "lost"}, "annotations": {"ipwarden.io/ips": "10.77.0.11"}},
+        "spec": {"nodeName": "node-0", "containers": [{"name": "app", "image": "registry.invalid/ipwarden-test/app:1"}]},
+    }))
+    .expect("a pod");
+    Api::<Pod>::namespaced(client.clone(), NS).create(&PostParams::default(), &fixed).await.expect("create fixed-ip");
+    let pods = wait_pods_with_ips(&client, NS, "app=lost", 2).await;
+    assert_eq!(ip_of(&pods["fixed-ip"]), "10.77.0.11", "the fixed IP, back from its lost sandbox");
+
+    let log = std::fs::read_to_string(ipwarden.agents[0].log()).expect("the agent's log");
+    let superseded = log.matches("replaces one whose DEL never came").count();
+    assert_eq!(superseded, 2, "each pod's lost sandbox was superseded by its new one");
+    let text = ipwarden.scrape_agent(0).await;
+    assert_eq!(metric(&text, "ipwarden_agent_allocations_total{result=\"cooling\"}"), 0.0, "no ADD waited");
+    let records = records(&client).await;
+    assert_eq!(records.len(), 2, "{records:?}");
+    for pod in pods.values() {
+        assert_eq!(records[&ip_of(pod)].pod.uid, pod.uid().unwrap_or_default(), "{}'s record", pod.name_any());
+    }
+}

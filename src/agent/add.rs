@@ -232,7 +232,7 @@ impl Core {
             list_annotation,
         )
         .map_err(|cause| Error::FixedIp { pod: format!("{}/{}", pod_ref.namespace, pod_ref.name), cause })?;
-        self.release_superseded(request, &uid).await.map_err(|e| Error::Superseded {
+        let returning = self.release_superseded(request, &uid).await.map_err(|e| Error::Superseded {
             pod: format!("{}/{}", pod_ref.namespace, pod_ref.name),
             source: Box::new(e),
         })?;
@@ -264,8 +264,10 @@ impl Core {
                 Some(reclaimed) => (reclaimed.ips, reclaimed.written, reclaimed.shared),
                 None => {
                     let written = match &fixed {
-                        Some(fixed) => self.allocate_fixed(&pod, owner.as_ref(), sticky, request, fixed).await?,
-                        None => self.allocate(&pod, owner.as_ref(), sticky, request, None).await?,
+                        Some(fixed) => {
+                            self.allocate_fixed(&pod, owner.as_ref(), sticky, request, fixed, &returning).await?
+                        }
+                        None => self.allocate(&pod, owner.as_ref(), sticky, request, None, &returning).await?,
                     };
                     (written.iter().map(|w| w.ip.clone()).collect(), written, false)
                 }
@@ -312,17 +314,22 @@ impl Core {
     /// so an older entry left is a sandbox whose DEL never came because the runtime lost it (a
     /// node rebooted, containerd's state wiped): nothing else would free its IPs while the pod
     /// lives on. The pod's calls take turns (module `serial`), so no DEL or ADD of the older
-    /// sandbox runs meanwhile; a late DEL of it then finds nothing to release.
-    async fn release_superseded(&self, request: &AttachmentRequest, uid: &str) -> Result<(), Error> {
+    /// sandbox runs meanwhile; a late DEL of it then finds nothing to release. Returns the
+    /// IPs released, which the new sandbox takes back first and at once ([`free::Asker::RECLAIM`]):
+    /// they were the pod's own, so no other pod's traffic can reach it through them, and its
+    /// IP stays the same across a node's reboot.
+    async fn release_superseded(&self, request: &AttachmentRequest, uid: &str) -> Result<BTreeSet<IpAddr>, Error> {
         let superseded: Vec<CheckpointEntry> =
             self.checkpoint.read(|c| c.entries().filter(|e| superseded_by(e, request)).cloned().collect());
+        let mut returning = BTreeSet::new();
         for entry in superseded {
             tracing::info!(pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name),
                 old_container_id = %entry.key.container_id, container_id = %request.container_id,
                 "a new sandbox of the pod replaces one whose DEL never came: releasing the old one's IPs");
             self.detach(&entry.key, Some(&entry), Some(uid), ReleaseTrigger::Superseded).await?;
+            returning.extend(entry.ips.iter().filter_map(|i| i.ip.parse::<IpAddr>().ok()));
         }
-        Ok(())
+        Ok(returning)
     }
 
     fn record_for(&self, pod: &Pod, owner: Option<&OwnerRef>, sticky: bool, request: &AttachmentRequest) -> Allocation {
@@ -520,7 +527,7 @@ impl Core {
         if slots.len() == interface.ips.len() && given_up.len() < slots.len() {
             let mut fresh = Vec::new();
             if !given_up.is_empty() {
-                match self.allocate(pod, owner, true, request, Some(&given_up)).await {
+                match self.allocate(pod, owner, true, request, Some(&given_up), &BTreeSet::new()).await {
                     Ok(written) => {
                         fresh = written.iter().map(|w| w.ip.clone()).collect();
                         taken.extend(written);
@@ -544,7 +551,8 @@ impl Core {
     /// Allocates one IP from each pool the pod should use, all or none: when one pool has
     /// no IP, the IPs already taken from the others are rolled back. `families` (`true`:
     /// IPv4) limits it to the pools of those IP families: a sticky pod's IPs given up in a
-    /// pool being deleted.
+    /// pool being deleted. `returning`: IPs of a sandbox of the pod the runtime lost, taken
+    /// back first where a chosen pool holds them.
     async fn allocate(
         &self,
         pod: &Pod,
@@ -552,6 +560,7 @@ impl Core {
         sticky: bool,
         request: &AttachmentRequest,
         families: Option<&[bool]>,
+        returning: &BTreeSet<IpAddr>,
     ) -> Result<Vec<Written>, Error> {
         let namespace_name = pod.namespace().unwrap_or_default();
         let pools_snapshot = self.pools.state();
@@ -574,13 +583,13 @@ impl Core {
             let pool = ResolvedPool::new(view.name, view.spec, layout.clone(), view.deleting);
             // A pod whose workload keeps no IP may take one of the node's spares on its own
             // network's interface (the one its status reports, which a lost checkpoint's
-            // recovery reads).
-            let spare = !sticky && request.ifname == fixed::POD_INTERFACE;
+            // recovery reads), unless it takes its own IPs back.
+            let spare = !sticky && request.ifname == fixed::POD_INTERFACE && returning.is_empty();
             if let Some(ip) = spare.then(|| self.pick_spare(&pool)).flatten() {
                 written.push(Written { ip, prior: None });
                 continue;
             }
-            match self.allocate_in_pool(&pool, &record).await {
+            match self.allocate_in_pool(&pool, &record, returning).await {
                 Ok(ip) => written.push(ip),
                 Err(e) => {
                     self.roll_back(&written, request, &record.pod.uid).await;
@@ -612,7 +621,8 @@ impl Core {
     /// Allocates exactly the `fixed` IPs, each in the pool holding it ([`fixed::pool_of`]),
     /// all or none, written like any other allocation (module `batch`): of each group of
     /// [`fixed::Requested::choices`], the first IP that can be had; a group none of whose IPs
-    /// can be had fails the ADD saying why for each.
+    /// can be had fails the ADD saying why for each. One of `returning` (IPs of a sandbox of
+    /// the pod the runtime lost) is the pod's own, so its cooldown does not hold it back.
     async fn allocate_fixed(
         &self,
         pod: &Pod,
@@ -620,6 +630,7 @@ impl Core {
         sticky: bool,
         request: &AttachmentRequest,
         fixed: &fixed::Requested,
+        returning: &BTreeSet<IpAddr>,
     ) -> Result<Vec<Written>, Error> {
         let pod_name = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
         let pools_snapshot = self.pools.state();
@@ -642,7 +653,7 @@ impl Core {
             let mut refused = Vec::new();
             for &ip in &choice {
                 let taken = match fixed::pool_of(&views, pool_set.orphans(), &facts.placement(request), ip) {
-                    Ok(place) => self.take_fixed(&place, &record, ip).await,
+                    Ok(place) => self.take_fixed(&place, &record, ip, returning.contains(&ip)).await,
                     Err(cause) => Ok(Err(cause)),
                 };
                 match taken {
@@ -669,16 +680,19 @@ impl Core {
     /// Fixed IP `ip` of `place` for `record`: from the copy held, in one write with the
     /// node's other edits of the block; alone when that batch was not written; and, before
     /// refusing, once more from a fresh read (a held copy may be behind a release). The inner
-    /// error says why the IP cannot be had; the outer one, that a write failed.
+    /// error says why the IP cannot be had; the outer one, that a write failed. `own`: the IP
+    /// was the pod's under a sandbox the runtime lost, so it takes it back with no cooldown.
     async fn take_fixed(
         &self,
         place: &fixed::FixedIn<'_>,
         record: &Allocation,
         ip: IpAddr,
+        own: bool,
     ) -> Result<Result<Written, fixed::FixedError>, Error> {
         let (pool, net) = (place.pool.name.to_string(), place.block);
         let block = pools::block_name(&pool, net);
-        let (node, cooldown, owned) = (self.settings.node.clone(), self.settings.cooldown, record.clone());
+        let cooldown = if own { free::Asker::RECLAIM.cooldown } else { self.settings.cooldown };
+        let (node, owned) = (self.settings.node.clone(), record.clone());
         let resolved = ResolvedPool::new(&pool, place.pool.spec, place.layout.clone(), place.pool.deleting);
         let layout = resolved.layout.clone();
         // The node's own spare is kept from its other calls while this write takes it.
@@ -744,8 +758,14 @@ impl Core {
     /// claims in the same write, else borrowed from another node's block
     /// ([`affinity::plan`]). Every block is edited from the newest copy the agent holds, so
     /// a block with no ready IP costs no request, and the ADDs of the node waiting for the
-    /// same block share one write (module `batch`).
-    async fn allocate_in_pool(&self, pool: &ResolvedPool, record: &Allocation) -> Result<Written, Error> {
+    /// same block share one write (module `batch`); one of `returning` that a block holds
+    /// free goes first ([`Wish::returning`]).
+    async fn allocate_in_pool(
+        &self,
+        pool: &ResolvedPool,
+        record: &Allocation,
+        returning: &BTreeSet<IpAddr>,
+    ) -> Result<Written, Error> {
         let node = self.settings.node.as_str();
         let blocks = self.newest_blocks_of(&pool.name);
         let known: Vec<KnownBlock<'_>> = blocks.iter().filter_map(KnownBlock::of).collect();
@@ -761,6 +781,7 @@ impl Core {
                     net: candidate.net,
                     how: candidate.how,
                     record: record.clone(),
+                    returning: returning.clone(),
                 };
                 let taken = match fresh {
                     false => match self.take_from_block(&candidate.name, &pool.name, wish.clone()).await {

@@ -6,7 +6,7 @@
 //! in queue order to one copy, writes once and tells each call. A call whose batch could not be
 //! written is told so and writes alone, so each failure reaches its own call typed.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -21,6 +21,7 @@ use super::serial::KeyGuard;
 use crate::block_store::CasOutcome;
 use crate::crd::{Allocation, IPBlock, IPBlockSpec};
 use crate::ipam::affinity::{self, Use};
+use crate::ipam::free::{self, Asker};
 use crate::ipam::{BlockUsage, ChooseError, PoolLayout, blocks, choose_ip};
 
 /// What one ADD got from a block.
@@ -52,6 +53,9 @@ pub(super) struct Wish {
     pub(super) how: Use,
     /// The record to write for the IP.
     pub(super) record: Allocation,
+    /// IPs the pod held under a sandbox the runtime lost ([`Asker::RECLAIM`]): one of them
+    /// free in this block is granted before any other, cooling or not.
+    pub(super) returning: BTreeSet<IpAddr>,
 }
 
 /// A queued edit: applies itself to the batch's copy, keeps its own result, and says whether
@@ -115,9 +119,12 @@ pub(super) fn grant(
             if let Some(ip) = mine.and_then(|ip| ip.parse().ok()) {
                 return Taken::Ip(ip, blocks::Prior::Free(None));
             }
+            let back = wish.returning.iter().copied().find(|ip| {
+                wish.net.contains(ip) && free::hold(spec, &wish.layout, *ip, &Asker::RECLAIM, now).is_none()
+            });
             let (allocated, released) = blocks::usage(spec);
             let usage = BlockUsage { allocated: &allocated, released: &released };
-            match choose_ip(&wish.layout, wish.net, usage, now, cooldown) {
+            match back.map_or_else(|| choose_ip(&wish.layout, wish.net, usage, now, cooldown), Ok) {
                 Ok(ip) if affinity::take_for(spec, node, wish.how) => {
                     Taken::Ip(ip, blocks::allocate(spec, ip, wish.record.clone()))
                 }
@@ -254,6 +261,7 @@ mod test {
                 migration_target: None,
                 repaired_at: None,
             },
+            returning: BTreeSet::new(),
         }
     }
 
@@ -296,5 +304,40 @@ mod test {
         let granted = grant(&mut spec, "a", &wishes.iter().collect::<Vec<_>>(), Timestamp::now(), Duration::ZERO);
         assert!(matches!(granted[0], Taken::Nothing), "{granted:?}");
         assert!(matches!(granted[1], Taken::Ip(..)), "a borrower still gets one: {granted:?}");
+    }
+
+    #[test]
+    fn a_pod_taking_back_the_ips_of_its_lost_sandbox_gets_one_free_in_the_block_first_cooling_or_not() {
+        let layout = PoolLayout::new("10.0.0.0/29", &[], &[], None, None).unwrap();
+        let now = Timestamp::now();
+        let cooldown = Duration::from_secs(60);
+        // .2 and .3 released just now (cooling), .4 held by another pod, .1, .5 and .6 never used.
+        let base = || {
+            let mut spec = IPBlockSpec { affinity: Some("a".into()), ..IPBlockSpec::default() };
+            for released in ["10.0.0.2", "10.0.0.3"] {
+                spec.released.insert(released.into(), Time(now));
+            }
+            spec.allocations.insert("10.0.0.4".into(), wish(&layout, "10.0.0.0/29", Use::Own, "other").record);
+            spec
+        };
+        // (its IPs to take back, what it is granted)
+        let cases: [(&[&str], Option<&str>); 5] = [
+            (&[], Some("10.0.0.1")),
+            (&["10.0.0.3"], Some("10.0.0.3")),
+            (&["10.0.0.4", "10.0.0.3"], Some("10.0.0.3")),
+            (&["10.0.0.4"], Some("10.0.0.1")),
+            (&["10.0.1.3"], Some("10.0.0.1")),
+        ];
+        for (returning, expected) in cases {
+            let mut spec = base();
+            let mut asking = wish(&layout, "10.0.0.0/29", Use::Own, "p");
+            asking.returning = returning.iter().map(|ip| ip.parse().unwrap()).collect();
+            let granted = grant(&mut spec, "a", &[&asking], now, cooldown);
+            let got = match &granted[0] {
+                Taken::Ip(ip, _) => Some(ip.to_string()),
+                _ => None,
+            };
+            assert_eq!(got.as_deref(), expected, "taking back {returning:?}: {granted:?}");
+        }
     }
 }

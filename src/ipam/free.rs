@@ -59,7 +59,9 @@ pub struct Asker<'a> {
 }
 
 impl Asker<'_> {
-    /// A sticky pod taking back the IP its claim names: the IP was its own, so no cooldown.
+    /// A pod taking back an IP that was its own: a sticky pod's claimed IP, or the IP of a
+    /// sandbox of the same pod that the runtime lost. No other pod's traffic can be sent to
+    /// it, so no cooldown.
     pub const RECLAIM: Asker<'static> = Asker { spares: SpareRight::None, cooldown: Duration::ZERO };
     /// Adopt: a live pod of another IPAM uses the IP, whatever ipwarden thought of it.
     pub const ADOPT: Asker<'static> = Asker { spares: SpareRight::Any, cooldown: Duration::ZERO };
