@@ -769,7 +769,8 @@ impl Core {
         let node = self.settings.node.as_str();
         let blocks = self.newest_blocks_of(&pool.name);
         let known: Vec<KnownBlock<'_>> = blocks.iter().filter_map(KnownBlock::of).collect();
-        let candidates = affinity::plan(node, &pool.name, &pool.layout, &known, NEW_BLOCK_PROBES);
+        let planned = affinity::plan(node, &pool.name, &pool.layout, &known, NEW_BLOCK_PROBES);
+        let candidates = affinity::holding_first(planned, returning);
         let (mut cooling, mut next_free) = (0usize, None::<Timestamp>);
         // First from the copies held (batched with the node's other ADDs); before saying the
         // pool has nothing, once more from fresh reads: a held copy may be behind a release.

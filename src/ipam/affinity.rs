@@ -5,6 +5,7 @@
 //! and small pools still hand out every address.
 
 use std::collections::BTreeSet;
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 
@@ -115,6 +116,14 @@ fn fresh_blocks(node: &str, layout: &PoolLayout, created: &BTreeSet<IpNet>, coun
     fresh
 }
 
+/// `candidates` ([`plan`]'s) with the blocks holding one of `returning` first, their order
+/// otherwise kept: a pod taking back the IPs of its sandbox the runtime lost gets them before
+/// a fresh IP of an earlier block.
+pub fn holding_first(mut candidates: Vec<Candidate>, returning: &BTreeSet<IpAddr>) -> Vec<Candidate> {
+    candidates.sort_by_key(|c| !returning.iter().any(|ip| c.net.contains(ip)));
+    candidates
+}
+
 /// Whether `node` may allocate in `block` as `how` says, as the block stands when the write
 /// is made; claims the block for `node` when it meant to use the block as its own or to claim
 /// it and the block is free. A block another node holds in the meantime is left alone (it
@@ -210,6 +219,28 @@ mod test {
                 ("10.0.0.16/28".to_string(), Use::Borrow),
             ]
         );
+    }
+
+    #[test]
+    fn the_blocks_holding_ips_a_pod_takes_back_go_first_the_rest_in_order() {
+        let blocks = [
+            known("b0", "10.0.0.0/28", Some("a"), 14),
+            known("b3", "10.0.0.48/28", Some("a"), 3),
+            known("b1", "10.0.0.16/28", Some("b"), 5),
+        ];
+        let planned = plan("a", "p", &layout(), &blocks, 0);
+        let nets = |c: &[Candidate]| c.iter().map(|c| c.net.to_string()).collect::<Vec<_>>();
+        // (IPs taken back, the blocks' order)
+        let cases: [(&[&str], [&str; 3]); 4] = [
+            (&[], ["10.0.0.0/28", "10.0.0.48/28", "10.0.0.16/28"]),
+            (&["10.0.0.20"], ["10.0.0.16/28", "10.0.0.0/28", "10.0.0.48/28"]),
+            (&["10.0.0.50", "10.0.0.20"], ["10.0.0.48/28", "10.0.0.16/28", "10.0.0.0/28"]),
+            (&["10.0.1.1"], ["10.0.0.0/28", "10.0.0.48/28", "10.0.0.16/28"]),
+        ];
+        for (returning, expected) in cases {
+            let returning: BTreeSet<IpAddr> = returning.iter().map(|ip| ip.parse().unwrap()).collect();
+            assert_eq!(nets(&holding_first(planned.clone(), &returning)), expected, "{returning:?}");
+        }
     }
 
     #[test]
