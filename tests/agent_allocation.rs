@@ -124,6 +124,11 @@ async fn a_statefulset_pod_deleted_and_recreated_keeps_its_ip_and_scale_down_fre
     })
     .await
     .expect("scale-down frees the ordinal");
+    let mut dels = 0.0;
+    for index in 0..2 {
+        dels += metric(&ipwarden.scrape_agent(index).await, "ipwarden_agent_release_duration_seconds_count");
+    }
+    assert!(dels >= 2.0, "the DELs of the deleted and the scaled-down pod are timed: {dels}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

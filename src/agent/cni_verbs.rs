@@ -18,11 +18,14 @@ impl Core {
     /// CNI DEL: releases the sandbox's IPs (keeping a wanted sticky reservation). Unknown
     /// sandboxes and repeated DELs succeed.
     pub async fn del(&self, request: &AttachmentRequest) -> Result<(), Error> {
+        let started = std::time::Instant::now();
         let key = attachment_key(request);
         let entry = self.checkpoint.read(|c| c.get(&key).cloned());
         let uid =
             request.pod.as_ref().and_then(|p| p.uid.clone()).or_else(|| entry.as_ref().map(|e| e.pod.uid.clone()));
-        self.detach(&key, entry.as_ref(), uid.as_deref(), ReleaseTrigger::Del).await
+        let outcome = self.detach(&key, entry.as_ref(), uid.as_deref(), ReleaseTrigger::Del).await;
+        self.metrics.release_duration.observe(started.elapsed().as_secs_f64());
+        outcome
     }
 
     /// CNI CHECK: the sandbox's records still exist (read fresh from the blocks) and hold

@@ -36,6 +36,8 @@ pub struct AgentMetrics {
     pub releases: Family<ResultLabels, Counter>,
     /// How long a CNI ADD took in the agent.
     pub allocation_duration: Histogram,
+    /// How long a CNI DEL took in the agent.
+    pub release_duration: Histogram,
     /// IPBlock writes retried after a resourceVersion conflict.
     pub conflict_retries: Counter,
     /// ADDs that found a pool without a free IP.
@@ -66,6 +68,7 @@ impl AgentMetrics {
             allocations: Family::default(),
             releases: Family::default(),
             allocation_duration: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            release_duration: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             conflict_retries: Counter::default(),
             pool_exhausted: Family::default(),
             handshake_answers: Family::default(),
@@ -81,6 +84,11 @@ impl AgentMetrics {
             "allocation_duration_seconds",
             "Time to serve one CNI ADD in the agent",
             metrics.allocation_duration.clone(),
+        );
+        agent.register(
+            "release_duration_seconds",
+            "Time to serve one CNI DEL in the agent",
+            metrics.release_duration.clone(),
         );
         agent.register(
             "conflict_retries",
