@@ -67,10 +67,12 @@ scale-bench: controlplane
 
 # The node benchmark on real nodes (docs/benchmarks.md, "Real nodes"; root): create,
 # re-create, recover and delete of 20 Deployments of 10 pods on 2 real nodes, host-local then
-# ipwarden with an ample and an exact pool (NODE_BENCH_ARGS to change them). Not part of
+# ipwarden and Whereabouts (built from its module on first use), each with an ample and an
+# exact pool (NODE_BENCH_ARGS to change them). Not part of
 # `make test`, which runs a small one (tests/node_bench_smoke.rs).
 NODE_BENCH_ARGS ?=
 node-bench: controlplane tools node deps
+	bash e2e/cluster/build-whereabouts.sh >/dev/null
 	cargo build --release --locked --workspace --bins
 	$(TARGET_DIR)/release/ipwarden-e2e node-bench --ipwarden $(TARGET_DIR)/release/ipwarden $(NODE_BENCH_ARGS)
 

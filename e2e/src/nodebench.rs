@@ -6,9 +6,9 @@
 //! killed, the runtime's state and network namespaces wiped, everything started again) until
 //! all run again, and **delete** the Deployments until every pod is gone. Each run is one IPAM
 //! on a cluster of its own, back to back: ipwarden (its agents and controllers as host
-//! processes with the chart's defaults) with a pool of exactly as many IPs as pods or an ample
-//! one, and Debian's `host-local` with a range per node, the floor (no cluster-wide
-//! coordination at all). After each phase the records, the pods' `podIPs` and the IPs in the
+//! processes with the chart's defaults) and Whereabouts (its plugin), each with a pool of
+//! exactly as many IPs as pods or an ample one, and Debian's `host-local` with a range per
+//! node, the floor (no cluster-wide coordination at all). After each phase the records, the pods' `podIPs` and the IPs in the
 //! nodes' network namespaces must agree, with no IP on two pods.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -30,7 +30,7 @@ use crate::churn::{Latency, WRITE_VERBS, histogram, scrape_apiserver, scrape_por
 use crate::cluster::{Cluster, ClusterOptions, RealNodesOptions};
 use crate::error::{Error, Result};
 use crate::exposition::Scrape;
-use crate::peers::Ipam;
+use crate::peers::{Ipam, whereabouts};
 use crate::realnode::Runtime;
 use crate::wait::{self, Probe};
 
@@ -43,6 +43,18 @@ const BENCH_LABEL: &str = "e2e.ipwarden.io/node-bench";
 /// The CIDR of the exact pool; its ranges hold exactly as many IPs as pods.
 const EXACT_CIDR: &str = "10.70.0.0/16";
 
+/// The first IP of the exact pool's range.
+const EXACT_FIRST: &str = "10.70.0.1";
+
+/// The exact pool's gateway, outside its range.
+const EXACT_GATEWAY: &str = "10.70.255.254";
+
+/// Whereabouts' ample range's first and last IPs and its gateway: ipwarden's documented pool
+/// (10.244.0.0/16, its gateway the first address, withheld).
+const AMPLE_FIRST: &str = "10.244.0.2";
+const AMPLE_LAST: &str = "10.244.255.254";
+const AMPLE_GATEWAY: &str = "10.244.0.1";
+
 /// The IPAM of one run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -53,6 +65,23 @@ pub enum BenchIpam {
     IpwardenAmple,
     /// Debian's `host-local`, a /24 per node (ample).
     HostLocal,
+    /// Whereabouts' plugin with a range of exactly as many IPs as pods.
+    WhereaboutsExact,
+    /// Whereabouts' plugin with ipwarden's documented pool's CIDR, 10.244.0.0/16.
+    WhereaboutsAmple,
+}
+
+impl BenchIpam {
+    /// Whether this is ipwarden.
+    fn is_ipwarden(self) -> bool {
+        matches!(self, Self::IpwardenExact | Self::IpwardenAmple)
+    }
+
+    /// Whether this is a peer measured beside ipwarden, whose failures are results to report
+    /// rather than the benchmark's own.
+    fn is_peer(self) -> bool {
+        matches!(self, Self::WhereaboutsExact | Self::WhereaboutsAmple)
+    }
 }
 
 impl std::fmt::Display for BenchIpam {
@@ -61,6 +90,8 @@ impl std::fmt::Display for BenchIpam {
             Self::IpwardenExact => "ipwarden, exact pool",
             Self::IpwardenAmple => "ipwarden, ample pool",
             Self::HostLocal => "host-local, /24 per node",
+            Self::WhereaboutsExact => "Whereabouts, exact range",
+            Self::WhereaboutsAmple => "Whereabouts, ample range",
         })
     }
 }
@@ -137,6 +168,8 @@ pub struct PhaseReport {
     /// ipwarden's ADDs in the phase, from the agents' histogram, failed ones included (`None`
     /// for host-local).
     pub ipam_adds: Option<Latency>,
+    /// ipwarden's DELs in the phase, from the agents' histogram (`None` for the others).
+    pub ipam_dels: Option<Latency>,
     /// Of those, the ADDs the agents refused (pool exhausted, only cooling IPs, ...), from
     /// `ipwarden_agent_allocations_total` (`None` for host-local).
     pub ipam_adds_refused: Option<u64>,
@@ -168,18 +201,20 @@ pub struct NodeBenchReport {
 }
 
 impl NodeBenchReport {
-    /// Whether every phase of every run completed.
+    /// Whether every phase of every run but a peer's completed (a peer's failure is a result,
+    /// reported like its times).
     pub fn all_completed(&self) -> bool {
         self.runs
             .iter()
+            .filter(|r| !r.ipam.is_peer())
             .all(|r| r.error.is_empty() && r.phases.len() == Phase::ALL.len() && r.phases.iter().all(|p| p.completed))
     }
 
     /// Whether every phase of every ipwarden run left the records, the pods' IPs and the
-    /// network namespaces in agreement (host-local's are reported, not judged: it leaks every
-    /// reservation of a rebooted node by design).
+    /// network namespaces in agreement (host-local's and the peers' are reported, not judged:
+    /// host-local leaks every reservation of a rebooted node by design).
     pub fn ipwarden_consistent(&self) -> bool {
-        let ipwarden = self.runs.iter().filter(|r| r.ipam != BenchIpam::HostLocal);
+        let ipwarden = self.runs.iter().filter(|r| r.ipam.is_ipwarden());
         ipwarden.flat_map(|r| &r.phases).all(|p| p.consistent)
     }
 
@@ -200,15 +235,26 @@ impl std::fmt::Display for NodeBenchReport {
             }
             writeln!(
                 f,
-                "{:<10} {:>9} {:>9} {:>14} {:>8} {:>16} {:>8} {:>7}",
-                "phase", "seconds", "x floor", "pod p50/p99 s", "failed", "ADD p50/p99 ms", "refused", "writes"
+                "{:<10} {:>9} {:>9} {:>14} {:>8} {:>16} {:>8} {:>16} {:>7}",
+                "phase",
+                "seconds",
+                "x floor",
+                "pod p50/p99 s",
+                "failed",
+                "ADD p50/p99 ms",
+                "refused",
+                "DEL p50/p99 ms",
+                "writes"
             )?;
             for phase in &run.phases {
                 let ratio = self.floor(phase.phase).filter(|f| *f > 0.0).map(|f| phase.seconds / f);
-                let adds = phase.ipam_adds.map_or("-".to_string(), |a| {
-                    let ms = |v: Option<f64>| v.map_or("-".to_string(), |s| format!("{:.0}", s * 1000.0));
-                    format!("{}/{}", ms(a.p50_seconds), ms(a.p99_seconds))
-                });
+                let millis = |latency: Option<Latency>| {
+                    latency.map_or("-".to_string(), |a| {
+                        let ms = |v: Option<f64>| v.map_or("-".to_string(), |s| format!("{:.0}", s * 1000.0));
+                        format!("{}/{}", ms(a.p50_seconds), ms(a.p99_seconds))
+                    })
+                };
+                let (adds, dels) = (millis(phase.ipam_adds), millis(phase.ipam_dels));
                 let refused = phase.ipam_adds_refused.map_or("-".to_string(), |n| n.to_string());
                 let pods = format!(
                     "{}/{}",
@@ -216,7 +262,7 @@ impl std::fmt::Display for NodeBenchReport {
                     phase.pod_running.p99_seconds.map_or("-".into(), |s| format!("{s:.0}"))
                 );
                 let mut line = format!(
-                    "{:<10} {:>9.1} {:>9} {:>14} {:>8} {:>16} {:>8} {:>7}",
+                    "{:<10} {:>9.1} {:>9} {:>14} {:>8} {:>16} {:>8} {:>16} {:>7}",
                     phase.phase.name(),
                     phase.seconds,
                     ratio.map_or("-".to_string(), |r| format!("{r:.2}")),
@@ -224,6 +270,7 @@ impl std::fmt::Display for NodeBenchReport {
                     phase.failed_sandboxes,
                     adds,
                     refused,
+                    dels,
                     phase.apiserver_writes
                 );
                 if !phase.failure.is_empty() {
@@ -271,11 +318,17 @@ fn host_local_ipam() -> serde_json::Value {
     })
 }
 
-/// The exact pool's spec: ranges of exactly `pods` IPs from 10.70.0.1, a gateway outside them.
+/// The exact pool's spec: ranges of exactly `pods` IPs from [`EXACT_FIRST`], a gateway
+/// outside them.
 fn exact_pool(pods: usize) -> serde_json::Value {
-    let last = u32::from(std::net::Ipv4Addr::new(10, 70, 0, 0)) + pods as u32;
-    json!({"cidr": EXACT_CIDR, "gateway": "10.70.255.254", "default": true,
-           "ranges": [{"start": "10.70.0.1", "end": std::net::Ipv4Addr::from(last).to_string()}]})
+    json!({"cidr": EXACT_CIDR, "gateway": EXACT_GATEWAY, "default": true,
+           "ranges": [{"start": EXACT_FIRST, "end": exact_last(pods).to_string()}]})
+}
+
+/// The last IP of an exact range of `pods` IPs from [`EXACT_FIRST`].
+fn exact_last(pods: usize) -> std::net::Ipv4Addr {
+    let first = std::net::Ipv4Addr::new(10, 70, 0, 1);
+    std::net::Ipv4Addr::from(u32::from(first) + u32::try_from(pods.max(1) - 1).unwrap_or(u32::MAX - u32::from(first)))
 }
 
 /// ipwarden as the run installs it, or nothing for host-local.
@@ -293,12 +346,23 @@ async fn one_run(ipam: BenchIpam, options: &NodeBenchOptions) -> RunReport {
 /// The phases of one run, each pushed to `phases` as it ends.
 async fn phases_of(ipam: BenchIpam, options: &NodeBenchOptions, phases: &mut Vec<PhaseReport>) -> Result<()> {
     let pods = options.deployments * options.replicas;
-    let host_local = (ipam == BenchIpam::HostLocal).then(|| ("1.0.0".to_string(), host_local_ipam()));
+    let other_ipam = match ipam {
+        BenchIpam::HostLocal => Some(host_local_ipam()),
+        BenchIpam::WhereaboutsExact => Some(whereabouts::real_node_ipam(
+            &whereabouts::Setup::bounded(EXACT_CIDR, EXACT_FIRST, &exact_last(pods).to_string()),
+            EXACT_GATEWAY,
+        )),
+        BenchIpam::WhereaboutsAmple => Some(whereabouts::real_node_ipam(
+            &whereabouts::Setup::bounded(whereabouts::RANGE, AMPLE_FIRST, AMPLE_LAST),
+            AMPLE_GATEWAY,
+        )),
+        BenchIpam::IpwardenExact | BenchIpam::IpwardenAmple => None,
+    };
     let real_nodes = RealNodesOptions {
         count: options.nodes,
         ipwarden: options.ipwarden.clone(),
         runtime: Runtime::Containerd,
-        ipam: host_local,
+        ipam: other_ipam.map(|ipam| ("1.0.0".to_string(), ipam)),
     };
     let mut cluster =
         Cluster::start(ClusterOptions { nodes: 0, real_nodes: Some(real_nodes), ..Default::default() }).await?;
@@ -332,10 +396,15 @@ async fn phases_of(ipam: BenchIpam, options: &NodeBenchOptions, phases: &mut Vec
 }
 
 /// Starts ipwarden's agents (with the chart's defaults) and controllers on the pool `ipam`
-/// names, or nothing for host-local; returns once the nodes are Ready.
+/// names, readies the nodes for Whereabouts' plugin, or nothing for host-local; returns once
+/// the nodes are Ready.
 async fn start_ipam(cluster: &mut Cluster, ipam: BenchIpam, binary: &Path, pods: usize) -> Result<Installed> {
     let installed = match ipam {
         BenchIpam::HostLocal => None,
+        BenchIpam::WhereaboutsExact | BenchIpam::WhereaboutsAmple => {
+            whereabouts::prepare_real_nodes(cluster, &whereabouts::build()?).await?;
+            None
+        }
         BenchIpam::IpwardenExact | BenchIpam::IpwardenAmple => {
             let pool =
                 if ipam == BenchIpam::IpwardenExact { exact_pool(pods) } else { crate::ipwarden::default_pool() };
@@ -426,15 +495,18 @@ async fn run_phase(
         Ok(()) => String::new(),
         Err(why) => why,
     };
-    let adds = installed.as_ref().map(|_| {
-        let name = "ipwarden_agent_allocation_duration_seconds";
-        let after = histogram(&after.agents, name);
-        // The recover phase restarted the agents: their histograms hold its ADDs alone.
-        match phase {
-            Phase::Recover => Latency::of_histogram(&after),
-            _ => Latency::of_histogram(&after.since(&histogram(&before.agents, name))),
-        }
-    });
+    let agents_latency = |name: &str| {
+        installed.as_ref().map(|_| {
+            let now = histogram(&after.agents, name);
+            // The recover phase restarted the agents: their histograms hold its calls alone.
+            match phase {
+                Phase::Recover => Latency::of_histogram(&now),
+                _ => Latency::of_histogram(&now.since(&histogram(&before.agents, name))),
+            }
+        })
+    };
+    let adds = agents_latency("ipwarden_agent_allocation_duration_seconds");
+    let dels = agents_latency("ipwarden_agent_release_duration_seconds");
     let refused = installed.as_ref().map(|_| {
         let count = |scrapes: &[Scrape]| -> f64 {
             let refused = |l: &crate::exposition::Labels| l.get("result").is_some_and(|r| r != "success");
@@ -456,6 +528,7 @@ async fn run_phase(
         pod_running: Latency::of_samples(samples),
         failed_sandboxes: after.failed_sandboxes.saturating_sub(before.failed_sandboxes),
         ipam_adds: adds,
+        ipam_dels: dels,
         ipam_adds_refused: refused,
         apiserver_writes: (writes(&after.apiserver) - writes(&before.apiserver)).max(0.0).round() as u64,
     })
@@ -614,38 +687,90 @@ async fn check_settled(cluster: &Cluster, ipam: BenchIpam, timeout: Duration) ->
         });
         let holders: Vec<(String, String)> =
             live.filter_map(|p| Some((p.status.as_ref()?.pod_ip.clone()?, p.uid().unwrap_or_default()))).collect();
-        let pods: BTreeMap<String, String> = holders.iter().cloned().collect();
         let mut netns: Vec<String> = Vec::new();
         for node in cluster.real_nodes() {
             netns.extend(node.netns_ips());
         }
-        let in_netns: BTreeSet<String> = netns.iter().cloned().collect();
         let records = records(cluster, ipam).await?;
-        let recorded: BTreeSet<&String> = records.keys().collect();
-        let owners_agree = records.iter().all(|(ip, owner)| owner.as_ref().is_none_or(|uid| pods.get(ip) == Some(uid)));
-        let agree = terminating == 0
-            && pods.len() == holders.len()
-            && in_netns.len() == netns.len()
-            && recorded == pods.keys().collect()
-            && in_netns.iter().eq(pods.keys())
-            && owners_agree;
-        Ok(if agree {
+        let differences = disagreements(&records, &holders, &netns);
+        Ok(if terminating == 0 && differences.is_empty() {
             Probe::Done(())
         } else {
-            Probe::Pending(format!(
-                "{terminating} pods terminating, records {records:?}, pods {holders:?}, network namespaces {netns:?}"
-            ))
+            Probe::Pending(format!("{terminating} pods terminating; {}", differences.join("; ")))
         })
     })
     .await;
     outcome.map_err(|e| e.to_string())
 }
 
+/// How `records` (IP -> the UID of the pod its record names, if it names one), the live pods'
+/// `holders` (IP, UID) and the IPs in the nodes' network namespaces disagree, each kind with
+/// its count and a few examples; empty when they agree.
+fn disagreements(
+    records: &BTreeMap<String, Option<String>>,
+    holders: &[(String, String)],
+    netns: &[String],
+) -> Vec<String> {
+    const EXAMPLES: usize = 5;
+    let twice = |ips: &mut dyn Iterator<Item = &String>| -> BTreeSet<String> {
+        let mut seen = BTreeSet::new();
+        ips.filter(|ip| !seen.insert(ip.to_string())).cloned().collect()
+    };
+    let pods: BTreeMap<&String, &String> = holders.iter().map(|(ip, uid)| (ip, uid)).collect();
+    let pod_ips: BTreeSet<&String> = pods.keys().copied().collect();
+    let recorded: BTreeSet<&String> = records.keys().collect();
+    let in_netns: BTreeSet<&String> = netns.iter().collect();
+    let wrong_owner: BTreeSet<&String> = records
+        .iter()
+        .filter(|(ip, owner)| owner.as_ref().is_some_and(|uid| pods.get(ip).is_some_and(|held| *held != uid)))
+        .map(|(ip, _)| ip)
+        .collect();
+    let kinds: [(&str, BTreeSet<String>); 7] = [
+        ("IPs on two pods", twice(&mut holders.iter().map(|(ip, _)| ip))),
+        ("IPs in two network namespaces", twice(&mut netns.iter())),
+        ("recorded, no pod's", recorded.difference(&pod_ips).map(|ip| ip.to_string()).collect()),
+        ("a pod's, not recorded", pod_ips.difference(&recorded).map(|ip| ip.to_string()).collect()),
+        ("in a network namespace, no pod's", in_netns.difference(&pod_ips).map(|ip| ip.to_string()).collect()),
+        ("a pod's, in no network namespace", pod_ips.difference(&in_netns).map(|ip| ip.to_string()).collect()),
+        ("recorded for another pod", wrong_owner.into_iter().cloned().collect()),
+    ];
+    kinds
+        .into_iter()
+        .filter(|(_, ips)| !ips.is_empty())
+        .map(|(kind, ips)| {
+            let examples: Vec<&String> = ips.iter().take(EXAMPLES).collect();
+            let more = if ips.len() > EXAMPLES { ", ..." } else { "" };
+            format!("{} {kind} ({examples:?}{more})", ips.len())
+        })
+        .collect()
+}
+
 /// The IPs the IPAM has recorded, each with the UID of the pod its record names (`None` where
-/// the record names none: host-local's name a container): ipwarden's IPBlock records, or
-/// host-local's reservation files in every node's data directory, under the network name of
-/// the node's conflist.
+/// the record names none: host-local's name a container): ipwarden's IPBlock records,
+/// Whereabouts' IPPool allocations (their pods' names resolved to the UIDs of the live pods of
+/// those names), or host-local's reservation files in every node's data directory, under the
+/// network name of the node's conflist.
 async fn records(cluster: &Cluster, ipam: BenchIpam) -> Result<BTreeMap<String, Option<String>>> {
+    if ipam.is_peer() {
+        let listed = Api::<Pod>::namespaced(cluster.client(), NAMESPACE)
+            .list(&ListParams::default().labels(BENCH_LABEL))
+            .await
+            .map_err(Error::kube("listing bench pods"))?;
+        let uids: BTreeMap<String, String> = listed
+            .items
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .map(|p| (format!("{NAMESPACE}/{}", p.name_any()), p.uid().unwrap_or_default()))
+            .collect();
+        let held = whereabouts::allocations(&cluster.client()).await?;
+        return Ok(held
+            .into_iter()
+            .map(|(ip, pod)| {
+                let uid = uids.get(&pod).cloned().unwrap_or_else(|| format!("{pod} (no live pod of that name)"));
+                (ip, Some(uid))
+            })
+            .collect());
+    }
     if ipam == BenchIpam::HostLocal {
         let mut ips = BTreeMap::new();
         for node in cluster.real_nodes() {
@@ -694,6 +819,40 @@ mod test {
         assert_eq!(pool["ranges"][0]["start"], "10.70.0.1");
         assert_eq!(pool["ranges"][0]["end"], "10.70.0.200");
         assert_eq!(exact_pool(300)["ranges"][0]["end"], "10.70.1.44");
+    }
+
+    #[test]
+    fn every_kind_of_disagreement_is_counted_with_a_few_examples() {
+        let owned = |ip: &str, uid: Option<&str>| (ip.to_string(), uid.map(str::to_string));
+        let held = |ip: &str, uid: &str| (ip.to_string(), uid.to_string());
+        let records: BTreeMap<String, Option<String>> =
+            [owned("10.0.0.1", Some("a")), owned("10.0.0.2", None), owned("10.0.0.3", Some("x"))].into();
+        let agreeing = [held("10.0.0.1", "a"), held("10.0.0.2", "b"), held("10.0.0.3", "x")];
+        let netns: Vec<String> = ["10.0.0.1", "10.0.0.2", "10.0.0.3"].map(String::from).into();
+        assert!(disagreements(&records, &agreeing, &netns).is_empty());
+
+        let holders = [held("10.0.0.1", "a"), held("10.0.0.1", "c"), held("10.0.0.3", "y"), held("10.0.0.4", "d")];
+        let netns: Vec<String> = ["10.0.0.1", "10.0.0.1", "10.0.0.9"].map(String::from).into();
+        let found = disagreements(&records, &holders, &netns);
+        let expected = [
+            r#"1 IPs on two pods (["10.0.0.1"])"#,
+            r#"1 IPs in two network namespaces (["10.0.0.1"])"#,
+            r#"1 recorded, no pod's (["10.0.0.2"])"#,
+            r#"1 a pod's, not recorded (["10.0.0.4"])"#,
+            r#"1 in a network namespace, no pod's (["10.0.0.9"])"#,
+            r#"2 a pod's, in no network namespace (["10.0.0.3", "10.0.0.4"])"#,
+            r#"2 recorded for another pod (["10.0.0.1", "10.0.0.3"])"#,
+        ];
+        assert_eq!(found, expected);
+        let many: Vec<(String, String)> = (10..20).map(|i| held(&format!("10.0.1.{i}"), "p")).collect();
+        let found = disagreements(&BTreeMap::new(), &many, &[]);
+        assert!(found[0].starts_with("10 a pod's, not recorded (") && found[0].ends_with(", ...)"), "{found:?}");
+    }
+
+    #[test]
+    fn an_exact_range_ends_where_as_many_ips_as_pods_end() {
+        assert_eq!(exact_last(1).to_string(), EXACT_FIRST);
+        assert_eq!(exact_last(256).to_string(), "10.70.1.0");
     }
 
     #[test]

@@ -166,7 +166,12 @@ enum Command {
         #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
         replicas: u64,
         /// The runs, in order (comma-separated).
-        #[arg(long, value_enum, value_delimiter = ',', default_value = "host-local,ipwarden-ample,ipwarden-exact")]
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            default_value = "host-local,ipwarden-ample,ipwarden-exact,whereabouts-ample,whereabouts-exact"
+        )]
         runs: Vec<e2e::nodebench::BenchIpam>,
         /// How long a phase may take before its run is given up.
         #[arg(long, default_value_t = 900)]

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
 use serde_json::{Value, json};
 
@@ -99,7 +100,14 @@ const FLAT_FILE: &str = "whereabouts.conf";
 /// The Whereabouts IPAM configuration of `setup`, the cluster through `kubeconfig`, logging
 /// errors only.
 fn ipam(kubeconfig: &Path, setup: &Setup) -> Value {
-    let mut ipam = json!({"type": "whereabouts", "range": setup.range, "kubernetes": {"kubeconfig": kubeconfig}, "log_level": "error"});
+    let mut ipam = range_ipam(setup);
+    ipam["kubernetes"] = json!({"kubeconfig": kubeconfig});
+    ipam
+}
+
+/// The Whereabouts IPAM configuration of `setup`'s range, logging errors only.
+fn range_ipam(setup: &Setup) -> Value {
+    let mut ipam = json!({"type": "whereabouts", "range": setup.range, "log_level": "error"});
     if let Some((first, last)) = &setup.bounds {
         ipam["range_start"] = json!(first);
         ipam["range_end"] = json!(last);
@@ -243,4 +251,92 @@ async fn wait_synced(component: &mut Component) -> Result<()> {
         }
     })
     .await
+}
+
+/// The IPAM section of a real node's conflist (`{NODE_DIR}` is the node's directory,
+/// [`crate::realnode::NODE_DIR_PLACEHOLDER`]): Whereabouts on `setup`'s range, answering
+/// `gateway` as the gateway (the `ptp` plugin gives it to the host's end of each pod's veth;
+/// Whereabouts has none of its own), reading the cluster from the flat file
+/// [`prepare_real_nodes`] writes in the node's directory, logging there.
+pub fn real_node_ipam(setup: &Setup, gateway: &str) -> Value {
+    let node_dir = crate::realnode::NODE_DIR_PLACEHOLDER;
+    let mut ipam = range_ipam(setup);
+    ipam["gateway"] = json!(gateway);
+    ipam["configuration_path"] = json!(format!("{node_dir}/{FLAT_FILE}"));
+    ipam["log_file"] = json!(format!("{node_dir}/whereabouts.log"));
+    ipam
+}
+
+/// Readies `cluster`'s real nodes for Whereabouts' plugin from `build_dir`, named by their
+/// conflists ([`real_node_ipam`]): its CRDs, and on each node the plugin in its CNI plugin
+/// directory and the flat file. The plugin alone, as a real node runs it without Multus: the
+/// ip-control-loop and reconciler tell a live pod's IP from a leaked one by the pod's Multus
+/// network-status annotation, which no real node here writes, so they would free every live
+/// pod's IP.
+pub async fn prepare_real_nodes(cluster: &Cluster, build_dir: &Path) -> Result<()> {
+    cluster.apply_crds(&build_dir.join("crds.yaml"), &CRD_NAMES, READY_TIMEOUT).await?;
+    for node in cluster.real_nodes() {
+        let plugin = node.paths().cni_bin_dir().join("whereabouts");
+        let _absent = std::fs::remove_file(&plugin);
+        let target = build_dir.join("whereabouts");
+        std::os::unix::fs::symlink(&target, &plugin)
+            .map_err(Error::io(format!("linking {}", target.display()), &plugin))?;
+        write_flat_file(cluster, node.dir())?;
+    }
+    Ok(())
+}
+
+/// Every IP Whereabouts' IPPools hold, with the pod (`namespace/name`) its allocation names:
+/// an allocation's key is its IP's offset from the address the range is written with.
+pub async fn allocations(client: &kube::Client) -> Result<std::collections::BTreeMap<String, String>> {
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &super::Ipam::Whereabouts.records());
+    let pools = api.list(&Default::default()).await.map_err(Error::kube("listing Whereabouts' IPPools"))?;
+    let mut held = std::collections::BTreeMap::new();
+    for pool in &pools.items {
+        let range = pool.data["spec"]["range"].as_str().unwrap_or_default();
+        let first: std::net::IpAddr = range.split('/').next().unwrap_or_default().parse().map_err(|e| Error::Tool {
+            command: format!("reading IPPool {}", pool.name_any()),
+            reason: format!("its range {range:?} does not start with an address: {e}"),
+        })?;
+        for (offset, allocation) in pool.data["spec"]["allocations"].as_object().into_iter().flatten() {
+            let ip = offset.parse::<u128>().ok().and_then(|offset| add_offset(first, offset));
+            let pod = allocation["podref"].as_str().unwrap_or_default().to_string();
+            held.insert(ip.map_or_else(|| format!("offset {offset} of {range}"), |ip| ip.to_string()), pod);
+        }
+    }
+    Ok(held)
+}
+
+/// `first` plus `offset`, if that is still an address of its family.
+fn add_offset(first: std::net::IpAddr, offset: u128) -> Option<std::net::IpAddr> {
+    match first {
+        std::net::IpAddr::V4(v4) => {
+            let sum = u128::from(u32::from(v4)).checked_add(offset)?;
+            Some(std::net::Ipv4Addr::from(u32::try_from(sum).ok()?).into())
+        }
+        std::net::IpAddr::V6(v6) => Some(std::net::Ipv6Addr::from(u128::from(v6).checked_add(offset)?).into()),
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn an_allocations_offset_counts_from_the_ranges_first_address() {
+        let first: std::net::IpAddr = "10.244.0.0".parse().unwrap();
+        assert_eq!(add_offset(first, 2), Some("10.244.0.2".parse().unwrap()));
+        assert_eq!(add_offset(first, 256 + 7), Some("10.244.1.7".parse().unwrap()));
+        assert_eq!(add_offset("255.255.255.255".parse().unwrap(), 1), None);
+        assert_eq!(add_offset("fd00::".parse().unwrap(), 16), Some("fd00::10".parse().unwrap()));
+    }
+
+    #[test]
+    fn a_real_nodes_ipam_names_the_gateway_and_the_nodes_own_flat_file() {
+        let ipam = real_node_ipam(&Setup::bounded("10.70.0.0/16", "10.70.0.1", "10.70.0.200"), "10.70.255.254");
+        assert_eq!(ipam["gateway"], "10.70.255.254");
+        assert_eq!(ipam["range_end"], "10.70.0.200");
+        assert_eq!(ipam["configuration_path"], "{NODE_DIR}/whereabouts.conf");
+        assert!(ipam.get("kubernetes").is_none(), "the kubeconfig comes from the flat file: {ipam}");
+    }
 }
