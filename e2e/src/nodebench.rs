@@ -8,8 +8,9 @@
 //! on a cluster of its own, back to back: ipwarden (its agents and controllers as host
 //! processes with the chart's defaults) and Whereabouts (its plugin), each with a pool of
 //! exactly as many IPs as pods or an ample one, and Debian's `host-local` with a range per
-//! node, the floor (no cluster-wide coordination at all). After each phase the records, the pods' `podIPs` and the IPs in the
-//! nodes' network namespaces must agree, with no IP on two pods.
+//! node, the floor (no cluster-wide coordination at all). After each phase the records, the
+//! pods' `podIPs` and the IPs in the nodes' network namespaces must agree, with no IP on two
+//! pods.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt::Write as _;
@@ -328,7 +329,8 @@ fn exact_pool(pods: usize) -> serde_json::Value {
 /// The last IP of an exact range of `pods` IPs from [`EXACT_FIRST`].
 fn exact_last(pods: usize) -> std::net::Ipv4Addr {
     let first = std::net::Ipv4Addr::new(10, 70, 0, 1);
-    std::net::Ipv4Addr::from(u32::from(first) + u32::try_from(pods.max(1) - 1).unwrap_or(u32::MAX - u32::from(first)))
+    let further = u32::try_from(pods.max(1) - 1).unwrap_or(u32::MAX);
+    std::net::Ipv4Addr::from(u32::from(first).saturating_add(further))
 }
 
 /// ipwarden as the run installs it, or nothing for host-local.

@@ -315,7 +315,8 @@ impl Core {
     /// node rebooted, containerd's state wiped): nothing else would free its IPs while the pod
     /// lives on. The pod's calls take turns (module `serial`), so no DEL or ADD of the older
     /// sandbox runs meanwhile; a late DEL of it then finds nothing to release. Returns the
-    /// IPs released, which the new sandbox takes back first and at once ([`free::Asker::RECLAIM`]):
+    /// IPs it freed (a sticky pod's reserved ones stay reserved and come back through its
+    /// claim), which the new sandbox takes back first and at once ([`free::Asker::RECLAIM`]):
     /// they were the pod's own, so no other pod's traffic can reach it through them, and its
     /// IP stays the same across a node's reboot.
     async fn release_superseded(&self, request: &AttachmentRequest, uid: &str) -> Result<BTreeSet<IpAddr>, Error> {
@@ -326,8 +327,7 @@ impl Core {
             tracing::info!(pod = %format!("{}/{}", entry.pod.namespace, entry.pod.name),
                 old_container_id = %entry.key.container_id, container_id = %request.container_id,
                 "a new sandbox of the pod replaces one whose DEL never came: releasing the old one's IPs");
-            self.detach(&entry.key, Some(&entry), Some(uid), ReleaseTrigger::Superseded).await?;
-            returning.extend(entry.ips.iter().filter_map(|i| i.ip.parse::<IpAddr>().ok()));
+            returning.extend(self.detach(&entry.key, Some(&entry), Some(uid), ReleaseTrigger::Superseded).await?);
         }
         Ok(returning)
     }
@@ -583,8 +583,9 @@ impl Core {
             let pool = ResolvedPool::new(view.name, view.spec, layout.clone(), view.deleting);
             // A pod whose workload keeps no IP may take one of the node's spares on its own
             // network's interface (the one its status reports, which a lost checkpoint's
-            // recovery reads), unless it takes its own IPs back.
-            let spare = !sticky && request.ifname == fixed::POD_INTERFACE && returning.is_empty();
+            // recovery reads), unless it takes its own IP of this pool back.
+            let taking_back = returning.iter().any(|ip| layout.cidr().contains(ip));
+            let spare = !sticky && request.ifname == fixed::POD_INTERFACE && !taking_back;
             if let Some(ip) = spare.then(|| self.pick_spare(&pool)).flatten() {
                 written.push(Written { ip, prior: None });
                 continue;

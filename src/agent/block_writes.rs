@@ -2,6 +2,7 @@
 //! the release of a sandbox's records that DEL, node GC and start-up recovery share.
 
 use std::collections::BTreeSet;
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 use jiff::Timestamp;
@@ -25,6 +26,8 @@ pub(super) struct ReleaseSummary {
     kept: bool,
     /// The claim of the released records (none for a stateless pod's).
     claim: Option<BoundClaim>,
+    /// The IPs this release freed.
+    released: BTreeSet<IpAddr>,
 }
 
 /// What made the agent release a sandbox's IPs: the `trigger` and `rule` of the info line
@@ -125,20 +128,21 @@ impl Core {
     /// Releases sandbox `key`'s attachment ([`Core::release_attachment`]) as `trigger` says,
     /// then drops its checkpoint entry `entry`: what a DEL does, and what the runtime's CNI GC
     /// and a sandbox superseded by its pod's new one do in place of a DEL that never came.
+    /// Returns the IPs it freed (not those kept for a sticky owner or handed over).
     pub(super) async fn detach(
         &self,
         key: &AttachmentKey,
         entry: Option<&CheckpointEntry>,
         uid: Option<&str>,
         trigger: ReleaseTrigger,
-    ) -> Result<(), Error> {
-        self.release_attachment(entry, &key.container_id, &key.ifname, uid, trigger).await?;
+    ) -> Result<BTreeSet<IpAddr>, Error> {
+        let released = self.release_attachment(entry, &key.container_id, &key.ifname, uid, trigger).await?;
         self.checkpoint.remove(key).await?;
-        Ok(())
+        Ok(released)
     }
 
     /// Releases the IPs of a sandbox (`entry`, when the checkpoint holds it, and every record
-    /// naming the sandbox), for `trigger`.
+    /// naming the sandbox), for `trigger`; returns the IPs it freed.
     pub(super) async fn release_attachment(
         &self,
         entry: Option<&CheckpointEntry>,
@@ -146,10 +150,14 @@ impl Core {
         ifname: &str,
         uid: Option<&str>,
         trigger: ReleaseTrigger,
-    ) -> Result<(), Error> {
+    ) -> Result<BTreeSet<IpAddr>, Error> {
         let mut targets: BTreeSet<(String, String)> =
             entry.iter().flat_map(|e| e.ips.iter()).map(|ip| (ip.block.clone(), ip.ip.clone())).collect();
-        for spare in self.release_bound_spares(entry, container_id, ifname, uid, trigger).await? {
+        let mut released = BTreeSet::new();
+        for (spare, freed) in self.release_bound_spares(entry, container_id, ifname, uid, trigger).await? {
+            if freed {
+                released.extend(spare.1.parse::<IpAddr>().ok());
+            }
             targets.remove(&spare);
         }
         targets.extend(self.records_of_sandbox(container_id, ifname).into_iter().map(|(block, ip, _)| (block, ip)));
@@ -160,13 +168,14 @@ impl Core {
         if let (false, Some(claim)) = (summary.kept, summary.claim) {
             self.delete_claim_of(&claim).await;
         }
-        Ok(())
+        released.extend(summary.released);
+        Ok(released)
     }
 
     /// Releases the spares of checkpoint entry `entry` whose records are not written yet
     /// ([`Core::release_bound_spare`]): before the entry goes, whatever removes it (a DEL, the
     /// node's GC, a release mark answered for a sandbox counted as gone, the start-up GC).
-    /// Returns them as (block, IP).
+    /// Returns them as (block, IP), each with whether this call freed it.
     pub(super) async fn release_bound_spares(
         &self,
         entry: Option<&CheckpointEntry>,
@@ -174,7 +183,7 @@ impl Core {
         ifname: &str,
         uid: Option<&str>,
         trigger: ReleaseTrigger,
-    ) -> Result<Vec<(String, String)>, Error> {
+    ) -> Result<Vec<((String, String), bool)>, Error> {
         let node = self.settings.node.as_str();
         let bound: Vec<(String, String)> = entry
             .iter()
@@ -183,14 +192,15 @@ impl Core {
             .filter(|i| self.newest_block(&i.block).is_some_and(|b| spares::is_bindable_for(&b.spec, node, &i.ip)))
             .map(|i| (i.block.clone(), i.ip.clone()))
             .collect();
-        for (block, ip) in &bound {
-            if self.release_bound_spare(block, ip, container_id, ifname, uid).await?
-                && let Some(entry) = entry
-            {
-                trigger.log_released(block, ip, &entry.pod, node);
+        let mut released = Vec::new();
+        for (block, ip) in bound {
+            let freed = self.release_bound_spare(&block, &ip, container_id, ifname, uid).await?;
+            if freed && let Some(entry) = entry {
+                trigger.log_released(&block, &ip, &entry.pod, node);
             }
+            released.push(((block, ip), freed));
         }
-        Ok(bound)
+        Ok(released)
     }
 
     /// Releases the spare `ip` of block `block` that the sandbox got before its record was
@@ -323,6 +333,7 @@ impl Core {
             match outcome {
                 Ok(Some((ReleaseOutcome::Released, claim, _))) => {
                     summary.claim = claim;
+                    summary.released.extend(target.ip.parse::<IpAddr>().ok());
                     self.metrics.release("released");
                     trigger.log_released(&target.block, &target.ip, &record.pod, &record.node);
                 }

@@ -23,7 +23,7 @@ impl Core {
         let entry = self.checkpoint.read(|c| c.get(&key).cloned());
         let uid =
             request.pod.as_ref().and_then(|p| p.uid.clone()).or_else(|| entry.as_ref().map(|e| e.pod.uid.clone()));
-        let outcome = self.detach(&key, entry.as_ref(), uid.as_deref(), ReleaseTrigger::Del).await;
+        let outcome = self.detach(&key, entry.as_ref(), uid.as_deref(), ReleaseTrigger::Del).await.map(drop);
         self.metrics.release_duration.observe(started.elapsed().as_secs_f64());
         outcome
     }

@@ -2,7 +2,8 @@
 //! IP obeys (issue 26). A record holds an IP; the pool's current layout may no longer hand it
 //! out; a spare holds it for its node; a release holds it back for the cooldown. Who asks
 //! ([`Asker`]) says which spares it may bind and whether the cooldown applies to it. The
-//! callers: a sticky pod taking back its claimed IP (`agent::add`), a fixed or list IP
+//! callers: a sticky pod taking back its claimed IP (`agent::add`), a pod's new sandbox
+//! taking back the IPs of the one the runtime lost (`agent::batch::grant`), a fixed or list IP
 //! ([`super::fixed::check_free`]), adopt ([`crate::gc::adopt::apply`]), a node binding its
 //! spares ([`super::spares::bindable_in`]), and the chooser of a new pod's IP, which applies the
 //! same rule to a whole block at once ([`super::blocks::usage`] and [`super::choose_ip`]; a
