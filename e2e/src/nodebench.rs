@@ -368,14 +368,13 @@ async fn phases_of(ipam: BenchIpam, options: &NodeBenchOptions, phases: &mut Vec
     };
     let mut cluster =
         Cluster::start(ClusterOptions { nodes: 0, real_nodes: Some(real_nodes), ..Default::default() }).await?;
-    let installed = match start_ipam(&mut cluster, ipam, &options.ipwarden, pods).await {
+    let mut installed = match start_ipam(&mut cluster, ipam, &options.ipwarden, pods).await {
         Ok(installed) => installed,
         Err(e) => {
             cluster.stop_after_failure();
             return Err(e);
         }
     };
-    let mut installed = installed;
     for phase in Phase::ALL {
         tracing::info!(%ipam, phase = phase.name(), "node-bench: phase starts");
         let report = match run_phase(&mut cluster, &mut installed, ipam, phase, options).await {
