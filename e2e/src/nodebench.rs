@@ -5,9 +5,10 @@
 //! **recover** (every node powered off and on: kubelet, the runtime and ipwarden's agent
 //! killed, the runtime's state and network namespaces wiped, everything started again) until
 //! all run again, and **delete** the Deployments until every pod is gone. Each run is one IPAM
-//! on a cluster of its own, back to back: ipwarden (its agents and controllers as host
-//! processes with the chart's defaults) and Whereabouts (its plugin), each with a pool of
-//! exactly as many IPs as pods or an ample one, and Debian's `host-local` with a range per
+//! on a cluster of its own, back to back: ipwarden as users install it (`helm install` of its
+//! chart: the agent DaemonSet and the controller Deployment as pods from its image under the
+//! nodes' kubelets, [`chart`]) and Whereabouts (its plugin), each with a pool of exactly as
+//! many IPs as pods or an ample one, and Debian's `host-local` with a range per
 //! node, the floor (no cluster-wide coordination at all). After each phase the records, the
 //! pods' `podIPs` and the IPs in the nodes' network namespaces must agree, with no IP on two
 //! pods.
@@ -27,12 +28,13 @@ use serde::Serialize;
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::churn::{Latency, WRITE_VERBS, histogram, scrape_apiserver, scrape_port};
+use crate::churn::{Latency, WRITE_VERBS, histogram, scrape_apiserver};
 use crate::cluster::{Cluster, ClusterOptions, RealNodesOptions};
 use crate::error::{Error, Result};
 use crate::exposition::Scrape;
 use crate::peers::{Ipam, whereabouts};
 use crate::realnode::Runtime;
+use crate::realnode::chart::{self, ChartInstallation};
 use crate::wait::{self, Probe};
 
 /// The namespace of the benchmark's Deployments.
@@ -60,9 +62,10 @@ const AMPLE_GATEWAY: &str = "10.244.0.1";
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum BenchIpam {
-    /// ipwarden with a pool of exactly as many IPs as pods.
+    /// ipwarden from its chart, with a pool of exactly as many IPs as pods (the benchmark's
+    /// and the chart's controller pods).
     IpwardenExact,
-    /// ipwarden with the documented pool, 10.244.0.0/16.
+    /// ipwarden from its chart, with the documented pool, 10.244.0.0/16.
     IpwardenAmple,
     /// Debian's `host-local`, a /24 per node (ample).
     HostLocal,
@@ -88,8 +91,8 @@ impl BenchIpam {
 impl std::fmt::Display for BenchIpam {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            Self::IpwardenExact => "ipwarden, exact pool",
-            Self::IpwardenAmple => "ipwarden, ample pool",
+            Self::IpwardenExact => "ipwarden (chart), exact pool",
+            Self::IpwardenAmple => "ipwarden (chart), ample pool",
             Self::HostLocal => "host-local, /24 per node",
             Self::WhereaboutsExact => "Whereabouts, exact range",
             Self::WhereaboutsAmple => "Whereabouts, ample range",
@@ -333,8 +336,11 @@ fn exact_last(pods: usize) -> std::net::Ipv4Addr {
     std::net::Ipv4Addr::from(u32::from(first).saturating_add(further))
 }
 
-/// ipwarden as the run installs it, or nothing for host-local.
-type Installed = Option<crate::ipwarden::Installation>;
+/// ipwarden's chart as the run installed it, or nothing for the peers.
+type Installed = Option<ChartInstallation>;
+
+/// The tag of the image of ipwarden the runs install.
+const IMAGE_TAG: &str = "node-bench";
 
 async fn one_run(ipam: BenchIpam, options: &NodeBenchOptions) -> RunReport {
     let mut phases = Vec::new();
@@ -368,7 +374,7 @@ async fn phases_of(ipam: BenchIpam, options: &NodeBenchOptions, phases: &mut Vec
     };
     let mut cluster =
         Cluster::start(ClusterOptions { nodes: 0, real_nodes: Some(real_nodes), ..Default::default() }).await?;
-    let mut installed = match start_ipam(&mut cluster, ipam, &options.ipwarden, pods).await {
+    let installed = match start_ipam(&mut cluster, ipam, &options.ipwarden, pods).await {
         Ok(installed) => installed,
         Err(e) => {
             cluster.stop_after_failure();
@@ -377,10 +383,9 @@ async fn phases_of(ipam: BenchIpam, options: &NodeBenchOptions, phases: &mut Vec
     };
     for phase in Phase::ALL {
         tracing::info!(%ipam, phase = phase.name(), "node-bench: phase starts");
-        let report = match run_phase(&mut cluster, &mut installed, ipam, phase, options).await {
+        let report = match run_phase(&mut cluster, &installed, ipam, phase, options).await {
             Ok(report) => report,
             Err(e) => {
-                drop(installed);
                 cluster.stop_after_failure();
                 return Err(e);
             }
@@ -391,14 +396,15 @@ async fn phases_of(ipam: BenchIpam, options: &NodeBenchOptions, phases: &mut Vec
             break;
         }
     }
-    drop(installed);
     cluster.stop();
     Ok(())
 }
 
-/// Starts ipwarden's agents (with the chart's defaults) and controllers on the pool `ipam`
-/// names, readies the nodes for Whereabouts' plugin, or nothing for host-local; returns once
-/// the nodes are Ready.
+/// Installs ipwarden's chart (the image of `binary`) and the pool `ipam` names, readies the
+/// nodes for Whereabouts' plugin, or nothing for host-local; returns once the nodes are Ready
+/// (with ipwarden, its agents and controllers too). ipwarden's exact pool holds an IP for each
+/// of the chart's controller pods besides the benchmark's pods: they are pods on the same
+/// network.
 async fn start_ipam(cluster: &mut Cluster, ipam: BenchIpam, binary: &Path, pods: usize) -> Result<Installed> {
     let installed = match ipam {
         BenchIpam::HostLocal => None,
@@ -407,10 +413,15 @@ async fn start_ipam(cluster: &mut Cluster, ipam: BenchIpam, binary: &Path, pods:
             None
         }
         BenchIpam::IpwardenExact | BenchIpam::IpwardenAmple => {
-            let pool =
-                if ipam == BenchIpam::IpwardenExact { exact_pool(pods) } else { crate::ipwarden::default_pool() };
-            let agent_args = crate::up::CHART_AGENT_DEFAULTS;
-            Some(crate::ipwarden::install_with(cluster, binary, pool, &agent_args, &[]).await?)
+            chart::load_image(cluster, binary, IMAGE_TAG, cluster.dir()).await?;
+            let installation = chart::install(cluster, IMAGE_TAG).await?;
+            let pool = match ipam {
+                BenchIpam::IpwardenExact => exact_pool(pods + chart::CONTROLLER_REPLICAS),
+                _ => crate::ipwarden::default_pool(),
+            };
+            crate::ipwarden::create_pool(&cluster.client(), "default", pool).await?;
+            chart::wait_running(cluster).await?;
+            Some(installation)
         }
     };
     cluster.wait_real_nodes_ready().await?;
@@ -426,8 +437,22 @@ struct Counters {
 
 async fn counters(client: &Client, installed: &Installed) -> Result<Counters> {
     let mut agents = Vec::new();
-    for agent in installed.iter().flat_map(|i| &i.agents) {
-        agents.push(scrape_port(agent.metrics_port, &agent.name).await?);
+    if installed.is_some() {
+        let listed = Api::<Pod>::namespaced(client.clone(), chart::NAMESPACE)
+            .list(&ListParams::default().labels(chart::AGENT_SELECTOR))
+            .await
+            .map_err(Error::kube("listing the agent pods"))?;
+        for agent in listed.items.iter().filter(|p| p.metadata.deletion_timestamp.is_none()) {
+            let Some(ip) = agent.status.as_ref().and_then(|s| s.pod_ip.clone()) else {
+                return Err(Error::Tool {
+                    command: format!("scraping agent pod {}", agent.name_any()),
+                    reason: "it has no IP yet".into(),
+                });
+            };
+            let text = crate::ipwarden::get_at(&ip, chart::AGENT_METRICS_PORT, "/metrics").await?;
+            let what = format!("agent pod {}", agent.name_any());
+            agents.push(Scrape::parse(&text).map_err(|source| Error::Scrape { what, source })?);
+        }
     }
     let apiserver = scrape_apiserver(client).await?;
     let events = Api::<Event>::namespaced(client.clone(), NAMESPACE)
@@ -445,7 +470,7 @@ async fn counters(client: &Client, installed: &Installed) -> Result<Counters> {
 
 async fn run_phase(
     cluster: &mut Cluster,
-    installed: &mut Installed,
+    installed: &Installed,
     ipam: BenchIpam,
     phase: Phase,
     options: &NodeBenchOptions,
@@ -469,7 +494,7 @@ async fn run_phase(
         }
         Phase::Recover => {
             let before: HashSet<String> = bench_pods(&pods).await?.iter().flat_map(container_ids).collect();
-            power_cycle(cluster, installed).await?;
+            power_cycle(cluster).await?;
             let restarted = |p: &Pod| {
                 let now = container_ids(p);
                 !now.is_empty() && now.iter().all(|id| !before.contains(id))
@@ -646,19 +671,13 @@ async fn wait_gone(pods: &Api<Pod>, timeout: Duration) -> Result<()> {
     .await
 }
 
-/// Every node's "reboot" at once: ipwarden's agents, kubelet and the runtime killed, the
-/// runtime's state and network namespaces wiped; the agents (their checkpoints kept) and the
-/// nodes started again.
-async fn power_cycle(cluster: &mut Cluster, installed: &mut Installed) -> Result<()> {
-    for agent in installed.iter_mut().flat_map(|i| i.agents.iter_mut()) {
-        agent.component.kill();
-    }
+/// Every node's "reboot" at once: kubelet, the runtime and every container (ipwarden's agent
+/// and controller pods among them) killed, the runtime's state and network namespaces wiped;
+/// the nodes started again, their kubelets starting the pods again (the agent's checkpoint
+/// kept on the node's disk).
+async fn power_cycle(cluster: &mut Cluster) -> Result<()> {
     for index in 0..cluster.real_nodes().len() {
         cluster.real_node(index).power_off();
-    }
-    for agent in installed.iter_mut().flat_map(|i| i.agents.iter_mut()) {
-        agent.component.restart()?;
-        crate::ipwarden::wait_ready(&mut agent.component, agent.metrics_port, AGENT_READY_TIMEOUT).await?;
     }
     for index in 0..cluster.real_nodes().len() {
         cluster.real_node(index).boot().await?;
@@ -666,23 +685,20 @@ async fn power_cycle(cluster: &mut Cluster, installed: &mut Installed) -> Result
     cluster.wait_real_nodes_ready().await
 }
 
-/// How long a restarted agent may take to serve.
-const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Waits until no bench pod is being deleted any more and the records, the pods' IPs and the
-/// IPs in the nodes' network namespaces are one set, each record naming the pod that has its IP
-/// (ipwarden; host-local's name a container), with no IP on two pods and none in two
-/// namespaces; says why not when the bound passes. Pods that ended (Failed, Succeeded) have
-/// no sandbox and are left out.
+/// Waits until no pod on the pod network (the bench pods, and ipwarden's controller pods) is
+/// being deleted any more and the records, the pods' IPs and the IPs in the nodes' network
+/// namespaces are one set, each record naming the pod that has its IP (ipwarden; host-local's
+/// name a container), with no IP on two pods and none in two namespaces; says why not when the
+/// bound passes. Pods that ended (Failed, Succeeded) have no sandbox and are left out.
 async fn check_settled(cluster: &Cluster, ipam: BenchIpam, timeout: Duration) -> std::result::Result<(), String> {
     let client = cluster.client();
     let outcome = wait::until("records, podIPs and network namespaces agree", timeout, || async {
-        let listed = Api::<Pod>::namespaced(client.clone(), NAMESPACE)
-            .list(&ListParams::default().labels(BENCH_LABEL))
-            .await
-            .map_err(Error::kube("listing bench pods"))?;
-        let terminating = listed.items.iter().filter(|p| p.metadata.deletion_timestamp.is_some()).count();
-        let live = listed.items.iter().filter(|p| {
+        let listed =
+            Api::<Pod>::all(client.clone()).list(&ListParams::default()).await.map_err(Error::kube("listing pods"))?;
+        let networked: Vec<&Pod> =
+            listed.items.iter().filter(|p| !p.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false)).collect();
+        let terminating = networked.iter().filter(|p| p.metadata.deletion_timestamp.is_some()).count();
+        let live = networked.iter().filter(|p| {
             let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
             !matches!(phase, Some("Failed" | "Succeeded"))
         });

@@ -153,7 +153,8 @@ enum Command {
     /// when a phase did not complete or an ipwarden run left records, pod IPs and network
     /// namespaces in disagreement.
     NodeBench {
-        /// The ipwarden binary to measure.
+        /// The ipwarden binary to measure, installed with the chart from a test image of it
+        /// (docs/testing.md, "The chart on real nodes").
         #[arg(long)]
         ipwarden: PathBuf,
         /// Real nodes.

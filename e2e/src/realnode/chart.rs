@@ -43,7 +43,7 @@ pub struct ChartInstallation {
 }
 
 /// Writes the test image of `binary` as `localhost/ipwarden:<tag>` into `dir` and imports it
-/// into the real node's runtime.
+/// into the real nodes' runtimes, kept across their reboots.
 pub async fn load_image(cluster: &Cluster, binary: &Path, tag: &str, dir: &Path) -> Result<()> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("image/test-image.sh");
     let archive = dir.join(format!("ipwarden-{tag}.tar"));
@@ -55,7 +55,7 @@ pub async fn load_image(cluster: &Cluster, binary: &Path, tag: &str, dir: &Path)
     ];
     crate::process::run_tool(Path::new("bash"), &args, None).await?;
     for node in cluster.real_nodes() {
-        node.import_image(&archive, &format!("{IMAGE_REPOSITORY}:{tag}")).await?;
+        node.import_kept_image(&archive, &format!("{IMAGE_REPOSITORY}:{tag}")).await?;
     }
     Ok(())
 }
@@ -171,9 +171,16 @@ pub async fn wait_running(cluster: &mut Cluster) -> Result<(Vec<Pod>, Vec<Pod>)>
     let client = cluster.client();
     let agents = ready_pods(&client, NAMESPACE, AGENT_SELECTOR, cluster.real_nodes().len()).await?;
     cluster.wait_real_nodes_ready().await?;
-    let controllers = ready_pods(&client, NAMESPACE, CONTROLLER_SELECTOR, 2).await?;
+    let controllers = ready_pods(&client, NAMESPACE, CONTROLLER_SELECTOR, CONTROLLER_REPLICAS).await?;
     Ok((agents, controllers))
 }
+
+/// The controller pods the chart runs (its `controller.replicas`), on the pod network: each
+/// holds a pod IP.
+pub const CONTROLLER_REPLICAS: usize = 2;
+
+/// The port of the agent's metrics on its node's IP (the chart's `agent.metricsPort`).
+pub const AGENT_METRICS_PORT: u16 = 9612;
 
 /// The chart's agent pods.
 pub const AGENT_SELECTOR: &str = "app.kubernetes.io/component=agent";

@@ -215,6 +215,9 @@ pub struct RealNode {
     context: RealNodeContext,
     runtime: Option<Component>,
     kubelet: Option<Component>,
+    /// The images imported with [`RealNode::import_kept_image`]: on disk on a real machine, so
+    /// imported again at [`RealNode::boot`].
+    kept_images: Mutex<Vec<(PathBuf, String)>>,
     stopped: bool,
 }
 
@@ -262,7 +265,16 @@ impl RealNode {
             &settings.cgroup_root,
         )?;
         // From here on, a failure drops the node, whose teardown undoes what was done.
-        let mut node = Self { name, index, paths, context, runtime: None, kubelet: None, stopped: false };
+        let mut node = Self {
+            name,
+            index,
+            paths,
+            context,
+            runtime: None,
+            kubelet: None,
+            kept_images: Mutex::default(),
+            stopped: false,
+        };
         host::share_mounts_under(&node.paths.dir)?;
         if node.paths.runtime == Runtime::Crio {
             node.context.host.lock().map_err(|_| poisoned())?.mount_cgroup_v1_controllers(&["hugetlb"])?;
@@ -374,6 +386,14 @@ impl RealNode {
         for (archive, name) in NODE_IMAGES {
             self.import_image(&self.context.binaries.path("images").join(archive), name).await?;
         }
+        Ok(())
+    }
+
+    /// [`RealNode::import_image`], and again at every [`RealNode::boot`], as an image a real
+    /// machine holds on disk survives its reboot.
+    pub async fn import_kept_image(&self, archive: &Path, name: &str) -> Result<()> {
+        self.import_image(archive, name).await?;
+        self.kept_images.lock().map_err(|_| poisoned())?.push((archive.to_path_buf(), name.to_string()));
         Ok(())
     }
 
@@ -624,6 +644,10 @@ impl RealNode {
         host::create_cgroups(&cgroup_root(&self.name))?;
         self.start_runtime().await?;
         self.import_images().await?;
+        let kept = self.kept_images.lock().map_err(|_| poisoned())?.clone();
+        for (archive, name) in kept {
+            self.import_image(&archive, &name).await?;
+        }
         match self.kubelet.as_mut() {
             Some(kubelet) => kubelet.restart(),
             None => self.start_kubelet(),
