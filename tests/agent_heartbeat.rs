@@ -8,6 +8,9 @@ mod support;
 use std::time::Duration;
 
 use e2e::wait::{self, Probe};
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
 use serde_json::json;
 use support::{Ipwarden, TIMEOUT, inject_record, metric_sum, record_json, records, wait_record_gone};
 
@@ -19,6 +22,21 @@ const CIDR: &str = "10.73.0.0/24";
 /// The agent Lease's default duration (the agent's `--lease-duration-seconds`), plus the
 /// policy's 1 s, two full-scan intervals and slack for a loaded machine.
 const STALE_AGENT_BOUND: Duration = Duration::from_secs(20 + 1 + 4 + 15);
+
+/// Renews, every second until aborted, a Lease named `name` that carries `node`'s agent label
+/// (what any agent's token may write today): a decoy for that node's heartbeat.
+async fn renew_decoy(leases: Api<Lease>, name: &'static str, node: &'static str) {
+    loop {
+        let lease = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "labels": {ipwarden::agent::heartbeat::NODE_LABEL: node}},
+            "spec": {"holderIdentity": node, "leaseDurationSeconds": 20,
+                     "renewTime": jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string()}});
+        if let Err(e) = leases.patch(name, &PatchParams::apply("decoy").force(), &Patch::Apply(&lease)).await {
+            tracing::warn!(error = %e, "renewing the decoy Lease");
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
 
 async fn controller_metric(ipwarden: &Ipwarden, controller: usize, name: &str, labels: &[&str]) -> f64 {
     let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
@@ -36,8 +54,28 @@ async fn a_leak_on_a_ready_node_whose_agent_is_gone_is_released_by_the_not_ready
     ipwarden.wait_leader(controller).await;
 
     // node-0's agent stops; the fake kubelet keeps node-0 Ready. A leak there is released
-    // by the NotReady policy once the agent's Lease is stale, without a handshake.
+    // by the NotReady policy once the agent's Lease is stale, without a handshake. A Lease
+    // labelled with node-0 under another name, renewed all along, counts for nothing: only
+    // node-0's own Lease `ipwarden-agent-node-0` is its heartbeat (decision 0022).
     ipwarden.agents[0].kill();
+    let leases: Api<Lease> = Api::namespaced(client.clone(), NS);
+    let decoy = tokio::spawn(renew_decoy(leases.clone(), "decoy-of-node-0", "node-0"));
+    let versions = wait::until("the decoy Lease written", TIMEOUT, || async {
+        let lease = leases.get_opt("decoy-of-node-0").await.map_err(e2e::Error::kube("reading the decoy"))?;
+        Ok(match lease.and_then(|l| l.metadata.resource_version) {
+            Some(version) => Probe::Done(version),
+            None => Probe::Pending("not written yet".into()),
+        })
+    })
+    .await
+    .expect("the decoy Lease is written");
+    wait::until("the decoy Lease renewed", TIMEOUT, || async {
+        let lease = leases.get_opt("decoy-of-node-0").await.map_err(e2e::Error::kube("reading the decoy"))?;
+        let now = lease.and_then(|l| l.metadata.resource_version).unwrap_or_default();
+        Ok(if now != versions { Probe::Done(()) } else { Probe::Pending(now) })
+    })
+    .await
+    .expect("the decoy Lease is renewed");
     let dead = "10.73.0.200";
     inject_record(&client, POOL, BLOCK, CIDR, dead, record_json(NS, "ghost-0", "ghost-0-uid", "node-0", None, false))
         .await;
@@ -45,6 +83,7 @@ async fn a_leak_on_a_ready_node_whose_agent_is_gone_is_released_by_the_not_ready
     let released =
         controller_metric(&ipwarden, controller, "ipwarden_gc_releases_total", &["reason=\"node_not_ready\""]).await;
     assert_eq!(released, 1.0, "released by the NotReady policy");
+    decoy.abort();
     // The gauge is refreshed with the pool gauges (every 10 s).
     let gauge_bound = Duration::from_secs(20);
     wait::until("node-0 counted as a node without a live agent", gauge_bound, || async {

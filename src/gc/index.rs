@@ -234,7 +234,9 @@ impl Watched<'_> {
         }
     }
 
-    /// Where it sits in the index; `None` for an agent Lease without its node label.
+    /// Where it sits in the index; `None` for an agent Lease without its node label, or not
+    /// named for that node ([`crate::agent::heartbeat::lease_name`]): only a node's own Lease
+    /// is its heartbeat, not any Lease that carries its name in a label (decision 0022).
     pub fn key(&self) -> Option<ObjectKey> {
         let namespaced =
             |namespace: Option<String>, name: String| ObjectKey { namespace: namespace.unwrap_or_default(), name };
@@ -247,7 +249,13 @@ impl Watched<'_> {
             Self::Node(o) => namespaced(None, o.name_any()),
             Self::Block(o) => namespaced(None, o.name_any()),
             Self::Pool(o) => namespaced(None, o.name_any()),
-            Self::AgentLease(o) => namespaced(None, o.labels().get(crate::agent::heartbeat::NODE_LABEL)?.clone()),
+            Self::AgentLease(o) => {
+                let node = o.labels().get(crate::agent::heartbeat::NODE_LABEL)?;
+                if o.name_any() != crate::agent::heartbeat::lease_name(node) {
+                    return None;
+                }
+                namespaced(None, node.clone())
+            }
         })
     }
 }
@@ -868,9 +876,11 @@ mod test {
     }
 
     fn lease(node: &str, version: &str) -> Lease {
-        serde_json::from_value(json!({"metadata": {"name": format!("agent-{node}"), "namespace": "ipwarden",
+        serde_json::from_value(
+            json!({"metadata": {"name": crate::agent::heartbeat::lease_name(node), "namespace": "ipwarden",
             "resourceVersion": version, "labels": {crate::agent::heartbeat::NODE_LABEL: node}},
-            "spec": {"leaseDurationSeconds": 20}}))
+            "spec": {"leaseDurationSeconds": 20}}),
+        )
         .expect("lease")
     }
 
@@ -915,6 +925,18 @@ mod test {
         assert!(index.node_gone_for("never", later).is_some_and(|d| d >= Duration::from_secs(30)), "since the start");
         let cli = ClusterIndex::default();
         assert_eq!(cli.node_gone_for("never", later), Some(Duration::MAX));
+    }
+
+    #[test]
+    fn only_the_lease_named_for_its_node_is_that_nodes_heartbeat() {
+        let own = lease("n1", "1");
+        assert_eq!(Watched::AgentLease(&own).key().map(|k| k.name), Some("n1".to_string()));
+        let mut decoy = lease("n1", "1");
+        decoy.metadata.name = Some("decoy-of-n1".to_string());
+        assert_eq!(Watched::AgentLease(&decoy).key(), None, "a decoy labelled n1 is nobody's heartbeat");
+        let mut other = lease("n1", "1");
+        other.metadata.name = Some(crate::agent::heartbeat::lease_name("n2"));
+        assert_eq!(Watched::AgentLease(&other).key(), None, "n2's name with n1's label: neither's");
     }
 
     #[test]
