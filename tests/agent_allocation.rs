@@ -180,7 +180,9 @@ async fn overlapping_pools_get_a_condition_and_hand_out_nothing_until_resolved()
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let pools =
         [("wide", json!({"cidr": "10.54.0.0/24", "default": true})), ("narrow", json!({"cidr": "10.54.0.128/25"}))];
-    let ipwarden = Ipwarden::start(1, &pools, &[]).await;
+    let mut ipwarden = Ipwarden::start(1, &pools, &[]).await;
+    // The controller writes the pools' conditions; the agent judges the overlap by itself.
+    ipwarden.start_controller("conditions", &[]);
     let client = ipwarden.client();
     let api: Api<ipwarden::crd::IPPool> = Api::all(client.clone());
     let overlapping = |pool: ipwarden::crd::IPPool| {

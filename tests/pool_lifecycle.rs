@@ -83,8 +83,9 @@ async fn an_in_use_pool_being_deleted_waits_on_its_finalizer_refuses_adds_and_go
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_recreated_with_another_block_size_over_orphaned_blocks_hands_out_no_ip_they_still_record() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    // No controller: the pool has no finalizer (created before any controller ran), so its
-    // deletion leaves its blocks, and their live records, orphaned.
+    // No controller yet: the pool has no finalizer (created before any controller ran), so its
+    // deletion leaves its blocks, and their live records, orphaned. The controller starts with
+    // the recreated pool: it writes the pool's conditions.
     let pools = [("p", json!({"cidr": "10.71.0.0/28", "default": true}))];
     let mut ipwarden = Ipwarden::start(1, &pools, &["--reuse-cooldown-seconds=0"]).await;
     let client = ipwarden.client();
@@ -103,6 +104,7 @@ async fn a_pool_recreated_with_another_block_size_over_orphaned_blocks_hands_out
     e2e::ipwarden::create_pool(&client, "p", json!({"cidr": "10.71.0.0/28", "blockSize": 30, "default": true}))
         .await
         .expect("recreate pool p");
+    ipwarden.start_controller("orphans", &["--full-scan-interval-seconds=2"]);
 
     for i in 0..4 {
         create_pod(&client, NS, &format!("new-{i}"), "node-0", json!({"app": "new"})).await;
@@ -159,7 +161,6 @@ async fn a_pool_recreated_with_another_block_size_over_orphaned_blocks_hands_out
     support::inject_record(&client, "vanished", "vanished-10-79-0-0-24", "10.79.0.0/24", "10.79.0.7", ghost).await;
     let wanted = support::record_json(NS, "held-0", "held-uid", "node-0", Some(("StatefulSet", "held")), true);
     support::inject_record(&client, "vanished", "vanished-10-79-0-0-24", "10.79.0.0/24", "10.79.0.8", wanted).await;
-    ipwarden.start_controller("orphans", &["--full-scan-interval-seconds=2"]);
     let blocks: Api<ipwarden::crd::IPBlock> = Api::all(client.clone());
     wait::until("the orphaned records reclaimed and the empty orphaned blocks deleted", TIMEOUT, || async {
         let names: Vec<String> = blocks
@@ -297,7 +298,8 @@ async fn a_sticky_record_in_an_orphaned_block_goes_with_its_pod_at_the_pods_dead
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_whose_ranges_name_its_defaulted_gateway_says_so_in_its_condition_check_and_a_refused_add() {
     let pool = json!({"cidr": "10.86.0.0/29", "default": true, "ranges": [{"start": "10.86.0.1", "end": "10.86.0.2"}]});
-    let ipwarden = Ipwarden::start(1, &[("sized", pool)], &[]).await;
+    let mut ipwarden = Ipwarden::start(1, &[("sized", pool)], &[]).await;
+    ipwarden.start_controller("conditions", &[]);
     let client = ipwarden.client();
     create_pod(&client, NS, "only", "node-0", json!({"app": "only"})).await;
     let only = wait_pods_with_ips(&client, NS, "app=only", 1).await;

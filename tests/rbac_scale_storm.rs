@@ -107,10 +107,19 @@ async fn agents_and_controllers_with_the_charts_rbac_survive_a_statefulset_scale
 
     // The identities are really limited: nothing outside the chart's rules is allowed.
     let agent_client = e2e::controlplane::client_for(&agent_kubeconfig).await.expect("agent client");
-    let denied = Api::<Secret>::all(agent_client).list(&ListParams::default()).await;
+    let denied = Api::<Secret>::all(agent_client.clone()).list(&ListParams::default()).await;
     assert!(
         matches!(denied, Err(kube::Error::Api(ref s)) if s.code == 403),
         "the agent cannot list Secrets: {denied:?}"
+    );
+    // Pool conditions are the controller's to write (decision 0022): no node's agent sets them.
+    let conditions = json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPPool", "status": {"conditions": []}});
+    let denied = Api::<IPPool>::all(agent_client)
+        .patch_status("storm", &PatchParams::apply("decoy").force(), &Patch::Apply(&conditions))
+        .await;
+    assert!(
+        matches!(denied, Err(kube::Error::Api(ref s)) if s.code == 403),
+        "the agent cannot write a pool's status: {denied:?}"
     );
     let controller_client = e2e::controlplane::client_for(&controller_kubeconfig).await.expect("controller client");
     let block = IPBlock::new("forbidden", ipwarden::crd::IPBlockSpec { pool: "storm".into(), ..Default::default() });

@@ -21,6 +21,7 @@ pub mod leader;
 pub mod manual;
 pub mod metrics;
 pub mod pool;
+pub mod pool_conditions;
 pub mod sweeper;
 pub mod tracer;
 pub mod watches;

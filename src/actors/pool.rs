@@ -197,12 +197,13 @@ impl Actor for PoolSupervisor {
                 ctx.spawn(write_pool_counts(act.context.clone(), counts).into_actor(act));
                 ctx.spawn(super::finalizer::reconcile(act.context.clone()).into_actor(act));
                 ctx.spawn(super::affinity::reconcile(act.context.clone()).into_actor(act));
+                ctx.spawn(super::pool_conditions::reconcile(act.context.clone()).into_actor(act));
             }
         });
     }
 }
 
-/// How often pool gauges and IPPool status counts are refreshed.
+/// How often pool gauges, IPPool status counts and conditions are refreshed.
 const POOL_STATUS_INTERVAL: Duration = Duration::from_secs(10);
 
 /// One pool's status counts and the blocks they were taken from.

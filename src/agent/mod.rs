@@ -14,7 +14,6 @@ pub mod error;
 pub mod heartbeat;
 pub mod lock;
 pub mod metrics;
-pub mod pool_status;
 mod release_marks;
 mod runtime_sandboxes;
 pub mod serial;
@@ -223,22 +222,11 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let pool_events = reflector(pools_writer, watcher(Api::<IPPool>::all(client.clone()), watcher::Config::default()));
     let block_events =
         reflector(blocks_writer, watcher(Api::<IPBlock>::all(client.clone()), watcher::Config::default()));
-    // Recomputed on every change of the pools or the blocks (an orphaned block emptying
-    // ends an overlap); bursts coalesce into one pass, and the status writes echo back once.
-    let conditions = Arc::new(Notify::new());
     let own_block_writes: Arc<OwnWrites<IPBlock>> = Arc::default();
-    tokio::spawn(reconcile_conditions(
-        client.clone(),
-        pools.clone(),
-        blocks.clone(),
-        own_block_writes.clone(),
-        conditions.clone(),
-    ));
-    let (pools_changed, spares_wake) = (conditions.clone(), Arc::new(Notify::new()));
+    let spares_wake = Arc::new(Notify::new());
     let tend_on_pool_change = spares_wake.clone();
     tokio::spawn(pool_events.default_backoff().for_each(move |event| {
         if matches!(event, Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone)) {
-            pools_changed.notify_one();
             // A new default pool gets the node's spares before its first pods.
             tend_on_pool_change.notify_one();
         }
@@ -252,11 +240,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         }
     });
     tokio::spawn(observed.touched_objects().for_each(move |block| {
-        if let Ok(block) = block {
-            conditions.notify_one();
-            if block.spec.allocations.values().any(|r| r.node == node && crate::gc::handshake::marked_for_release(r)) {
-                notify.notify_one();
-            }
+        if let Ok(block) = block
+            && block.spec.allocations.values().any(|r| r.node == node && crate::gc::handshake::marked_for_release(r))
+        {
+            notify.notify_one();
         }
         async {}
     }));
@@ -381,21 +368,6 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     tracing::info!(socket = %args.socket.display(), node = %args.node_name, "serving CNI");
     server::serve(listener, allocator).await;
     Ok(())
-}
-
-/// Brings the pools' conditions (`Overlapping`, `GatewayInRanges`) up to date each time `changed` is notified.
-async fn reconcile_conditions(
-    client: Client,
-    pools: reflector::Store<IPPool>,
-    blocks: reflector::Store<IPBlock>,
-    own_block_writes: Arc<OwnWrites<IPBlock>>,
-    changed: Arc<Notify>,
-) {
-    loop {
-        changed.notified().await;
-        let known = own_block_writes.overlay(blocks.state(), std::time::Instant::now());
-        pool_status::reconcile(&client, &pools, &known).await;
-    }
 }
 
 /// Asks the allocation actor to answer release marks whenever a block with a mark for this

@@ -13,6 +13,7 @@ mod choose;
 pub mod fixed;
 pub mod free;
 mod layout;
+pub mod pool_conditions;
 pub mod pools;
 pub mod spares;
 pub mod workload;
