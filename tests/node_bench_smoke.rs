@@ -1,8 +1,9 @@
 //! The node benchmark (`ipwarden-e2e node-bench`, docs/benchmarks.md, "Real nodes") through
 //! its own code at a small size, so it cannot rot between the runs that measure: one real node,
 //! one Deployment of 4 pods, every phase (create, re-create, recover, delete), host-local (the
-//! floor) then ipwarden with a pool of exactly 4 IPs, where every re-created or recovered pod
-//! can only get an IP an old one freed.
+//! floor) then ipwarden from its chart with a pool of exactly as many IPs as the 4 pods and the
+//! 2 controller pods, where every re-created or recovered pod can only get an IP an old one
+//! freed.
 
 use std::path::Path;
 use std::time::Duration;

@@ -524,7 +524,8 @@ async fn run_phase(
     let agents_latency = |name: &str| {
         installed.as_ref().map(|_| {
             let now = histogram(&after.agents, name);
-            // The recover phase restarted the agents: their histograms hold its calls alone.
+            // The recover phase restarted the agents: their histograms hold its calls alone
+            // (the benchmark pods' and the restarted controller pods' ADDs).
             match phase {
                 Phase::Recover => Latency::of_histogram(&now),
                 _ => Latency::of_histogram(&now.since(&histogram(&before.agents, name))),
