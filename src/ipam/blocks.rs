@@ -68,7 +68,8 @@ fn names_sandbox(record: &Allocation, container_id: &str, ifname: &str, pod_uid:
 /// IP gets back exactly what `prior` says it held. Unlike a release, an IP the ADD took
 /// fresh is free again with no new cooldown and no sticky reservation (the runtime never got
 /// it, and its retry is a new sandbox), while one it reclaimed goes back to the record it
-/// took over, and a migration target the ADD attached is detached from the source's record.
+/// took over (another node's, as this node's reservation of the same pod), and a migration
+/// target the ADD attached is detached from the source's record.
 /// Returns whether the block changed.
 pub fn roll_back(
     spec: &mut IPBlockSpec,
@@ -100,7 +101,21 @@ pub fn roll_back(
             }
         }
         Prior::Held(record) => {
-            spec.allocations.insert(ip.to_string(), Allocation::clone(record));
+            let mut restored = Allocation::clone(record);
+            // A take of another node's record comes back as this node's reservation for the
+            // same pod, not as that node's record: a node writes no other node's record
+            // (decision 0022), and the ADD's retry takes its own reservation at once.
+            if let Some(taker) = spec.allocations.get(ip)
+                && taker.node != restored.node
+            {
+                restored.node = taker.node.clone();
+                restored.container_id.clear();
+                restored.interface.clear();
+                restored.repaired_at = None;
+                restored.release_handshake = None;
+                restored.migration_target = None;
+            }
+            spec.allocations.insert(ip.to_string(), restored);
         }
     }
     true
@@ -314,7 +329,7 @@ pub fn pool_fingerprint(blocks: &[std::sync::Arc<IPBlock>], pool: &str) -> Strin
 #[cfg(test)]
 pub(crate) mod test {
     use super::*;
-    use crate::crd::PodRef;
+    use crate::crd::{HandshakeState, PodRef, ReleaseHandshake};
     use proptest::prelude::*;
 
     /// A plain record of pod default/web-0 on node-0, for tests.
@@ -419,6 +434,29 @@ pub(crate) mod test {
             assert!(roll_back(&mut spec, ip, "c1", "eth0", "u1", &prior), "{case}");
             assert_eq!(spec, before, "{case}: the block is as it was before the ADD");
         }
+    }
+
+    #[test]
+    fn rolling_back_a_take_of_another_nodes_record_leaves_this_nodes_reservation() {
+        let ip = "10.0.0.5";
+        let mut theirs = record("old-uid", "c0");
+        theirs.node = "node-1".into();
+        theirs.release_handshake = Some(ReleaseHandshake {
+            state: HandshakeState::ReadyForRelease,
+            marked_at: Time(Timestamp::UNIX_EPOCH),
+            reason: "sticky takeover".into(),
+            detail: None,
+            pod_ended_at: None,
+            takeover: None,
+        });
+        let mut spec = block_with(ip, theirs.clone());
+        let prior = allocate(&mut spec, ip.parse().expect("ip"), record("u1", "c1"));
+        assert!(roll_back(&mut spec, ip, "c1", "eth0", "u1", &prior));
+        let reservation = &spec.allocations[ip];
+        assert_eq!(reservation.node, "node-0", "node-0 writes no record of node-1 (decision 0022)");
+        assert!(reservation.container_id.is_empty() && reservation.interface.is_empty(), "{reservation:?}");
+        assert_eq!((&reservation.pod, reservation.release_handshake.as_ref()), (&theirs.pod, None));
+        assert!(!may_be_attached(reservation), "the retry takes it back at once: {reservation:?}");
     }
 
     proptest! {
