@@ -12,7 +12,7 @@ use super::checkpoint::{AttachmentKey, CheckpointEntry};
 use super::core::{Core, field_manager};
 use super::error::Error;
 use crate::crd::{Allocation, IPBlock};
-use crate::gc::adopt::by_block;
+use crate::gc::adopt::{Writer, by_block};
 use crate::gc::index::PodFacts;
 use crate::ipam::{blocks, spares};
 
@@ -162,7 +162,8 @@ impl Core {
             let Ok(cidr) = first.block_cidr.parse() else { continue };
             let ips = self
                 .write_block(name, &first.pool, cidr, |spec| {
-                    let ips = crate::gc::adopt::apply(spec, &adoptions, network, jiff::Timestamp::now());
+                    let now = jiff::Timestamp::now();
+                    let ips = crate::gc::adopt::apply(spec, &adoptions, network, now, Writer::Agent);
                     (!ips.is_empty()).then_some(ips)
                 })
                 .await?;
@@ -170,6 +171,14 @@ impl Core {
                 tracing::info!(%ip, block = %name, "start-up adoption: recorded an IP another IPAM attached");
                 written.insert(ip);
             }
+        }
+        for left in
+            plan.adopt.iter().filter(|a| a.node == *node && !attached.contains(&a.ip) && !written.contains(&a.ip))
+        {
+            tracing::warn!(
+                ip = %left.ip, block = %left.block,
+                "start-up adoption: not recorded, a record or another node's spare holds the IP (an agent changes no other node's spares); `ipwarden adopt` run by an operator records it"
+            );
         }
         let adopted = plan.adopt.iter().filter(|a| written.contains(&a.ip)).chain(&plan.recorded);
         let adopted = adopted.filter(|a| a.node == *node);

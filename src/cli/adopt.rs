@@ -15,7 +15,7 @@ use super::{Output, list, table};
 use crate::block_store::BlockStore;
 use crate::claim_writes::bind_adopted;
 use crate::crd::{IPBlock, IPClaim, IPPool};
-use crate::gc::adopt::{Adoption, DEFAULT_NETWORK, Plan, apply, by_block, live_uids, plan, sticky_claims};
+use crate::gc::adopt::{Adoption, DEFAULT_NETWORK, Plan, Writer, apply, by_block, live_uids, plan, sticky_claims};
 use crate::gc::index::PodFacts;
 use crate::ipam::blocks::new_block;
 use crate::ipam::workload::DEFAULT_STICKY_KINDS;
@@ -64,7 +64,7 @@ pub async fn run(args: AdoptArgs) -> anyhow::Result<bool> {
             let create = || new_block(name, &first.pool, cidr);
             let outcome = store
                 .update(name, Some(&create), |block| {
-                    let ips = apply(&mut block.spec, &adoptions, &args.network, Timestamp::now());
+                    let ips = apply(&mut block.spec, &adoptions, &args.network, Timestamp::now(), Writer::Operator);
                     (!ips.is_empty()).then_some(ips)
                 })
                 .await

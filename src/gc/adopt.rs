@@ -210,24 +210,43 @@ pub fn by_block<'a>(adoptions: impl IntoIterator<Item = &'a Adoption>) -> BTreeM
     blocks
 }
 
+/// Who writes an adoption, which bounds what it may change in a block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Writer {
+    /// `ipwarden adopt`, run by an operator: may change any node's state.
+    Operator,
+    /// A node's agent (`--adopt-on-start`): writes only its own node's state (decision 0022),
+    /// so it leaves another node's spares alone and claims only a block that holds nothing.
+    Agent,
+}
+
 /// Writes `adoptions` (all of one block) into `spec` as repaired records of `network`
 /// ([`blocks::adopted_record`]), each only while no record holds its IP there; gives the block
-/// the first adopter's node as affinity when it has none. Returns the IPs written.
+/// the first adopter's node as affinity when it has none (for an [`Writer::Agent`], only when
+/// the block held nothing). Returns the IPs written.
 ///
 /// An IP that is a node's spare is adopted too, and leaves the spares: the pod of the old IPAM
 /// reporting it holds it, so no ADD may bind it (issue 26, F5: skipping it left the spare to be
 /// handed to a new pod while the old one still used it). Should the spare's agent have bound it
 /// to a pod that has not posted its IP yet, that pod and the adopted one share the IP whatever
 /// adopt does; the agent's record write then finds the adopted record and says so (an error
-/// line, and `ipwarden check` reports the conflict) instead of overwriting it.
+/// line, and `ipwarden check` reports the conflict) instead of overwriting it. An agent skips
+/// a spare of another node instead (it may not change that node's spares): the IP is not
+/// written, and the caller tells the operator to run `ipwarden adopt`.
 pub fn apply(
     spec: &mut crate::crd::IPBlockSpec,
     adoptions: &[&Adoption],
     network: &str,
     now: Timestamp,
+    writer: Writer,
 ) -> Vec<String> {
+    let claimable = writer == Writer::Operator || blocks::holds_nothing(spec);
     let mut written = Vec::new();
     for adoption in adoptions {
+        let others_spare = spec.spares.contains(&adoption.ip) && spec.affinity.as_ref() != Some(&adoption.node);
+        if writer == Writer::Agent && others_spare {
+            continue;
+        }
         let Ok(ip) = adoption.ip.parse::<IpAddr>() else { continue };
         // A live pod uses the IP: only a record (another pod's, or one written since the plan)
         // keeps it from the adopted record; the layout is the plan's, which left out what the
@@ -237,7 +256,7 @@ pub fn apply(
         }
         spec.spares.remove(&adoption.ip);
         blocks::allocate(spec, ip, blocks::adopted_record(&adoption.adopter, network, now));
-        if spec.affinity.is_none() {
+        if spec.affinity.is_none() && claimable {
             spec.affinity = Some(adoption.node.clone());
         }
         written.push(adoption.ip.clone());
@@ -505,7 +524,7 @@ mod test {
         let kinds = ["StatefulSet".to_string()];
         let first = plan(&[web.clone()], &pools(), &[], &kinds);
         let mut spec = IPBlockSpec { pool: "v4".into(), cidr: "10.9.0.0/24".into(), ..IPBlockSpec::default() };
-        apply(&mut spec, &first.adopt.iter().collect::<Vec<_>>(), "pods", Timestamp::UNIX_EPOCH);
+        apply(&mut spec, &first.adopt.iter().collect::<Vec<_>>(), "pods", Timestamp::UNIX_EPOCH, Writer::Operator);
         let adopted = Arc::new(IPBlock::new("v4-10-9-0-0-24", spec.clone()));
         let again = plan(std::slice::from_ref(&web), &pools(), &[adopted], &kinds);
         assert!(again.adopt.is_empty() && again.skipped.len() == 2, "{again:?}");
@@ -731,14 +750,18 @@ mod test {
         spec.allocations.insert("10.9.0.8".into(), blocks::test::record("raced", "c9"));
         let all: Vec<&Adoption> = plan.adopt.iter().collect();
         let now = Timestamp::UNIX_EPOCH;
-        assert_eq!(apply(&mut spec, &all, "pods", now), ["10.9.0.7"], "an IP taken since the plan is not overwritten");
+        assert_eq!(
+            apply(&mut spec, &all, "pods", now, Writer::Operator),
+            ["10.9.0.7"],
+            "an IP taken since the plan is not overwritten"
+        );
         let record = &spec.allocations["10.9.0.7"];
         assert!(blocks::adopted_by(record, Some("ua")) && record.container_id.is_empty(), "{record:?}");
         assert_eq!(record.network, "pods");
         assert_eq!(spec.affinity.as_deref(), Some("node-0"));
         spec.affinity = Some("node-1".into());
         spec.allocations.remove("10.9.0.7");
-        apply(&mut spec, &all, "pods", now);
+        apply(&mut spec, &all, "pods", now, Writer::Operator);
         assert_eq!(spec.affinity.as_deref(), Some("node-1"), "a block another node holds keeps its affinity");
     }
 
@@ -749,9 +772,30 @@ mod test {
         spec.affinity = Some("node-1".into());
         spec.spares = ["10.9.0.7", "10.9.0.9"].map(String::from).into();
         let all: Vec<&Adoption> = plan.adopt.iter().collect();
-        assert_eq!(apply(&mut spec, &all, "pods", Timestamp::UNIX_EPOCH), ["10.9.0.7"]);
+        assert_eq!(apply(&mut spec, &all, "pods", Timestamp::UNIX_EPOCH, Writer::Operator), ["10.9.0.7"]);
         assert!(blocks::adopted_by(&spec.allocations["10.9.0.7"], Some("ua")));
         assert_eq!(spec.spares, ["10.9.0.9".to_string()].into(), "only the adopted IP left the spares");
         assert!(crate::ipam::spares::bindable(&spec).iter().all(|ip| ip.to_string() != "10.9.0.7"));
+    }
+
+    #[test]
+    fn an_agent_adopting_leaves_another_nodes_spares_and_claims_only_an_empty_block() {
+        let plan = plan(&[pod("a", "ua", &["10.9.0.7", "10.9.0.8"])], &pools(), &[], &[]);
+        let all: Vec<&Adoption> = plan.adopt.iter().collect();
+        let now = Timestamp::UNIX_EPOCH;
+        let mut lent = IPBlockSpec { pool: "v4".into(), cidr: "10.9.0.0/24".into(), ..IPBlockSpec::default() };
+        lent.affinity = Some("node-1".into());
+        lent.spares = ["10.9.0.7".to_string()].into();
+        assert_eq!(apply(&mut lent, &all, "pods", now, Writer::Agent), ["10.9.0.8"], "node-1's spare is left to it");
+        assert_eq!(lent.spares, ["10.9.0.7".to_string()].into());
+        let mut shared = IPBlockSpec { pool: "v4".into(), cidr: "10.9.0.0/24".into(), ..IPBlockSpec::default() };
+        let mut theirs = blocks::test::record("theirs", "c9");
+        theirs.node = "node-1".into();
+        shared.allocations.insert("10.9.0.200".into(), theirs);
+        assert_eq!(apply(&mut shared, &all, "pods", now, Writer::Agent).len(), 2);
+        assert_eq!(shared.affinity, None, "a block holding node-1's record is not claimed by node-0's agent");
+        let mut empty = IPBlockSpec { pool: "v4".into(), cidr: "10.9.0.0/24".into(), ..IPBlockSpec::default() };
+        apply(&mut empty, &all, "pods", now, Writer::Agent);
+        assert_eq!(empty.affinity.as_deref(), Some("node-0"), "an empty block is claimed");
     }
 }
