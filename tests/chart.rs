@@ -366,3 +366,59 @@ async fn the_agent_listens_on_every_address_or_on_the_nodes_ip_only() {
         assert_eq!(from_host_ip.len() == 1, host_ip, "{values:?}: {:?}", agent["env"]);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_bound_write_policies_match_only_the_agent_and_need_kubernetes_1_32() {
+    let helm = Helm::locate().expect("helm builds");
+    let docs = helm.template("ipwarden", NAMESPACE, &[], &[]).await.expect("helm template renders");
+    let policies = of_kind(&docs, "ValidatingAdmissionPolicy");
+    let resources: BTreeSet<String> = policies
+        .iter()
+        .flat_map(|p| {
+            p["spec"]["matchConstraints"]["resourceRules"][0]["resources"].as_array().cloned().unwrap_or_default()
+        })
+        .filter_map(|r| r.as_str().map(String::from))
+        .collect();
+    assert_eq!(
+        resources,
+        ["ipblocks", "ipclaims", "leases"].map(String::from).into(),
+        "one policy per kind the agent writes"
+    );
+    for policy in &policies {
+        let name = &policy["metadata"]["name"];
+        assert_eq!(
+            policy["spec"]["matchConditions"][0]["expression"],
+            "request.userInfo.username == 'system:serviceaccount:ipwarden-system:ipwarden-agent'",
+            "{name} matches the agent's ServiceAccount only"
+        );
+        assert_eq!(policy["spec"]["failurePolicy"], "Fail", "{name} fails closed");
+        let bound = of_kind(&docs, "ValidatingAdmissionPolicyBinding")
+            .into_iter()
+            .filter(|b| {
+                b["spec"]["policyName"] == *name && b["spec"]["validationActions"] == serde_json::json!(["Deny"])
+            })
+            .count();
+        assert_eq!(bound, 1, "{name} has one denying binding");
+    }
+    let off =
+        helm.template("ipwarden", NAMESPACE, &["agent.nodeBoundWrites.enabled=false"], &[]).await.expect("renders");
+    assert!(of_kind(&off, "ValidatingAdmissionPolicy").is_empty(), "no policy when turned off");
+    let chart = chart().display().to_string();
+    let old = helm.run(&["template", "ipwarden", chart.as_str(), "--kube-version", "1.31.0"]).await;
+    assert!(
+        matches!(&old, Err(e) if e.to_string().contains("needs Kubernetes 1.32 or later")),
+        "an older cluster is told to turn the policies off: {old:?}"
+    );
+    let off = helm
+        .run(&[
+            "template",
+            "ipwarden",
+            chart.as_str(),
+            "--kube-version",
+            "1.31.0",
+            "--set",
+            "agent.nodeBoundWrites.enabled=false",
+        ])
+        .await;
+    assert!(off.is_ok(), "renders for 1.31 with the policies off: {off:?}");
+}

@@ -8,7 +8,6 @@ mod support;
 use std::collections::BTreeMap;
 
 use e2e::cni::{Invocation, PodArgs};
-use e2e::ipwarden::RunAs;
 use e2e::wait::{self, Probe};
 use ipwarden::crd::{Allocation, IPBlock};
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -274,8 +273,7 @@ async fn an_add_whose_claim_write_is_forbidden_undoes_its_block_records() {
         }
     };
     set_claim_verbs(&["get", "update", "delete"]).await;
-    let kubeconfig = e2e::accounts::kubeconfig_for(&ipwarden.cluster, SYSTEM, "ipwarden-agent").await.expect("token");
-    ipwarden.agent_run_as = Some(RunAs { kubeconfig, namespace: SYSTEM.into() });
+    ipwarden.run_agents_as_chart_account(SYSTEM).await;
     ipwarden.start_agents(&["--reuse-cooldown-seconds=0"]).await;
 
     let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), NS);

@@ -228,11 +228,10 @@ async fn a_deployments_listed_ips_stay_reserved_for_it_between_its_pods_refused_
     // The agent and the controller run as the chart's ServiceAccounts: its RBAC must cover
     // the workloads they read.
     support::apply_chart_rbac(&ipwarden, SYSTEM).await;
-    for (account, agent) in [("ipwarden-agent", true), ("ipwarden-controller", false)] {
-        let kubeconfig = e2e::accounts::kubeconfig_for(&ipwarden.cluster, SYSTEM, account).await.expect("token");
-        let run_as = Some(e2e::ipwarden::RunAs { kubeconfig, namespace: SYSTEM.into() });
-        if agent { ipwarden.agent_run_as = run_as } else { ipwarden.controller_run_as = run_as }
-    }
+    ipwarden.run_agents_as_chart_account(SYSTEM).await;
+    let kubeconfig =
+        e2e::accounts::kubeconfig_for(&ipwarden.cluster, SYSTEM, "ipwarden-controller").await.expect("token");
+    ipwarden.controller_run_as = Some(e2e::ipwarden::RunAs { kubeconfig, namespace: SYSTEM.into() });
     ipwarden.start_agents(&["--reuse-cooldown-seconds=0"]).await;
     let controller = ipwarden.start_controller("gc", &["--full-scan-interval-seconds=1"]);
     ipwarden.wait_leader(controller).await;

@@ -20,10 +20,12 @@ use support::{Ipwarden, TIMEOUT, claims, ip_of, records, wait_pods_with_ips};
 
 const NS: &str = "default";
 
-/// Two nodes with agents, a controller, one pool, and KubeVirt's CRDs.
+/// Two nodes with agents on node-bound tokens under the chart's policies (so every migration
+/// write below is one the apiserver lets a node make), a controller, one pool, and KubeVirt's
+/// CRDs.
 async fn start(cidr: &str) -> Ipwarden {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let mut ipwarden = Ipwarden::start(2, &[("pool", json!({"cidr": cidr, "default": true}))], &[]).await;
+    let mut ipwarden = Ipwarden::start_node_bound(2, &[("pool", json!({"cidr": cidr, "default": true}))], &[]).await;
     e2e::kubevirt::install_crds(&ipwarden.cluster, TIMEOUT).await.expect("KubeVirt CRDs install");
     let controller = ipwarden.start_controller("controller-0", &["--full-scan-interval-seconds=2"]);
     ipwarden.wait_leader(controller).await;

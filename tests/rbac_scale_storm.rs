@@ -129,7 +129,9 @@ async fn agents_and_controllers_with_the_charts_rbac_survive_a_statefulset_scale
         "the controller cannot create blocks: {denied:?}"
     );
 
-    ipwarden.agent_run_as = Some(RunAs { kubeconfig: agent_kubeconfig, namespace: SYSTEM.into() });
+    // Each agent on a token bound to a pod on its node, as the chart's DaemonSet pods get, so
+    // the chart's node-bound write policies apply to every write of the storm.
+    ipwarden.run_agents_as_chart_account(SYSTEM).await;
     ipwarden.start_agents(&["--reuse-cooldown-seconds=1"]).await;
     ipwarden.controller_run_as = Some(RunAs { kubeconfig: controller_kubeconfig, namespace: SYSTEM.into() });
     for identity in ["storm-a", "storm-b"] {

@@ -1,7 +1,9 @@
 //! Sticky IPs of StatefulSet pods on the real control plane, with real agents and the real
 //! plugin: a recreated pod taking its IP over from a sandbox still attached (late DEL, lost
 //! node) and from a detached one (ordinary restart), a late DEL of a superseded sandbox, pods
-//! with several interfaces, and a hand-edited IPClaim.
+//! with several interfaces, and a hand-edited IPClaim. The two-node cases run as the chart
+//! installs ipwarden, each agent on a token bound to its node under the node-bound write
+//! policies, so every cross-node mark, answer and take is one the apiserver lets a node make.
 
 mod support;
 
@@ -99,7 +101,7 @@ async fn force_delete_holding_del(ipwarden: &Ipwarden, index: usize, pod: &Pod) 
 async fn a_late_del_of_a_superseded_sandbox_leaves_the_new_owners_claim_and_the_ip_stays_sticky() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let agent_args = ["--release-sandbox-grace-seconds=2", "--reuse-cooldown-seconds=0"];
-    let ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let ipwarden = Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
     let client = ipwarden.client();
     let first = web0_on_node0(&client).await;
     let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
@@ -261,7 +263,8 @@ async fn a_recreated_sticky_pod_waits_while_its_old_sandbox_is_attached_and_take
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     // The old node's agent never gives up on the sandbox by itself here: only its DEL frees it.
     let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
-    let mut ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let mut ipwarden =
+        Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
     let client = ipwarden.client();
     let controller = ipwarden.start_controller("controller", &["--full-scan-interval-seconds=2"]);
     ipwarden.wait_leader(controller).await;
@@ -317,7 +320,7 @@ async fn a_recreated_sticky_pod_waits_while_its_old_sandbox_is_attached_and_take
 async fn a_statefulset_pod_with_a_fixed_ip_takes_it_over_from_its_old_sandbox_like_any_sticky_ip() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
-    let ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let ipwarden = Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
     let client = ipwarden.client();
     cordon(&client, "node-1", true).await;
     create_web(&client, json!({"ipwarden.io/ips": "10.74.0.77"}), json!({})).await;
@@ -351,7 +354,8 @@ async fn a_statefulset_pod_with_a_fixed_ip_takes_it_over_from_its_old_sandbox_li
 async fn a_sticky_pod_takes_its_ip_over_from_a_lost_node_only_under_the_not_ready_policy() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
-    let mut ipwarden = Ipwarden::start(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let mut ipwarden =
+        Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
     let client = ipwarden.client();
     let after = 20;
     let policy = format!("--not-ready-release-after-seconds={after}");

@@ -38,8 +38,9 @@ pub struct Ipwarden {
     pub controllers: Vec<Component>,
     /// Each controller's metrics port on 127.0.0.1.
     pub controller_ports: Vec<u16>,
-    /// The identity agents started from now on use (default: the admin).
-    pub agent_run_as: Option<e2e::ipwarden::RunAs>,
+    /// The identity each node's agent started from now on uses, by node index (none: the
+    /// admin); [`Ipwarden::run_agents_as_chart_account`] sets them.
+    pub agent_run_as: Vec<e2e::ipwarden::RunAs>,
     /// The identity and namespace controllers started from now on use (default: the admin,
     /// namespace `default`).
     pub controller_run_as: Option<e2e::ipwarden::RunAs>,
@@ -75,6 +76,21 @@ impl Ipwarden {
         ipwarden
     }
 
+    /// Like [`Ipwarden::start`], installed as the chart installs it: its ServiceAccounts, RBAC
+    /// and node-bound write policies in namespace `ipwarden-system`, each agent on a token bound
+    /// to a pod on its node, and controllers (as the admin) in that namespace with the agents'
+    /// heartbeat Leases.
+    pub async fn start_node_bound(nodes: usize, pools: &[(&str, serde_json::Value)], agent_args: &[&str]) -> Self {
+        const SYSTEM: &str = "ipwarden-system";
+        let mut ipwarden = Self::without_agents(nodes, pools, network()).await;
+        apply_chart_rbac(&ipwarden, SYSTEM).await;
+        ipwarden.run_agents_as_chart_account(SYSTEM).await;
+        let admin = ipwarden.cluster.kubeconfig().to_path_buf();
+        ipwarden.controller_run_as = Some(e2e::ipwarden::RunAs { kubeconfig: admin, namespace: SYSTEM.to_string() });
+        ipwarden.start_agents(agent_args).await;
+        ipwarden
+    }
+
     /// A cluster with the CRDs and `pools` but no agent yet (to set [`Ipwarden::agent_run_as`]
     /// first); [`Ipwarden::start_agents`] starts them.
     pub async fn without_agents(nodes: usize, pools: &[(&str, serde_json::Value)], network: CniNetwork) -> Self {
@@ -94,7 +110,7 @@ impl Ipwarden {
             metrics_ports: Vec::new(),
             controllers: Vec::new(),
             controller_ports: Vec::new(),
-            agent_run_as: None,
+            agent_run_as: Vec::new(),
             controller_run_as: None,
         }
     }
@@ -159,9 +175,26 @@ impl Ipwarden {
     }
 
     fn spawn_agent(&self, index: usize, metrics_port: u16, extra: &[&str]) -> Component {
-        let run_as = self.agent_run_as.clone().unwrap_or_else(|| e2e::ipwarden::RunAs::admin(&self.cluster));
+        let run_as =
+            self.agent_run_as.get(index).cloned().unwrap_or_else(|| e2e::ipwarden::RunAs::admin(&self.cluster));
         e2e::ipwarden::start_agent_as(&self.cluster, binary(), index, metrics_port, extra, &run_as)
             .expect("agent starts")
+    }
+
+    /// Makes the agents started from now on run as the chart's agent ServiceAccount with
+    /// `namespace` as their `--namespace`, each with a token bound to a pod on its own node, as
+    /// kubelet mints for the chart's DaemonSet pods (so the chart's node-bound write policies
+    /// know each agent's node).
+    pub async fn run_agents_as_chart_account(&mut self, namespace: &str) {
+        let mut run_as = Vec::new();
+        for (node, _) in self.cluster.node_dirs() {
+            let kubeconfig =
+                e2e::accounts::node_bound_kubeconfig_for(&self.cluster, namespace, "ipwarden-agent", &node)
+                    .await
+                    .expect("a token bound to a pod on the agent's node");
+            run_as.push(e2e::ipwarden::RunAs { kubeconfig, namespace: namespace.to_string() });
+        }
+        self.agent_run_as = run_as;
     }
 
     /// Waits until agent `index` reports ready on /readyz (caches synced, checkpoint
@@ -553,15 +586,22 @@ pub async fn inject_claim(
         .expect("create legacy claim");
 }
 
-/// Renders the chart's ServiceAccounts and RBAC for release namespace `namespace` (created
-/// here) and applies them with the built kubectl, so processes can run as those accounts.
+/// Renders the chart's ServiceAccounts, RBAC and the agent's node-bound write policies for
+/// release namespace `namespace` (created here) and applies them with the built kubectl, so
+/// processes can run as those accounts; returns once the policies are in force.
 pub async fn apply_chart_rbac(ipwarden: &Ipwarden, namespace: &str) {
     let object: Namespace = serde_json::from_value(json!({"metadata": {"name": namespace}})).expect("namespace");
     Api::<Namespace>::all(ipwarden.client()).create(&PostParams::default(), &object).await.expect("namespace");
     let helm = e2e::helm::Helm::locate().expect("helm builds");
     let chart = e2e::helm::chart().display().to_string();
     let mut args = vec!["template", "ipwarden", chart.as_str(), "--namespace", namespace];
-    for template in ["templates/serviceaccounts.yaml", "templates/controller-rbac.yaml", "templates/agent-rbac.yaml"] {
+    let templates = [
+        "templates/serviceaccounts.yaml",
+        "templates/controller-rbac.yaml",
+        "templates/agent-rbac.yaml",
+        "templates/agent-policies.yaml",
+    ];
+    for template in templates {
         args.extend(["--show-only", template]);
     }
     let rendered = helm.run(&args).await.expect("helm template renders the RBAC");
@@ -574,4 +614,43 @@ pub async fn apply_chart_rbac(ipwarden: &Ipwarden, namespace: &str) {
     ];
     let applied = e2e::process::run_tool(&kubectl, &apply, Some(rendered.as_bytes())).await.expect("kubectl apply");
     assert!(applied.contains("clusterrole.rbac.authorization.k8s.io/ipwarden-agent created"), "{applied}");
+    wait_node_bound_policies(ipwarden, namespace).await;
+}
+
+/// Waits until the apiserver enforces each of the chart's node-bound write policies: a
+/// dry-run write of each kind by the agent's account with a token bound to no node is
+/// refused by rule T0 (a dry run passes admission and stores nothing).
+async fn wait_node_bound_policies(ipwarden: &Ipwarden, namespace: &str) {
+    let kubeconfig =
+        e2e::accounts::kubeconfig_for(&ipwarden.cluster, namespace, "ipwarden-agent").await.expect("token");
+    let agent = e2e::controlplane::client_for(&kubeconfig).await.expect("agent client");
+    let dry_run = PostParams { dry_run: true, ..PostParams::default() };
+    let lease: k8s_openapi::api::coordination::v1::Lease =
+        serde_json::from_value(json!({"metadata": {"name": "ipwarden-agent-probe"}})).expect("lease");
+    let block = IPBlock::new(
+        "probe-10-255-0-0-24",
+        ipwarden::crd::IPBlockSpec { pool: "probe".into(), cidr: "10.255.0.0/24".into(), ..Default::default() },
+    );
+    let claim: IPClaim = serde_json::from_value(json!({
+        "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim", "metadata": {"name": "probe"},
+        "spec": {"podUid": "probe", "node": "probe", "boundAt": "2026-01-01T00:00:00Z", "interfaces": []},
+    }))
+    .expect("claim");
+    let refused = |result: Result<(), kube::Error>| match result {
+        Err(kube::Error::Api(s)) if s.message.contains("ipwarden T0") => Ok(()),
+        other => Err(format!("{other:?}")),
+    };
+    wait::until("the node-bound write policies are enforced", TIMEOUT, || async {
+        let checks = [
+            refused(Api::namespaced(agent.clone(), namespace).create(&dry_run, &lease).await.map(drop)),
+            refused(Api::<IPBlock>::all(agent.clone()).create(&dry_run, &block).await.map(drop)),
+            refused(Api::namespaced(agent.clone(), namespace).create(&dry_run, &claim).await.map(drop)),
+        ];
+        Ok(match checks.into_iter().find_map(Result::err) {
+            None => Probe::Done(()),
+            Some(last) => Probe::Pending(last),
+        })
+    })
+    .await
+    .expect("policies enforced");
 }
