@@ -471,6 +471,11 @@ impl Core {
                         attached: blocks::may_be_attached(current),
                         detached_here: current.node == self.settings.node && !held_here.contains(&key),
                         handshake: current.release_handshake.as_ref().map(|h| h.state),
+                        asked_for_another: current
+                            .release_handshake
+                            .as_ref()
+                            .and_then(|h| h.takeover.as_ref())
+                            .is_some_and(|t| t.pod.uid != record.pod.uid || t.node != record.node),
                     });
                     match step {
                         ReclaimStep::NotOurs => None,

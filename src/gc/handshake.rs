@@ -253,6 +253,10 @@ pub struct ClaimedRecord {
     pub detached_here: bool,
     /// The record's release handshake.
     pub handshake: Option<HandshakeState>,
+    /// The handshake is a takeover another pod, or another node, asked for: its answer is
+    /// not this pod's to act on (decision 0022: a node takes another node's record only on
+    /// an answer given for its own pod).
+    pub asked_for_another: bool,
 }
 
 /// What a recreated sticky pod's ADD does with the record of a claimed IP.
@@ -272,7 +276,8 @@ pub enum ReclaimStep {
 /// the record is taken over only once it is detached (its DEL came), its node's agent (or
 /// the controller for a node that cannot answer) said `ready-for-release`, or this agent
 /// knows the sandbox is gone. The same pod re-creating its sandbox on its own node takes it
-/// at once, as a runtime runs one sandbox per pod.
+/// at once, as a runtime runs one sandbox per pod. An answer to a takeover another pod (an
+/// earlier one of the workload) or another node asked for is asked again for this pod.
 pub fn reclaim_step(record: ClaimedRecord) -> ReclaimStep {
     if !record.same_pod && !record.same_workload {
         return ReclaimStep::NotOurs;
@@ -281,6 +286,7 @@ pub fn reclaim_step(record: ClaimedRecord) -> ReclaimStep {
         return ReclaimStep::Take;
     }
     match record.handshake {
+        Some(HandshakeState::ReadyForRelease) if record.asked_for_another => ReclaimStep::Mark,
         Some(HandshakeState::ReadyForRelease) => ReclaimStep::Take,
         Some(HandshakeState::MarkedForRelease) => ReclaimStep::Wait,
         None | Some(HandshakeState::DoNotRelease) => ReclaimStep::Mark,
@@ -504,7 +510,10 @@ mod test {
             attached,
             detached_here,
             handshake,
+            asked_for_another: false,
         };
+        let for_another =
+            |handshake| ClaimedRecord { asked_for_another: true, ..record(false, true, true, false, handshake) };
         let ready = Some(HandshakeState::ReadyForRelease);
         let marked = Some(HandshakeState::MarkedForRelease);
         let refused = Some(HandshakeState::DoNotRelease);
@@ -518,6 +527,11 @@ mod test {
             (record(false, true, true, false, refused), ReclaimStep::Mark),
             (record(false, true, true, false, marked), ReclaimStep::Wait),
             (record(false, true, true, false, ready), ReclaimStep::Take),
+            // An answer given to an earlier pod of the workload (or one on another node) is
+            // asked again for this one; a mark still waiting for it is waited on.
+            (for_another(ready), ReclaimStep::Mark),
+            (for_another(marked), ReclaimStep::Wait),
+            (ClaimedRecord { asked_for_another: true, ..record(false, true, false, false, ready) }, ReclaimStep::Take),
         ];
         for (record, step) in table {
             assert_eq!(reclaim_step(record), step, "{record:?}");
