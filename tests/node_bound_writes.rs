@@ -106,7 +106,7 @@ async fn update(
     Api::<IPBlock>::all(client.clone()).replace(block, &dry_run, &edited).await.map(drop)
 }
 
-/// A dry-run creation of block `name` of `cidr` by `client`.
+/// A dry-run creation by `client` of block `name` of `cidr` in the test's pool.
 async fn create(
     client: &Client,
     name: &str,
@@ -114,9 +114,18 @@ async fn create(
     affinity: Option<&str>,
     allocations: Value,
 ) -> Result<(), kube::Error> {
-    let spec: IPBlockSpec =
-        serde_json::from_value(json!({"pool": POOL, "cidr": cidr, "affinity": affinity, "allocations": allocations}))
-            .expect("block spec");
+    let spec = json!({"pool": POOL, "cidr": cidr, "affinity": affinity, "allocations": allocations});
+    dry_run_create(client, name, spec).await
+}
+
+/// A dry-run creation by `client` of a block of `cidr` in pool `pool`, under its canonical name.
+async fn create_in(client: &Client, pool: &str, cidr: &str, allocations: Value) -> Result<(), kube::Error> {
+    let name = format!("{pool}-{}", cidr.replace(['.', '/'], "-"));
+    dry_run_create(client, &name, json!({"pool": pool, "cidr": cidr, "allocations": allocations})).await
+}
+
+async fn dry_run_create(client: &Client, name: &str, spec: Value) -> Result<(), kube::Error> {
+    let spec: IPBlockSpec = serde_json::from_value(spec).expect("block spec");
     let dry_run = PostParams { dry_run: true, ..PostParams::default() };
     Api::<IPBlock>::all(client.clone()).create(&dry_run, &IPBlock::new(name, spec)).await.map(drop)
 }
@@ -271,6 +280,13 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     let result =
         create(a, "bound-shadow", "10.74.0.64/26", Some(A), json!({"10.74.0.65": record("x", A, None, false)})).await;
     assert_refused(row, "B-C", result);
+    let row = "create a block of another size over B's IPs";
+    let result =
+        create(a, "bound-10-74-0-64-27", "10.74.0.64/27", Some(A), json!({"10.74.0.65": record("x", A, None, false)}))
+            .await;
+    assert_refused(row, "B-C2", result);
+    let row = "create a block of another pool over this pool's IPs";
+    assert_refused(row, "B-C2", create_in(a, "ghost", "10.74.0.128/26", json!({})).await);
     let row = "create a block affine to B";
     let result = create(a, "bound-10-74-0-128-26", "10.74.0.128/26", Some(B), json!({})).await;
     assert_refused(row, "B-C", result);
@@ -342,6 +358,15 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
         update(&admin, a, B_BLOCK, |s| {
             allocations(s)["10.74.0.65"]["releaseHandshake"] =
                 handshake("marked-for-release", Some(("web-1", "web-1-new-uid", A)));
+        })
+        .await,
+    );
+    let row = "ask B again for web-4, whose answer was for an earlier pod";
+    assert_allowed(
+        row,
+        update(&admin, a, B_BLOCK, |s| {
+            allocations(s)["10.74.0.68"]["releaseHandshake"] =
+                handshake("marked-for-release", Some(("web-4", "web-4-mine-uid", A)));
         })
         .await,
     );

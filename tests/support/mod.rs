@@ -617,35 +617,54 @@ pub async fn apply_chart_rbac(ipwarden: &Ipwarden, namespace: &str) {
     wait_node_bound_policies(ipwarden, namespace).await;
 }
 
-/// Waits until the apiserver enforces each of the chart's node-bound write policies: a
-/// dry-run write of each kind by the agent's account with a token bound to no node is
-/// refused by rule T0 (a dry run passes admission and stores nothing).
+/// Waits until the apiserver enforces each of the chart's node-bound write policies, each
+/// seen refusing a dry run (which passes admission and stores nothing) by one of its own
+/// rules: a Lease and an IPClaim written with a token bound to no node (T0), a block whose
+/// record names another node than the token's (B-U3), and a block over an existing pool's
+/// IPs under another pool's name (B-C2, when a pool exists).
 async fn wait_node_bound_policies(ipwarden: &Ipwarden, namespace: &str) {
-    let kubeconfig =
-        e2e::accounts::kubeconfig_for(&ipwarden.cluster, namespace, "ipwarden-agent").await.expect("token");
-    let agent = e2e::controlplane::client_for(&kubeconfig).await.expect("agent client");
+    let unbound = e2e::accounts::kubeconfig_for(&ipwarden.cluster, namespace, "ipwarden-agent").await.expect("token");
+    let unbound = e2e::controlplane::client_for(&unbound).await.expect("agent client");
+    let (node, _) = ipwarden.cluster.node_dirs().into_iter().next().expect("a node");
+    let bound = e2e::accounts::node_bound_kubeconfig_for(&ipwarden.cluster, namespace, "ipwarden-agent", &node).await;
+    let bound = e2e::controlplane::client_for(&bound.expect("node-bound token")).await.expect("agent client");
     let dry_run = PostParams { dry_run: true, ..PostParams::default() };
     let lease: k8s_openapi::api::coordination::v1::Lease =
-        serde_json::from_value(json!({"metadata": {"name": "ipwarden-agent-probe"}})).expect("lease");
-    let block = IPBlock::new(
-        "probe-10-255-0-0-24",
-        ipwarden::crd::IPBlockSpec { pool: "probe".into(), cidr: "10.255.0.0/24".into(), ..Default::default() },
-    );
+        serde_json::from_value(json!({"metadata": {"name": format!("ipwarden-agent-{node}")}})).expect("lease");
     let claim: IPClaim = serde_json::from_value(json!({
         "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim", "metadata": {"name": "probe"},
-        "spec": {"podUid": "probe", "node": "probe", "boundAt": "2026-01-01T00:00:00Z", "interfaces": []},
+        "spec": {"podUid": "probe", "node": node, "boundAt": "2026-01-01T00:00:00Z", "interfaces": []},
     }))
     .expect("claim");
-    let refused = |result: Result<(), kube::Error>| match result {
-        Err(kube::Error::Api(s)) if s.message.contains("ipwarden T0") => Ok(()),
-        other => Err(format!("{other:?}")),
+    let block = |cidr: &str, allocations: serde_json::Value| {
+        let spec = json!({"pool": "probe", "cidr": cidr, "allocations": allocations});
+        let name = format!("probe-{}", cidr.replace(['.', ':', '/'], "-"));
+        IPBlock::new(&name, serde_json::from_value(spec).expect("block spec"))
+    };
+    let elsewhere = json!({"192.0.2.1": record_json("default", "probe", "probe", "probe-other-node", None, false)});
+    let foreign = block("192.0.2.0/24", elsewhere);
+    let pools = Api::<IPPool>::all(ipwarden.client()).list(&ListParams::default()).await.expect("pools");
+    let over_a_pool = pools.items.first().map(|pool| block(&pool.spec.cidr, json!({})));
+    let refused = |rule: &str, result: Result<(), kube::Error>| match result {
+        Err(kube::Error::Api(s)) if s.message.contains(rule) => Ok(()),
+        other => Err(format!("{rule}: {other:?}")),
     };
     wait::until("the node-bound write policies are enforced", TIMEOUT, || async {
-        let checks = [
-            refused(Api::namespaced(agent.clone(), namespace).create(&dry_run, &lease).await.map(drop)),
-            refused(Api::<IPBlock>::all(agent.clone()).create(&dry_run, &block).await.map(drop)),
-            refused(Api::namespaced(agent.clone(), namespace).create(&dry_run, &claim).await.map(drop)),
+        let blocks = Api::<IPBlock>::all(bound.clone());
+        let mut checks = vec![
+            refused(
+                "ipwarden T0",
+                Api::namespaced(unbound.clone(), namespace).create(&dry_run, &lease).await.map(drop),
+            ),
+            refused(
+                "ipwarden T0",
+                Api::namespaced(unbound.clone(), namespace).create(&dry_run, &claim).await.map(drop),
+            ),
+            refused("ipwarden B-U3", blocks.create(&dry_run, &foreign).await.map(drop)),
         ];
+        if let Some(block) = &over_a_pool {
+            checks.push(refused("ipwarden B-C2", blocks.create(&dry_run, block).await.map(drop)));
+        }
         Ok(match checks.into_iter().find_map(Result::err) {
             None => Probe::Done(()),
             Some(last) => Probe::Pending(last),
