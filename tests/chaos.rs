@@ -48,10 +48,12 @@ const CONTROLLER_ARGS: [&str; 1] = ["--full-scan-interval-seconds=5"];
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// 3 nodes with agents, 2 controller replicas (one leading), and the invariant checker.
+/// 3 nodes with agents, 2 controller replicas (one leading), and the invariant checker. The
+/// agents run as the chart installs them, each on a token bound to its node under the
+/// node-bound write policies, so every write of the churn is one the apiserver lets a node make.
 async fn start(pool: serde_json::Value) -> (Ipwarden, InvariantChecker) {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let mut ipwarden = Ipwarden::start(3, &[(POOL, pool)], &AGENT_ARGS).await;
+    let mut ipwarden = Ipwarden::start_node_bound(3, &[(POOL, pool)], &AGENT_ARGS).await;
     ipwarden.start_controller("a", &CONTROLLER_ARGS);
     ipwarden.start_controller("b", &CONTROLLER_ARGS);
     ipwarden.wait_any_leader().await;
