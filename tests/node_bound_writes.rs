@@ -462,6 +462,22 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     );
     let row = "the controller releases B's record";
     assert_allowed(row, update(&admin, &controller, B_BLOCK, |s| drop(allocations(s).remove("10.74.0.69"))).await);
+    let row = "the controller repairs a record of B's pod in A's block";
+    let result = update(&admin, &controller, A_BLOCK, |s| {
+        let mut repaired = record("web-9", B, None, false);
+        repaired["containerId"] = json!("");
+        repaired["interface"] = json!("");
+        repaired["repairedAt"] = json!(STAMP);
+        allocations(s).insert("10.74.0.9".into(), repaired);
+    })
+    .await;
+    assert_allowed(row, result);
+    let row = "the controller deletes the empty block";
+    let dry_run = kube::api::DeleteParams { dry_run: true, ..Default::default() };
+    assert_allowed(row, Api::<IPBlock>::all(controller.clone()).delete(FREE_BLOCK, &dry_run).await.map(drop));
+    let row = "an agent deletes the empty block";
+    let result = Api::<IPBlock>::all(a.clone()).delete(FREE_BLOCK, &dry_run).await.map(drop);
+    assert!(matches!(result, Err(kube::Error::Api(ref s)) if s.code == 403), "{row}: {result:?}");
     let blocks = Api::<IPBlock>::all(admin.clone()).list(&Default::default()).await.expect("list");
     assert_eq!(
         blocks.items.len(),
