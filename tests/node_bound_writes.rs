@@ -70,6 +70,12 @@ fn blocks() -> Vec<(&'static str, Value)> {
     b.insert("10.74.0.69".into(), marked);
     // A KubeVirt VM running on B.
     b.insert("10.74.0.70".into(), record("virt-launcher-vm-src", B, Some(("VirtualMachineInstance", "vm")), true));
+    // A VM's reservation on B whose live migration to a third node is under way.
+    let mut migrating = record("virt-launcher-vm2-src", B, Some(("VirtualMachineInstance", "vm2")), true);
+    migrating["containerId"] = json!("");
+    migrating["migrationTarget"] = json!({"migrationUid": "m2", "node": "node-2", "containerId": "t2", "interface": "eth0",
+                                          "pod": {"namespace": NS, "name": "virt-launcher-vm2-dst", "uid": "vm2-dst-uid"}});
+    b.insert("10.74.0.71".into(), migrating);
     let mut a = serde_json::Map::new();
     a.insert("10.74.0.5".into(), record("app-a", A, None, false));
     vec![
@@ -297,6 +303,49 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     })
     .await;
     assert_refused(row, "B-U5", result);
+    let row = "attach a migration target to B's record of a StatefulSet pod";
+    let result = update(&admin, a, B_BLOCK, |s| {
+        allocations(s)["10.74.0.65"]["migrationTarget"] = json!({"migrationUid": "m", "node": A, "containerId": "t",
+            "interface": "eth0", "pod": {"namespace": NS, "name": "web-1-dst", "uid": "dst-uid"}});
+    })
+    .await;
+    assert_refused(row, "B-U5", result);
+    let row = "take B's VM reservation while a migration target on another node shares it";
+    let result = update(&admin, a, B_BLOCK, |s| {
+        allocations(s)["10.74.0.71"] =
+            record("virt-launcher-vm2-new", A, Some(("VirtualMachineInstance", "vm2")), true);
+    })
+    .await;
+    assert_refused(row, "B-U5", result);
+    let row = "mark B's record for a takeover by a pod on another node";
+    let result = update(&admin, a, B_BLOCK, |s| {
+        allocations(s)["10.74.0.65"]["releaseHandshake"] =
+            handshake("marked-for-release", Some(("web-1", "w", "node-2")));
+    })
+    .await;
+    assert_refused(row, "B-U5", result);
+    let row = "mark B's record with an answer's detail";
+    let result = update(&admin, a, B_BLOCK, |s| {
+        let mut mark = handshake("marked-for-release", Some(("web-1", "w", A)));
+        mark["detail"] = json!("no sandbox holds it");
+        allocations(s)["10.74.0.65"]["releaseHandshake"] = mark;
+    })
+    .await;
+    assert_refused(row, "B-U5", result);
+    let row = "create a block under a CIDR with host bits";
+    assert_refused(row, "B-C", create(a, "bound-10-74-0-129-26", "10.74.0.129/26", Some(A), json!({})).await);
+    let row = "create a block with spares that is not its own";
+    let spec = json!({"pool": POOL, "cidr": "10.74.0.128/26", "spares": ["10.74.0.130"]});
+    assert_refused(row, "B-C", dry_run_create(a, "bound-10-74-0-128-26", spec).await);
+    let row = "a token that names no node writes a claim";
+    let claim: ipwarden::crd::IPClaim = serde_json::from_value(json!({
+        "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim", "metadata": {"name": "web-1", "namespace": NS},
+        "spec": {"podUid": "web-1-uid", "node": A, "boundAt": STAMP, "interfaces": []},
+    }))
+    .expect("claim");
+    let dry_run = PostParams { dry_run: true, ..PostParams::default() };
+    let result = Api::namespaced(unbound.clone(), NS).create(&dry_run, &claim).await.map(drop);
+    assert_refused(row, "T0", result);
     let row = "renew B's Lease";
     assert_refused(row, "L-1", renew(a, &format!("ipwarden-agent-{B}"), B).await);
     let row = "renew a decoy Lease labelled for B";
@@ -433,6 +482,17 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     assert_allowed(row, result);
     let row = "B may not release its VM record while A's target shares it";
     assert_refused(row, "B-U4", update(&admin, &on_b, B_BLOCK, |s| drop(allocations(s).remove("10.74.0.70"))).await);
+    let row = "B may not hand its VM record to a pod other than the target";
+    let result = update(&admin, &on_b, B_BLOCK, |s| {
+        let record = allocations(s)["10.74.0.70"].as_object_mut().expect("record");
+        let mut target = record.remove("migrationTarget").expect("target");
+        target["pod"]["uid"] = json!("someone-else");
+        for field in ["pod", "node", "containerId", "interface"] {
+            record.insert(field.into(), target[field].clone());
+        }
+    })
+    .await;
+    assert_refused(row, "B-U5", result);
     let row = "A may not detach its target by rewriting B's VM record";
     let result = update(&admin, a, B_BLOCK, |s| {
         let record = allocations(s)["10.74.0.70"].as_object_mut().expect("record");
@@ -475,9 +535,30 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     let row = "the controller deletes the empty block";
     let dry_run = kube::api::DeleteParams { dry_run: true, ..Default::default() };
     assert_allowed(row, Api::<IPBlock>::all(controller.clone()).delete(FREE_BLOCK, &dry_run).await.map(drop));
+    let row = "add a finalizer to B's block";
+    let mut held =
+        serde_json::to_value(Api::<IPBlock>::all(admin.clone()).get(B_BLOCK).await.expect("read")).expect("JSON");
+    held["metadata"]["finalizers"] = json!(["example.com/hold"]);
+    let held: IPBlock = serde_json::from_value(held).expect("block");
+    let dry_create = PostParams { dry_run: true, ..PostParams::default() };
+    assert_refused(row, "B-U0", Api::<IPBlock>::all(a.clone()).replace(B_BLOCK, &dry_create, &held).await.map(drop));
     let row = "an agent deletes the empty block";
     let result = Api::<IPBlock>::all(a.clone()).delete(FREE_BLOCK, &dry_run).await.map(drop);
     assert!(matches!(result, Err(kube::Error::Api(ref s)) if s.code == 403), "{row}: {result:?}");
+    let row = "claim a block no node holds while it holds B's record";
+    let mut unaffined = Api::<IPBlock>::all(admin.clone()).get(FREE_BLOCK).await.expect("read");
+    let theirs = serde_json::from_value(record("b-pod", B, None, false)).expect("record");
+    unaffined.spec.allocations.insert("10.74.0.200".into(), theirs);
+    Api::<IPBlock>::all(admin.clone())
+        .replace(FREE_BLOCK, &PostParams::default(), &unaffined)
+        .await
+        .expect("B borrows");
+    let result = update(&admin, a, FREE_BLOCK, |s| {
+        s["affinity"] = json!(A);
+        allocations(s).insert("10.74.0.201".into(), record("x", A, None, false));
+    })
+    .await;
+    assert_refused(row, "B-U1", result);
     let blocks = Api::<IPBlock>::all(admin.clone()).list(&Default::default()).await.expect("list");
     assert_eq!(
         blocks.items.len(),
