@@ -11,7 +11,9 @@ mod support;
 
 use std::path::Path;
 
+use e2e::wait::{self, Probe};
 use ipwarden::crd::{IPBlock, IPBlockSpec};
+use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicy;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -168,6 +170,36 @@ async fn agent_on(ipwarden: &Ipwarden, node: &str) -> Client {
     client(&kubeconfig.expect("a token bound to a pod on the node")).await
 }
 
+/// Waits until the apiserver has type-checked every policy against the schemas of the kinds
+/// it matches (the CRDs' and the Lease's), and asserts it found nothing to warn of: an
+/// expression that reads a field the schema lacks, or compares mismatched types, would fail
+/// only when a write reaches it.
+async fn assert_well_typed(admin: &Client) {
+    let policies: Api<ValidatingAdmissionPolicy> = Api::all(admin.clone());
+    let checked = wait::until("the policies are type-checked", support::TIMEOUT, || async {
+        let list = policies.list(&Default::default()).await.map_err(e2e::Error::kube("listing the policies"))?;
+        let ours: Vec<_> =
+            list.items.into_iter().filter(|p| p.name_any().starts_with("ipwarden-agent-node-bound")).collect();
+        let pending = ours.iter().filter(|p| {
+            let status = p.status.as_ref();
+            status.and_then(|s| s.observed_generation) != p.metadata.generation
+                || status.and_then(|s| s.type_checking.as_ref()).is_none()
+        });
+        Ok(match (ours.len(), pending.count()) {
+            (4, 0) => Probe::Done(ours),
+            (found, waiting) => Probe::Pending(format!("{found} policies, {waiting} not checked yet")),
+        })
+    })
+    .await
+    .expect("type-checked");
+    for policy in checked {
+        let warnings =
+            policy.status.and_then(|s| s.type_checking).and_then(|t| t.expression_warnings).unwrap_or_default();
+        let warnings: Vec<String> = warnings.into_iter().map(|w| format!("{}: {}", w.field_ref, w.warning)).collect();
+        assert!(warnings.is_empty(), "{}: {warnings:#?}", policy.metadata.name.unwrap_or_default());
+    }
+}
+
 /// Asserts that `result` is the policies' refusal by rule `rule`.
 fn assert_refused(row: &str, rule: &str, result: Result<(), kube::Error>) {
     match result {
@@ -189,6 +221,7 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     let ipwarden = start(POOL, json!({"cidr": "10.74.0.0/24", "blockSize": 26})).await;
     let admin = ipwarden.client();
     let cluster = &ipwarden.cluster;
+    assert_well_typed(&admin).await;
     let (on_a, on_b) = (agent_on(&ipwarden, A).await, agent_on(&ipwarden, B).await);
     let unbound = client(&e2e::accounts::kubeconfig_for(cluster, SYSTEM, "ipwarden-agent").await.expect("token")).await;
     let controller =

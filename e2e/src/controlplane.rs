@@ -43,8 +43,9 @@ impl ComponentName {
 /// The kube-controller-manager controllers a test cluster runs: those acting on the objects the
 /// tests, the demo and the chart create (ServiceAccounts and their tokens, namespaces, owner
 /// references, the workload controllers, nodes and their taints and pods, the chart's
-/// PodDisruptionBudget), and the publisher of every namespace's `kube-root-ca.crt`, without
-/// which kubelet never starts a pod whose service-account token is mounted (the default).
+/// PodDisruptionBudget, the type checks of its ValidatingAdmissionPolicies), and the publisher
+/// of every namespace's `kube-root-ca.crt`, without which kubelet never starts a pod whose
+/// service-account token is mounted (the default).
 /// kube-controller-manager sets up its controllers one after the other before it starts any, so
 /// with every default controller (`*`) the `default` ServiceAccount, which every test waits
 /// for, came about 5 s after start-up on 2 cores; with these, half a second. A test of an
@@ -52,7 +53,7 @@ impl ComponentName {
 pub const TEST_CONTROLLERS: &str = "serviceaccount-controller,serviceaccount-token-controller,namespace-controller,\
 garbage-collector-controller,replicaset-controller,deployment-controller,statefulset-controller,daemonset-controller,\
 job-controller,node-lifecycle-controller,taint-eviction-controller,pod-garbage-collector-controller,\
-disruption-controller,root-ca-certificate-publisher-controller";
+disruption-controller,validatingadmissionpolicy-status-controller,root-ca-certificate-publisher-controller";
 
 /// Settings of the control plane that tests may want to tune.
 #[derive(Clone, Debug)]
