@@ -544,3 +544,55 @@ async fn a_fast_statefulset_scale_down_and_up_keeps_the_reservation_a_sweep_deci
     .expect("web-1 runs");
     assert_eq!(ip_of(&web1), ip, "web-1 has its sticky IP back");
 }
+
+/// Informed consent (decision 0022): the record's node answers a takeover mark
+/// `ready-for-release` only for a claimant that is a live pod of the record's workload on the
+/// node that asked; a mark naming a pod that does not exist gets `do-not-release`, saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_is_consented_to_only_for_a_real_pod_on_the_node_that_asked() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    // web-8's new pod runs on node-1; its old record, and web-9's, are node-0's (their DELs
+    // came: no sandbox on node-0 holds them).
+    support::create_pod(&client, NS, "web-8", "node-1", json!({})).await;
+    let claimant = wait::until("web-8 running", TIMEOUT, || async {
+        let pods = support::pods_with_ips(&client, NS, "").await?;
+        Ok(match pods.get("web-8") {
+            Some(pod) => Probe::Done(pod.uid().unwrap_or_default()),
+            None => Probe::Pending("no IP yet".into()),
+        })
+    })
+    .await
+    .expect("web-8 running");
+    let block = format!("{POOL}-{}", CIDR.replace(['.', '/'], "-"));
+    for (ip, name, uid) in [("10.74.0.208", "web-8", claimant.as_str()), ("10.74.0.209", "web-9", "made-up-uid")] {
+        let mut record =
+            support::record_json(NS, name, &format!("{name}-old-uid"), "node-0", Some(("StatefulSet", "web")), true);
+        record["releaseHandshake"] = json!({"state": "marked-for-release", "markedAt": "2026-01-01T00:00:00Z",
+            "reason": format!("sticky takeover by pod {NS}/{name} on node node-1"),
+            "takeover": {"pod": {"namespace": NS, "name": name, "uid": uid}, "node": "node-1"}});
+        support::inject_record(&client, POOL, &block, CIDR, ip, record).await;
+    }
+    let answers = wait::until("node-0 answers both takeovers", TIMEOUT, || async {
+        let records = records(&client).await;
+        let answer = |ip: &str| {
+            let handshake = records.get(ip).and_then(|r| r.release_handshake.clone());
+            handshake
+                .filter(|h| h.state != HandshakeState::MarkedForRelease)
+                .map(|h| (h.state, h.detail.unwrap_or_default()))
+        };
+        Ok(match (answer("10.74.0.208"), answer("10.74.0.209")) {
+            (Some(real), Some(made_up)) => Probe::Done((real, made_up)),
+            other => Probe::Pending(format!("{other:?}")),
+        })
+    })
+    .await
+    .expect("answers");
+    assert_eq!(answers.0.0, HandshakeState::ReadyForRelease, "the real claimant gets the record: {answers:?}");
+    assert_eq!(answers.1.0, HandshakeState::DoNotRelease, "a made-up claimant does not: {answers:?}");
+    assert!(
+        answers.1.1.contains("web-9") && answers.1.1.contains("does not exist"),
+        "the answer says why: {answers:?}"
+    );
+}

@@ -21,7 +21,9 @@ use super::core::Core;
 use super::error::Error;
 use crate::crd::Allocation;
 use crate::cri::sandboxes::SandboxVerdict;
-use crate::gc::handshake::{AgentAnswer, MarkAnswer, PodOnNode, SandboxOnNode, agent_answer, write_answers};
+use crate::gc::handshake::{
+    AgentAnswer, MarkAnswer, PodOnNode, SandboxOnNode, agent_answer, claimant_refusal, write_answers,
+};
 
 /// How many pods of marked records are read at once.
 const POD_READS_AT_ONCE: usize = 16;
@@ -37,6 +39,9 @@ pub struct Marked {
     ip: String,
     record: Allocation,
     pod: PodOnNode,
+    /// For a takeover mark whose claimant, read live, is not a live pod of the record's
+    /// workload on the node that asked: why (the answer is then `do-not-release`).
+    claimant_refused: Option<String>,
 }
 
 impl Marked {
@@ -78,7 +83,8 @@ impl Core {
         let read: Vec<Result<Marked, Error>> = futures::stream::iter(marked)
             .map(|(block, pool, cidr, ip, record)| async move {
                 let pod = self.pod_on_node(&record).await?;
-                Ok(Marked { block, pool, cidr, ip, record, pod })
+                let claimant_refused = self.claimant_refused(&record).await?;
+                Ok(Marked { block, pool, cidr, ip, record, pod, claimant_refused })
             })
             .buffered(POD_READS_AT_ONCE)
             .collect()
@@ -126,6 +132,9 @@ impl Core {
             true => SandboxOnNode::GoneFromRuntime,
             false => SandboxOnNode::of(!attached.is_empty(), listed_ago, grace),
         };
+        if let Some(refused) = &marked.claimant_refused {
+            return Decided { answer: AgentAnswer::DoNotRelease, detail: refused.clone(), attached };
+        }
         let answer = agent_answer(marked.pod, sandbox, marked_for, grace);
         let detail = match (answer, sandbox) {
             (AgentAnswer::DoNotRelease, _) => "the pod is running on this node".to_string(),
@@ -207,6 +216,22 @@ impl Core {
         let pod = format!("{}/{}", marked.record.pod.namespace, marked.record.pod.name);
         tracing::info!(ip = %marked.ip, %pod, answer = decided.answer.label(), detail = %decided.detail, "answered a release mark");
         Ok(())
+    }
+
+    /// For a takeover mark on `record`: why its claimant may not have the record, from a live
+    /// read of the pod the mark names ([`claimant_refusal`]); `None` for a mark of the
+    /// controller, or a claimant that is who the mark says.
+    async fn claimant_refused(&self, record: &Allocation) -> Result<Option<String>, Error> {
+        let Some(takeover) = record.release_handshake.as_ref().and_then(|h| h.takeover.as_ref()) else {
+            return Ok(None);
+        };
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &takeover.pod.namespace);
+        let claimant = pods.get_opt(&takeover.pod.name).await.map_err(Error::api(format!(
+            "reading the takeover's claimant {}/{}",
+            takeover.pod.namespace, takeover.pod.name
+        )))?;
+        let facts = claimant.map(|p| crate::gc::index::PodFacts::of(&p));
+        Ok(claimant_refusal(record, takeover, facts.as_ref()))
     }
 
     /// The record's pod as the handshake needs it, from a live read (not the cache). A

@@ -13,8 +13,10 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
+use super::index::PodFacts;
 use super::rules::{NodeState, NotReadyGate, NotReadyPolicy, ReleaseReason, not_ready_gate};
-use crate::crd::{Allocation, HandshakeState};
+use crate::crd::{Allocation, HandshakeState, Takeover};
+use crate::ipam::workload::KUBEVIRT_VMI_KIND;
 
 /// Whether `record` is marked for release (by the controller, or by an agent's sticky
 /// takeover) and waits for its node's agent to answer.
@@ -194,6 +196,33 @@ pub fn agent_answer(
         (_, SandboxOnNode::Attached) if marked_for < sandbox_grace => AgentAnswer::NotYet,
         (_, SandboxOnNode::GoneFromRuntime) => AgentAnswer::Ready,
         _ => AgentAnswer::Ready,
+    }
+}
+
+/// Why a takeover mark's claimant does not get the record: the pod the mark names, read live,
+/// is not a live pod of that UID on the node the mark names, of the record's workload (the
+/// same pod name, or for a VM the same VirtualMachineInstance). `None`: it is, and the answer
+/// may consent. The record's node checks this before it answers `ready-for-release`, so only
+/// a real pod of the workload on the node that asked gets the IP (decision 0022, informed
+/// consent): a node cannot win another node's record for a pod it made up.
+pub fn claimant_refusal(record: &Allocation, takeover: &Takeover, claimant: Option<&PodFacts>) -> Option<String> {
+    let who = format!(
+        "the takeover's claimant {}/{} (UID {}) on node {}",
+        takeover.pod.namespace, takeover.pod.name, takeover.pod.uid, takeover.node
+    );
+    let same_workload = match record.owner.as_ref() {
+        Some(owner) if owner.kind == KUBEVIRT_VMI_KIND => {
+            claimant.is_some_and(|c| c.owner.as_ref() == Some(owner) && c.namespace == record.pod.namespace)
+        }
+        _ => takeover.pod.namespace == record.pod.namespace && takeover.pod.name == record.pod.name,
+    };
+    match claimant {
+        None => Some(format!("{who} does not exist")),
+        Some(c) if c.uid != takeover.pod.uid => Some(format!("{who} does not exist: that pod has UID {}", c.uid)),
+        Some(c) if c.terminal() => Some(format!("{who} is ending")),
+        Some(c) if c.node != takeover.node => Some(format!("{who} runs on node {:?}, not there", c.node)),
+        Some(_) if !same_workload => Some(format!("{who} is not a pod of the record's workload")),
+        Some(_) => None,
     }
 }
 
@@ -499,6 +528,78 @@ mod test {
         ];
         for (attached, listed_ago, sandbox) in table {
             assert_eq!(SandboxOnNode::of(attached, listed_ago, grace), sandbox, "attached={attached} {listed_ago:?}");
+        }
+    }
+
+    #[test]
+    fn a_takeover_is_consented_to_only_for_a_live_pod_of_the_workload_on_the_node_that_asked() {
+        let owner = |kind: &str, name: &str| Some(crate::crd::OwnerRef { kind: kind.into(), name: name.into() });
+        let record = |name: &str, owner| Allocation {
+            pod: crate::crd::PodRef { namespace: "ns".into(), name: name.into(), uid: "old".into() },
+            node: "node-b".into(),
+            network: "ipwarden".into(),
+            container_id: "c".into(),
+            interface: "eth0".into(),
+            owner,
+            sticky: true,
+            held_for: None,
+            allocated_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::UNIX_EPOCH),
+            release_handshake: None,
+            migration_target: None,
+            repaired_at: None,
+        };
+        let takeover = |name: &str| Takeover {
+            pod: crate::crd::PodRef { namespace: "ns".into(), name: name.into(), uid: "new".into() },
+            node: "node-a".into(),
+        };
+        let pod = |name: &str, uid: &str, node: &str, owner| PodFacts {
+            namespace: "ns".into(),
+            name: name.into(),
+            uid: uid.into(),
+            object_uid: uid.into(),
+            phase: super::super::rules::Phase::Active,
+            deletion: None,
+            ips: Vec::new(),
+            node: node.into(),
+            owner,
+            host_network: false,
+        };
+        let web = record("web-0", owner("StatefulSet", "web"));
+        let vm = record("virt-launcher-vm-abc", owner(KUBEVIRT_VMI_KIND, "vm"));
+        let mut ending = pod("web-0", "new", "node-a", None);
+        ending.deletion = Some(Timestamp::UNIX_EPOCH);
+        let table = [
+            (&web, takeover("web-0"), Some(pod("web-0", "new", "node-a", None)), None),
+            (&web, takeover("web-0"), None, Some("does not exist")),
+            (&web, takeover("web-0"), Some(pod("web-0", "other", "node-a", None)), Some("that pod has UID other")),
+            (&web, takeover("web-0"), Some(ending), Some("is ending")),
+            (&web, takeover("web-0"), Some(pod("web-0", "new", "node-c", None)), Some("runs on node \"node-c\"")),
+            (
+                &web,
+                takeover("web-1"),
+                Some(pod("web-1", "new", "node-a", None)),
+                Some("not a pod of the record's workload"),
+            ),
+            (
+                &vm,
+                takeover("virt-launcher-vm-xyz"),
+                Some(pod("virt-launcher-vm-xyz", "new", "node-a", owner(KUBEVIRT_VMI_KIND, "vm"))),
+                None,
+            ),
+            (
+                &vm,
+                takeover("virt-launcher-vm2-xyz"),
+                Some(pod("virt-launcher-vm2-xyz", "new", "node-a", owner(KUBEVIRT_VMI_KIND, "vm2"))),
+                Some("not a pod of the record's workload"),
+            ),
+        ];
+        for (record, takeover, claimant, refusal) in table {
+            let got = claimant_refusal(record, &takeover, claimant.as_ref());
+            match (refusal, &got) {
+                (None, None) => {}
+                (Some(expected), Some(got)) if got.contains(expected) => {}
+                _ => panic!("{} for {:?}: expected {refusal:?}, got {got:?}", record.pod.name, claimant.map(|c| c.uid)),
+            }
         }
     }
 
