@@ -75,14 +75,27 @@ async fn force_delete(client: &kube::Client, name: &str) {
 }
 
 /// After [`start_a_pod_whose_sandbox_is_still_being_made`]: the runtime has the sandbox at
-/// last (and says so to the agent), and the kubelet tears it down with its DEL, which frees `ip`.
+/// last (and says so to the agent), which keeps `ip`; then the kubelet tears it down with its
+/// DEL, which frees `ip`.
 async fn let_the_sandbox_start_and_end(ipwarden: &Ipwarden, ip: &str) {
     let node = &ipwarden.cluster.nodes()[0];
     node.faults().set_hide_new_sandboxes(false);
     wait_questions(ipwarden, 0, 2).await;
+    assert!(record_state(&ipwarden.client(), ip).await.is_some(), "{ip} kept while the runtime lists its sandbox");
+    let dels = node.dels();
     node.faults().set_hold_teardowns(false);
     wait_record_gone(&ipwarden.client(), ip, TIMEOUT, "the IP freed by the sandbox's DEL").await;
-    assert!(node.sandboxes().is_empty(), "the sandbox is gone");
+    // The simulated kubelet forgets the sandbox only after its DEL returned, as kubelet does
+    // after StopPodSandbox: wait for that, not for the record alone.
+    wait::until("the runtime forgetting the torn-down sandbox", TIMEOUT, || async {
+        Ok(match node.sandboxes().len() {
+            0 => Probe::Done(()),
+            up => Probe::Pending(format!("{up} sandboxes up")),
+        })
+    })
+    .await
+    .expect("sandbox gone");
+    assert!(node.dels() > dels, "the sandbox went with its DEL");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
