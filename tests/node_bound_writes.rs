@@ -78,6 +78,11 @@ fn blocks() -> Vec<(&'static str, Value)> {
     migrating["migrationTarget"] = json!({"migrationUid": "m2", "node": "node-2", "containerId": "t2", "interface": "eth0",
                                           "pod": {"namespace": NS, "name": "virt-launcher-vm2-dst", "uid": "vm2-dst-uid"}});
     b.insert("10.74.0.71".into(), migrating);
+    // B's reservation of an IP from Deployment api's ipwarden.io/ip-list, held for the workload.
+    let mut listed = record("api-old", B, Some(("ReplicaSet", "api-1")), false);
+    listed["containerId"] = json!("");
+    listed["heldFor"] = json!({"kind": "Deployment", "name": "api"});
+    b.insert("10.74.0.72".into(), listed);
     let mut a = serde_json::Map::new();
     a.insert("10.74.0.5".into(), record("app-a", A, None, false));
     vec![
@@ -350,6 +355,9 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     })
     .await;
     assert_refused(row, "B-U5", result);
+    let row = "take B's reservation for web-2's next pod without B's answer";
+    let result = update(&admin, a, B_BLOCK, |s| allocations(s)["10.74.0.66"] = set_of_statefulset("web-2", A)).await;
+    assert_refused(row, "B-U5", result);
     let row = "mark B's record for a takeover by a pod on another node";
     let result = update(&admin, a, B_BLOCK, |s| {
         allocations(s)["10.74.0.65"]["releaseHandshake"] =
@@ -452,10 +460,24 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
         })
         .await,
     );
-    let row = "take B's reservation for web-2's next pod";
+    let row = "ask B for its reservation for web-2's next pod";
     assert_allowed(
         row,
-        update(&admin, a, B_BLOCK, |s| allocations(s)["10.74.0.66"] = set_of_statefulset("web-2", A)).await,
+        update(&admin, a, B_BLOCK, |s| {
+            allocations(s)["10.74.0.66"]["releaseHandshake"] =
+                handshake("marked-for-release", Some(("web-2", "web-2-new-uid", A)));
+        })
+        .await,
+    );
+    let row = "take B's list reservation for a pod of the workload it is held for";
+    assert_allowed(
+        row,
+        update(&admin, a, B_BLOCK, |s| {
+            let mut mine = record("api-new", A, Some(("ReplicaSet", "api-1")), false);
+            mine["heldFor"] = json!({"kind": "Deployment", "name": "api"});
+            allocations(s)["10.74.0.72"] = mine;
+        })
+        .await,
     );
     let row = "take B's record answered ready-for-release for web-3's pod on A";
     assert_allowed(

@@ -68,6 +68,18 @@ async fn web0_on_node0(client: &kube::Client) -> Pod {
     wait_web0(client, "", "web-0 on node-0").await
 }
 
+/// Two nodes as the chart installs ipwarden (agents with `agent_args` on node-bound tokens),
+/// a leading controller with `controller_args`, and web-0 running on node-0: the cluster, the
+/// controller's index and web-0.
+async fn web0_on_node0_of_two(agent_args: &[&str], controller_args: &[&str]) -> (Ipwarden, usize, Pod) {
+    let mut ipwarden =
+        Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], agent_args).await;
+    let controller = ipwarden.start_controller("controller", controller_args);
+    ipwarden.wait_leader(controller).await;
+    let first = web0_on_node0(&ipwarden.client()).await;
+    (ipwarden, controller, first)
+}
+
 /// Force-deletes `web0` on node-0 while node-0's runtime holds its DEL back, with node-0
 /// cordoned and node-1 open, so the StatefulSet recreates it on node-1; returns the sandbox
 /// still attached on node-0.
@@ -263,12 +275,8 @@ async fn a_recreated_sticky_pod_waits_while_its_old_sandbox_is_attached_and_take
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     // The old node's agent never gives up on the sandbox by itself here: only its DEL frees it.
     let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
-    let mut ipwarden =
-        Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let (ipwarden, controller, first) = web0_on_node0_of_two(&agent_args, &["--full-scan-interval-seconds=2"]).await;
     let client = ipwarden.client();
-    let controller = ipwarden.start_controller("controller", &["--full-scan-interval-seconds=2"]);
-    ipwarden.wait_leader(controller).await;
-    let first = web0_on_node0(&client).await;
     let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
 
     // web-0 is force-deleted while node-0's runtime holds its DEL back (a partitioned or
@@ -354,15 +362,11 @@ async fn a_statefulset_pod_with_a_fixed_ip_takes_it_over_from_its_old_sandbox_li
 async fn a_sticky_pod_takes_its_ip_over_from_a_lost_node_only_under_the_not_ready_policy() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
-    let mut ipwarden =
-        Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
-    let client = ipwarden.client();
     let after = 20;
     let policy = format!("--not-ready-release-after-seconds={after}");
     let args = ["--full-scan-interval-seconds=300", "--not-ready-policy=release", policy.as_str()];
-    let controller = ipwarden.start_controller("controller", &args);
-    ipwarden.wait_leader(controller).await;
-    let first = web0_on_node0(&client).await;
+    let (ipwarden, controller, first) = web0_on_node0_of_two(&agent_args, &args).await;
+    let client = ipwarden.client();
     let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
 
     // node-0 is lost with web-0's sandbox on it; web-0 is force-deleted and comes back on node-1.
@@ -595,4 +599,82 @@ async fn a_takeover_is_consented_to_only_for_a_real_pod_on_the_node_that_asked()
         answers.1.1.contains("web-9") && answers.1.1.contains("does not exist"),
         "the answer says why: {answers:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_answers_a_takeover_for_a_lost_node_only_for_a_claimant_on_the_node_that_asked() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let controller = ipwarden.start_controller("controller", &["--full-scan-interval-seconds=2"]);
+    ipwarden.wait_leader(controller).await;
+    let client = ipwarden.client();
+    // web-7's new pod exists and waits for its IPs, but no node runs it (nothing matches its
+    // selector); its old record is node-7's, a node that is gone, so its agent cannot answer.
+    // node-0 asks for the record for web-7 as if web-7 ran there.
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "web-7", "namespace": NS},
+        "spec": {"nodeSelector": {"ipwarden.io/test": "no-such-node"},
+                 "containers": [{"name": "app", "image": "registry.invalid/ipwarden-test/app:1"}]},
+    }))
+    .expect("pod");
+    let claimant =
+        Api::<Pod>::namespaced(client.clone(), NS).create(&PostParams::default(), &pod).await.expect("web-7");
+    let block = format!("{POOL}-{}", CIDR.replace(['.', '/'], "-"));
+    let mut record = support::record_json(NS, "web-7", "web-7-old-uid", "node-7", Some(("StatefulSet", "web")), true);
+    record["releaseHandshake"] = json!({"state": "marked-for-release", "markedAt": "2026-01-01T00:00:00Z",
+        "reason": format!("sticky takeover by pod {NS}/web-7 on node node-0"),
+        "takeover": {"pod": {"namespace": NS, "name": "web-7", "uid": claimant.uid().unwrap_or_default()},
+                     "node": "node-0"}});
+    support::inject_record(&client, POOL, &block, CIDR, "10.74.0.207", record).await;
+
+    let settled = wait::until("the controller settling the mark", TIMEOUT, || async {
+        Ok(match record_of(&client, "10.74.0.207").await {
+            Some((_, Some(HandshakeState::MarkedForRelease), Some(_))) => Probe::Pending("still marked".into()),
+            other => Probe::Done(other),
+        })
+    })
+    .await
+    .expect("settled");
+    assert!(
+        !matches!(settled, Some((_, Some(HandshakeState::ReadyForRelease), _))),
+        "the controller consented to node-0 taking web-7's IP for a pod that does not run there: {settled:?}"
+    );
+    let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+    let aborted = support::metric_sum(&text, "ipwarden_gc_release_handshakes_total", &["step=\"aborted\""]);
+    assert!(aborted >= 1.0, "the controller cleared the mark: {aborted}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_pod_takes_its_reservation_over_from_a_node_whose_agent_is_down_whatever_the_not_ready_policy() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let agent_args = ["--lease-duration-seconds=5", "--reuse-cooldown-seconds=0"];
+    // The default NotReady policy, keep: an attached record of a node without a live agent
+    // waits for that node; a reservation has no sandbox to wait for.
+    let (mut ipwarden, controller, first) =
+        web0_on_node0_of_two(&agent_args, &["--full-scan-interval-seconds=2"]).await;
+    let client = ipwarden.client();
+    let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
+
+    // web-0 is deleted the ordinary way while no node may run its successor: its DEL leaves
+    // node-0 a reservation. Then node-0's agent goes down, and node-1 opens.
+    cordon(&client, "node-0", true).await;
+    Api::<Pod>::namespaced(client.clone(), NS).delete("web-0", &DeleteParams::default()).await.expect("delete web-0");
+    wait::until("web-0's DEL leaving a reservation on node-0", TIMEOUT, || async {
+        let records = records(&client).await;
+        Ok(match records.get(&ip) {
+            Some(r) if r.pod.uid == first_uid && r.container_id.is_empty() => Probe::Done(()),
+            other => Probe::Pending(format!("{:?}", other.map(|r| (&r.pod.uid, &r.container_id)))),
+        })
+    })
+    .await
+    .expect("reservation");
+    ipwarden.agents[0].kill();
+    cordon(&client, "node-1", false).await;
+
+    let running = wait_web0(&client, &first_uid, "web-0 running on node-1").await;
+    assert_eq!(ip_of(&running), ip, "web-0 keeps its IP");
+    assert_eq!(running.spec.as_ref().and_then(|s| s.node_name.clone()).as_deref(), Some("node-1"));
+    let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+    let answered = support::metric_sum(&text, "ipwarden_gc_release_handshakes_total", &["step=\"answered_for_agent\""]);
+    assert_eq!(answered, 1.0, "the controller answered for node-0's agent");
 }

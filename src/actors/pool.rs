@@ -758,17 +758,27 @@ fn apply_one(
             crate::ipam::blocks::repair(record, adopter, now);
             ChangeOutcome::Repaired
         }
-        ChangeAction::AnswerTakeover => {
+        ChangeAction::AnswerTakeover { detached } => {
+            // Decided for a reservation, whose node's NotReady policy did not count: a sandbox
+            // attached since waits for the policy again.
+            if *detached && crate::ipam::blocks::may_be_attached(record) {
+                return ChangeOutcome::Skipped("record_changed");
+            }
+            let node = record.node.clone();
             let marked = record
                 .release_handshake
                 .as_mut()
                 .filter(|h| h.takeover.is_some() && h.state == HandshakeState::MarkedForRelease);
             let Some(handshake) = marked else { return ChangeOutcome::Skipped("no_takeover_mark") };
             handshake.state = HandshakeState::ReadyForRelease;
-            handshake.detail = Some(format!(
-                "answered by the controller: node {} is deleted or NotReady past the NotReady policy, so its agent cannot",
-                record.node
-            ));
+            handshake.detail = Some(match detached {
+                true => format!(
+                    "answered by the controller: node {node} is deleted or NotReady, so its agent cannot, and no sandbox holds the reservation"
+                ),
+                false => format!(
+                    "answered by the controller: node {node} is deleted or NotReady past the NotReady policy, so its agent cannot"
+                ),
+            });
             ChangeOutcome::Answered
         }
         // Each abort clears only the kind of mark it was decided for: an agent's takeover mark

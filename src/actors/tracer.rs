@@ -81,7 +81,7 @@ impl PodTracer {
                     action @ (ChangeAction::Release { .. }
                     | ChangeAction::AbortHandshake
                     | ChangeAction::AbortTakeover
-                    | ChangeAction::AnswerTakeover),
+                    | ChangeAction::AnswerTakeover { .. }),
                 ) => changes.push(RecordChange::of(&index, block, ip, record, action)),
                 Planned::Trace(at) => again = Some(again.map_or(at, |a| a.min(at))),
                 // Repairs are the sweep's: it resolves the adopting pod from the IP index.

@@ -468,7 +468,7 @@ impl Core {
                     let step = reclaim_step(ClaimedRecord {
                         same_pod: current.pod.uid == record.pod.uid,
                         same_workload: same_workload(current, &record),
-                        attached: blocks::may_be_attached(current),
+                        own_node: current.node == self.settings.node,
                         detached_here: current.node == self.settings.node && !held_here.contains(&key),
                         handshake: current.release_handshake.as_ref().map(|h| h.state),
                         asked_for_another: current

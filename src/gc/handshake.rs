@@ -275,8 +275,8 @@ pub struct ClaimedRecord {
     pub same_pod: bool,
     /// The record belongs to the same sticky workload (StatefulSet ordinal, KubeVirt VM).
     pub same_workload: bool,
-    /// The record still names a sandbox (its DEL has not come).
-    pub attached: bool,
+    /// The record's node is this node.
+    pub own_node: bool,
     /// The record's node is this node and no sandbox in this agent's checkpoint holds the
     /// IP: this agent knows the sandbox is gone.
     pub detached_here: bool,
@@ -301,17 +301,20 @@ pub enum ReclaimStep {
     NotOurs,
 }
 
-/// The step for a claimed IP's record. A sandbox still attached elsewhere is never shared:
-/// the record is taken over only once it is detached (its DEL came), its node's agent (or
-/// the controller for a node that cannot answer) said `ready-for-release`, or this agent
-/// knows the sandbox is gone. The same pod re-creating its sandbox on its own node takes it
-/// at once, as a runtime runs one sandbox per pod. An answer to a takeover another pod (an
-/// earlier one of the workload) or another node asked for is asked again for this pod.
+/// The step for a claimed IP's record. A sandbox still attached elsewhere is never shared,
+/// and another node's record is never taken without that node's consent: the record is taken
+/// over at once only on this node, when this agent knows no sandbox of it holds the IP (a
+/// reservation its DEL left, a sandbox gone), or by the same pod re-creating its sandbox, as a
+/// runtime runs one sandbox per pod. Otherwise only once the record's node's agent (or the
+/// controller for a node that cannot answer) said `ready-for-release` to this pod's takeover
+/// mark, a reservation on another node included (decision 0022: this node could name any pod
+/// in its record). An answer to a takeover another pod (an earlier one of the workload) or
+/// another node asked for is asked again for this pod.
 pub fn reclaim_step(record: ClaimedRecord) -> ReclaimStep {
     if !record.same_pod && !record.same_workload {
         return ReclaimStep::NotOurs;
     }
-    if record.same_pod || !record.attached || record.detached_here {
+    if record.own_node && (record.same_pod || record.detached_here) {
         return ReclaimStep::Take;
     }
     match record.handshake {
@@ -338,11 +341,15 @@ pub enum TakeoverStep {
 }
 
 /// The controller's step for a takeover mark in `state`. `claimant_waiting`: the waiting
-/// pod still exists with its UID, is not terminal and reports no IPs yet. `node`: the
-/// record's node, whose agent answers while it is Ready.
+/// pod still exists with its UID, is not terminal, reports no IPs yet, runs on the node the
+/// mark names and is of the record's workload ([`claimant_refusal`]). `detached`: the record
+/// names no sandbox (its DEL came), so nothing on its node holds the IP and the NotReady
+/// policy, which waits for a sandbox that may still run, does not apply. `node`: the record's
+/// node, whose agent answers while it is Ready.
 pub fn controller_takeover_step(
     state: HandshakeState,
     claimant_waiting: bool,
+    detached: bool,
     node: NodeState,
     policy: NotReadyPolicy,
     now: Timestamp,
@@ -356,6 +363,7 @@ pub fn controller_takeover_step(
     match node {
         NodeState::Ready => TakeoverStep::LeaveToAgents,
         NodeState::Deleted => TakeoverStep::AnswerForAgent,
+        NodeState::NotReady(_) if detached => TakeoverStep::AnswerForAgent,
         NodeState::NotReady(since) => match not_ready_gate(since, policy, now) {
             NotReadyGate::Closed => TakeoverStep::LeaveToAgents,
             NotReadyGate::OpensAt(due) => TakeoverStep::AnswerAt(due),
@@ -605,34 +613,39 @@ mod test {
 
     #[test]
     fn a_sticky_record_is_taken_over_only_once_its_sandbox_let_go() {
-        let record = |same_pod, same_workload, attached, detached_here, handshake| ClaimedRecord {
+        let record = |same_pod, same_workload, own_node, detached_here, handshake| ClaimedRecord {
             same_pod,
             same_workload,
-            attached,
+            own_node,
             detached_here,
             handshake,
             asked_for_another: false,
         };
         let for_another =
-            |handshake| ClaimedRecord { asked_for_another: true, ..record(false, true, true, false, handshake) };
+            |handshake| ClaimedRecord { asked_for_another: true, ..record(false, true, false, false, handshake) };
         let ready = Some(HandshakeState::ReadyForRelease);
         let marked = Some(HandshakeState::MarkedForRelease);
         let refused = Some(HandshakeState::DoNotRelease);
         let table = [
-            (record(false, false, false, false, None), ReclaimStep::NotOurs),
-            (record(false, false, true, false, ready), ReclaimStep::NotOurs),
+            (record(false, false, true, true, None), ReclaimStep::NotOurs),
+            (record(false, false, false, false, ready), ReclaimStep::NotOurs),
+            // The same pod on its own node: a new sandbox of the pod the runtime runs once.
             (record(true, false, true, false, None), ReclaimStep::Take),
-            (record(false, true, false, false, None), ReclaimStep::Take),
+            // This node's reservation, or a record no sandbox here holds.
             (record(false, true, true, true, None), ReclaimStep::Take),
+            // Another node's record, a reservation included (decision 0022: the record's node
+            // or the controller answers first), and this node's record its sandbox still holds.
+            (record(false, true, false, false, None), ReclaimStep::Mark),
+            (record(true, true, false, false, None), ReclaimStep::Mark),
             (record(false, true, true, false, None), ReclaimStep::Mark),
-            (record(false, true, true, false, refused), ReclaimStep::Mark),
-            (record(false, true, true, false, marked), ReclaimStep::Wait),
-            (record(false, true, true, false, ready), ReclaimStep::Take),
+            (record(false, true, false, false, refused), ReclaimStep::Mark),
+            (record(false, true, false, false, marked), ReclaimStep::Wait),
+            (record(false, true, false, false, ready), ReclaimStep::Take),
             // An answer given to an earlier pod of the workload (or one on another node) is
             // asked again for this one; a mark still waiting for it is waited on.
             (for_another(ready), ReclaimStep::Mark),
             (for_another(marked), ReclaimStep::Wait),
-            (ClaimedRecord { asked_for_another: true, ..record(false, true, false, false, ready) }, ReclaimStep::Take),
+            (ClaimedRecord { asked_for_another: true, ..record(false, true, true, true, ready) }, ReclaimStep::Take),
         ];
         for (record, step) in table {
             assert_eq!(reclaim_step(record), step, "{record:?}");
@@ -646,21 +659,36 @@ mod test {
         let after = |s| NotReadyPolicy::ReleaseAfter(Duration::from_secs(s));
         let marked = HandshakeState::MarkedForRelease;
         let due = Timestamp::from_second(1_020).expect("ts");
+        let not_ready = NodeState::NotReady(since);
+        let (attached, detached) = (false, true);
         let table = [
-            (marked, false, NodeState::Ready, NotReadyPolicy::Keep, TakeoverStep::Abort),
-            (HandshakeState::ReadyForRelease, false, NodeState::Deleted, after(0), TakeoverStep::Abort),
-            (marked, true, NodeState::Ready, after(0), TakeoverStep::LeaveToAgents),
-            (HandshakeState::ReadyForRelease, true, NodeState::Deleted, after(0), TakeoverStep::LeaveToAgents),
-            (marked, true, NodeState::Deleted, NotReadyPolicy::Keep, TakeoverStep::AnswerForAgent),
-            (marked, true, NodeState::NotReady(since), NotReadyPolicy::Keep, TakeoverStep::LeaveToAgents),
-            (marked, true, NodeState::NotReady(since), after(30), TakeoverStep::AnswerAt(due)),
-            (marked, true, NodeState::NotReady(since), after(10), TakeoverStep::AnswerForAgent),
+            (marked, false, attached, NodeState::Ready, NotReadyPolicy::Keep, TakeoverStep::Abort),
+            (HandshakeState::ReadyForRelease, false, attached, NodeState::Deleted, after(0), TakeoverStep::Abort),
+            (marked, true, attached, NodeState::Ready, after(0), TakeoverStep::LeaveToAgents),
+            (
+                HandshakeState::ReadyForRelease,
+                true,
+                attached,
+                NodeState::Deleted,
+                after(0),
+                TakeoverStep::LeaveToAgents,
+            ),
+            (marked, true, attached, NodeState::Deleted, NotReadyPolicy::Keep, TakeoverStep::AnswerForAgent),
+            (marked, true, attached, not_ready, NotReadyPolicy::Keep, TakeoverStep::LeaveToAgents),
+            (marked, true, attached, not_ready, after(30), TakeoverStep::AnswerAt(due)),
+            (marked, true, attached, not_ready, after(10), TakeoverStep::AnswerForAgent),
+            // A reservation (its DEL came): no sandbox holds the IP, so a node that cannot answer
+            // is answered for at once, whatever the NotReady policy; a Ready one answers itself.
+            (marked, true, detached, not_ready, NotReadyPolicy::Keep, TakeoverStep::AnswerForAgent),
+            (marked, true, detached, not_ready, after(30), TakeoverStep::AnswerForAgent),
+            (marked, true, detached, NodeState::Ready, after(0), TakeoverStep::LeaveToAgents),
+            (marked, false, detached, not_ready, after(0), TakeoverStep::Abort),
         ];
-        for (state, waiting, node, policy, step) in table {
+        for (state, waiting, detached, node, policy, step) in table {
             assert_eq!(
-                controller_takeover_step(state, waiting, node, policy, now),
+                controller_takeover_step(state, waiting, detached, node, policy, now),
                 step,
-                "{state:?} waiting={waiting} {node:?} {policy:?}"
+                "{state:?} waiting={waiting} detached={detached} {node:?} {policy:?}"
             );
         }
     }

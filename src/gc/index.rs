@@ -20,10 +20,10 @@ use kube::api::DynamicObject;
 use kube::core::PartialObjectMeta;
 
 use super::agents::{AgentLease, Observations, stale_agents};
-use super::handshake::{TakeoverStep, controller_takeover_step};
+use super::handshake::{TakeoverStep, claimant_refusal, controller_takeover_step};
 use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleSettings, Verdict, decide};
 use crate::crd::{Allocation, IPBlock, IPClaim, IPPool, OwnerRef, PodRef};
-use crate::ipam::blocks::Adopter;
+use crate::ipam::blocks::{Adopter, may_be_attached};
 pub use crate::ipam::workload::StatefulSetFacts;
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence, WorkloadKind};
 
@@ -796,11 +796,19 @@ impl ClusterIndex {
     /// when the record carries no such mark.
     pub fn takeover_step(&self, record: &Allocation, now: Timestamp, settings: &RuleSettings) -> Option<TakeoverStep> {
         let handshake = record.release_handshake.as_ref()?;
-        let claimant = &handshake.takeover.as_ref()?.pod;
+        let takeover = handshake.takeover.as_ref()?;
         let waiting = self
-            .pod(&claimant.namespace, &claimant.name)
-            .is_some_and(|p| p.uid == claimant.uid && !p.terminal() && p.ips.is_empty());
-        Some(controller_takeover_step(handshake.state, waiting, self.node_of(record), settings.not_ready, now))
+            .pod(&takeover.pod.namespace, &takeover.pod.name)
+            .is_some_and(|p| p.ips.is_empty() && claimant_refusal(record, takeover, Some(p)).is_none());
+        let detached = !may_be_attached(record);
+        Some(controller_takeover_step(
+            handshake.state,
+            waiting,
+            detached,
+            self.node_of(record),
+            settings.not_ready,
+            now,
+        ))
     }
 
     /// The verdict at `now` for the record of `ip` in block `block`. In a retired block a

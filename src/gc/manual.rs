@@ -157,7 +157,7 @@ pub fn describe(change: &RecordChange) -> (&'static str, String) {
         }
         ChangeAction::AbortHandshake => ("abort handshake", "no longer a candidate".to_string()),
         ChangeAction::AbortTakeover => ("abort takeover", "its pod no longer waits".to_string()),
-        ChangeAction::AnswerTakeover => ("answer takeover", "the node's agent cannot answer".to_string()),
+        ChangeAction::AnswerTakeover { .. } => ("answer takeover", "the node's agent cannot answer".to_string()),
     }
 }
 

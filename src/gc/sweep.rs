@@ -77,8 +77,12 @@ pub enum ChangeAction {
     /// Clear an agent's sticky takeover mark whose waiting pod no longer waits.
     AbortTakeover,
     /// Answer `ready-for-release` to a sticky takeover mark for the record's node, whose
-    /// agent cannot answer (node deleted, or NotReady past the NotReady policy).
-    AnswerTakeover,
+    /// agent cannot answer (node deleted, or NotReady past the NotReady policy, or at once
+    /// for a reservation).
+    AnswerTakeover {
+        /// Decided for a reservation: answered only while the record still names no sandbox.
+        detached: bool,
+    },
 }
 
 /// The next step for one record, from its verdict and its release handshake.
@@ -115,7 +119,9 @@ pub fn next_step(
         return match step {
             TakeoverStep::LeaveToAgents => Planned::Keep(STICKY_TAKEOVER),
             TakeoverStep::Abort => Planned::Change(ChangeAction::AbortTakeover),
-            TakeoverStep::AnswerForAgent => Planned::Change(ChangeAction::AnswerTakeover),
+            TakeoverStep::AnswerForAgent => Planned::Change(ChangeAction::AnswerTakeover {
+                detached: !crate::ipam::blocks::may_be_attached(record),
+            }),
             TakeoverStep::AnswerAt(when) => Planned::Trace(when),
         };
     }
@@ -349,7 +355,7 @@ mod test {
         };
         let waiting: Arc<Pod> = Arc::new(
             serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": "web-0", "uid": "u-new"},
-                "status": {"phase": "Pending"}}))
+                "spec": {"nodeName": "n2"}, "status": {"phase": "Pending"}}))
             .expect("pod"),
         );
         let sticky = ["StatefulSet".to_string()];
@@ -365,8 +371,16 @@ mod test {
         }
         let stale = plan_of(takeover("n1", "marked-for-release"), &[]);
         assert_eq!(stale.changes[0].action, ChangeAction::AbortTakeover, "the waiting pod is gone");
+        let mut elsewhere = (*waiting).clone();
+        elsewhere.spec.get_or_insert_default().node_name = Some("n3".into());
+        let forged = plan_of(takeover("deleted-node", "marked-for-release"), &[Arc::new(elsewhere)]);
+        assert_eq!(forged.changes[0].action, ChangeAction::AbortTakeover, "the waiting pod is not where the mark says");
         let answered = plan_of(takeover("deleted-node", "marked-for-release"), std::slice::from_ref(&waiting));
-        assert_eq!(answered.changes[0].action, ChangeAction::AnswerTakeover, "a deleted node cannot answer");
+        assert_eq!(
+            answered.changes[0].action,
+            ChangeAction::AnswerTakeover { detached: false },
+            "a deleted node cannot answer"
+        );
     }
 
     #[test]

@@ -350,10 +350,10 @@ pub fn asker(node: &str, spare_withdrawn: bool, cooldown: Duration) -> Asker<'_>
 
 /// Whether `record` may take `ip` of block `spec` (of the pool laid out as `layout`) now, by
 /// [`free::hold`]; and where a record holds the IP, whether it is only a reservation (no
-/// sandbox holds it) of the same pod name (a recreated StatefulSet pod's own sticky IP) or, for
-/// a list reservation, held for the same workload as `record` (`heldFor`: a pod of the workload
-/// whose list names the IP; a namesake outside it is not). A record of the same sandbox is the
-/// caller's idempotent case.
+/// sandbox holds it) of the same pod name on the same node (a recreated StatefulSet pod's own
+/// sticky IP) or, for a list reservation, held for the same workload as `record` (`heldFor`: a
+/// pod of the workload whose list names the IP; a namesake outside it is not). A record of the
+/// same sandbox is the caller's idempotent case.
 pub fn check_free(
     spec: &IPBlockSpec,
     layout: &PoolLayout,
@@ -384,7 +384,9 @@ pub fn check_free(
         && match held.held_for.as_ref() {
             // A list reservation is its workload's, not its last pod's name's.
             Some(workload) => record.held_for.as_ref() == Some(workload),
-            None => held.pod.name == record.pod.name,
+            // A sticky pod's own reservation, on this node only: another node's goes through
+            // the pod's IPClaim and that node's answer (decision 0022).
+            None => held.pod.name == record.pod.name && held.node == record.node,
         };
     if own_reservation {
         return Ok(());
@@ -618,6 +620,16 @@ mod test {
             "fixed IP 10.0.0.7 is held by pod ns/web on node node-1"
         );
         assert_eq!(check("10.0.0.8", minute), Ok(()), "the pod's own sticky reservation is taken over");
+        let elsewhere = Allocation { node: "node-2".into(), ..record("ns", "db-0", "") };
+        let mut moved = spec.clone();
+        moved.allocations.insert("10.0.0.8".into(), elsewhere);
+        assert_eq!(
+            check_free(&moved, &layout(), ip("10.0.0.8"), &me, &asker("node-1", false, minute), now)
+                .unwrap_err()
+                .to_string(),
+            "fixed IP 10.0.0.8 is held by pod ns/db-0 on node node-2",
+            "another node's reservation goes only with that node's answer to the pod's claim (decision 0022)"
+        );
         let until = now.checked_add(jiff::SignedDuration::from_secs(30)).unwrap();
         assert_eq!(check("10.0.0.9", minute), Err(FixedError::Cooling { ip: ip("10.0.0.9"), until }));
         assert_eq!(check("10.0.0.9", Duration::ZERO), Ok(()), "no cooldown configured");
