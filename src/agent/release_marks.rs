@@ -24,6 +24,7 @@ use crate::cri::sandboxes::SandboxVerdict;
 use crate::gc::handshake::{
     AgentAnswer, MarkAnswer, PodOnNode, SandboxOnNode, agent_answer, claimant_refusal, write_answers,
 };
+use crate::gc::index::PodFacts;
 
 /// How many pods of marked records are read at once.
 const POD_READS_AT_ONCE: usize = 16;
@@ -225,13 +226,16 @@ impl Core {
         let Some(takeover) = record.release_handshake.as_ref().and_then(|h| h.takeover.as_ref()) else {
             return Ok(None);
         };
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &takeover.pod.namespace);
-        let claimant = pods.get_opt(&takeover.pod.name).await.map_err(Error::api(format!(
-            "reading the takeover's claimant {}/{}",
-            takeover.pod.namespace, takeover.pod.name
-        )))?;
-        let facts = claimant.map(|p| crate::gc::index::PodFacts::of(&p));
-        Ok(claimant_refusal(record, takeover, facts.as_ref()))
+        let claimant = self.read_pod(&takeover.pod.namespace, &takeover.pod.name, "the takeover's claimant").await?;
+        Ok(claimant_refusal(record, takeover, claimant.as_ref()))
+    }
+
+    /// Pod `namespace`/`name` as the handshake needs it, read live (not from the cache);
+    /// `what` names it in the error.
+    async fn read_pod(&self, namespace: &str, name: &str, what: &str) -> Result<Option<PodFacts>, Error> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let pod = pods.get_opt(name).await.map_err(Error::api(format!("reading {what} {namespace}/{name}")))?;
+        Ok(pod.map(|p| PodFacts::of(&p)))
     }
 
     /// The record's pod as the handshake needs it, from a live read (not the cache). A
@@ -240,12 +244,7 @@ impl Core {
     /// kubelet kills what still runs) has passed, and its attached sandbox still waits
     /// `sandbox_grace` for the DEL.
     async fn pod_on_node(&self, record: &Allocation) -> Result<PodOnNode, Error> {
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &record.pod.namespace);
-        let pod = pods
-            .get_opt(&record.pod.name)
-            .await
-            .map_err(Error::api(format!("reading pod {}/{}", record.pod.namespace, record.pod.name)))?;
-        Ok(match pod.map(|p| crate::gc::index::PodFacts::of(&p)) {
+        Ok(match self.read_pod(&record.pod.namespace, &record.pod.name, "pod").await? {
             Some(facts) if facts.uid == record.pod.uid && !facts.terminal() => PodOnNode::Active,
             Some(facts) if facts.uid == record.pod.uid => PodOnNode::Ending,
             _ => PodOnNode::Gone,
