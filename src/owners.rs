@@ -2,7 +2,8 @@
 //! controller's pool actors (the re-check right before a release is written): the facts
 //! [`workload::owner_wants`] and [`workload::workload_lives`] decide on, read from the API,
 //! not from a cache. Also the agent's read, at the ADD of a pod drawing from an
-//! `ipwarden.io/ip-list`, of the workload its IPs are held for.
+//! `ipwarden.io/ip-list`, of the workload its IPs are held for, and at a VM source's DEL, of
+//! the VM instance's migration state.
 
 use std::fmt::Debug;
 
@@ -14,7 +15,7 @@ use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::{Client, Resource};
 use serde::de::DeserializeOwned;
 
-use crate::crd::{Allocation, OwnerRef};
+use crate::crd::{Allocation, MigrationTarget, OwnerRef};
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence, StatefulSetFacts, WorkloadKind};
 
 /// Whether `record` is still reserved for a workload, from live reads: its sticky owner
@@ -130,6 +131,38 @@ pub fn statefulset_facts(sts: &StatefulSet) -> StatefulSetFacts {
         start: sts.spec.ordinals.as_ref().and_then(|o| o.start).unwrap_or(0),
         deleting: sts.metadata.deletion_timestamp.is_some(),
     }
+}
+
+/// Whether the VM instance of `record` (a KubeVirt VM's record) says that the live migration
+/// to `target` completed ([`workload::handover_refusal`]), from a live read: the source's DEL
+/// hands its record over only then. `Ok(Some(why))` when it does not; an error when the VMI
+/// could not be read (a 404, or KubeVirt not installed, counts as "no such migration").
+pub async fn migration_refusal(
+    client: &Client,
+    record: &Allocation,
+    target: &MigrationTarget,
+) -> Result<Option<String>, kube::Error> {
+    let Some(owner) = record.owner.as_ref().filter(|o| o.kind == KUBEVIRT_VMI_KIND) else {
+        return Ok(Some(format!("the record of pod {} is not a VM instance's", record.pod.name)));
+    };
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &record.pod.namespace, &kubevirt_resource(KUBEVIRT_VMI_KIND));
+    let vmi = match api.get_opt(&owner.name).await {
+        Ok(vmi) => vmi,
+        Err(kube::Error::Api(status)) if status.code == 404 => None,
+        Err(e) => return Err(e),
+    };
+    let state = vmi.as_ref().and_then(|v| v.data.pointer("/status/migrationState"));
+    let text = |field: &str| state.and_then(|s| s.get(field)).and_then(|v| v.as_str()).unwrap_or_default();
+    let flag = |field: &str| state.and_then(|s| s.get(field)).and_then(|v| v.as_bool()).unwrap_or(false);
+    let facts = state.map(|_| workload::MigrationState {
+        migration_uid: text("migrationUid"),
+        target_node: text("targetNode"),
+        target_pod: text("targetPod"),
+        completed: flag("completed"),
+        failed: flag("failed"),
+    });
+    Ok(workload::handover_refusal(target, facts.as_ref()))
 }
 
 /// The API resource of KubeVirt's kind `kind`.

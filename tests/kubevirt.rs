@@ -14,7 +14,8 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use support::kubevirt::{
-    claims_of_vmi, create_launcher, create_migration, create_vm, create_vmi, set_migration_phase, wait_running_with_ip,
+    claims_of_vmi, complete_migration, create_launcher, create_migration, create_vm, create_vmi, set_migration_phase,
+    wait_running_with_ip,
 };
 use support::{Ipwarden, TIMEOUT, claims, ip_of, records, wait_pods_with_ips};
 
@@ -145,7 +146,7 @@ async fn a_live_migration_target_inherits_the_vm_ip_and_the_source_late_del_free
     assert_eq!(attached, Some((target_uid.as_str(), "node-1")), "the target is attached as the migration's target");
 
     // The migration completes: the source's virt-launcher exits and its DEL comes late.
-    set_migration_phase(&client, NS, "vm-m-migration", "Succeeded").await;
+    complete_migration(&client, NS, "vm-m-migration", "vm-m", &target).await;
     Api::<Pod>::namespaced(client.clone(), NS)
         .patch_status(
             &source.name_any(),
@@ -320,4 +321,50 @@ async fn a_live_vm_whose_instance_stopped_keeps_its_reservation_and_claim() {
     let vm_claims = claims_of_vmi(&client, NS, "vm-stopped").await;
     assert_eq!(vm_claims.len(), 1, "the VM's claim stays");
     assert!(!released(&client, &ip).await, "the IP is not freed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_leaving_hands_its_ip_to_no_target_its_vm_instance_does_not_name() {
+    let ipwarden = start("10.65.0.0/24").await;
+    let client = ipwarden.client();
+    let (_, source) = run_vm(&client, "vm-f", "node-0").await;
+    let (ip, source_uid) = (ip_of(&source), source.uid().unwrap_or_default());
+
+    // node-1 attaches a target of its own to the VM's record, for no migration KubeVirt runs
+    // (a write the node-bound policy lets a node make: it cannot read the migration).
+    let blocks: Api<IPBlock> = Api::all(client.clone());
+    let mut block = blocks
+        .list(&ListParams::default())
+        .await
+        .expect("list blocks")
+        .items
+        .into_iter()
+        .find(|b| b.spec.allocations.contains_key(&ip))
+        .expect("the VM's block");
+    let forged = json!({"migrationUid": "no-such-migration", "node": "node-1", "containerId": "forged", "interface": "eth0",
+                        "pod": {"namespace": NS, "name": "virt-launcher-vm-f-forged", "uid": "forged-uid"}});
+    if let Some(record) = block.spec.allocations.get_mut(&ip) {
+        record.migration_target = Some(serde_json::from_value(forged).expect("target"));
+    }
+    blocks.replace(&block.name_any(), &PostParams::default(), &block).await.expect("attach the forged target");
+
+    // The VM stops: its launcher exits and the source's DEL comes.
+    Api::<Pod>::namespaced(client.clone(), NS)
+        .patch_status(
+            &source.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"phase": "Succeeded"}})),
+        )
+        .await
+        .expect("source launcher exits");
+    wait_sandbox_gone(&ipwarden, 0, &source_uid).await;
+    let after = record_of(&client, &ip).await;
+    assert_eq!(
+        (after.pod.uid.as_str(), after.node.as_str()),
+        (source_uid.as_str(), "node-0"),
+        "the record stays the VM's, on its node: {after:?}"
+    );
+    assert!(after.container_id.is_empty(), "kept as the VM's reservation");
+    assert!(after.migration_target.is_none(), "the forged target gets nothing");
+    assert!(!released(&client, &ip).await, "not freed: the VM lives");
 }

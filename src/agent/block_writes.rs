@@ -13,7 +13,7 @@ use super::checkpoint::{AttachmentKey, CheckpointEntry};
 use super::core::{Base, Core, new_block};
 use super::error::Error;
 use crate::block_store::CasOutcome;
-use crate::crd::{Allocation, IPBlock, IPBlockSpec};
+use crate::crd::{Allocation, IPBlock, IPBlockSpec, MigrationTarget};
 use crate::ipam::blocks::{self, ReleaseOutcome};
 use crate::ipam::pools;
 use crate::ipam::spares;
@@ -224,7 +224,15 @@ impl Core {
             if spares::release_bound(spec, &node, &ip, now) {
                 return Some(ReleaseOutcome::Released);
             }
-            match blocks::release_attachment(spec, &ip, &sandbox, &interface, pod_uid.as_deref(), false, now) {
+            match blocks::release_attachment(
+                spec,
+                &ip,
+                &sandbox,
+                &interface,
+                pod_uid.as_deref(),
+                blocks::STATELESS,
+                now,
+            ) {
                 ReleaseOutcome::NotOurs => None,
                 outcome => Some(outcome),
             }
@@ -254,6 +262,34 @@ impl Core {
             Err(e) => {
                 self.metrics.release("error");
                 Err(e.into())
+            }
+        }
+    }
+
+    /// The migration target of `record` that its source sandbox `container_id`, leaving,
+    /// hands the record to: the one attached, if the VM instance says that migration
+    /// completed ([`crate::owners::migration_refusal`]); `None` when no target is attached,
+    /// this sandbox is the target, or the VM instance does not confirm it (logged: the
+    /// source keeps the record as its reservation and the target gets nothing).
+    async fn confirmed_target(
+        &self,
+        record: &Allocation,
+        container_id: &str,
+    ) -> Result<Option<MigrationTarget>, Error> {
+        let Some(target) = record.migration_target.as_ref().filter(|t| t.container_id != container_id) else {
+            return Ok(None);
+        };
+        let refusal =
+            crate::owners::migration_refusal(&self.client, record, target).await.map_err(Error::api(format!(
+                "reading VM instance {}/{} for its migration state",
+                record.pod.namespace,
+                record.owner.as_ref().map_or("", |o| o.name.as_str())
+            )))?;
+        match refusal {
+            None => Ok(Some(target.clone())),
+            Some(why) => {
+                tracing::warn!(pod = %format!("{}/{}", record.pod.namespace, record.pod.name), target = %target.pod.name, target_node = %target.node, %why, "not handing the VM's IP to its migration target; the source keeps it as a reservation");
+                Ok(None)
             }
         }
     }
@@ -293,6 +329,17 @@ impl Core {
             // list-bound record, which this DEL detaches) is read live; an unknown answer counts
             // as "wants" (keeping a reservation is safe, freeing is not).
             let keep = !retired && crate::owners::record_held(&self.client, &record, record.sticky, true).await;
+            // A VM's source leaving hands the record only to the target its VM instance says
+            // the migration completed to, read live; an unreadable VMI leaves the record as it
+            // is, like a failed write.
+            let confirmed = match self.confirmed_target(&record, container_id).await {
+                Ok(confirmed) => confirmed,
+                Err(e) => {
+                    self.metrics.release("error");
+                    tracing::warn!(ip = %target.ip, error = %e, "release failed; the GC will reclaim it");
+                    continue;
+                }
+            };
             let now = Timestamp::now();
             let (ip, sandbox, interface) = (target.ip.clone(), container_id.to_string(), ifname.to_string());
             let pod_uid = uid.map(str::to_string);
@@ -303,7 +350,10 @@ impl Core {
                     name: workload::claim_name(&r.pod.name, r.owner.as_ref()),
                     uid: r.pod.uid.clone(),
                 });
-                match blocks::release_attachment(spec, &ip, &sandbox, &interface, pod_uid.as_deref(), keep, now) {
+                let attached = spec.allocations.get(&ip).and_then(|r| r.migration_target.as_ref());
+                let hand_over = confirmed.is_some() && attached == confirmed.as_ref();
+                let leaving = blocks::Leaving { keep_reservation: keep, hand_over };
+                match blocks::release_attachment(spec, &ip, &sandbox, &interface, pod_uid.as_deref(), leaving, now) {
                     ReleaseOutcome::NotOurs => None,
                     outcome => Some((outcome, claim, spec.allocations.get(&ip).cloned())),
                 }

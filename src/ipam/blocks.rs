@@ -241,16 +241,33 @@ pub enum ReleaseOutcome {
     Detached,
 }
 
+/// What a sandbox leaving its record does with it ([`release_attachment`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Leaving {
+    /// Keep the record as a sticky reservation rather than free it.
+    pub keep_reservation: bool,
+    /// Hand the record to the live migration target attached to it: its VM instance says
+    /// that migration completed ([`crate::ipam::workload::handover_refusal`]). Otherwise the
+    /// target is dropped and the record stays the source's reservation.
+    pub hand_over: bool,
+}
+
+/// How a stateless pod's sandbox leaves its record: freed (it has no VM to migrate).
+pub const STATELESS: Leaving = Leaving { keep_reservation: false, hand_over: false };
+
 /// Releases `ip` if its record still names the sandbox (and, when given, the pod UID) the
-/// caller decided on, or was repaired for that pod UID ([`adopted_by`]): removed, or kept as a reservation when `keep_reservation`. During a
-/// live migration the IP is never freed: the sandbox leaving hands it to the other one.
+/// caller decided on, or was repaired for that pod UID ([`adopted_by`]): removed, or kept as
+/// a reservation when `leaving` says so. During a live migration the IP is never freed: the
+/// target leaving detaches; the source leaving hands the record to the target when `leaving`
+/// confirms the migration completed, and keeps it as its reservation otherwise (a target the
+/// VM instance does not name, such as one another node attached on its own, gets nothing).
 pub fn release_attachment(
     spec: &mut IPBlockSpec,
     ip: &str,
     container_id: &str,
     ifname: &str,
     pod_uid: Option<&str>,
-    keep_reservation: bool,
+    leaving: Leaving,
     now: Timestamp,
 ) -> ReleaseOutcome {
     let Some(record) = spec.allocations.get_mut(ip) else { return ReleaseOutcome::NotOurs };
@@ -265,6 +282,11 @@ pub fn release_attachment(
         return ReleaseOutcome::NotOurs;
     }
     if let Some(target) = record.migration_target.take() {
+        if !leaving.hand_over {
+            record.container_id.clear();
+            record.repaired_at = None;
+            return ReleaseOutcome::Reserved;
+        }
         record.pod = target.pod;
         record.node = target.node;
         record.container_id = target.container_id;
@@ -273,7 +295,7 @@ pub fn release_attachment(
         record.release_handshake = None;
         return ReleaseOutcome::HandedOver;
     }
-    if keep_reservation {
+    if leaving.keep_reservation {
         record.container_id.clear();
         record.repaired_at = None;
         return ReleaseOutcome::Reserved;
@@ -330,6 +352,11 @@ pub fn pool_fingerprint(blocks: &[std::sync::Arc<IPBlock>], pool: &str) -> Strin
 pub(crate) mod test {
     use super::*;
     use crate::crd::{HandshakeState, PodRef, ReleaseHandshake};
+
+    /// Keep a reservation; no migration confirmed.
+    const KEEP: Leaving = Leaving { keep_reservation: true, hand_over: false };
+    /// Free the record, or hand it to a target whose migration completed.
+    const HAND_OVER: Leaving = Leaving { keep_reservation: false, hand_over: true };
     use proptest::prelude::*;
 
     /// A plain record of pod default/web-0 on node-0, for tests.
@@ -404,7 +431,7 @@ pub(crate) mod test {
         unmarked.allocated_at = Time(allocated);
         for (record, stamp) in [(marked, ended), (unmarked, now)] {
             let mut spec = block_with("10.0.0.5", record);
-            let outcome = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), false, now);
+            let outcome = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), STATELESS, now);
             assert_eq!(outcome, ReleaseOutcome::Released);
             assert_eq!(spec.released["10.0.0.5"], Time(stamp));
         }
@@ -501,7 +528,7 @@ pub(crate) mod test {
     fn release_removes_the_record_and_remembers_when() {
         let mut spec = block_with("10.0.0.5", record("u1", "c1"));
         let now = Timestamp::from_second(1_000).expect("ts");
-        let outcome = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), false, now);
+        let outcome = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), STATELESS, now);
         assert_eq!(outcome, ReleaseOutcome::Released);
         assert!(spec.allocations.is_empty());
         assert_eq!(spec.released["10.0.0.5"].0, now);
@@ -512,7 +539,7 @@ pub(crate) mod test {
         let now = Timestamp::UNIX_EPOCH;
         for (container, uid) in [("c2", Some("u1")), ("c1", Some("u2")), ("", None)] {
             let mut spec = block_with("10.0.0.5", record("u1", "c1"));
-            let outcome = release_attachment(&mut spec, "10.0.0.5", container, "eth0", uid, false, now);
+            let outcome = release_attachment(&mut spec, "10.0.0.5", container, "eth0", uid, STATELESS, now);
             assert_eq!(outcome, ReleaseOutcome::NotOurs, "container {container:?} uid {uid:?}");
             assert_eq!(spec.allocations.len(), 1);
         }
@@ -521,7 +548,7 @@ pub(crate) mod test {
     #[test]
     fn a_kept_sticky_reservation_loses_its_sandbox_but_keeps_its_pod() {
         let mut spec = block_with("10.0.0.5", record("u1", "c1"));
-        let outcome = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", None, true, Timestamp::UNIX_EPOCH);
+        let outcome = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", None, KEEP, Timestamp::UNIX_EPOCH);
         assert_eq!(outcome, ReleaseOutcome::Reserved);
         assert_eq!(spec.allocations["10.0.0.5"].container_id, "");
         assert_eq!(spec.allocations["10.0.0.5"].pod.uid, "u1");
@@ -561,17 +588,17 @@ pub(crate) mod test {
         let now = Timestamp::UNIX_EPOCH;
         for (container, uid) in [("c-old", Some("u-old")), ("c-new", None), ("c-new", Some("u-other"))] {
             let mut spec = block_with("10.0.0.5", repaired());
-            let outcome = release_attachment(&mut spec, "10.0.0.5", container, "eth0", uid, false, now);
+            let outcome = release_attachment(&mut spec, "10.0.0.5", container, "eth0", uid, STATELESS, now);
             assert_eq!(outcome, ReleaseOutcome::NotOurs, "container {container:?} uid {uid:?}");
         }
         for container in ["c-new", ""] {
             let mut spec = block_with("10.0.0.5", repaired());
-            let outcome = release_attachment(&mut spec, "10.0.0.5", container, "eth0", Some("u-new"), false, now);
+            let outcome = release_attachment(&mut spec, "10.0.0.5", container, "eth0", Some("u-new"), STATELESS, now);
             assert_eq!(outcome, ReleaseOutcome::Released, "container {container:?}");
             assert!(spec.allocations.is_empty());
         }
         let mut spec = block_with("10.0.0.5", repaired());
-        let kept = release_attachment(&mut spec, "10.0.0.5", "c-new", "eth0", Some("u-new"), true, now);
+        let kept = release_attachment(&mut spec, "10.0.0.5", "c-new", "eth0", Some("u-new"), KEEP, now);
         assert_eq!(kept, ReleaseOutcome::Reserved);
         let reservation = &spec.allocations["10.0.0.5"];
         assert!(!may_be_attached(reservation), "the sandbox left: an ordinary reservation now");
@@ -584,7 +611,15 @@ pub(crate) mod test {
         let now = Timestamp::from_second(1_000).expect("ts");
         for keep in [false, true] {
             let mut spec = spec.clone();
-            let outcome = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), keep, now);
+            let outcome = release_attachment(
+                &mut spec,
+                "10.0.0.5",
+                "c1",
+                "eth0",
+                Some("u1"),
+                Leaving { keep_reservation: keep, hand_over: true },
+                now,
+            );
             assert_eq!(outcome, ReleaseOutcome::HandedOver);
             let record = &spec.allocations["10.0.0.5"];
             assert_eq!(
@@ -594,16 +629,32 @@ pub(crate) mod test {
             assert!(record.migration_target.is_none());
             assert!(spec.released.is_empty(), "never freed");
         }
-        let late = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), false, now);
+        let late = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), HAND_OVER, now);
         assert_eq!(late, ReleaseOutcome::HandedOver);
-        let again = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), false, now);
+        let again = release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), HAND_OVER, now);
         assert_eq!(again, ReleaseOutcome::NotOurs, "a repeated source DEL touches the target's record not");
+    }
+
+    #[test]
+    fn the_source_leaving_a_migration_its_vm_does_not_confirm_keeps_the_ip_as_its_reservation() {
+        for leaving in [STATELESS, KEEP] {
+            let mut spec = migrating("u2", "c2");
+            let outcome =
+                release_attachment(&mut spec, "10.0.0.5", "c1", "eth0", Some("u1"), leaving, Timestamp::UNIX_EPOCH);
+            assert_eq!(outcome, ReleaseOutcome::Reserved, "{leaving:?}");
+            let record = &spec.allocations["10.0.0.5"];
+            assert_eq!((record.pod.uid.as_str(), record.node.as_str()), ("u1", "node-0"), "still the source's");
+            assert!(!may_be_attached(record), "a reservation");
+            assert!(record.migration_target.is_none(), "the unconfirmed target gets nothing");
+            assert!(spec.released.is_empty(), "never freed while a target may hold it");
+        }
     }
 
     #[test]
     fn the_target_leaving_an_aborted_migration_leaves_the_ip_with_the_source() {
         let mut spec = migrating("u2", "c2");
-        let outcome = release_attachment(&mut spec, "10.0.0.5", "c2", "eth0", Some("u2"), false, Timestamp::UNIX_EPOCH);
+        let outcome =
+            release_attachment(&mut spec, "10.0.0.5", "c2", "eth0", Some("u2"), STATELESS, Timestamp::UNIX_EPOCH);
         assert_eq!(outcome, ReleaseOutcome::Detached);
         let record = &spec.allocations["10.0.0.5"];
         assert_eq!((record.pod.uid.as_str(), record.container_id.as_str()), ("u1", "c1"));
@@ -618,8 +669,15 @@ pub(crate) mod test {
         assert_eq!(find_attachment(&spec, "c1", "eth0"), ["10.0.0.5"]);
         let record = &spec.allocations["10.0.0.5"];
         assert!(names_pod(record, "u1") && names_pod(record, "u2") && !names_pod(record, "u3"));
-        let other =
-            release_attachment(&mut spec.clone(), "10.0.0.5", "c2", "eth0", Some("u3"), false, Timestamp::UNIX_EPOCH);
+        let other = release_attachment(
+            &mut spec.clone(),
+            "10.0.0.5",
+            "c2",
+            "eth0",
+            Some("u3"),
+            STATELESS,
+            Timestamp::UNIX_EPOCH,
+        );
         assert_eq!(other, ReleaseOutcome::NotOurs, "the target's sandbox under another pod UID is not ours");
     }
 

@@ -419,8 +419,15 @@ mod test {
         converted_first.spares.insert("10.0.0.5".into());
         assert_eq!(convert(&mut converted_first, "n1", "10.0.0.5", &record("a")), Converted::Written);
         assert!(!release_bound(&mut converted_first, "n1", "10.0.0.5", at(5)), "the record's release is the DEL's");
-        let outcome =
-            blocks::release_attachment(&mut converted_first, "10.0.0.5", "c-a", "eth0", Some("a"), false, at(5));
+        let outcome = blocks::release_attachment(
+            &mut converted_first,
+            "10.0.0.5",
+            "c-a",
+            "eth0",
+            Some("a"),
+            blocks::STATELESS,
+            at(5),
+        );
         assert_eq!(outcome, blocks::ReleaseOutcome::Released);
         assert!(converted_first.allocations.is_empty() && converted_first.spares.is_empty());
         assert!(converted_first.released.contains_key("10.0.0.5"));

@@ -7,7 +7,7 @@
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-use crate::crd::{Allocation, ClaimedInterface, IPClaimSpec, OwnerRef};
+use crate::crd::{Allocation, ClaimedInterface, IPClaimSpec, MigrationTarget, OwnerRef};
 use crate::ipam::blocks;
 
 /// The owner kind of KubeVirt's running VM instances, whose claim is named `vm.<VM>`.
@@ -118,6 +118,46 @@ pub fn is_active_migration_target(
         && migration.uid == pod_migration_uid
         && !migration.deleting
         && !finished
+}
+
+/// What a source's DEL needs of its VirtualMachineInstance's `status.migrationState`, as
+/// KubeVirt keeps it (kubevirt.io/api v1.6.0, `VirtualMachineInstanceMigrationState`:
+/// virt-controller names the migration, its target node and pod; virt-handler sets
+/// `completed` once the VM runs on the target, or `failed`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MigrationState<'a> {
+    /// `migrationUid`: the VirtualMachineInstanceMigration.
+    pub migration_uid: &'a str,
+    /// `targetNode`.
+    pub target_node: &'a str,
+    /// `targetPod`: the target virt-launcher pod's name.
+    pub target_pod: &'a str,
+    /// `completed`.
+    pub completed: bool,
+    /// `failed`.
+    pub failed: bool,
+}
+
+/// Why a VM's source sandbox, leaving, must not hand its record to the migration `target`
+/// attached to it; `None` when the VM instance's migration state (`None`: the VMI has none,
+/// or is gone) says that very migration completed to that node and pod. Any node may attach
+/// its own target to a VM's record (the policy cannot read the migration), so the source is
+/// where a forged target stops (decision 0022).
+pub fn handover_refusal(target: &MigrationTarget, state: Option<&MigrationState<'_>>) -> Option<String> {
+    let what = format!("migration {} to pod {} on node {}", target.migration_uid, target.pod.name, target.node);
+    match state {
+        None => Some(format!("the VM instance records no {what}")),
+        Some(s) if s.migration_uid != target.migration_uid => {
+            Some(format!("the VM instance records migration {:?}, not {what}", s.migration_uid))
+        }
+        Some(s) if s.target_node != target.node || s.target_pod != target.pod.name => Some(format!(
+            "the VM instance's migration goes to pod {:?} on node {:?}, not as its {what} says",
+            s.target_pod, s.target_node
+        )),
+        Some(s) if s.failed => Some(format!("the VM instance's {what} failed")),
+        Some(s) if !s.completed => Some(format!("the VM instance's {what} has not completed")),
+        Some(_) => None,
+    }
 }
 
 /// The interfaces a sticky pod's IPClaim lists once interface `interface` of pod `uid` holds
@@ -409,6 +449,45 @@ mod test {
         ];
         for (owner, label, migration, may) in cases {
             assert_eq!(is_active_migration_target(owner, label, &migration), may, "{owner:?} {label} {migration:?}");
+        }
+    }
+
+    #[test]
+    fn a_source_hands_its_record_over_only_to_the_target_of_the_migration_its_vm_completed() {
+        use crate::crd::PodRef;
+        let target = MigrationTarget {
+            migration_uid: "m1".into(),
+            pod: PodRef { namespace: "ns".into(), name: "virt-launcher-vm1-dst".into(), uid: "dst".into() },
+            node: "node-1".into(),
+            container_id: "c".into(),
+            interface: "eth0".into(),
+        };
+        let done = MigrationState {
+            migration_uid: "m1",
+            target_node: "node-1",
+            target_pod: "virt-launcher-vm1-dst",
+            completed: true,
+            failed: false,
+        };
+        let cases = [
+            (Some(done), None),
+            (None, Some("records no migration m1")),
+            (Some(MigrationState { migration_uid: "m0", ..done }), Some("records migration \"m0\"")),
+            (Some(MigrationState { target_node: "node-2", ..done }), Some("on node \"node-2\"")),
+            (
+                Some(MigrationState { target_pod: "virt-launcher-vm1-x", ..done }),
+                Some("to pod \"virt-launcher-vm1-x\""),
+            ),
+            (Some(MigrationState { completed: false, ..done }), Some("has not completed")),
+            (Some(MigrationState { failed: true, ..done }), Some("failed")),
+        ];
+        for (state, refusal) in cases {
+            let got = handover_refusal(&target, state.as_ref());
+            match (refusal, &got) {
+                (None, None) => {}
+                (Some(expected), Some(got)) if got.contains(expected) => {}
+                _ => panic!("{state:?}: expected {refusal:?}, got {got:?}"),
+            }
         }
     }
 

@@ -136,3 +136,23 @@ pub async fn claims_of_vmi(client: &Client, namespace: &str, vmi: &str) -> Vec<I
         .filter(|c| c.spec.owner.as_ref().is_some_and(|o| o.kind == "VirtualMachineInstance" && o.name == vmi))
         .collect()
 }
+
+/// Completes migration `name` of VMI `vmi` to `target` as KubeVirt does: virt-handler
+/// records in the VMI's `status.migrationState` that the VM runs on the target
+/// (kubevirt.io/api v1.6.0, `VirtualMachineInstanceMigrationState`), and virt-controller
+/// sets the migration's phase to `Succeeded`.
+pub async fn complete_migration(client: &Client, namespace: &str, name: &str, vmi: &str, target: &Pod) {
+    let migration = api(client, namespace, "VirtualMachineInstanceMigration").get(name).await.expect("read migration");
+    let state = json!({"status": {"migrationState": {
+        "migrationUid": migration.uid().unwrap_or_default(),
+        "targetNode": target.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default(),
+        "targetPod": target.name_any(),
+        "completed": true,
+    }}});
+    // KubeVirt's VMI CRD has no status subresource: its status is written with the object.
+    api(client, namespace, "VirtualMachineInstance")
+        .patch(vmi, &PatchParams::default(), &Patch::Merge(state))
+        .await
+        .expect("record the completed migration in the VMI");
+    set_migration_phase(client, namespace, name, "Succeeded").await;
+}
