@@ -133,25 +133,24 @@ pub fn statefulset_facts(sts: &StatefulSet) -> StatefulSetFacts {
     }
 }
 
-/// Whether the VM instance of `record` (a KubeVirt VM's record) says that the live migration
-/// to `target` completed ([`workload::handover_refusal`]), from a live read: the source's DEL
-/// hands its record over only then. `Ok(Some(why))` when it does not; an error when the VMI
-/// could not be read (a 404, or KubeVirt not installed, counts as "no such migration").
-pub async fn migration_refusal(
+/// What the source sandbox of `record` (a KubeVirt VM's record), leaving, does with the
+/// live migration `target` attached to it, by its VM instance's `status.migrationState` read
+/// live ([`workload::handover_check`]). A VMI that is gone (a 404, as where KubeVirt is not
+/// installed) records no migration; any other read error is returned.
+pub async fn migration_handover(
     client: &Client,
     record: &Allocation,
     target: &MigrationTarget,
-) -> Result<Option<String>, kube::Error> {
+) -> Result<workload::Handover, kube::Error> {
     let Some(owner) = record.owner.as_ref().filter(|o| o.kind == KUBEVIRT_VMI_KIND) else {
-        return Ok(Some(format!("the record of pod {} is not a VM instance's", record.pod.name)));
+        return Ok(workload::Handover::Refused(format!(
+            "the record of pod {} is not a VM instance's",
+            record.pod.name
+        )));
     };
     let api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), &record.pod.namespace, &kubevirt_resource(KUBEVIRT_VMI_KIND));
-    let vmi = match api.get_opt(&owner.name).await {
-        Ok(vmi) => vmi,
-        Err(kube::Error::Api(status)) if status.code == 404 => None,
-        Err(e) => return Err(e),
-    };
+    let vmi = api.get_opt(&owner.name).await?;
     let state = vmi.as_ref().and_then(|v| v.data.pointer("/status/migrationState"));
     let text = |field: &str| state.and_then(|s| s.get(field)).and_then(|v| v.as_str()).unwrap_or_default();
     let flag = |field: &str| state.and_then(|s| s.get(field)).and_then(|v| v.as_bool()).unwrap_or(false);
@@ -162,7 +161,7 @@ pub async fn migration_refusal(
         completed: flag("completed"),
         failed: flag("failed"),
     });
-    Ok(workload::handover_refusal(target, facts.as_ref()))
+    Ok(workload::handover_check(target, facts.as_ref()))
 }
 
 /// The API resource of KubeVirt's kind `kind`.

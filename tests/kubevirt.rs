@@ -14,8 +14,8 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use support::kubevirt::{
-    claims_of_vmi, complete_migration, create_launcher, create_migration, create_vm, create_vmi, set_migration_phase,
-    wait_running_with_ip,
+    claims_of_vmi, complete_migration, create_launcher, create_migration, create_vm, create_vmi,
+    record_migration_state, set_migration_phase, wait_running_with_ip,
 };
 use support::{Ipwarden, TIMEOUT, claims, ip_of, records, wait_pods_with_ips};
 
@@ -145,8 +145,9 @@ async fn a_live_migration_target_inherits_the_vm_ip_and_the_source_late_del_free
     let attached = during.migration_target.as_ref().map(|t| (t.pod.uid.as_str(), t.node.as_str()));
     assert_eq!(attached, Some((target_uid.as_str(), "node-1")), "the target is attached as the migration's target");
 
-    // The migration completes: the source's virt-launcher exits and its DEL comes late.
-    complete_migration(&client, NS, "vm-m-migration", "vm-m", &target).await;
+    // The source's virt-launcher exits before KubeVirt has recorded the migration's end in the
+    // VMI: the source's DEL waits (fails, and the runtime retries it), handing nothing over.
+    record_migration_state(&client, NS, "vm-m-migration", "vm-m", &target, false).await;
     Api::<Pod>::namespaced(client.clone(), NS)
         .patch_status(
             &source.name_any(),
@@ -155,6 +156,19 @@ async fn a_live_migration_target_inherits_the_vm_ip_and_the_source_late_del_free
         )
         .await
         .expect("source launcher exits");
+    wait::until("the source's DEL waiting for the migration's end", TIMEOUT, || async {
+        let waiting =
+            support::metric(&ipwarden.scrape_agent(0).await, r#"ipwarden_agent_releases_total{result="waiting"}"#);
+        Ok(if waiting >= 1.0 { Probe::Done(()) } else { Probe::Pending(format!("{waiting} waits")) })
+    })
+    .await
+    .expect("DEL waits");
+    let waiting = record_of(&client, &ip).await;
+    assert_eq!(waiting.pod.uid, source_uid, "nothing handed over before KubeVirt says the migration completed");
+    assert!(!waiting.container_id.is_empty(), "the source's record is left as it was");
+
+    // KubeVirt records the end: the retried DEL hands the record to the target.
+    complete_migration(&client, NS, "vm-m-migration", "vm-m", &target).await;
     wait_sandbox_gone(&ipwarden, 0, &source_uid).await;
     let after = record_of(&client, &ip).await;
     assert_eq!((after.pod.uid.as_str(), after.node.as_str()), (target_uid.as_str(), "node-1"), "the target holds it");
@@ -365,6 +379,10 @@ async fn a_source_leaving_hands_its_ip_to_no_target_its_vm_instance_does_not_nam
         "the record stays the VM's, on its node: {after:?}"
     );
     assert!(after.container_id.is_empty(), "kept as the VM's reservation");
-    assert!(after.migration_target.is_none(), "the forged target gets nothing");
+    assert_eq!(
+        after.migration_target.map(|t| t.pod.uid),
+        Some("forged-uid".to_string()),
+        "the forged target gets nothing; it stays attached, so no node can free the IP under a real one"
+    );
     assert!(!released(&client, &ip).await, "not freed: the VM lives");
 }

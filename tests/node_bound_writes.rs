@@ -537,17 +537,20 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     assert_allowed(row, result);
     let row = "B may not release its VM record while A's target shares it";
     assert_refused(row, "B-U4", update(&admin, &on_b, B_BLOCK, |s| drop(allocations(s).remove("10.74.0.70"))).await);
-    let row = "B keeps its VM record as its reservation, without A's target its VM instance does not confirm";
+    let row = "B detaches its own sandbox from its VM record, A's target its VM instance does not confirm staying";
+    let result = update(&admin, &on_b, B_BLOCK, |s| allocations(s)["10.74.0.70"]["containerId"] = json!("")).await;
+    assert_allowed(row, result);
+    let row = "B may not drop A's target from its VM record";
+    let result = update(&admin, &on_b, B_BLOCK, |s| {
+        drop(allocations(s)["10.74.0.70"].as_object_mut().map(|r| r.remove("migrationTarget")))
+    })
+    .await;
+    assert_refused(row, "B-U5", result);
+    let row = "B may not drop A's target even into a reservation (then B-U4 would let it free the IP)";
     let result = update(&admin, &on_b, B_BLOCK, |s| {
         let record = allocations(s)["10.74.0.70"].as_object_mut().expect("record");
         record.remove("migrationTarget");
         record.insert("containerId".into(), json!(""));
-    })
-    .await;
-    assert_allowed(row, result);
-    let row = "B may not drop A's target while its own sandbox stays attached";
-    let result = update(&admin, &on_b, B_BLOCK, |s| {
-        drop(allocations(s)["10.74.0.70"].as_object_mut().map(|r| r.remove("migrationTarget")))
     })
     .await;
     assert_refused(row, "B-U5", result);

@@ -676,5 +676,5 @@ async fn a_sticky_pod_takes_its_reservation_over_from_a_node_whose_agent_is_down
     assert_eq!(running.spec.as_ref().and_then(|s| s.node_name.clone()).as_deref(), Some("node-1"));
     let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
     let answered = support::metric_sum(&text, "ipwarden_gc_release_handshakes_total", &["step=\"answered_for_agent\""]);
-    assert_eq!(answered, 1.0, "the controller answered for node-0's agent");
+    assert!(answered >= 1.0, "the controller answered for node-0's agent: {answered}");
 }

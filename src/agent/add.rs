@@ -382,10 +382,10 @@ impl Core {
     /// Gives a recreated sticky pod its claim's IPs back; `None` when it has none to reclaim.
     /// The target of the running live migration `migration` attaches to the IPs its source
     /// still holds instead of taking them over (`shared`). Any other claimed IP whose record
-    /// still names a sandbox that may be attached (on another node, or in `held_here`, the IPs
-    /// of this node's checkpoint) is not shared: the record is marked for a sticky takeover and
-    /// the ADD fails with "try again later" until the record's node has let go of it
-    /// ([`reclaim_step`]).
+    /// is another node's (attached, or a reservation) or still in `held_here` (the IPs of this
+    /// node's checkpoint) is not shared: the record is marked for a sticky takeover and the
+    /// ADD fails with "try again later" until the record's node, or the controller for a node
+    /// that cannot answer, has let go of it ([`reclaim_step`]).
     async fn reclaim_sticky(
         &self,
         pod: &Pod,

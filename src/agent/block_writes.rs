@@ -17,7 +17,7 @@ use crate::crd::{Allocation, IPBlock, IPBlockSpec, MigrationTarget};
 use crate::ipam::blocks::{self, ReleaseOutcome};
 use crate::ipam::pools;
 use crate::ipam::spares;
-use crate::ipam::workload;
+use crate::ipam::workload::{self, Handover};
 
 /// What releasing a sandbox's IPs did.
 #[derive(Default)]
@@ -28,6 +28,9 @@ pub(super) struct ReleaseSummary {
     claim: Option<BoundClaim>,
     /// The IPs this release freed.
     released: BTreeSet<IpAddr>,
+    /// Why an IP was left as it was for the release to be tried again: a VM source's
+    /// handover its VM instance has not settled, or could not be asked about.
+    pub(super) waiting: Option<Error>,
 }
 
 /// What made the agent release a sandbox's IPs: the `trigger` and `rule` of the info line
@@ -168,6 +171,9 @@ impl Core {
         if let (false, Some(claim)) = (summary.kept, summary.claim) {
             self.delete_claim_of(&claim).await;
         }
+        if let Some(waiting) = summary.waiting {
+            return Err(waiting);
+        }
         released.extend(summary.released);
         Ok(released)
     }
@@ -267,10 +273,11 @@ impl Core {
     }
 
     /// The migration target of `record` that its source sandbox `container_id`, leaving,
-    /// hands the record to: the one attached, if the VM instance says that migration
-    /// completed ([`crate::owners::migration_refusal`]); `None` when no target is attached,
-    /// this sandbox is the target, or the VM instance does not confirm it (logged: the
-    /// source keeps the record as its reservation and the target gets nothing).
+    /// hands the record to: the one attached, when the VM instance says that migration
+    /// completed ([`crate::owners::migration_handover`]). `None` when no target is attached,
+    /// this sandbox is the target, or the VM instance names no such migration (logged: the
+    /// source only detaches). An error while the migration has not ended in the VM
+    /// instance's status, or the VMI cannot be read: the release waits for a retry.
     async fn confirmed_target(
         &self,
         record: &Allocation,
@@ -279,16 +286,15 @@ impl Core {
         let Some(target) = record.migration_target.as_ref().filter(|t| t.container_id != container_id) else {
             return Ok(None);
         };
-        let refusal =
-            crate::owners::migration_refusal(&self.client, record, target).await.map_err(Error::api(format!(
-                "reading VM instance {}/{} for its migration state",
-                record.pod.namespace,
-                record.owner.as_ref().map_or("", |o| o.name.as_str())
-            )))?;
-        match refusal {
-            None => Ok(Some(target.clone())),
-            Some(why) => {
-                tracing::warn!(pod = %format!("{}/{}", record.pod.namespace, record.pod.name), target = %target.pod.name, target_node = %target.node, %why, "not handing the VM's IP to its migration target; the source keeps it as a reservation");
+        let vm = format!("{}/{}", record.pod.namespace, record.owner.as_ref().map_or("", |o| o.name.as_str()));
+        let handover = crate::owners::migration_handover(&self.client, record, target)
+            .await
+            .map_err(Error::api(format!("reading VM instance {vm} for its live migration's state")))?;
+        match handover {
+            Handover::Confirmed => Ok(Some(target.clone())),
+            Handover::Pending(why) => Err(Error::HandoverPending { container_id: container_id.to_string(), vm, why }),
+            Handover::Refused(why) => {
+                tracing::warn!(%vm, target = %target.pod.name, target_node = %target.node, %why, "not handing the VM's IP to the migration target attached to its record; the source detaches and the target stays attached");
                 Ok(None)
             }
         }
@@ -330,13 +336,15 @@ impl Core {
             // as "wants" (keeping a reservation is safe, freeing is not).
             let keep = !retired && crate::owners::record_held(&self.client, &record, record.sticky, true).await;
             // A VM's source leaving hands the record only to the target its VM instance says
-            // the migration completed to, read live; an unreadable VMI leaves the record as it
-            // is, like a failed write.
+            // the migration completed to, read live; until KubeVirt says how the migration
+            // ended (or while the VMI cannot be read) the record is left as it is and the
+            // release is tried again.
             let confirmed = match self.confirmed_target(&record, container_id).await {
                 Ok(confirmed) => confirmed,
                 Err(e) => {
-                    self.metrics.release("error");
-                    tracing::warn!(ip = %target.ip, error = %e, "release failed; the GC will reclaim it");
+                    tracing::info!(ip = %target.ip, error = %e, "release of a migrating VM's IP waits");
+                    self.metrics.release("waiting");
+                    summary.waiting.get_or_insert(e);
                     continue;
                 }
             };

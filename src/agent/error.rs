@@ -88,7 +88,8 @@ pub enum Error {
     /// A recreated sticky pod's IP is still attached to a sandbox elsewhere; the ADD waits
     /// for that sandbox's node to let go of it (docs/gc-rules.md, "Sticky takeover").
     #[error(
-        "awaiting a sticky takeover: sticky IP {ip} of pod {pod} is still attached to sandbox {container_id} of pod {holder} (uid {holder_uid}) on node {node}; it is taken over once that node's agent lets go of it"
+        "awaiting a sticky takeover: sticky IP {ip} of pod {pod} is still {} pod {holder} (uid {holder_uid}) on node {node}; it is taken over once that node's agent (or the controller, for a node that cannot answer) lets go of it",
+        held_by(.container_id)
     )]
     AwaitingTakeover {
         /// The sticky IP.
@@ -103,6 +104,18 @@ pub enum Error {
         holder_uid: String,
         /// The holder's node.
         node: String,
+    },
+    /// A KubeVirt VM's source sandbox left before its VM instance recorded the end of the
+    /// live migration to the target attached to its record: the DEL fails, and the runtime
+    /// retries it, until KubeVirt says whether the target has the VM.
+    #[error("the DEL of sandbox {container_id} of VM {vm} waits for its live migration's end: {why}")]
+    HandoverPending {
+        /// The source sandbox.
+        container_id: String,
+        /// `namespace/name` of the VM instance.
+        vm: String,
+        /// What the VM instance says.
+        why: String,
     },
     /// The pod's fixed IPs cannot be had (`ipam::fixed`): no fallback to another IP.
     #[error("fixed IP for pod {pod} refused: {cause}")]
@@ -186,8 +199,41 @@ impl From<crate::claim_writes::AdoptedClaimError> for Error {
     }
 }
 
+/// How a sticky takeover's holder holds the IP: by a sandbox, or as a reservation.
+fn held_by(container_id: &str) -> String {
+    match container_id {
+        "" => "the reservation of".to_string(),
+        id => format!("attached to sandbox {id} of"),
+    }
+}
+
 /// The tail of [`Error::PoolExhausted`]'s and [`Error::Cooling`]'s messages: why the pool holds
 /// one IP fewer, when it does.
 fn note(withheld_gateway: &Option<String>) -> String {
     withheld_gateway.as_deref().map(|why| format!("; {why}")).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn a_takeover_wait_names_the_sandbox_or_the_reservation_that_holds_the_ip() {
+        let waiting = |container_id: &str| Error::AwaitingTakeover {
+            ip: "10.0.0.7".into(),
+            pod: "ns/web-0".into(),
+            container_id: container_id.into(),
+            holder: "ns/web-0".into(),
+            holder_uid: "u-old".into(),
+            node: "node-1".into(),
+        };
+        assert!(
+            waiting("c1")
+                .to_string()
+                .contains("is still attached to sandbox c1 of pod ns/web-0 (uid u-old) on node node-1")
+        );
+        assert!(
+            waiting("").to_string().contains("is still the reservation of pod ns/web-0 (uid u-old) on node node-1")
+        );
+    }
 }

@@ -51,6 +51,7 @@ pub fn to_cni(error: &Error) -> CniError {
         Error::PodMissing { .. }
         | Error::Cooling { .. }
         | Error::AwaitingTakeover { .. }
+        | Error::HandoverPending { .. }
         | Error::Api { .. }
         | Error::Superseded { .. }
         | Error::Write(_) => CniError::TRY_AGAIN_LATER,

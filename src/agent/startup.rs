@@ -73,7 +73,14 @@ impl Core {
             tracing::info!(%ip, pod = %format!("{}/{}", record.pod.namespace, record.pod.name), "start-up GC: no local pod holds it");
             let target = RecordAt { block: block.clone(), ip: ip.clone() };
             let trigger = ReleaseTrigger::StartupGc;
-            self.release_ips(&[target], &record.container_id, &record.interface, Some(&record.pod.uid), trigger).await;
+            let summary = self
+                .release_ips(&[target], &record.container_id, &record.interface, Some(&record.pod.uid), trigger)
+                .await;
+            // A migrating VM's source whose VM instance has not said how the migration ended:
+            // its checkpoint entry stays, so the runtime's GC tries again.
+            if summary.waiting.is_some() {
+                continue;
+            }
             let key = AttachmentKey {
                 network: record.network.clone(),
                 container_id: record.container_id.clone(),

@@ -333,8 +333,9 @@ pub enum TakeoverStep {
     /// The waiting pod is gone or got its IPs elsewhere: clear the mark, so the record is
     /// judged by the rule table again.
     Abort,
-    /// The record's node cannot answer and the NotReady policy (or the node's deletion)
-    /// lets go: answer `ready-for-release` for its agent.
+    /// The record's node cannot answer and the NotReady policy (or the node's deletion, or
+    /// the record being a reservation no sandbox holds) lets go: answer `ready-for-release`
+    /// for its agent.
     AnswerForAgent,
     /// Answer for the agent at this instant, when the NotReady policy's bound has passed.
     AnswerAt(Timestamp),

@@ -247,8 +247,9 @@ pub struct Leaving {
     /// Keep the record as a sticky reservation rather than free it.
     pub keep_reservation: bool,
     /// Hand the record to the live migration target attached to it: its VM instance says
-    /// that migration completed ([`crate::ipam::workload::handover_refusal`]). Otherwise the
-    /// target is dropped and the record stays the source's reservation.
+    /// that migration completed ([`crate::ipam::workload::handover_check`]). Otherwise the
+    /// source only detaches: the record stays its reservation with the target still attached
+    /// (only the target's DEL, or its node, removes it), so the IP is never freed under it.
     pub hand_over: bool,
 }
 
@@ -259,8 +260,9 @@ pub const STATELESS: Leaving = Leaving { keep_reservation: false, hand_over: fal
 /// caller decided on, or was repaired for that pod UID ([`adopted_by`]): removed, or kept as
 /// a reservation when `leaving` says so. During a live migration the IP is never freed: the
 /// target leaving detaches; the source leaving hands the record to the target when `leaving`
-/// confirms the migration completed, and keeps it as its reservation otherwise (a target the
-/// VM instance does not name, such as one another node attached on its own, gets nothing).
+/// confirms the migration completed, and otherwise detaches only, leaving the target attached
+/// to the source's reservation (a target the VM instance does not name, such as one another
+/// node attached on its own, never gets the record).
 pub fn release_attachment(
     spec: &mut IPBlockSpec,
     ip: &str,
@@ -281,12 +283,12 @@ pub fn release_attachment(
     if !names_sandbox(record, container_id, ifname, pod_uid) && !adopted_by(record, pod_uid) {
         return ReleaseOutcome::NotOurs;
     }
+    if record.migration_target.is_some() && !leaving.hand_over {
+        record.container_id.clear();
+        record.repaired_at = None;
+        return ReleaseOutcome::Reserved;
+    }
     if let Some(target) = record.migration_target.take() {
-        if !leaving.hand_over {
-            record.container_id.clear();
-            record.repaired_at = None;
-            return ReleaseOutcome::Reserved;
-        }
         record.pod = target.pod;
         record.node = target.node;
         record.container_id = target.container_id;
@@ -352,12 +354,12 @@ pub fn pool_fingerprint(blocks: &[std::sync::Arc<IPBlock>], pool: &str) -> Strin
 pub(crate) mod test {
     use super::*;
     use crate::crd::{HandshakeState, PodRef, ReleaseHandshake};
+    use proptest::prelude::*;
 
     /// Keep a reservation; no migration confirmed.
     const KEEP: Leaving = Leaving { keep_reservation: true, hand_over: false };
     /// Free the record, or hand it to a target whose migration completed.
     const HAND_OVER: Leaving = Leaving { keep_reservation: false, hand_over: true };
-    use proptest::prelude::*;
 
     /// A plain record of pod default/web-0 on node-0, for tests.
     pub(crate) fn record(uid: &str, container: &str) -> Allocation {
@@ -645,7 +647,11 @@ pub(crate) mod test {
             let record = &spec.allocations["10.0.0.5"];
             assert_eq!((record.pod.uid.as_str(), record.node.as_str()), ("u1", "node-0"), "still the source's");
             assert!(!may_be_attached(record), "a reservation");
-            assert!(record.migration_target.is_none(), "the unconfirmed target gets nothing");
+            assert_eq!(
+                record.migration_target.as_ref().map(|t| t.pod.uid.as_str()),
+                Some("u2"),
+                "the unconfirmed target gets nothing, and stays attached: its own DEL detaches it"
+            );
             assert!(spec.released.is_empty(), "never freed while a target may hold it");
         }
     }

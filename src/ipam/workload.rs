@@ -138,25 +138,38 @@ pub struct MigrationState<'a> {
     pub failed: bool,
 }
 
-/// Why a VM's source sandbox, leaving, must not hand its record to the migration `target`
-/// attached to it; `None` when the VM instance's migration state (`None`: the VMI has none,
-/// or is gone) says that very migration completed to that node and pod. Any node may attach
-/// its own target to a VM's record (the policy cannot read the migration), so the source is
-/// where a forged target stops (decision 0022).
-pub fn handover_refusal(target: &MigrationTarget, state: Option<&MigrationState<'_>>) -> Option<String> {
+/// What a VM's source sandbox, leaving, does with the migration target attached to its
+/// record ([`handover_check`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Handover {
+    /// The VM instance says that very migration completed to that node and pod: hand over.
+    Confirmed,
+    /// The VM instance names that migration, neither completed nor failed yet: the source's
+    /// DEL waits (fails, and the runtime retries it) until KubeVirt records the end.
+    Pending(String),
+    /// The VM instance names no such migration, another one, or that one failed: no handover.
+    /// The source detaches and the target stays attached, so the IP is never freed under it.
+    Refused(String),
+}
+
+/// What the source's DEL does with `target` given the VM instance's migration state
+/// (`None`: the VMI has none, or is gone). Any node may attach its own target to a VM's
+/// record (the policy cannot read the migration), so the source is where a forged target
+/// stops (decision 0022).
+pub fn handover_check(target: &MigrationTarget, state: Option<&MigrationState<'_>>) -> Handover {
     let what = format!("migration {} to pod {} on node {}", target.migration_uid, target.pod.name, target.node);
     match state {
-        None => Some(format!("the VM instance records no {what}")),
+        None => Handover::Refused(format!("the VM instance records no {what}")),
         Some(s) if s.migration_uid != target.migration_uid => {
-            Some(format!("the VM instance records migration {:?}, not {what}", s.migration_uid))
+            Handover::Refused(format!("the VM instance records migration {:?}, not {what}", s.migration_uid))
         }
-        Some(s) if s.target_node != target.node || s.target_pod != target.pod.name => Some(format!(
+        Some(s) if s.target_node != target.node || s.target_pod != target.pod.name => Handover::Refused(format!(
             "the VM instance's migration goes to pod {:?} on node {:?}, not as its {what} says",
             s.target_pod, s.target_node
         )),
-        Some(s) if s.failed => Some(format!("the VM instance's {what} failed")),
-        Some(s) if !s.completed => Some(format!("the VM instance's {what} has not completed")),
-        Some(_) => None,
+        Some(s) if s.failed => Handover::Refused(format!("the VM instance's {what} failed")),
+        Some(s) if !s.completed => Handover::Pending(format!("the VM instance's {what} has not completed yet")),
+        Some(_) => Handover::Confirmed,
     }
 }
 
@@ -469,24 +482,27 @@ mod test {
             completed: true,
             failed: false,
         };
+        let refused = |why: &str| Handover::Refused(why.to_string());
         let cases = [
-            (Some(done), None),
-            (None, Some("records no migration m1")),
-            (Some(MigrationState { migration_uid: "m0", ..done }), Some("records migration \"m0\"")),
-            (Some(MigrationState { target_node: "node-2", ..done }), Some("on node \"node-2\"")),
+            (Some(done), Handover::Confirmed),
+            (None, refused("records no migration m1")),
+            (Some(MigrationState { migration_uid: "m0", ..done }), refused("records migration \"m0\"")),
+            (Some(MigrationState { target_node: "node-2", ..done }), refused("on node \"node-2\"")),
             (
                 Some(MigrationState { target_pod: "virt-launcher-vm1-x", ..done }),
-                Some("to pod \"virt-launcher-vm1-x\""),
+                refused("to pod \"virt-launcher-vm1-x\""),
             ),
-            (Some(MigrationState { completed: false, ..done }), Some("has not completed")),
-            (Some(MigrationState { failed: true, ..done }), Some("failed")),
+            (Some(MigrationState { failed: true, ..done }), refused("failed")),
+            (Some(MigrationState { completed: false, ..done }), Handover::Pending("has not completed".into())),
         ];
-        for (state, refusal) in cases {
-            let got = handover_refusal(&target, state.as_ref());
-            match (refusal, &got) {
-                (None, None) => {}
-                (Some(expected), Some(got)) if got.contains(expected) => {}
-                _ => panic!("{state:?}: expected {refusal:?}, got {got:?}"),
+        for (state, expected) in cases {
+            let got = handover_check(&target, state.as_ref());
+            match (&expected, &got) {
+                (Handover::Confirmed, Handover::Confirmed) => {}
+                (Handover::Refused(want), Handover::Refused(why))
+                | (Handover::Pending(want), Handover::Pending(why))
+                    if why.contains(want.as_str()) => {}
+                _ => panic!("{state:?}: expected {expected:?}, got {got:?}"),
             }
         }
     }

@@ -137,22 +137,36 @@ pub async fn claims_of_vmi(client: &Client, namespace: &str, vmi: &str) -> Vec<I
         .collect()
 }
 
-/// Completes migration `name` of VMI `vmi` to `target` as KubeVirt does: virt-handler
-/// records in the VMI's `status.migrationState` that the VM runs on the target
-/// (kubevirt.io/api v1.6.0, `VirtualMachineInstanceMigrationState`), and virt-controller
-/// sets the migration's phase to `Succeeded`.
-pub async fn complete_migration(client: &Client, namespace: &str, name: &str, vmi: &str, target: &Pod) {
+/// Records in VMI `vmi`'s `status.migrationState` (kubevirt.io/api v1.6.0,
+/// `VirtualMachineInstanceMigrationState`) that migration `name` goes to `target`, and
+/// whether it `completed`: virt-controller names the migration, target node and pod once the
+/// target pod is scheduled, and virt-handler sets `completed` once the VM runs there.
+pub async fn record_migration_state(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    vmi: &str,
+    target: &Pod,
+    completed: bool,
+) {
     let migration = api(client, namespace, "VirtualMachineInstanceMigration").get(name).await.expect("read migration");
     let state = json!({"status": {"migrationState": {
         "migrationUid": migration.uid().unwrap_or_default(),
         "targetNode": target.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default(),
         "targetPod": target.name_any(),
-        "completed": true,
+        "completed": completed,
     }}});
     // KubeVirt's VMI CRD has no status subresource: its status is written with the object.
     api(client, namespace, "VirtualMachineInstance")
         .patch(vmi, &PatchParams::default(), &Patch::Merge(state))
         .await
-        .expect("record the completed migration in the VMI");
+        .expect("record the migration in the VMI");
+}
+
+/// Completes migration `name` of VMI `vmi` to `target` as KubeVirt does: the VMI records
+/// the migration completed ([`record_migration_state`]) and virt-controller sets the
+/// migration's phase to `Succeeded`.
+pub async fn complete_migration(client: &Client, namespace: &str, name: &str, vmi: &str, target: &Pod) {
+    record_migration_state(client, namespace, name, vmi, target, true).await;
     set_migration_phase(client, namespace, name, "Succeeded").await;
 }
