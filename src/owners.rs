@@ -154,12 +154,17 @@ pub async fn migration_handover(
     let state = vmi.as_ref().and_then(|v| v.data.pointer("/status/migrationState"));
     let text = |field: &str| state.and_then(|s| s.get(field)).and_then(|v| v.as_str()).unwrap_or_default();
     let flag = |field: &str| state.and_then(|s| s.get(field)).and_then(|v| v.as_bool()).unwrap_or(false);
+    let phase = vmi.as_ref().and_then(|v| v.data.pointer("/status/phase")).and_then(|p| p.as_str());
+    let deleting = vmi.as_ref().is_some_and(|v| v.metadata.deletion_timestamp.is_some());
     let facts = state.map(|_| workload::MigrationState {
         migration_uid: text("migrationUid"),
         target_node: text("targetNode"),
         target_pod: text("targetPod"),
+        source_node: text("sourceNode"),
+        source_pod: text("sourcePod"),
         completed: flag("completed"),
         failed: flag("failed"),
+        instance_ended: deleting || matches!(phase, Some("Succeeded" | "Failed")),
     });
     Ok(workload::handover_check(target, facts.as_ref()))
 }

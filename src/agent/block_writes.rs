@@ -168,11 +168,11 @@ impl Core {
         let summary = self.release_ips(&ips, container_id, ifname, uid, trigger).await;
         // Only the claim of a record this sandbox really released: a superseded sandbox's
         // records and claim belong to the new pod now (leftover claims are the janitor's).
-        if let (false, Some(claim)) = (summary.kept, summary.claim) {
-            self.delete_claim_of(&claim).await;
-        }
         if let Some(waiting) = summary.waiting {
             return Err(waiting);
+        }
+        if let (false, Some(claim)) = (summary.kept, summary.claim) {
+            self.delete_claim_of(&claim).await;
         }
         released.extend(summary.released);
         Ok(released)
@@ -272,20 +272,24 @@ impl Core {
         }
     }
 
-    /// The migration target of `record` that its source sandbox `container_id`, leaving,
-    /// hands the record to: the one attached, when the VM instance says that migration
-    /// completed ([`crate::owners::migration_handover`]). `None` when no target is attached,
-    /// this sandbox is the target, or the VM instance names no such migration (logged: the
-    /// source only detaches). An error while the migration has not ended in the VM
+    /// The migration target of `record` that its source sandbox `container_id` / `ifname`
+    /// (of pod `uid`), leaving, hands the record to: the one attached, when the VM instance
+    /// says that migration completed ([`crate::owners::migration_handover`]). `None` when the
+    /// sandbox is not the record's own (the target's, or another's), no target is attached,
+    /// or the VM instance names no such migration (logged: the source only detaches). An error while the migration has not ended in the VM
     /// instance's status, or the VMI cannot be read: the release waits for a retry.
     async fn confirmed_target(
         &self,
         record: &Allocation,
         container_id: &str,
+        ifname: &str,
+        uid: Option<&str>,
     ) -> Result<Option<MigrationTarget>, Error> {
-        let Some(target) = record.migration_target.as_ref().filter(|t| t.container_id != container_id) else {
+        // Only the record's own sandbox leaving asks: any other DEL leaves the record alone.
+        if !blocks::left_by(record, container_id, ifname, uid) {
             return Ok(None);
-        };
+        }
+        let Some(target) = record.migration_target.as_ref() else { return Ok(None) };
         let vm = format!("{}/{}", record.pod.namespace, record.owner.as_ref().map_or("", |o| o.name.as_str()));
         let handover = crate::owners::migration_handover(&self.client, record, target)
             .await
@@ -339,7 +343,7 @@ impl Core {
             // the migration completed to, read live; until KubeVirt says how the migration
             // ended (or while the VMI cannot be read) the record is left as it is and the
             // release is tried again.
-            let confirmed = match self.confirmed_target(&record, container_id).await {
+            let confirmed = match self.confirmed_target(&record, container_id, ifname, uid).await {
                 Ok(confirmed) => confirmed,
                 Err(e) => {
                     tracing::info!(ip = %target.ip, error = %e, "release of a migrating VM's IP waits");

@@ -16,7 +16,8 @@ use crate::protocol::{AttachmentRequest, GcRequest, StatusRequest};
 
 impl Core {
     /// CNI DEL: releases the sandbox's IPs (keeping a wanted sticky reservation). Unknown
-    /// sandboxes and repeated DELs succeed.
+    /// sandboxes and repeated DELs succeed; a live migration's source fails (the runtime
+    /// retries) while its VM instance has not recorded how the migration ended.
     pub async fn del(&self, request: &AttachmentRequest) -> Result<(), Error> {
         let started = std::time::Instant::now();
         let key = attachment_key(request);

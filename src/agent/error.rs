@@ -108,7 +108,7 @@ pub enum Error {
     /// A KubeVirt VM's source sandbox left before its VM instance recorded the end of the
     /// live migration to the target attached to its record: the DEL fails, and the runtime
     /// retries it, until KubeVirt says whether the target has the VM.
-    #[error("the DEL of sandbox {container_id} of VM {vm} waits for its live migration's end: {why}")]
+    #[error("releasing sandbox {container_id} of VM {vm} waits for its live migration's end: {why}; retried")]
     HandoverPending {
         /// The source sandbox.
         container_id: String,

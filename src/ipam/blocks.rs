@@ -149,6 +149,13 @@ pub fn counts_as_sticky(record: &Allocation) -> bool {
     record.sticky
 }
 
+/// Whether sandbox `container_id` / `ifname` (of pod `pod_uid`, when given) leaving is
+/// `record`'s own: the record names that sandbox, or was repaired for that pod
+/// ([`adopted_by`]). Only then does the sandbox's release change the record.
+pub fn left_by(record: &Allocation, container_id: &str, ifname: &str, pod_uid: Option<&str>) -> bool {
+    names_sandbox(record, container_id, ifname, pod_uid) || adopted_by(record, pod_uid)
+}
+
 /// Whether `record` was repaired for pod `pod_uid`: the IP is held by a sandbox of that pod
 /// on the record's node, the one its agent's checkpoint pairs with the IP.
 pub fn adopted_by(record: &Allocation, pod_uid: Option<&str>) -> bool {
@@ -229,7 +236,8 @@ pub fn attach_migration_target(spec: &mut IPBlockSpec, ip: &str, target: Migrati
 pub enum ReleaseOutcome {
     /// The record was removed and the IP is free (after the cooldown).
     Released,
-    /// The record stays as a sticky reservation with no sandbox.
+    /// The record stays as a sticky reservation with no sandbox (with its live migration
+    /// target still attached when the source left without a confirmed handover).
     Reserved,
     /// The record no longer names this sandbox (or pod UID): left alone.
     NotOurs,
@@ -280,7 +288,7 @@ pub fn release_attachment(
         record.migration_target = None;
         return ReleaseOutcome::Detached;
     }
-    if !names_sandbox(record, container_id, ifname, pod_uid) && !adopted_by(record, pod_uid) {
+    if !left_by(record, container_id, ifname, pod_uid) {
         return ReleaseOutcome::NotOurs;
     }
     if record.migration_target.is_some() && !leaving.hand_over {

@@ -132,10 +132,17 @@ pub struct MigrationState<'a> {
     pub target_node: &'a str,
     /// `targetPod`: the target virt-launcher pod's name.
     pub target_pod: &'a str,
+    /// `sourceNode`: where the migration started.
+    pub source_node: &'a str,
+    /// `sourcePod`: the source virt-launcher pod's name.
+    pub source_pod: &'a str,
     /// `completed`.
     pub completed: bool,
     /// `failed`.
     pub failed: bool,
+    /// The VM instance itself has ended (`status.phase` Succeeded or Failed) or is being
+    /// deleted: no migration of it will record an end any more.
+    pub instance_ended: bool,
 }
 
 /// What a VM's source sandbox, leaving, does with the migration target attached to its
@@ -160,6 +167,13 @@ pub fn handover_check(target: &MigrationTarget, state: Option<&MigrationState<'_
     let what = format!("migration {} to pod {} on node {}", target.migration_uid, target.pod.name, target.node);
     match state {
         None => Handover::Refused(format!("the VM instance records no {what}")),
+        // A later migration started from the target: the VM ran there, so this one completed.
+        Some(s)
+            if s.migration_uid != target.migration_uid
+                && (s.source_node, s.source_pod) == (target.node.as_str(), target.pod.name.as_str()) =>
+        {
+            Handover::Confirmed
+        }
         Some(s) if s.migration_uid != target.migration_uid => {
             Handover::Refused(format!("the VM instance records migration {:?}, not {what}", s.migration_uid))
         }
@@ -168,6 +182,9 @@ pub fn handover_check(target: &MigrationTarget, state: Option<&MigrationState<'_
             s.target_pod, s.target_node
         )),
         Some(s) if s.failed => Handover::Refused(format!("the VM instance's {what} failed")),
+        Some(s) if !s.completed && s.instance_ended => {
+            Handover::Refused(format!("the VM instance ended without recording the end of its {what}"))
+        }
         Some(s) if !s.completed => Handover::Pending(format!("the VM instance's {what} has not completed yet")),
         Some(_) => Handover::Confirmed,
     }
@@ -479,8 +496,20 @@ mod test {
             migration_uid: "m1",
             target_node: "node-1",
             target_pod: "virt-launcher-vm1-dst",
+            source_node: "node-0",
+            source_pod: "virt-launcher-vm1-src",
             completed: true,
             failed: false,
+            instance_ended: false,
+        };
+        let later = MigrationState {
+            migration_uid: "m2",
+            target_node: "node-2",
+            target_pod: "virt-launcher-vm1-next",
+            source_node: "node-1",
+            source_pod: "virt-launcher-vm1-dst",
+            completed: false,
+            ..done
         };
         let refused = |why: &str| Handover::Refused(why.to_string());
         let cases = [
@@ -494,6 +523,16 @@ mod test {
             ),
             (Some(MigrationState { failed: true, ..done }), refused("failed")),
             (Some(MigrationState { completed: false, ..done }), Handover::Pending("has not completed".into())),
+            (
+                Some(MigrationState { completed: false, instance_ended: true, ..done }),
+                refused("ended without recording"),
+            ),
+            // A later migration from the target shows this one completed to it.
+            (Some(later), Handover::Confirmed),
+            (
+                Some(MigrationState { source_pod: "virt-launcher-vm1-src", ..later }),
+                refused("records migration \"m2\""),
+            ),
         ];
         for (state, expected) in cases {
             let got = handover_check(&target, state.as_ref());
