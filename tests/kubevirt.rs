@@ -1,11 +1,13 @@
 //! KubeVirt VMs on the real control plane with KubeVirt's real CRDs: a VM keeps its IP across
 //! a restart and a live migration (the target inherits it; the source's late DEL neither frees
-//! it nor deletes the claim), an aborted migration leaves it with the source, and a VM and a
+//! it nor deletes the claim), an aborted migration leaves it with the source, a target no
+//! migration backs gets nothing and is detached by the controller, and a VM and a
 //! StatefulSet pod of the same name never share a claim. The test plays virt-controller:
 //! it creates the VMIs, migrations and virt-launcher pods as KubeVirt shapes them.
 
 mod support;
 
+use e2e::ipwarden::ReleaseHold;
 use e2e::wait::{self, Probe};
 use ipwarden::crd::{Allocation, IPBlock};
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -25,10 +27,17 @@ const NS: &str = "default";
 /// write below is one the apiserver lets a node make), a controller, one pool, and KubeVirt's
 /// CRDs.
 async fn start(cidr: &str) -> Ipwarden {
+    start_with(cidr, &[]).await
+}
+
+/// [`start`], with `controller_args` added to the controller's.
+async fn start_with(cidr: &str, controller_args: &[&str]) -> Ipwarden {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let mut ipwarden = Ipwarden::start_node_bound(2, &[("pool", json!({"cidr": cidr, "default": true}))], &[]).await;
     e2e::kubevirt::install_crds(&ipwarden.cluster, TIMEOUT).await.expect("KubeVirt CRDs install");
-    let controller = ipwarden.start_controller("controller-0", &["--full-scan-interval-seconds=2"]);
+    let args: Vec<&str> =
+        ["--full-scan-interval-seconds=2"].into_iter().chain(controller_args.iter().copied()).collect();
+    let controller = ipwarden.start_controller("controller-0", &args);
     ipwarden.wait_leader(controller).await;
     ipwarden
 }
@@ -59,6 +68,19 @@ async fn delete_pod_and_wait(client: &Client, name: &str) {
     })
     .await
     .expect("pod goes");
+}
+
+/// Virt-launcher `pod` exits (the VM stopped, or a migration's source finished): kubelet
+/// records the phase, and the pod's DEL follows.
+async fn launcher_exits(client: &Client, pod: &Pod) {
+    Api::<Pod>::namespaced(client.clone(), NS)
+        .patch_status(
+            &pod.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"phase": "Succeeded"}})),
+        )
+        .await
+        .expect("the launcher exits");
 }
 
 /// Waits until node `node`'s runtime has torn down pod `uid`'s sandbox (its CNI DEL ran).
@@ -148,14 +170,7 @@ async fn a_live_migration_target_inherits_the_vm_ip_and_the_source_late_del_free
     // The source's virt-launcher exits before KubeVirt has recorded the migration's end in the
     // VMI: the source's DEL waits (fails, and the runtime retries it), handing nothing over.
     record_migration_state(&client, NS, "vm-m-migration", "vm-m", &target, false).await;
-    Api::<Pod>::namespaced(client.clone(), NS)
-        .patch_status(
-            &source.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"phase": "Succeeded"}})),
-        )
-        .await
-        .expect("source launcher exits");
+    launcher_exits(&client, &source).await;
     wait::until("the source's DEL waiting for the migration's end", TIMEOUT, || async {
         let waiting =
             support::metric(&ipwarden.scrape_agent(0).await, r#"ipwarden_agent_releases_total{result="waiting"}"#);
@@ -338,14 +353,18 @@ async fn a_live_vm_whose_instance_stopped_keeps_its_reservation_and_claim() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_source_leaving_hands_its_ip_to_no_target_its_vm_instance_does_not_name() {
-    let ipwarden = start("10.65.0.0/24").await;
+async fn a_forged_migration_target_gets_nothing_from_the_source_and_the_controller_detaches_it() {
+    // The hold keeps the controller from detaching the forged target until the source has left,
+    // so that the source's DEL meets it.
+    let hold_path = std::env::temp_dir().join(format!("ipwarden-kubevirt-hold-{}", std::process::id()));
+    let hold = ReleaseHold::start(&hold_path).expect("controller hold");
+    let ipwarden = start_with("10.65.0.0/24", &[&hold.flag()]).await;
     let client = ipwarden.client();
     let (_, source) = run_vm(&client, "vm-f", "node-0").await;
     let (ip, source_uid) = (ip_of(&source), source.uid().unwrap_or_default());
 
-    // node-1 attaches a target of its own to the VM's record, for no migration KubeVirt runs
-    // (a write the node-bound policy lets a node make: it cannot read the migration).
+    // node-1 attaches a target of its own to the VM's record, for no migration KubeVirt runs and
+    // no pod (a write the node-bound policy lets a node make: it cannot read the migration).
     let blocks: Api<IPBlock> = Api::all(client.clone());
     let mut block = blocks
         .list(&ListParams::default())
@@ -361,16 +380,14 @@ async fn a_source_leaving_hands_its_ip_to_no_target_its_vm_instance_does_not_nam
         record.migration_target = Some(serde_json::from_value(forged).expect("target"));
     }
     blocks.replace(&block.name_any(), &PostParams::default(), &block).await.expect("attach the forged target");
+    wait::until("the controller's detach of the forged target held", TIMEOUT, || async {
+        Ok(if hold.holds_a_release() { Probe::Done(()) } else { Probe::Pending("not held yet".into()) })
+    })
+    .await
+    .expect("the controller decides to detach a target no pod backs");
 
     // The VM stops: its launcher exits and the source's DEL comes.
-    Api::<Pod>::namespaced(client.clone(), NS)
-        .patch_status(
-            &source.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"phase": "Succeeded"}})),
-        )
-        .await
-        .expect("source launcher exits");
+    launcher_exits(&client, &source).await;
     wait_sandbox_gone(&ipwarden, 0, &source_uid).await;
     let after = record_of(&client, &ip).await;
     assert_eq!(
@@ -382,7 +399,29 @@ async fn a_source_leaving_hands_its_ip_to_no_target_its_vm_instance_does_not_nam
     assert_eq!(
         after.migration_target.map(|t| t.pod.uid),
         Some("forged-uid".to_string()),
-        "the forged target gets nothing; it stays attached, so no node can free the IP under a real one"
+        "the forged target gets nothing; the source leaves it attached, so no node can free the IP under a real one"
     );
+
+    // The controller re-reads the target's pod live, finds none, and detaches the target, so
+    // that it blocks neither the VM's restart nor its next migration.
+    drop(hold);
+    wait::until("the forged target detached", TIMEOUT, || async {
+        let record = record_of(&client, &ip).await;
+        Ok(match record.migration_target {
+            None => Probe::Done(record),
+            Some(target) => Probe::Pending(format!("still attached: {}", target.pod.uid)),
+        })
+    })
+    .await
+    .map(|record| {
+        assert_eq!(record.pod.uid, source_uid, "detaching the target leaves the VM's reservation: {record:?}");
+        assert!(record.container_id.is_empty() && record.node == "node-0", "{record:?}");
+    })
+    .expect("the controller detaches a target no pod backs");
+    let detached = support::metric(
+        &ipwarden.scrape_controller(0).await.unwrap_or_default(),
+        r#"ipwarden_gc_migration_targets_detached_total{pool="pool"}"#,
+    );
+    assert_eq!(detached, 1.0, "counted once");
     assert!(!released(&client, &ip).await, "not freed: the VM lives");
 }

@@ -77,6 +77,8 @@ pub struct ControllerMetrics {
     pub pool_handshaking: Family<PoolLabels, Gauge>,
     /// Release-handshake steps the controller wrote, by pool and step.
     pub handshakes: Family<HandshakeLabels, Counter>,
+    /// KubeVirt migration targets detached because no pod backs them, by pool.
+    pub targets_detached: Family<PoolLabels, Counter>,
     /// 1 while this replica leads.
     pub leader: Gauge,
     /// From the pod's end (deletion or completion) to its IP being free.
@@ -112,6 +114,7 @@ impl ControllerMetrics {
             pool_sticky: Family::default(),
             pool_handshaking: Family::default(),
             handshakes: Family::default(),
+            targets_detached: Family::default(),
             leader: Gauge::default(),
             reclaim_latency: Histogram::new(exponential_buckets(0.1, 2.0, 14)),
             conflict_retries: Counter::default(),
@@ -156,6 +159,11 @@ impl ControllerMetrics {
             "gc_release_handshakes",
             "Release-handshake steps written by the controller, by pool and step (marked, aborted, answered_for_agent)",
             m.handshakes.clone(),
+        );
+        r.register(
+            "gc_migration_targets_detached",
+            "KubeVirt migration targets detached from a VM's record because no live launcher pod of the VM backs them",
+            m.targets_detached.clone(),
         );
         r.register("controller_leader", "1 while this controller replica leads", m.leader.clone());
         r.register(

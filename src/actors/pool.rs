@@ -22,7 +22,7 @@ use super::events::EventWriter;
 use super::metrics::{ControllerMetrics, FailureLabels, PoolLabels, ReleaseLabels};
 use super::watches::SharedIndex;
 use crate::block_store::{BlockStore, CasOutcome};
-use crate::crd::{HandshakeState, IPBlock, IPBlockSpec, IPPool, ReleaseHandshake};
+use crate::crd::{Allocation, HandshakeState, IPBlock, IPBlockSpec, IPPool, MigrationTarget, ReleaseHandshake};
 use crate::gc::events::{RecordEvent, RecordEventKind};
 use crate::gc::handshake::{ControllerStep, controller_step, mark_settles_release, takeover_marked};
 use crate::gc::index::PodFacts;
@@ -71,6 +71,8 @@ pub enum ChangeOutcome {
     Aborted,
     /// A sticky takeover mark was answered for a node whose agent cannot answer.
     Answered,
+    /// A KubeVirt migration target no pod backs was detached.
+    Detached,
     /// The re-check dropped the change; the reason says why.
     Skipped(&'static str),
     /// The write failed.
@@ -90,6 +92,8 @@ pub struct ApplyOutcome {
     pub aborted: usize,
     /// Sticky takeover marks answered for a node whose agent cannot answer.
     pub answered: usize,
+    /// Migration targets detached because no pod backs them.
+    pub detached: usize,
     /// Changes dropped by the re-check.
     pub skipped: usize,
     /// Changes that failed.
@@ -99,7 +103,10 @@ pub struct ApplyOutcome {
 impl ChangeOutcome {
     /// Whether the outcome changed the block, so that it must be written.
     fn writes(&self) -> bool {
-        matches!(self, Self::Released(_) | Self::Repaired | Self::Marked | Self::Aborted | Self::Answered)
+        matches!(
+            self,
+            Self::Released(_) | Self::Repaired | Self::Marked | Self::Aborted | Self::Answered | Self::Detached
+        )
     }
 }
 
@@ -111,6 +118,7 @@ impl ApplyOutcome {
             ChangeOutcome::Marked => self.marked += 1,
             ChangeOutcome::Aborted => self.aborted += 1,
             ChangeOutcome::Answered => self.answered += 1,
+            ChangeOutcome::Detached => self.detached += 1,
             ChangeOutcome::Skipped(_) => self.skipped += 1,
             ChangeOutcome::Failed(_) => self.failed += 1,
         }
@@ -150,8 +158,9 @@ pub struct PoolContext {
     /// The writer of release and repair Events.
     pub events: EventWriter,
     /// Tests only (`--test-release-hold`): while this file exists, every release the pool
-    /// actor is about to write (an answered mark's, or one no agent can answer) waits before its
-    /// live re-reads, with `<file>.held` present to say it does.
+    /// actor is about to write (an answered mark's, or one no agent can answer) and every
+    /// migration target it is about to detach waits before its live re-reads, with
+    /// `<file>.held` present to say it does.
     pub test_release_hold: Option<std::path::PathBuf>,
 }
 
@@ -466,6 +475,10 @@ async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outco
             metrics.handshake(pool, "answered_for_agent");
             tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), "sticky takeover answered for a node whose agent cannot answer");
         }
+        (ChangeOutcome::Detached, ChangeAction::DetachTarget { target_uid }) => {
+            metrics.targets_detached.get_or_create(&PoolLabels { pool: pool.to_string() }).inc();
+            tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), target_uid = %target_uid, "migration target detached: no live launcher pod of the VM backs it");
+        }
         (ChangeOutcome::Aborted, _) => {
             metrics.handshake(pool, "aborted");
             tracing::info!(pool, ip = %change.ip, "release handshake aborted: no longer a candidate, or the agent refused");
@@ -525,6 +538,21 @@ async fn live_recheck(client: &Client, change: &RecordChange) -> Result<Option<&
     ))
 }
 
+/// Why detaching `target` from `record` must not be written after all, from a live read of the
+/// target's pod: a pod that backs it ([`crate::ipam::workload::target_unbacked`]) may have
+/// appeared since the cache was read.
+async fn live_target_recheck(
+    client: &Client,
+    record: &Allocation,
+    target: &MigrationTarget,
+) -> Result<Option<&'static str>, kube::Error> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &target.pod.namespace);
+    let live = pods.get_opt(&target.pod.name).await?.map(|p| PodFacts::of(&p));
+    let unbacked =
+        crate::ipam::workload::target_unbacked(record.owner.as_ref(), target, live.as_ref().map(PodFacts::as_target));
+    Ok(unbacked.is_none().then_some("target_backed"))
+}
+
 /// What one change needs from outside its block, read once per batch before the
 /// compare-and-swap (so a retry after a conflict repeats no API call): the live re-check of
 /// the record's pod, and whether the re-read owner still wants a sticky record. `None`: not
@@ -558,6 +586,23 @@ async fn read_live_facts(
     let mut owners_read: HashMap<(&str, &str, bool), bool> = HashMap::new();
     for (change, _) in changes {
         let record = newest.and_then(|b| b.spec.allocations.get(&change.ip)).filter(|r| r.pod.uid == change.pod.uid);
+        if let (Some(record), ChangeAction::DetachTarget { target_uid }) = (record, &change.action) {
+            let target = record.migration_target.as_ref().filter(|t| &t.pod.uid == target_uid);
+            let recheck = match target {
+                None => None,
+                Some(target) => {
+                    if let Some(hold) = &context.test_release_hold {
+                        wait_while_held(hold).await;
+                    }
+                    let read = live_target_recheck(&context.client, record, target).await.map_err(|e| {
+                        format!("reading migration target pod {}/{}: {e}", target.pod.namespace, target.pod.name)
+                    });
+                    Some(read)
+                }
+            };
+            facts.push(LiveFacts { recheck, ..LiveFacts::default() });
+            continue;
+        }
         let (Some(record), ChangeAction::Release { reason, .. }) = (record, &change.action) else {
             facts.push(LiveFacts::default());
             continue;
@@ -614,7 +659,7 @@ async fn read_live_facts(
 const HOLD_POLL: Duration = Duration::from_millis(50);
 
 /// Tests only: while `hold` exists, waits, with `<hold>.held` present so the test knows a
-/// release is held (`--test-release-hold`).
+/// release or a detach is held (`--test-release-hold`).
 async fn wait_while_held(hold: &std::path::Path) {
     if !hold.exists() {
         return;
@@ -623,7 +668,7 @@ async fn wait_while_held(hold: &std::path::Path) {
     if let Err(e) = std::fs::write(&held, b"") {
         tracing::warn!(path = %held.display(), error = %e, "test hold: cannot say that a release is held");
     }
-    tracing::warn!(path = %hold.display(), "test hold: a release waits before its live re-reads");
+    tracing::warn!(path = %hold.display(), "test hold: a release or a detach waits before its live re-reads");
     while hold.exists() {
         tokio::time::sleep(HOLD_POLL).await;
     }
@@ -758,10 +803,11 @@ fn apply_one(
             crate::ipam::blocks::repair(record, adopter, now);
             ChangeOutcome::Repaired
         }
-        ChangeAction::AnswerTakeover { detached } => {
+        ChangeAction::AnswerTakeover { detached, mark } => {
             // Decided for a reservation, whose node's NotReady policy did not count: a sandbox
-            // attached since waits for the policy again.
-            if *detached && crate::ipam::blocks::may_be_attached(record) {
+            // attached since waits for the policy again. A mark written since, for a claimant
+            // the decision did not check, is decided again.
+            if (*detached && crate::ipam::blocks::may_be_attached(record)) || !mark.still_on(record) {
                 return ChangeOutcome::Skipped("record_changed");
             }
             let node = record.node.clone();
@@ -780,6 +826,19 @@ fn apply_one(
                 ),
             });
             ChangeOutcome::Answered
+        }
+        ChangeAction::DetachTarget { target_uid } => {
+            if record.migration_target.as_ref().is_none_or(|t| &t.pod.uid != target_uid) {
+                return ChangeOutcome::Skipped("record_changed");
+            }
+            match &facts.recheck {
+                Some(Ok(None)) => {}
+                Some(Ok(Some(reason))) => return ChangeOutcome::Skipped(reason),
+                Some(Err(e)) => return ChangeOutcome::Failed(e.clone()),
+                None => return ChangeOutcome::Skipped("record_changed"),
+            }
+            record.migration_target = None;
+            ChangeOutcome::Detached
         }
         // Each abort clears only the kind of mark it was decided for: an agent's takeover mark
         // written after a sweep decided to clear a controller mark stays, and the reverse.
@@ -906,6 +965,82 @@ mod test {
                 }
             }
             assert_eq!(outcome.writes(), matches!(want, ChangeOutcome::Released(_) | ChangeOutcome::Marked));
+        }
+    }
+
+    #[test]
+    fn the_controller_answers_a_takeover_only_for_the_mark_its_decision_checked() {
+        use crate::gc::sweep::MarkSeen;
+        let mark = |claimant: &str, at: i64| ReleaseHandshake {
+            state: HandshakeState::MarkedForRelease,
+            marked_at: Time(Timestamp::from_second(at).expect("time")),
+            reason: "sticky takeover".into(),
+            detail: None,
+            pod_ended_at: None,
+            takeover: Some(Takeover { pod: record(claimant).pod, node: "m".into() }),
+        };
+        let with = |handshake| Allocation { release_handshake: Some(handshake), ..record("u1") };
+        let seen = MarkSeen::of(&with(mark("u2", 10))).expect("a takeover mark");
+        let answer =
+            RecordChange { action: ChangeAction::AnswerTakeover { detached: false, mark: seen }, ..release(false) };
+        let cases = [
+            (with(mark("u2", 10)), ChangeOutcome::Answered),
+            // Re-marked since the decision: another claimant, or the same one marked again.
+            (with(mark("u3", 10)), ChangeOutcome::Skipped("record_changed")),
+            (with(mark("u2", 11)), ChangeOutcome::Skipped("record_changed")),
+            (record("u1"), ChangeOutcome::Skipped("record_changed")),
+        ];
+        for (fresh, want) in cases {
+            let mut spec = IPBlockSpec::default();
+            spec.allocations.insert(IP.into(), fresh.clone());
+            let outcome =
+                apply_one(&mut spec, &answer, None, &LiveFacts::default(), &HashMap::new(), Timestamp::UNIX_EPOCH);
+            assert_eq!(outcome, want, "{fresh:?}");
+            let state = spec.allocations[IP].release_handshake.as_ref().map(|h| h.state);
+            let answered = matches!(want, ChangeOutcome::Answered);
+            assert_eq!(state == Some(HandshakeState::ReadyForRelease), answered, "{fresh:?}");
+        }
+    }
+
+    #[test]
+    fn a_migration_target_is_detached_only_while_it_is_the_one_decided_on_and_the_live_read_finds_no_backing() {
+        use crate::crd::MigrationTarget;
+        let target = |uid: &str| MigrationTarget {
+            migration_uid: "m1".into(),
+            pod: PodRef { namespace: "default".into(), name: "virt-launcher-vm-dst".into(), uid: uid.into() },
+            node: "node-1".into(),
+            container_id: "c2".into(),
+            interface: "eth0".into(),
+        };
+        let with = |uid: &str| Allocation { migration_target: Some(target(uid)), ..record("u1") };
+        let detach = RecordChange { action: ChangeAction::DetachTarget { target_uid: "t1".into() }, ..release(false) };
+        let failed = LiveFacts { recheck: Some(Err("reading pod: boom".into())), ..LiveFacts::default() };
+        let cases = [
+            (with("t1"), facts(Some(None), false), ChangeOutcome::Detached),
+            (with("t1"), facts(Some(Some("target_backed")), false), ChangeOutcome::Skipped("target_backed")),
+            (with("t1"), facts(None, false), ChangeOutcome::Skipped("record_changed")),
+            (with("t1"), failed, ChangeOutcome::Failed("reading pod: boom".into())),
+            (with("t2"), facts(Some(None), false), ChangeOutcome::Skipped("record_changed")),
+            (record("u1"), facts(Some(None), false), ChangeOutcome::Skipped("record_changed")),
+            (
+                Allocation { migration_target: Some(target("t1")), ..record("u9") },
+                facts(Some(None), false),
+                ChangeOutcome::Skipped("record_changed"),
+            ),
+        ];
+        for (fresh, facts, want) in cases {
+            let mut spec = IPBlockSpec::default();
+            spec.allocations.insert(IP.into(), fresh.clone());
+            let outcome = apply_one(&mut spec, &detach, None, &facts, &HashMap::new(), Timestamp::UNIX_EPOCH);
+            assert_eq!(outcome, want, "{fresh:?}");
+            let left = &spec.allocations[IP];
+            match want {
+                ChangeOutcome::Detached => {
+                    assert_eq!(left, &Allocation { migration_target: None, ..fresh }, "only the target goes")
+                }
+                _ => assert_eq!(left, &fresh, "a dropped change leaves the record as it was"),
+            }
+            assert_eq!(outcome.writes(), matches!(want, ChangeOutcome::Detached));
         }
     }
 }

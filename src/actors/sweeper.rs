@@ -94,6 +94,7 @@ impl Sweeper {
             report.marked = outcome.marked;
             report.aborted = outcome.aborted;
             report.answered = outcome.answered;
+            report.detached = outcome.detached;
             report.skipped = outcome.skipped;
             report.failed = outcome.failed;
             let elapsed = started.elapsed();

@@ -76,12 +76,14 @@ impl PodTracer {
         for (block, ip, record) in index.records_of(&traced.pod.uid) {
             let verdict = index.evaluate(&block.name_any(), ip, record, now, &self.settings);
             let takeover = index.takeover_step(record, now, &self.settings);
-            match next_step(verdict, record, index.agent_can_answer(record), takeover) {
+            let target_unbacked = index.target_unbacked(record).is_some();
+            match next_step(verdict, record, index.agent_can_answer(record), takeover, target_unbacked) {
                 Planned::Change(
                     action @ (ChangeAction::Release { .. }
                     | ChangeAction::AbortHandshake
                     | ChangeAction::AbortTakeover
-                    | ChangeAction::AnswerTakeover { .. }),
+                    | ChangeAction::AnswerTakeover { .. }
+                    | ChangeAction::DetachTarget { .. }),
                 ) => changes.push(RecordChange::of(&index, block, ip, record, action)),
                 Planned::Trace(at) => again = Some(again.map_or(at, |a| a.min(at))),
                 // Repairs are the sweep's: it resolves the adopting pod from the IP index.

@@ -182,6 +182,7 @@ fn print_report(report: &SweepReport, output: Output) -> anyhow::Result<()> {
         vec!["marked for release".into(), report.marked.to_string()],
         vec!["handshakes aborted".into(), report.aborted.to_string()],
         vec!["takeovers answered".into(), report.answered.to_string()],
+        vec!["migration targets detached".into(), report.detached.to_string()],
         vec!["skipped at write".into(), report.skipped.to_string()],
         vec!["failed".into(), report.failed.to_string()],
         vec!["traced".into(), report.traced.to_string()],

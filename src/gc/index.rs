@@ -85,6 +85,17 @@ impl PodFacts {
         self.deletion.is_some() || self.phase == Phase::Completed
     }
 
+    /// The pod as a migration target's backing ([`workload::target_unbacked`]): a terminating
+    /// pod still runs its sandbox, so only a finished one has ended.
+    pub fn as_target(&self) -> workload::TargetPod<'_> {
+        workload::TargetPod {
+            uid: &self.uid,
+            node: &self.node,
+            owner: self.owner.as_ref(),
+            ended: self.phase == Phase::Completed,
+        }
+    }
+
     /// Whether the pod's containers are done (Succeeded or Failed). Until then the pod uses
     /// its IPs, terminating or not: a draining pod still serves, and its sandbox's DEL frees
     /// the IP (the node agent's start-up GC, `ipwarden check`'s conflicts).
@@ -790,6 +801,15 @@ impl ClusterIndex {
             owner: holder.owner.clone(),
             sticky: workload::is_sticky(holder.owner.as_ref(), &self.sticky_kinds),
         })
+    }
+
+    /// Why the record's migration target is backed by no pod in the cache
+    /// ([`workload::target_unbacked`]); `None` when it is, or the record has no target. The
+    /// cache may lag a target just attached: the write re-reads the pod live.
+    pub fn target_unbacked(&self, record: &Allocation) -> Option<&'static str> {
+        let target = record.migration_target.as_ref()?;
+        let pod = self.pod(&target.pod.namespace, &target.pod.name);
+        workload::target_unbacked(record.owner.as_ref(), target, pod.map(PodFacts::as_target))
     }
 
     /// The controller's step for a record an agent marked for a sticky takeover; `None`

@@ -72,6 +72,9 @@ pub struct SweepReport {
     /// Sticky takeover marks answered for a node whose agent cannot answer.
     #[serde(default)]
     pub answered: usize,
+    /// KubeVirt migration targets detached because no pod backs them.
+    #[serde(default)]
+    pub detached: usize,
     /// Decided changes the re-check dropped.
     pub skipped: usize,
     /// Changes that failed.
@@ -158,6 +161,9 @@ pub fn describe(change: &RecordChange) -> (&'static str, String) {
         ChangeAction::AbortHandshake => ("abort handshake", "no longer a candidate".to_string()),
         ChangeAction::AbortTakeover => ("abort takeover", "its pod no longer waits".to_string()),
         ChangeAction::AnswerTakeover { .. } => ("answer takeover", "the node's agent cannot answer".to_string()),
+        ChangeAction::DetachTarget { target_uid } => {
+            ("detach migration target", format!("no live launcher pod of the VM backs target pod UID {target_uid}"))
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use kube::ResourceExt;
 use super::handshake::{ControllerStep, TakeoverStep, controller_step};
 use super::index::ClusterIndex;
 use super::rules::{ReleaseReason, RuleSettings, Verdict};
-use crate::crd::{Allocation, IPBlock, PodRef};
+use crate::crd::{Allocation, IPBlock, PodRef, Takeover};
 use crate::ipam::blocks::Adopter;
 
 /// A change to one record, decided from a snapshot and re-checked before it is written.
@@ -82,7 +82,38 @@ pub enum ChangeAction {
     AnswerTakeover {
         /// Decided for a reservation: answered only while the record still names no sandbox.
         detached: bool,
+        /// The mark the decision checked (its claimant, and when it was written): a mark
+        /// written since, for another claimant, is not answered unchecked.
+        mark: MarkSeen,
     },
+    /// Detach the record's KubeVirt migration target, which no pod backs
+    /// ([`crate::ipam::workload::target_unbacked`]).
+    DetachTarget {
+        /// The target pod's UID the decision found unbacked.
+        target_uid: String,
+    },
+}
+
+/// A sticky takeover mark as the controller's decision saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MarkSeen {
+    /// The waiting pod and its node.
+    pub claimant: Takeover,
+    /// When the mark was written.
+    pub marked_at: Timestamp,
+}
+
+impl MarkSeen {
+    /// The takeover mark `record` carries, if any.
+    pub fn of(record: &Allocation) -> Option<Self> {
+        let handshake = record.release_handshake.as_ref()?;
+        Some(Self { claimant: handshake.takeover.clone()?, marked_at: handshake.marked_at.0 })
+    }
+
+    /// Whether `record` still carries this very mark.
+    pub fn still_on(&self, record: &Allocation) -> bool {
+        Self::of(record).as_ref() == Some(self)
+    }
 }
 
 /// The next step for one record, from its verdict and its release handshake.
@@ -107,27 +138,36 @@ pub const STICKY_TAKEOVER: &str = "sticky_takeover";
 /// The next step for a record given its verdict and, for a record an agent marked for a
 /// sticky takeover, the controller's `takeover` step. A record that is no longer a
 /// candidate has its handshake aborted; one marked and waiting for its agent is left
-/// alone; a takeover mark follows its own step (only a repair goes before it).
+/// alone; a takeover mark follows its own step (only a repair goes before it). A kept
+/// record whose migration target no pod backs (`target_unbacked`) has the target detached.
 pub fn next_step(
     verdict: Verdict<'_>,
     record: &Allocation,
     via_agent: bool,
     takeover: Option<TakeoverStep>,
+    target_unbacked: bool,
 ) -> Planned {
     let handshake = record.release_handshake.as_ref().map(|h| h.state);
     if let Some(step) = takeover.filter(|_| !matches!(verdict, Verdict::Repair { .. })) {
-        return match step {
-            TakeoverStep::LeaveToAgents => Planned::Keep(STICKY_TAKEOVER),
-            TakeoverStep::Abort => Planned::Change(ChangeAction::AbortTakeover),
-            TakeoverStep::AnswerForAgent => Planned::Change(ChangeAction::AnswerTakeover {
+        return match (step, MarkSeen::of(record)) {
+            (TakeoverStep::LeaveToAgents, _) => Planned::Keep(STICKY_TAKEOVER),
+            (TakeoverStep::Abort, _) => Planned::Change(ChangeAction::AbortTakeover),
+            (TakeoverStep::AnswerForAgent, Some(mark)) => Planned::Change(ChangeAction::AnswerTakeover {
                 detached: !crate::ipam::blocks::may_be_attached(record),
+                mark,
             }),
-            TakeoverStep::AnswerAt(when) => Planned::Trace(when),
+            // A takeover step exists only for a record carrying a takeover mark.
+            (TakeoverStep::AnswerForAgent, None) => Planned::Keep(STICKY_TAKEOVER),
+            (TakeoverStep::AnswerAt(when), _) => Planned::Trace(when),
         };
     }
+    let detach = record.migration_target.as_ref().filter(|_| target_unbacked);
     match verdict {
         Verdict::Keep(_) if handshake.is_some() => Planned::Change(ChangeAction::AbortHandshake),
-        Verdict::Keep(reason) => Planned::Keep(reason.label()),
+        Verdict::Keep(reason) => match detach {
+            Some(target) => Planned::Change(ChangeAction::DetachTarget { target_uid: target.pod.uid.clone() }),
+            None => Planned::Keep(reason.label()),
+        },
         Verdict::TraceUntil(when) => Planned::Trace(when),
         Verdict::Release { reason, delete_claim } => {
             if controller_step(handshake, via_agent) == ControllerStep::Await {
@@ -167,7 +207,8 @@ pub fn plan<'a>(
             plan.scanned += 1;
             let verdict = index.evaluate(&name, ip, record, now, settings);
             let via_agent = index.agent_can_answer(record);
-            match next_step(verdict, record, via_agent, index.takeover_step(record, now, settings)) {
+            let takeover = index.takeover_step(record, now, settings);
+            match next_step(verdict, record, via_agent, takeover, index.target_unbacked(record).is_some()) {
                 Planned::Keep(reason) => *plan.kept.entry(reason).or_default() += 1,
                 Planned::Trace(when) => {
                     let placeholder =
@@ -376,11 +417,49 @@ mod test {
         let forged = plan_of(takeover("deleted-node", "marked-for-release"), &[Arc::new(elsewhere)]);
         assert_eq!(forged.changes[0].action, ChangeAction::AbortTakeover, "the waiting pod is not where the mark says");
         let answered = plan_of(takeover("deleted-node", "marked-for-release"), std::slice::from_ref(&waiting));
-        assert_eq!(
-            answered.changes[0].action,
-            ChangeAction::AnswerTakeover { detached: false },
-            "a deleted node cannot answer"
+        let ChangeAction::AnswerTakeover { detached, mark } = &answered.changes[0].action else {
+            panic!("a deleted node cannot answer: {:?}", answered.changes[0].action);
+        };
+        assert!(!detached);
+        assert_eq!((mark.claimant.pod.uid.as_str(), mark.claimant.node.as_str()), ("u-new", "n2"), "the mark checked");
+    }
+
+    #[test]
+    fn a_kept_vm_record_has_its_migration_target_detached_once_no_launcher_of_the_vm_backs_it() {
+        use crate::ipam::workload::KUBEVIRT_VMI_KIND;
+        let launcher = |name: &str, uid: &str, node: &str, vmi: &str| -> Arc<Pod> {
+            Arc::new(
+                serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": name, "uid": uid,
+                    "ownerReferences": [{"apiVersion": "kubevirt.io/v1", "kind": KUBEVIRT_VMI_KIND, "name": vmi,
+                                         "uid": "vmi-uid", "controller": true}]},
+                    "spec": {"nodeName": node}, "status": {"phase": "Running", "podIPs": [{"ip": "10.0.0.7"}]}}))
+                .expect("pod"),
+            )
+        };
+        let mut vm = record("virt-launcher-vm1-src", "u-src");
+        vm["sticky"] = json!(true);
+        vm["owner"] = json!({"kind": KUBEVIRT_VMI_KIND, "name": "vm1"});
+        vm["migrationTarget"] = json!({"migrationUid": "m1", "node": "n2", "containerId": "c2", "interface": "eth0",
+                                       "pod": {"namespace": "ns", "name": "virt-launcher-vm1-dst", "uid": "u-dst"}});
+        let source = launcher("virt-launcher-vm1-src", "u-src", "n1", "vm1");
+        let sticky = [KUBEVIRT_VMI_KIND.to_string()];
+        let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
+        let plan_with = |pods: &[Arc<Pod>]| {
+            plan(&index_of(pods, &[], &sticky), &[block(json!({"10.0.0.7": vm.clone()}))], Timestamp::now(), &settings)
+        };
+        let detach = ChangeAction::DetachTarget { target_uid: "u-dst".into() };
+        let forged = plan_with(std::slice::from_ref(&source));
+        assert_eq!(forged.changes.iter().map(|c| &c.action).collect::<Vec<_>>(), [&detach], "no pod backs it");
+        let real = launcher("virt-launcher-vm1-dst", "u-dst", "n2", "vm1");
+        let migrating = plan_with(&[source.clone(), real]);
+        assert!(
+            migrating.changes.is_empty(),
+            "a live launcher of the VM on the target's node: {:?}",
+            migrating.changes
         );
+        let of_another_vm = launcher("virt-launcher-vm1-dst", "u-dst", "n2", "vm2");
+        let decoy = plan_with(&[source.clone(), of_another_vm]);
+        assert_eq!(decoy.changes.iter().map(|c| &c.action).collect::<Vec<_>>(), [&detach], "another VM's pod");
     }
 
     #[test]

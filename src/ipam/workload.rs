@@ -190,6 +190,42 @@ pub fn handover_check(target: &MigrationTarget, state: Option<&MigrationState<'_
     }
 }
 
+/// A migration target's pod as the controller reads it ([`target_unbacked`]).
+#[derive(Clone, Copy, Debug)]
+pub struct TargetPod<'a> {
+    /// Its UID as the runtime knows it.
+    pub uid: &'a str,
+    /// Its node.
+    pub node: &'a str,
+    /// Its controller.
+    pub owner: Option<&'a OwnerRef>,
+    /// Its phase is Succeeded or Failed.
+    pub ended: bool,
+}
+
+/// Why the migration target attached to a VM's record `record_owner` is backed by no pod
+/// (`None`: it is), given the pod of the target's name (`None`: no such pod). A real target is
+/// a live virt-launcher pod of the same VM instance, with the target's UID, on the target's
+/// node. Any node may attach a target of its own (the policy cannot read the migration), so a
+/// target no pod backs is detached by the controller: left there, it would block the VM's
+/// restart on its own node and its next migration (decision 0022).
+pub fn target_unbacked(
+    record_owner: Option<&OwnerRef>,
+    target: &MigrationTarget,
+    pod: Option<TargetPod<'_>>,
+) -> Option<&'static str> {
+    match pod {
+        None => Some("target_pod_gone"),
+        Some(p) if p.uid != target.pod.uid => Some("target_pod_gone"),
+        Some(p) if p.ended => Some("target_pod_ended"),
+        Some(p) if p.node != target.node => Some("target_pod_elsewhere"),
+        Some(p) if record_owner.is_none_or(|o| o.kind != KUBEVIRT_VMI_KIND) || p.owner != record_owner => {
+            Some("target_pod_not_the_vms")
+        }
+        Some(_) => None,
+    }
+}
+
 /// The interfaces a sticky pod's IPClaim lists once interface `interface` of pod `uid` holds
 /// its IPs. The other interfaces stay when the claim is that pod's, and also when the pod takes
 /// over a sticky claim of its predecessor: they are the workload's reservations, which the
@@ -482,16 +518,44 @@ mod test {
         }
     }
 
-    #[test]
-    fn a_source_hands_its_record_over_only_to_the_target_of_the_migration_its_vm_completed() {
-        use crate::crd::PodRef;
-        let target = MigrationTarget {
+    /// VM vm1's target pod `virt-launcher-vm1-dst` (UID `dst`) on node-1, for migration m1.
+    fn migration_target() -> MigrationTarget {
+        MigrationTarget {
             migration_uid: "m1".into(),
-            pod: PodRef { namespace: "ns".into(), name: "virt-launcher-vm1-dst".into(), uid: "dst".into() },
+            pod: crate::crd::PodRef { namespace: "ns".into(), name: "virt-launcher-vm1-dst".into(), uid: "dst".into() },
             node: "node-1".into(),
             container_id: "c".into(),
             interface: "eth0".into(),
-        };
+        }
+    }
+
+    #[test]
+    fn a_migration_target_is_backed_only_by_a_live_launcher_of_the_same_vm_on_its_node() {
+        let target = migration_target();
+        let vmi = OwnerRef { kind: KUBEVIRT_VMI_KIND.into(), name: "vm1".into() };
+        let other_vmi = OwnerRef { name: "vm2".into(), ..vmi.clone() };
+        let sts = OwnerRef { kind: "StatefulSet".into(), name: "vm1".into() };
+        let live = TargetPod { uid: "dst", node: "node-1", owner: Some(&vmi), ended: false };
+        let cases = [
+            (Some(&vmi), Some(live), None),
+            (Some(&vmi), None, Some("target_pod_gone")),
+            (Some(&vmi), Some(TargetPod { uid: "other", ..live }), Some("target_pod_gone")),
+            (Some(&vmi), Some(TargetPod { ended: true, ..live }), Some("target_pod_ended")),
+            (Some(&vmi), Some(TargetPod { node: "node-2", ..live }), Some("target_pod_elsewhere")),
+            (Some(&vmi), Some(TargetPod { owner: Some(&other_vmi), ..live }), Some("target_pod_not_the_vms")),
+            (Some(&vmi), Some(TargetPod { owner: None, ..live }), Some("target_pod_not_the_vms")),
+            // Only a VM's record has a migration target; a target on any other record is forged.
+            (Some(&sts), Some(TargetPod { owner: Some(&sts), ..live }), Some("target_pod_not_the_vms")),
+            (None, Some(TargetPod { owner: None, ..live }), Some("target_pod_not_the_vms")),
+        ];
+        for (owner, pod, expected) in cases {
+            assert_eq!(target_unbacked(owner, &target, pod), expected, "{owner:?} {pod:?}");
+        }
+    }
+
+    #[test]
+    fn a_source_hands_its_record_over_only_to_the_target_of_the_migration_its_vm_completed() {
+        let target = migration_target();
         let done = MigrationState {
             migration_uid: "m1",
             target_node: "node-1",
