@@ -475,9 +475,9 @@ async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outco
             metrics.handshake(pool, "answered_for_agent");
             tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), "sticky takeover answered for a node whose agent cannot answer");
         }
-        (ChangeOutcome::Detached, ChangeAction::DetachTarget { target_uid }) => {
+        (ChangeOutcome::Detached, ChangeAction::DetachTarget { target, why }) => {
             metrics.targets_detached.get_or_create(&PoolLabels { pool: pool.to_string() }).inc();
-            tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), target_uid = %target_uid, "migration target detached: no live launcher pod of the VM backs it");
+            tracing::info!(pool, ip = %change.ip, pod = %format!("{}/{}", change.pod.namespace, change.pod.name), target = %format!("{}/{}", target.pod.namespace, target.pod.name), target_uid = %target.pod.uid, target_node = %target.node, why, "migration target detached: no live launcher pod of the VM backs it");
         }
         (ChangeOutcome::Aborted, _) => {
             metrics.handshake(pool, "aborted");
@@ -586,8 +586,8 @@ async fn read_live_facts(
     let mut owners_read: HashMap<(&str, &str, bool), bool> = HashMap::new();
     for (change, _) in changes {
         let record = newest.and_then(|b| b.spec.allocations.get(&change.ip)).filter(|r| r.pod.uid == change.pod.uid);
-        if let (Some(record), ChangeAction::DetachTarget { target_uid }) = (record, &change.action) {
-            let target = record.migration_target.as_ref().filter(|t| &t.pod.uid == target_uid);
+        if let (Some(record), ChangeAction::DetachTarget { target: decided, .. }) = (record, &change.action) {
+            let target = record.migration_target.as_ref().filter(|t| *t == decided);
             let recheck = match target {
                 None => None,
                 Some(target) => {
@@ -827,8 +827,8 @@ fn apply_one(
             });
             ChangeOutcome::Answered
         }
-        ChangeAction::DetachTarget { target_uid } => {
-            if record.migration_target.as_ref().is_none_or(|t| &t.pod.uid != target_uid) {
+        ChangeAction::DetachTarget { target, .. } => {
+            if record.migration_target.as_ref() != Some(target) {
                 return ChangeOutcome::Skipped("record_changed");
             }
             match &facts.recheck {
@@ -1013,7 +1013,8 @@ mod test {
             interface: "eth0".into(),
         };
         let with = |uid: &str| Allocation { migration_target: Some(target(uid)), ..record("u1") };
-        let detach = RecordChange { action: ChangeAction::DetachTarget { target_uid: "t1".into() }, ..release(false) };
+        let action = ChangeAction::DetachTarget { target: target("t1"), why: "target_pod_gone" };
+        let detach = RecordChange { action, ..release(false) };
         let failed = LiveFacts { recheck: Some(Err("reading pod: boom".into())), ..LiveFacts::default() };
         let cases = [
             (with("t1"), facts(Some(None), false), ChangeOutcome::Detached),
@@ -1021,6 +1022,14 @@ mod test {
             (with("t1"), facts(None, false), ChangeOutcome::Skipped("record_changed")),
             (with("t1"), failed, ChangeOutcome::Failed("reading pod: boom".into())),
             (with("t2"), facts(Some(None), false), ChangeOutcome::Skipped("record_changed")),
+            (
+                Allocation {
+                    migration_target: Some(MigrationTarget { node: "node-2".into(), ..target("t1") }),
+                    ..record("u1")
+                },
+                facts(Some(None), false),
+                ChangeOutcome::Skipped("record_changed"),
+            ),
             (record("u1"), facts(Some(None), false), ChangeOutcome::Skipped("record_changed")),
             (
                 Allocation { migration_target: Some(target("t1")), ..record("u9") },

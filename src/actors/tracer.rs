@@ -76,8 +76,8 @@ impl PodTracer {
         for (block, ip, record) in index.records_of(&traced.pod.uid) {
             let verdict = index.evaluate(&block.name_any(), ip, record, now, &self.settings);
             let takeover = index.takeover_step(record, now, &self.settings);
-            let target_unbacked = index.target_unbacked(record).is_some();
-            match next_step(verdict, record, index.agent_can_answer(record), takeover, target_unbacked) {
+            let unbacked = index.target_unbacked(record, now, &self.settings);
+            match next_step(verdict, record, index.agent_can_answer(record), takeover, unbacked) {
                 Planned::Change(
                     action @ (ChangeAction::Release { .. }
                     | ChangeAction::AbortHandshake

@@ -21,7 +21,9 @@ use kube::core::PartialObjectMeta;
 
 use super::agents::{AgentLease, Observations, stale_agents};
 use super::handshake::{TakeoverStep, claimant_refusal, controller_takeover_step};
-use super::rules::{Facts, IpHolder, NodeState, Phase, PodView, RecordView, RuleSettings, Verdict, decide};
+use super::rules::{
+    Facts, IpHolder, NodeState, NotReadyGate, Phase, PodView, RecordView, RuleSettings, Verdict, decide, not_ready_gate,
+};
 use crate::crd::{Allocation, IPBlock, IPClaim, IPPool, OwnerRef, PodRef};
 use crate::ipam::blocks::{Adopter, may_be_attached};
 pub use crate::ipam::workload::StatefulSetFacts;
@@ -805,9 +807,21 @@ impl ClusterIndex {
 
     /// Why the record's migration target is backed by no pod in the cache
     /// ([`workload::target_unbacked`]); `None` when it is, or the record has no target. The
-    /// cache may lag a target just attached: the write re-reads the pod live.
-    pub fn target_unbacked(&self, record: &Allocation) -> Option<&'static str> {
+    /// cache may lag a target just attached: the write re-reads the pod live. A target on a
+    /// NotReady node is kept as long as the NotReady policy keeps that node's records: a
+    /// partitioned node may still run a force-deleted target's sandbox.
+    pub fn target_unbacked(
+        &self,
+        record: &Allocation,
+        now: Timestamp,
+        settings: &RuleSettings,
+    ) -> Option<&'static str> {
         let target = record.migration_target.as_ref()?;
+        if let NodeState::NotReady(since) = self.node(&target.node)
+            && not_ready_gate(since, settings.not_ready, now) != NotReadyGate::Open
+        {
+            return None;
+        }
         let pod = self.pod(&target.pod.namespace, &target.pod.name);
         workload::target_unbacked(record.owner.as_ref(), target, pod.map(PodFacts::as_target))
     }

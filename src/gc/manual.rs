@@ -161,9 +161,10 @@ pub fn describe(change: &RecordChange) -> (&'static str, String) {
         ChangeAction::AbortHandshake => ("abort handshake", "no longer a candidate".to_string()),
         ChangeAction::AbortTakeover => ("abort takeover", "its pod no longer waits".to_string()),
         ChangeAction::AnswerTakeover { .. } => ("answer takeover", "the node's agent cannot answer".to_string()),
-        ChangeAction::DetachTarget { target_uid } => {
-            ("detach migration target", format!("no live launcher pod of the VM backs target pod UID {target_uid}"))
-        }
+        ChangeAction::DetachTarget { target, why } => (
+            "detach migration target",
+            format!("{why}: pod {} (UID {}) on {}", target.pod.name, target.pod.uid, target.node),
+        ),
     }
 }
 

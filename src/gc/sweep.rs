@@ -11,7 +11,7 @@ use kube::ResourceExt;
 use super::handshake::{ControllerStep, TakeoverStep, controller_step};
 use super::index::ClusterIndex;
 use super::rules::{ReleaseReason, RuleSettings, Verdict};
-use crate::crd::{Allocation, IPBlock, PodRef, Takeover};
+use crate::crd::{Allocation, IPBlock, MigrationTarget, PodRef, Takeover};
 use crate::ipam::blocks::Adopter;
 
 /// A change to one record, decided from a snapshot and re-checked before it is written.
@@ -89,8 +89,11 @@ pub enum ChangeAction {
     /// Detach the record's KubeVirt migration target, which no pod backs
     /// ([`crate::ipam::workload::target_unbacked`]).
     DetachTarget {
-        /// The target pod's UID the decision found unbacked.
-        target_uid: String,
+        /// The target as the decision found it: detached only while the record carries this
+        /// very target.
+        target: MigrationTarget,
+        /// Why no pod backs it ([`crate::ipam::workload::target_unbacked`]).
+        why: &'static str,
     },
 }
 
@@ -138,17 +141,26 @@ pub const STICKY_TAKEOVER: &str = "sticky_takeover";
 /// The next step for a record given its verdict and, for a record an agent marked for a
 /// sticky takeover, the controller's `takeover` step. A record that is no longer a
 /// candidate has its handshake aborted; one marked and waiting for its agent is left
-/// alone; a takeover mark follows its own step (only a repair goes before it). A kept
-/// record whose migration target no pod backs (`target_unbacked`) has the target detached.
+/// alone; a takeover mark follows its own step (only a repair goes before it). A record kept,
+/// or marked for a takeover, whose migration target no pod backs (`target_unbacked`, why) has
+/// the target detached first: a takeover cannot complete while another node's target is
+/// attached.
 pub fn next_step(
     verdict: Verdict<'_>,
     record: &Allocation,
     via_agent: bool,
     takeover: Option<TakeoverStep>,
-    target_unbacked: bool,
+    target_unbacked: Option<&'static str>,
 ) -> Planned {
     let handshake = record.release_handshake.as_ref().map(|h| h.state);
-    if let Some(step) = takeover.filter(|_| !matches!(verdict, Verdict::Repair { .. })) {
+    let repair = matches!(verdict, Verdict::Repair { .. });
+    if let (Some(target), Some(why)) = (record.migration_target.as_ref(), target_unbacked)
+        && !repair
+        && (takeover.is_some() || matches!(verdict, Verdict::Keep(_)))
+    {
+        return Planned::Change(ChangeAction::DetachTarget { target: target.clone(), why });
+    }
+    if let Some(step) = takeover.filter(|_| !repair) {
         return match (step, MarkSeen::of(record)) {
             (TakeoverStep::LeaveToAgents, _) => Planned::Keep(STICKY_TAKEOVER),
             (TakeoverStep::Abort, _) => Planned::Change(ChangeAction::AbortTakeover),
@@ -161,13 +173,9 @@ pub fn next_step(
             (TakeoverStep::AnswerAt(when), _) => Planned::Trace(when),
         };
     }
-    let detach = record.migration_target.as_ref().filter(|_| target_unbacked);
     match verdict {
         Verdict::Keep(_) if handshake.is_some() => Planned::Change(ChangeAction::AbortHandshake),
-        Verdict::Keep(reason) => match detach {
-            Some(target) => Planned::Change(ChangeAction::DetachTarget { target_uid: target.pod.uid.clone() }),
-            None => Planned::Keep(reason.label()),
-        },
+        Verdict::Keep(reason) => Planned::Keep(reason.label()),
         Verdict::TraceUntil(when) => Planned::Trace(when),
         Verdict::Release { reason, delete_claim } => {
             if controller_step(handshake, via_agent) == ControllerStep::Await {
@@ -208,7 +216,8 @@ pub fn plan<'a>(
             let verdict = index.evaluate(&name, ip, record, now, settings);
             let via_agent = index.agent_can_answer(record);
             let takeover = index.takeover_step(record, now, settings);
-            match next_step(verdict, record, via_agent, takeover, index.target_unbacked(record).is_some()) {
+            let unbacked = index.target_unbacked(record, now, settings);
+            match next_step(verdict, record, via_agent, takeover, unbacked) {
                 Planned::Keep(reason) => *plan.kept.entry(reason).or_default() += 1,
                 Planned::Trace(when) => {
                     let placeholder =
@@ -444,22 +453,38 @@ mod test {
         let source = launcher("virt-launcher-vm1-src", "u-src", "n1", "vm1");
         let sticky = [KUBEVIRT_VMI_KIND.to_string()];
         let settings = RuleSettings { additional_delay: Duration::ZERO, not_ready: NotReadyPolicy::Keep };
-        let plan_with = |pods: &[Arc<Pod>]| {
-            plan(&index_of(pods, &[], &sticky), &[block(json!({"10.0.0.7": vm.clone()}))], Timestamp::now(), &settings)
+        let plan_with = |record: &serde_json::Value, pods: &[Arc<Pod>]| {
+            plan(&index_of(pods, &[], &sticky), &[block(json!({"10.0.0.7": record}))], Timestamp::now(), &settings)
         };
-        let detach = ChangeAction::DetachTarget { target_uid: "u-dst".into() };
-        let forged = plan_with(std::slice::from_ref(&source));
-        assert_eq!(forged.changes.iter().map(|c| &c.action).collect::<Vec<_>>(), [&detach], "no pod backs it");
+        let target: crate::crd::MigrationTarget =
+            serde_json::from_value(vm["migrationTarget"].clone()).expect("target");
+        let detach = |why| ChangeAction::DetachTarget { target: target.clone(), why };
+        let actions = |plan: &SweepPlan| plan.changes.iter().map(|c| c.action.clone()).collect::<Vec<_>>();
+        let forged = plan_with(&vm, std::slice::from_ref(&source));
+        assert_eq!(actions(&forged), [detach("target_pod_gone")], "no pod backs it");
         let real = launcher("virt-launcher-vm1-dst", "u-dst", "n2", "vm1");
-        let migrating = plan_with(&[source.clone(), real]);
+        let migrating = plan_with(&vm, &[source.clone(), real]);
         assert!(
             migrating.changes.is_empty(),
             "a live launcher of the VM on the target's node: {:?}",
             migrating.changes
         );
         let of_another_vm = launcher("virt-launcher-vm1-dst", "u-dst", "n2", "vm2");
-        let decoy = plan_with(&[source.clone(), of_another_vm]);
-        assert_eq!(decoy.changes.iter().map(|c| &c.action).collect::<Vec<_>>(), [&detach], "another VM's pod");
+        let decoy = plan_with(&vm, &[source.clone(), of_another_vm]);
+        assert_eq!(actions(&decoy), [detach("target_pod_not_the_vms")], "another VM's pod");
+
+        // The VM's reservation, which a new launcher on n3 marked for a takeover: the target goes
+        // first, as the take cannot complete while another node's target is attached.
+        let mut reservation = vm.clone();
+        reservation["containerId"] = json!("");
+        reservation["releaseHandshake"] = json!({"state": "ready-for-release", "markedAt": "2026-01-01T00:00:00Z",
+            "reason": "sticky takeover", "takeover": {"pod": {"namespace": "ns", "name": "virt-launcher-vm1-new",
+            "uid": "u-new"}, "node": "n3"}});
+        let mut waiting = (*launcher("virt-launcher-vm1-new", "u-new", "n3", "vm1")).clone();
+        waiting.status = None;
+        let waiting = Arc::new(waiting);
+        let restarting = plan_with(&reservation, std::slice::from_ref(&waiting));
+        assert_eq!(actions(&restarting), [detach("target_pod_gone")], "the takeover waits on the target");
     }
 
     #[test]

@@ -257,7 +257,8 @@ pub struct Leaving {
     /// Hand the record to the live migration target attached to it: its VM instance says
     /// that migration completed ([`crate::ipam::workload::handover_check`]). Otherwise the
     /// source only detaches: the record stays its reservation with the target still attached
-    /// (only the target's DEL, or its node, removes it), so the IP is never freed under it.
+    /// (only the target's DEL, its node, or the controller once no pod backs it removes it), so
+    /// the IP is never freed under it.
     pub hand_over: bool,
 }
 
