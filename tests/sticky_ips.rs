@@ -601,6 +601,23 @@ async fn a_takeover_is_consented_to_only_for_a_real_pod_on_the_node_that_asked()
     );
 }
 
+/// Waits (bounded) until the takeover mark on `ip` is no longer waiting, and asserts that it
+/// was not answered `ready-for-release` (`what`: the consent that would have been wrong).
+async fn assert_takeover_not_consented(client: &kube::Client, ip: &str, what: &str) {
+    let settled = wait::until("the controller settling the mark", TIMEOUT, || async {
+        Ok(match record_of(client, ip).await {
+            Some((_, Some(HandshakeState::MarkedForRelease), Some(_))) => Probe::Pending("still marked".into()),
+            other => Probe::Done(other),
+        })
+    })
+    .await
+    .expect("settled");
+    assert!(
+        !matches!(settled, Some((_, Some(HandshakeState::ReadyForRelease), _))),
+        "the controller consented to {what}: {settled:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_controller_answers_a_takeover_for_a_lost_node_only_for_a_claimant_on_the_node_that_asked() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
@@ -627,21 +644,56 @@ async fn the_controller_answers_a_takeover_for_a_lost_node_only_for_a_claimant_o
                      "node": "node-0"}});
     support::inject_record(&client, POOL, &block, CIDR, "10.74.0.207", record).await;
 
-    let settled = wait::until("the controller settling the mark", TIMEOUT, || async {
-        Ok(match record_of(&client, "10.74.0.207").await {
-            Some((_, Some(HandshakeState::MarkedForRelease), Some(_))) => Probe::Pending("still marked".into()),
-            other => Probe::Done(other),
-        })
-    })
-    .await
-    .expect("settled");
-    assert!(
-        !matches!(settled, Some((_, Some(HandshakeState::ReadyForRelease), _))),
-        "the controller consented to node-0 taking web-7's IP for a pod that does not run there: {settled:?}"
-    );
+    assert_takeover_not_consented(&client, "10.74.0.207", "node-0 taking web-7's IP for a pod that does not run there")
+        .await;
     let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
     let aborted = support::metric_sum(&text, "ipwarden_gc_release_handshakes_total", &["step=\"aborted\""]);
     assert!(aborted >= 1.0, "the controller cleared the mark: {aborted}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_answers_only_the_takeover_mark_it_checked_not_one_written_since() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    // The hold keeps the controller's answer, decided on the first mark, from its write until
+    // the mark has been written again for another claimant.
+    let hold = ReleaseHold::start(&ipwarden.cluster.dir().join("answer-hold")).expect("answer hold");
+    let hold_flag = hold.flag();
+    let controller = ipwarden.start_controller("controller", &["--full-scan-interval-seconds=2", &hold_flag]);
+    ipwarden.wait_leader(controller).await;
+    let client = ipwarden.client();
+    // web-8's new pod is bound to node-9, which runs no kubelet: a real claimant that waits for
+    // its IPs. Its old record is node-8's, a node that is gone, so the controller answers.
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "web-8", "namespace": NS},
+        "spec": {"nodeName": "node-9", "containers": [{"name": "app", "image": "registry.invalid/ipwarden-test/app:1"}]},
+    }))
+    .expect("pod");
+    let claimant =
+        Api::<Pod>::namespaced(client.clone(), NS).create(&PostParams::default(), &pod).await.expect("web-8");
+    let block = format!("{POOL}-{}", CIDR.replace(['.', '/'], "-"));
+    let mark = |uid: &str, node: &str, at: &str| {
+        json!({"state": "marked-for-release", "markedAt": at,
+               "reason": format!("sticky takeover by pod {NS}/web-8 on node {node}"),
+               "takeover": {"pod": {"namespace": NS, "name": "web-8", "uid": uid}, "node": node}})
+    };
+    let mut record = support::record_json(NS, "web-8", "web-8-old-uid", "node-8", Some(("StatefulSet", "web")), true);
+    record["releaseHandshake"] = mark(&claimant.uid().unwrap_or_default(), "node-9", "2026-01-01T00:00:00Z");
+    support::inject_record(&client, POOL, &block, CIDR, "10.74.0.208", record.clone()).await;
+    wait::until("the controller's answer to the checked mark held", TIMEOUT, || async {
+        Ok(if hold.holds_a_release() { Probe::Done(()) } else { Probe::Pending("not held yet".into()) })
+    })
+    .await
+    .expect("an answer held");
+
+    // Marked again before the write, for a pod that does not exist (node-0 asking).
+    record["releaseHandshake"] = mark("made-up-uid", "node-0", "2026-01-01T00:00:05Z");
+    support::inject_record(&client, POOL, &block, CIDR, "10.74.0.208", record).await;
+    drop(hold);
+    assert_takeover_not_consented(&client, "10.74.0.208", "a claimant it never checked").await;
+    let text = ipwarden.scrape_controller(controller).await.unwrap_or_default();
+    let answered = support::metric_sum(&text, "ipwarden_gc_release_handshakes_total", &["step=\"answered_for_agent\""]);
+    assert_eq!(answered, 0.0, "nothing answered");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -88,8 +88,8 @@ impl Drop for CheckpointHold {
 }
 
 /// Holds the releases the controller is about to write (an answered mark's, or one no agent
-/// can answer), and the migration targets it is about to detach, before their live re-reads,
-/// while it lives: the controller started with
+/// can answer), the migration targets it is about to detach and the takeovers it is about to
+/// answer, before their live re-reads, while it lives: the controller started with
 /// `--test-release-hold=<path>` waits while the file at `path` exists, with `<path>.held`
 /// present while a release waits. A test stages "the release was
 /// decided on the old state, then the state changed, then the write re-read it" with it,
@@ -112,7 +112,7 @@ impl ReleaseHold {
         format!("--test-release-hold={}", self.path.display())
     }
 
-    /// Whether a release (or a detach) waits on the hold.
+    /// Whether a release (or a detach, or an answer) waits on the hold.
     pub fn holds_a_release(&self) -> bool {
         held_marker(&self.path).exists()
     }

@@ -112,9 +112,10 @@ pub struct ControllerArgs {
     #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
     pub test_clock_offset_seconds: i64,
     /// Tests only (hidden): while this file exists, every release about to be written (an
-    /// answered mark's, or one no agent can answer) and every migration target about to be
-    /// detached waits before its live re-reads, so a test can change the pod or its owner
-    /// between the decision and the write instead of racing the batch window
+    /// answered mark's, or one no agent can answer), every migration target about to be
+    /// detached and every takeover about to be answered waits before its live re-reads, so a
+    /// test can change the pod, its owner or the mark between the decision and the write
+    /// instead of racing the batch window
     /// ([`pool::PoolContext::test_release_hold`]).
     #[arg(long, hide = true)]
     pub test_release_hold: Option<std::path::PathBuf>,

@@ -158,9 +158,10 @@ pub struct PoolContext {
     /// The writer of release and repair Events.
     pub events: EventWriter,
     /// Tests only (`--test-release-hold`): while this file exists, every release the pool
-    /// actor is about to write (an answered mark's, or one no agent can answer) and every
-    /// migration target it is about to detach waits before its live re-reads, with
-    /// `<file>.held` present to say it does.
+    /// actor is about to write (an answered mark's, or one no agent can answer), every
+    /// migration target it is about to detach and every takeover it is about to answer waits
+    /// before its live re-reads (before its write, for an answer), with `<file>.held` present to
+    /// say it does.
     pub test_release_hold: Option<std::path::PathBuf>,
 }
 
@@ -603,6 +604,15 @@ async fn read_live_facts(
             facts.push(LiveFacts { recheck, ..LiveFacts::default() });
             continue;
         }
+        if let (Some(_), ChangeAction::AnswerTakeover { .. }) = (record, &change.action) {
+            // An answer reads nothing live (the decision checked its claimant); the hold only
+            // lets a test change the mark between the decision and the write.
+            if let Some(hold) = &context.test_release_hold {
+                wait_while_held(hold).await;
+            }
+            facts.push(LiveFacts::default());
+            continue;
+        }
         let (Some(record), ChangeAction::Release { reason, .. }) = (record, &change.action) else {
             facts.push(LiveFacts::default());
             continue;
@@ -659,7 +669,7 @@ async fn read_live_facts(
 const HOLD_POLL: Duration = Duration::from_millis(50);
 
 /// Tests only: while `hold` exists, waits, with `<hold>.held` present so the test knows a
-/// release or a detach is held (`--test-release-hold`).
+/// release, a detach or an answer is held (`--test-release-hold`).
 async fn wait_while_held(hold: &std::path::Path) {
     if !hold.exists() {
         return;
@@ -668,7 +678,7 @@ async fn wait_while_held(hold: &std::path::Path) {
     if let Err(e) = std::fs::write(&held, b"") {
         tracing::warn!(path = %held.display(), error = %e, "test hold: cannot say that a release is held");
     }
-    tracing::warn!(path = %hold.display(), "test hold: a release or a detach waits before its live re-reads");
+    tracing::warn!(path = %hold.display(), "test hold: a release, a detach or an answer waits before its live re-reads");
     while hold.exists() {
         tokio::time::sleep(HOLD_POLL).await;
     }
