@@ -3,6 +3,8 @@
 //! nodes, as kubelet mints for the chart's DaemonSet pods, node A's agent is refused every
 //! write to node B's state that B (or the controller) did not agree to, each refusal naming
 //! its rule, while every shape of write an agent makes, and the controller's writes, pass.
+//! One exception is asserted as such: taking over a claim of a pod on B for a pod on A passes
+//! (a claim policy cannot read the records; decision 0022 moves the claims to the controller).
 //!
 //! Every write is a dry run: it goes through admission (the policies) and stores nothing, so
 //! each row starts from the same blocks.
@@ -12,7 +14,7 @@ mod support;
 use std::path::Path;
 
 use e2e::wait::{self, Probe};
-use ipwarden::crd::{IPBlock, IPBlockSpec};
+use ipwarden::crd::{IPBlock, IPBlockSpec, IPClaim};
 use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicy;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -153,6 +155,40 @@ async fn renew(client: &Client, name: &str, node: &str) -> Result<(), kube::Erro
     Api::<Lease>::namespaced(client.clone(), SYSTEM).patch(name, &params, &Patch::Apply(&lease)).await.map(drop)
 }
 
+/// The IPClaim `name` of namespace [`NS`], bound to pod UID `uid` on `node`.
+fn claim(name: &str, uid: &str, node: &str) -> IPClaim {
+    serde_json::from_value(json!({
+        "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim", "metadata": {"name": name, "namespace": NS},
+        "spec": {"podUid": uid, "node": node, "sticky": true, "boundAt": STAMP, "interfaces": []},
+    }))
+    .expect("claim")
+}
+
+/// Creates `claim` as `client` (a dry run).
+async fn create_claim(client: &Client, claim: IPClaim) -> Result<(), kube::Error> {
+    let dry_run = PostParams { dry_run: true, ..PostParams::default() };
+    Api::namespaced(client.clone(), NS).create(&dry_run, &claim).await.map(drop)
+}
+
+/// Deletes claim `name` as `client` (a dry run).
+async fn delete_claim(client: &Client, name: &str) -> Result<(), kube::Error> {
+    let dry_run = kube::api::DeleteParams { dry_run: true, ..Default::default() };
+    Api::<IPClaim>::namespaced(client.clone(), NS).delete(name, &dry_run).await.map(drop)
+}
+
+/// Replaces claim `name`, as read by `admin` and changed by `edit`, as `client` (a dry run).
+async fn replace_claim(
+    admin: &Client,
+    client: &Client,
+    name: &str,
+    edit: impl FnOnce(&mut IPClaim),
+) -> Result<(), kube::Error> {
+    let mut stored = Api::<IPClaim>::namespaced(admin.clone(), NS).get(name).await.expect("read the claim");
+    edit(&mut stored);
+    let dry_run = PostParams { dry_run: true, ..PostParams::default() };
+    Api::namespaced(client.clone(), NS).replace(name, &dry_run, &stored).await.map(drop)
+}
+
 fn allocations(spec: &mut Value) -> &mut serde_json::Map<String, Value> {
     spec["allocations"].as_object_mut().expect("allocations")
 }
@@ -232,6 +268,10 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     let controller =
         client(&e2e::accounts::kubeconfig_for(cluster, SYSTEM, "ipwarden-controller").await.expect("token")).await;
     create_blocks(&admin).await;
+    for (name, node) in [("web-0", A), ("web-1", B)] {
+        let stored = claim(name, &format!("{name}-uid"), node);
+        Api::namespaced(admin.clone(), NS).create(&PostParams::default(), &stored).await.expect("create the claim");
+    }
     let a = &on_a;
 
     // Forbidden: node A's agent against node B's state.
@@ -379,14 +419,20 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     let spec = json!({"pool": POOL, "cidr": "10.74.0.128/26", "spares": ["10.74.0.130"]});
     assert_refused(row, "B-C", dry_run_create(a, "bound-10-74-0-128-26", spec).await);
     let row = "a token that names no node writes a claim";
-    let claim: ipwarden::crd::IPClaim = serde_json::from_value(json!({
-        "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim", "metadata": {"name": "web-1", "namespace": NS},
-        "spec": {"podUid": "web-1-uid", "node": A, "boundAt": STAMP, "interfaces": []},
-    }))
-    .expect("claim");
-    let dry_run = PostParams { dry_run: true, ..PostParams::default() };
-    let result = Api::namespaced(unbound.clone(), NS).create(&dry_run, &claim).await.map(drop);
-    assert_refused(row, "T0", result);
+    assert_refused(row, "T0", create_claim(&unbound, claim("web-7", "web-7-uid", A)).await);
+    let row = "create a claim bound to a pod on B";
+    assert_refused(row, "C-1", create_claim(a, claim("web-7", "web-7-uid", B)).await);
+    let row = "delete the claim of a pod on B";
+    assert_refused(row, "C-1", delete_claim(a, "web-1").await);
+    let row = "rebind the claim of a pod on B to another pod on B";
+    assert_refused(row, "C-1", replace_claim(&admin, a, "web-1", |c| c.spec.pod_uid = "forged-uid".into()).await);
+    let row = "rebind the claim of a pod on B to a pod on a third node";
+    let result = replace_claim(&admin, a, "web-1", |c| {
+        c.spec.pod_uid = "forged-uid".into();
+        c.spec.node = "node-2".into();
+    })
+    .await;
+    assert_refused(row, "C-1", result);
     let row = "renew B's Lease";
     assert_refused(row, "L-1", renew(a, &format!("ipwarden-agent-{B}"), B).await);
     let row = "renew a decoy Lease labelled for B";
@@ -403,6 +449,27 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     assert_refused(row, "T0", renew(&unbound, &format!("ipwarden-agent-{A}"), A).await);
 
     // Allowed: every shape of write an agent makes.
+    let row = "create the claim of a sticky pod on A";
+    assert_allowed(row, create_claim(a, claim("web-7", "web-7-uid", A)).await);
+    let row = "delete the claim of A's own pod";
+    assert_allowed(row, delete_claim(a, "web-0").await);
+    let row = "rebind A's own claim to A's next pod, or hand it to a migration target on B";
+    assert_allowed(row, replace_claim(&admin, a, "web-0", |c| c.spec.pod_uid = "web-0-next".into()).await);
+    let result = replace_claim(&admin, a, "web-0", |c| {
+        c.spec.pod_uid = "target-uid".into();
+        c.spec.node = B.into();
+    })
+    .await;
+    assert_allowed(row, result);
+    // Not checked yet (decision 0022): a claim policy cannot read the records' handshake, so
+    // a take of B's claim for a pod on A passes; the controller is to write the claims.
+    let row = "take the claim of a pod on B over for a pod on A";
+    let result = replace_claim(&admin, a, "web-1", |c| {
+        c.spec.pod_uid = "web-1-on-a".into();
+        c.spec.node = A.into();
+    })
+    .await;
+    assert_allowed(row, result);
     let row = "allocate in A's own block";
     assert_allowed(
         row,
