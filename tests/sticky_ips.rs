@@ -663,7 +663,10 @@ async fn the_controller_answers_only_the_takeover_mark_it_checked_not_one_writte
     ipwarden.wait_leader(controller).await;
     let client = ipwarden.client();
     // web-8's new pod is bound to node-9, which runs no kubelet: a real claimant that waits for
-    // its IPs. Its old record is node-8's, a node that is gone, so the controller answers.
+    // its IPs. Its old record is node-8's, a node that is gone, so the controller answers. The
+    // Node object keeps Kubernetes' pod GC from deleting a pod bound to a node that is not there.
+    let node: Node = serde_json::from_value(json!({"metadata": {"name": "node-9"}})).expect("node");
+    Api::<Node>::all(client.clone()).create(&PostParams::default(), &node).await.expect("node-9");
     let pod: Pod = serde_json::from_value(json!({
         "metadata": {"name": "web-8", "namespace": NS},
         "spec": {"nodeName": "node-9", "containers": [{"name": "app", "image": "registry.invalid/ipwarden-test/app:1"}]},
@@ -681,7 +684,14 @@ async fn the_controller_answers_only_the_takeover_mark_it_checked_not_one_writte
     record["releaseHandshake"] = mark(&claimant.uid().unwrap_or_default(), "node-9", "2026-01-01T00:00:00Z");
     support::inject_record(&client, POOL, &block, CIDR, "10.74.0.208", record.clone()).await;
     wait::until("the controller's answer to the checked mark held", TIMEOUT, || async {
-        Ok(if hold.holds_a_release() { Probe::Done(()) } else { Probe::Pending("not held yet".into()) })
+        if hold.holds_a_release() {
+            return Ok(Probe::Done(()));
+        }
+        // A controller whose pod cache had not seen web-8 yet cleared the mark: ask again.
+        if !matches!(record_of(&client, "10.74.0.208").await, Some((_, Some(HandshakeState::MarkedForRelease), _))) {
+            support::inject_record(&client, POOL, &block, CIDR, "10.74.0.208", record.clone()).await;
+        }
+        Ok(Probe::Pending("not held yet".into()))
     })
     .await
     .expect("an answer held");
