@@ -155,6 +155,22 @@ async fn renew(client: &Client, name: &str, node: &str) -> Result<(), kube::Erro
     Api::<Lease>::namespaced(client.clone(), SYSTEM).patch(name, &params, &Patch::Apply(&lease)).await.map(drop)
 }
 
+/// Writes, as `client`, a takeover mark on B's record at `ip` for pod `claimant` (UID `uid`)
+/// on `node` (a dry run).
+async fn mark_for(
+    admin: &Client,
+    client: &Client,
+    ip: &str,
+    claimant: &str,
+    uid: &str,
+    node: &str,
+) -> Result<(), kube::Error> {
+    update(admin, client, B_BLOCK, |s| {
+        allocations(s)[ip]["releaseHandshake"] = handshake("marked-for-release", Some((claimant, uid, node)));
+    })
+    .await
+}
+
 /// The IPClaim `name` of namespace [`NS`], bound to pod UID `uid` on `node`.
 fn claim(name: &str, uid: &str, node: &str) -> IPClaim {
     serde_json::from_value(json!({
@@ -396,12 +412,7 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     let result = update(&admin, a, B_BLOCK, |s| allocations(s)["10.74.0.66"] = set_of_statefulset("web-2", A)).await;
     assert_refused(row, "B-U5", result);
     let row = "mark B's record for a takeover by a pod on another node";
-    let result = update(&admin, a, B_BLOCK, |s| {
-        allocations(s)["10.74.0.65"]["releaseHandshake"] =
-            handshake("marked-for-release", Some(("web-1", "w", "node-2")));
-    })
-    .await;
-    assert_refused(row, "B-U5", result);
+    assert_refused(row, "B-U5", mark_for(&admin, a, "10.74.0.65", "web-1", "w", "node-2").await);
     let row = "mark B's record with an answer's detail";
     let result = update(&admin, a, B_BLOCK, |s| {
         let mut mark = handshake("marked-for-release", Some(("web-1", "w", A)));
@@ -493,32 +504,11 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
         .await,
     );
     let row = "mark B's live record for web-1's takeover on A";
-    assert_allowed(
-        row,
-        update(&admin, a, B_BLOCK, |s| {
-            allocations(s)["10.74.0.65"]["releaseHandshake"] =
-                handshake("marked-for-release", Some(("web-1", "web-1-new-uid", A)));
-        })
-        .await,
-    );
+    assert_allowed(row, mark_for(&admin, a, "10.74.0.65", "web-1", "web-1-new-uid", A).await);
     let row = "ask B again for web-4, whose answer was for an earlier pod";
-    assert_allowed(
-        row,
-        update(&admin, a, B_BLOCK, |s| {
-            allocations(s)["10.74.0.68"]["releaseHandshake"] =
-                handshake("marked-for-release", Some(("web-4", "web-4-mine-uid", A)));
-        })
-        .await,
-    );
+    assert_allowed(row, mark_for(&admin, a, "10.74.0.68", "web-4", "web-4-mine-uid", A).await);
     let row = "ask B for its reservation for web-2's next pod";
-    assert_allowed(
-        row,
-        update(&admin, a, B_BLOCK, |s| {
-            allocations(s)["10.74.0.66"]["releaseHandshake"] =
-                handshake("marked-for-release", Some(("web-2", "web-2-new-uid", A)));
-        })
-        .await,
-    );
+    assert_allowed(row, mark_for(&admin, a, "10.74.0.66", "web-2", "web-2-new-uid", A).await);
     let row = "take B's list reservation for a pod of the workload it is held for";
     assert_allowed(
         row,
