@@ -397,35 +397,19 @@ impl Core {
         let namespace = pod.namespace().unwrap_or_default();
         let claim_name = workload::claim_name(&pod.name_any(), owner);
         let claims: Api<IPClaim> = Api::namespaced(self.client.clone(), &namespace);
-        let claim = claims
+        let Some(claim) = claims
             .get_opt(&claim_name)
             .await
             .map_err(Error::api(format!("reading IPClaim {namespace}/{claim_name}")))?
             // A stateless claim an older version left keeps no IPs (decision 0015): this ADD
             // writes the pod's sticky claim over it.
-            .filter(|claim| claim.spec.sticky);
-        let claimed = claim.as_ref().and_then(|claim| {
-            let interface = claim.spec.interfaces.iter().find(|i| i.interface == request.ifname)?;
-            Some((claim.spec.pod_uid.as_str(), interface))
-        });
-        // The records decide; the claim, which any node's agent may rewrite, only where they
-        // say nothing (decision 0022).
-        let known = self.known_blocks();
-        let reserved = workload::reserved_interface(
-            known.iter().filter_map(|b| Some((b.metadata.name.as_deref()?, &b.spec))),
-            &namespace,
-            &claim_name,
-            &request.network,
-            &request.ifname,
-        );
-        let Some((interface, from_records)) = workload::reclaim_from(claimed, reserved) else {
+            .filter(|claim| claim.spec.sticky)
+        else {
             return Ok(None);
         };
-        if from_records {
-            tracing::warn!(claim = %format!("{namespace}/{claim_name}"), ips = ?interface.ips.iter().map(|c| c.ip.as_str()).collect::<Vec<_>>(),
-                "the IPClaim is missing or names other IPs or another pod than the workload's records: taking back the records' IPs");
-        }
-        let interface = &interface;
+        let Some(interface) = claim.spec.interfaces.iter().find(|i| i.interface == request.ifname) else {
+            return Ok(None);
+        };
         // Checked before anything is written: the claim is user-writable, the blocks are not.
         for claimed in &interface.ips {
             let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {

@@ -1,16 +1,13 @@
 //! Pure rules about the workload behind a pod: the UID the runtime knows it by, its
 //! controller, whether its IPs are sticky,
-//! the name of its IPClaim and the interfaces it lists, which IPs a recreated sticky pod takes
-//! back (its records', which its claim only indexes), whether a sticky owner (a
+//! the name of its IPClaim and the interfaces it lists, whether a sticky owner (a
 //! StatefulSet's ordinal, a KubeVirt VM) still wants its IPs, and which workload holds the
 //! IPs its pods draw from an `ipwarden.io/ip-list`, for as long as it lives.
-
-use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-use crate::crd::{Allocation, ClaimedInterface, ClaimedIp, IPBlockSpec, IPClaimSpec, MigrationTarget, OwnerRef};
+use crate::crd::{Allocation, ClaimedInterface, IPClaimSpec, MigrationTarget, OwnerRef};
 use crate::ipam::blocks;
 
 /// The owner kind of KubeVirt's running VM instances, whose claim is named `vm.<VM>`.
@@ -84,15 +81,6 @@ pub fn claim_name(pod_name: &str, owner: Option<&OwnerRef>) -> String {
     match owner {
         Some(o) if o.kind == KUBEVIRT_VMI_KIND => format!("{VM_CLAIM_PREFIX}{}", o.name),
         _ => pod_name.to_string(),
-    }
-}
-
-/// Whether [`claim_name`] of `pod_name` and `owner` is `claim`, without building the name (a
-/// sticky ADD asks this of every record in the cluster).
-fn is_claimed_as(pod_name: &str, owner: Option<&OwnerRef>, claim: &str) -> bool {
-    match owner {
-        Some(o) if o.kind == KUBEVIRT_VMI_KIND => claim.strip_prefix(VM_CLAIM_PREFIX) == Some(o.name.as_str()),
-        _ => pod_name == claim,
     }
 }
 
@@ -256,81 +244,6 @@ pub fn claim_interfaces(
         None => interfaces.push(interface),
     }
     interfaces
-}
-
-/// A sticky workload's IPs on one interface as the block records hold them: what a recreated
-/// pod of the workload takes back, with the UID of the pod they were last bound to.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Reserved {
-    /// The UID of the workload's newest pod, whose records these are.
-    pub uid: String,
-    /// The interface and its IPs, IPv4 first.
-    pub interface: ClaimedInterface,
-}
-
-/// The IPs interface `ifname` of sticky workload `claim` (its IPClaim's name, [`claim_name`]) in
-/// `namespace` holds on `network`, read from `blocks` (each with its name): the sticky records
-/// of the workload's newest pod (the one allocated last) that name the interface. The records
-/// are the IPs' authority, which another node changes only through the release handshake; the
-/// IPClaim is an index that any node's agent can rewrite (decision 0022). `None` when the
-/// records say nothing unambiguous: none of the workload's, one of its newest pod's that names no
-/// interface (a repaired, adopted or rolled-back record), or two in one pool.
-pub fn reserved_interface<'a>(
-    blocks: impl IntoIterator<Item = (&'a str, &'a IPBlockSpec)>,
-    namespace: &str,
-    claim: &str,
-    network: &str,
-    ifname: &str,
-) -> Option<Reserved> {
-    let ours: Vec<(&str, &str, &str, &Allocation)> = blocks
-        .into_iter()
-        .flat_map(|(block, spec)| {
-            spec.allocations.iter().map(move |(ip, record)| (block, spec.pool.as_str(), ip.as_str(), record))
-        })
-        .filter(|(_, _, _, r)| {
-            r.sticky
-                && r.pod.namespace == namespace
-                && r.network == network
-                && (r.interface == ifname || r.interface.is_empty())
-                && is_claimed_as(&r.pod.name, r.owner.as_ref(), claim)
-        })
-        .collect();
-    let newest = ours.iter().map(|(_, _, _, r)| r).max_by_key(|r| (r.allocated_at.0, r.pod.uid.as_str()))?;
-    let uid = newest.pod.uid.clone();
-    let mut ips: Vec<(IpAddr, ClaimedIp)> = Vec::new();
-    for (block, pool, ip, record) in ours.into_iter().filter(|(_, _, _, r)| r.pod.uid == uid) {
-        if record.interface.is_empty() || ips.iter().any(|(_, c)| c.pool == pool) {
-            return None;
-        }
-        let address = ip.parse::<IpAddr>().ok()?;
-        ips.push((address, ClaimedIp { ip: ip.to_string(), pool: pool.to_string(), block: block.to_string() }));
-    }
-    ips.sort_by_key(|(address, _)| (!address.is_ipv4(), *address));
-    let ips = ips.into_iter().map(|(_, claimed)| claimed).collect();
-    Some(Reserved { uid, interface: ClaimedInterface { interface: ifname.to_string(), ips } })
-}
-
-/// Which IPs a recreated sticky pod's interface takes back: its IPClaim's (`claimed`: the UID
-/// the claim is bound to and its entry for the interface) when they are the records' own
-/// (`reserved`: bound to the same pod, the same IPs), else the records' (`true`: the claim was
-/// deleted, or rewritten by someone, a node's agent included); the claim's when the records say
-/// nothing ([`reserved_interface`]: none in this agent's cache yet, or ambiguous).
-pub fn reclaim_from(
-    claimed: Option<(&str, &ClaimedInterface)>,
-    reserved: Option<Reserved>,
-) -> Option<(ClaimedInterface, bool)> {
-    let Some(reserved) = reserved else { return claimed.map(|(_, interface)| (interface.clone(), false)) };
-    let sorted = |interface: &ClaimedInterface| {
-        let mut ips: Vec<(String, String, String)> =
-            interface.ips.iter().map(|c| (c.ip.clone(), c.pool.clone(), c.block.clone())).collect();
-        ips.sort_unstable();
-        ips
-    };
-    let same_ips = |interface: &ClaimedInterface| sorted(interface) == sorted(&reserved.interface);
-    match claimed {
-        Some((uid, interface)) if uid == reserved.uid && same_ips(interface) => Some((interface.clone(), false)),
-        _ => Some((reserved.interface, true)),
-    }
 }
 
 /// The ordinal of StatefulSet pod `pod_name` of StatefulSet `statefulset`, if it is one.
@@ -575,22 +488,6 @@ mod test {
         assert_eq!(claim_name("web-0", None), "web-0");
     }
 
-    proptest::proptest! {
-        /// The check a sticky ADD runs on every record says what comparing names would.
-        #[test]
-        fn a_record_is_claimed_as_the_claim_named_after_it(
-            pod in "(web-0|vm\\.web-0|virt-launcher-web-0-x)",
-            owner in proptest::option::of((proptest::bool::ANY, "(web-0|web|vm1)")),
-            claim in "(web-0|vm\\.web-0|vm\\.web|vm\\.vm1|vm1)",
-        ) {
-            let owner = owner.map(|(vmi, name)| OwnerRef {
-                kind: if vmi { KUBEVIRT_VMI_KIND.into() } else { "StatefulSet".into() },
-                name,
-            });
-            proptest::prop_assert_eq!(is_claimed_as(&pod, owner.as_ref(), &claim), claim_name(&pod, owner.as_ref()) == claim);
-        }
-    }
-
     #[test]
     fn a_vm_and_a_statefulset_pod_of_the_same_name_have_different_claims() {
         let vmi = OwnerRef { kind: KUBEVIRT_VMI_KIND.into(), name: "web-0".into() };
@@ -794,202 +691,6 @@ mod test {
         ];
         for (replicas, start, deleting, pod, wanted) in cases {
             assert_eq!(statefulset_wants("web", replicas, start, deleting, pod), wanted, "{pod} of {replicas}@{start}");
-        }
-    }
-
-    /// A sticky record of default/web-0 (or, with `vm`, of VM instance `vm`'s launcher
-    /// `web-0`) by pod `uid`, on network `ipwarden`, allocated at second `at`.
-    fn sticky(uid: &str, interface: &str, at: i64, vm: Option<&str>) -> Allocation {
-        let mut record = blocks::test::record(uid, "c");
-        record.sticky = true;
-        record.interface = interface.into();
-        record.owner = Some(match vm {
-            Some(vm) => OwnerRef { kind: KUBEVIRT_VMI_KIND.into(), name: vm.into() },
-            None => OwnerRef { kind: "StatefulSet".into(), name: "web".into() },
-        });
-        record.allocated_at =
-            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::from_second(at).expect("a time"));
-        record
-    }
-
-    /// A block for tests: its name, its pool and its records by IP.
-    type TestBlock<'a> = (&'a str, &'a str, Vec<(&'a str, Allocation)>);
-
-    /// What a case expects to be found: the pod UID and the IPs (`ip@pool/block`).
-    type Found<'a> = Option<(&'a str, Vec<&'a str>)>;
-
-    /// The blocks `(name, spec)` of `blocks`.
-    fn blocks_of(blocks: &[TestBlock<'_>]) -> Vec<(String, IPBlockSpec)> {
-        blocks
-            .iter()
-            .map(|(name, pool, records)| {
-                let mut spec = IPBlockSpec { pool: pool.to_string(), ..IPBlockSpec::default() };
-                spec.allocations = records.iter().map(|(ip, r)| (ip.to_string(), r.clone())).collect();
-                (name.to_string(), spec)
-            })
-            .collect()
-    }
-
-    fn reserved_ips(blocks: &[(String, IPBlockSpec)], claim: &str, ifname: &str) -> Option<(String, Vec<String>)> {
-        let named = blocks.iter().map(|(name, spec)| (name.as_str(), spec));
-        let reserved = reserved_interface(named, "default", claim, "ipwarden", ifname)?;
-        Some((
-            reserved.uid,
-            reserved.interface.ips.iter().map(|c| format!("{}@{}/{}", c.ip, c.pool, c.block)).collect(),
-        ))
-    }
-
-    #[test]
-    fn a_sticky_workloads_ips_are_its_newest_pods_records_of_the_interface_ipv4_first() {
-        let mut other_ns = sticky("u2", "eth0", 20, None);
-        other_ns.pod.namespace = "other".into();
-        let mut stateless = sticky("u2", "eth0", 20, None);
-        stateless.sticky = false;
-        let mut other_network = sticky("u2", "eth0", 20, None);
-        other_network.network = "other".into();
-        let mut vm_launcher = sticky("v2", "eth0", 20, Some("web-0"));
-        vm_launcher.pod.name = "virt-launcher-web-0-abc".into();
-        // (what, blocks, claim name, interface, the pod UID and the IPs found)
-        let cases: Vec<(&str, Vec<TestBlock<'_>>, &str, &str, Found<'_>)> = vec![
-            (
-                "a record of the newest pod that names no interface (repaired, adopted, rolled back)",
-                vec![
-                    ("b6", "p6", vec![("fd00::5", sticky("u1", "eth0", 10, None))]),
-                    ("b4", "p4", vec![("10.0.0.5", sticky("u1", "", 10, None))]),
-                ],
-                "web-0",
-                "eth0",
-                None,
-            ),
-            (
-                "dual-stack, the IPv6 block read first",
-                vec![
-                    ("b6", "p6", vec![("fd00::5", sticky("u1", "eth0", 10, None))]),
-                    ("b4", "p4", vec![("10.0.0.5", sticky("u1", "eth0", 10, None))]),
-                ],
-                "web-0",
-                "eth0",
-                Some(("u1", vec!["10.0.0.5@p4/b4", "fd00::5@p6/b6"])),
-            ),
-            (
-                "an older pod's record left in another pool is not the newest pod's",
-                vec![
-                    ("b4", "p4", vec![("10.0.0.5", sticky("u1", "eth0", 10, None))]),
-                    ("c4", "q4", vec![("10.1.0.9", sticky("u2", "eth0", 20, None))]),
-                ],
-                "web-0",
-                "eth0",
-                Some(("u2", vec!["10.1.0.9@q4/c4"])),
-            ),
-            (
-                "each interface its own, even on one network",
-                vec![(
-                    "b4",
-                    "p4",
-                    vec![("10.0.0.5", sticky("u1", "eth0", 10, None)), ("10.0.0.6", sticky("u1", "net1", 10, None))],
-                )],
-                "web-0",
-                "net1",
-                Some(("u1", vec!["10.0.0.6@p4/b4"])),
-            ),
-            (
-                "two of the newest pod's records in one pool",
-                vec![(
-                    "b4",
-                    "p4",
-                    vec![("10.0.0.5", sticky("u1", "eth0", 10, None)), ("10.0.0.6", sticky("u1", "eth0", 10, None))],
-                )],
-                "web-0",
-                "eth0",
-                None,
-            ),
-            (
-                "other namespaces, stateless records and other networks are not the workload's",
-                vec![("b4", "p4", vec![("10.0.0.5", other_ns), ("10.0.0.6", stateless), ("10.0.0.7", other_network)])],
-                "web-0",
-                "eth0",
-                None,
-            ),
-            (
-                "a VM's records by its claim, whatever its launcher pod's name",
-                vec![("b4", "p4", vec![("10.0.0.5", vm_launcher.clone())])],
-                "vm.web-0",
-                "eth0",
-                Some(("v2", vec!["10.0.0.5@p4/b4"])),
-            ),
-            (
-                "a VM's records are not the StatefulSet pod's of the VM's name",
-                vec![("b4", "p4", vec![("10.0.0.5", vm_launcher)])],
-                "web-0",
-                "eth0",
-                None,
-            ),
-        ];
-        for (what, blocks, claim, ifname, expected) in cases {
-            let expected = expected.map(|(uid, ips)| (uid.to_string(), ips.iter().map(|s| s.to_string()).collect()));
-            assert_eq!(reserved_ips(&blocks_of(&blocks), claim, ifname), expected, "{what}");
-        }
-    }
-
-    #[test]
-    fn the_claim_is_read_only_where_it_says_what_the_records_say_or_they_say_nothing() {
-        let ip = |ip: &str, block: &str| ClaimedIp { ip: ip.into(), pool: "p4".into(), block: block.into() };
-        let interface = |ips: Vec<ClaimedIp>| ClaimedInterface { interface: "eth0".into(), ips };
-        let records = interface(vec![ip("10.0.0.5", "b4")]);
-        let reserved = Some(Reserved { uid: "u1".into(), interface: records.clone() });
-        let forged_ip = interface(vec![ip("10.0.0.9", "b4")]);
-        let forged_block = interface(vec![ip("10.0.0.5", "evil")]);
-        let cases = [
-            ("the claim agrees", Some(("u1", &records)), reserved.clone(), Some((records.clone(), false))),
-            ("no claim", None, reserved.clone(), Some((records.clone(), true))),
-            ("another pod's claim", Some(("forged", &records)), reserved.clone(), Some((records.clone(), true))),
-            ("another IP", Some(("u1", &forged_ip)), reserved.clone(), Some((records.clone(), true))),
-            ("another block", Some(("u1", &forged_block)), reserved.clone(), Some((records.clone(), true))),
-            ("records say nothing", Some(("forged", &forged_ip)), None, Some((forged_ip.clone(), false))),
-            ("neither", None, None, None),
-        ];
-        for (what, claimed, reserved, expected) in cases {
-            assert_eq!(reclaim_from(claimed, reserved), expected, "{what}");
-        }
-    }
-
-    proptest::proptest! {
-        /// Whatever the blocks hold, the IPs found are records of the workload's one pod, one a
-        /// pool, each naming the interface, IPv4 before IPv6.
-        #[test]
-        fn the_ips_found_are_one_pods_records_of_the_interface_one_a_pool(
-            records in proptest::collection::vec(
-                (0u8..4, 0u8..3, proptest::bool::ANY, proptest::bool::ANY, 0i64..4, 0u8..3, proptest::bool::ANY),
-                0..12,
-            ),
-        ) {
-            let mut blocks: Vec<(String, IPBlockSpec)> = Vec::new();
-            for (i, (uid, pool, v6, sticky_kind, at, ifname, other_pod)) in records.into_iter().enumerate() {
-                let mut record = sticky(&format!("u{uid}"), ["eth0", "net1", ""][usize::from(ifname)], at, None);
-                record.sticky = sticky_kind;
-                if other_pod {
-                    record.pod.name = "web-1".into();
-                }
-                let ip = if v6 { format!("fd00::{i}") } else { format!("10.0.0.{i}") };
-                let mut spec = IPBlockSpec { pool: format!("p{pool}"), ..IPBlockSpec::default() };
-                spec.allocations.insert(ip, record);
-                blocks.push((format!("b{i}"), spec));
-            }
-            let found = reserved_interface(blocks.iter().map(|(n, s)| (n.as_str(), s)), "default", "web-0", "ipwarden", "eth0");
-            if let Some(found) = found {
-                let mut pools = std::collections::BTreeSet::new();
-                let mut seen_v6 = false;
-                for claimed in &found.interface.ips {
-                    let (_, spec) = blocks.iter().find(|(n, _)| *n == claimed.block).expect("a block of the input");
-                    let record = &spec.allocations[&claimed.ip];
-                    proptest::prop_assert!(record.sticky && record.pod.name == "web-0" && record.interface == "eth0");
-                    proptest::prop_assert_eq!(&record.pod.uid, &found.uid);
-                    proptest::prop_assert!(pools.insert(claimed.pool.clone()), "one a pool");
-                    let v6 = claimed.ip.contains(':');
-                    proptest::prop_assert!(v6 || !seen_v6, "IPv4 first");
-                    seen_v6 |= v6;
-                }
-            }
         }
     }
 }
