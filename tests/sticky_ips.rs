@@ -1,7 +1,7 @@
 //! Sticky IPs of StatefulSet pods on the real control plane, with real agents and the real
 //! plugin: a recreated pod taking its IP over from a sandbox still attached (late DEL, lost
 //! node) and from a detached one (ordinary restart), a late DEL of a superseded sandbox, pods
-//! with several interfaces, and a hand-edited IPClaim. The two-node cases run as the chart
+//! with several interfaces, and IPClaims edited by hand or by another node's agent. The two-node cases run as the chart
 //! installs ipwarden, each agent on a token bound to its node under the node-bound write
 //! policies, so every cross-node mark, answer and take is one the apiserver lets a node make.
 
@@ -234,6 +234,71 @@ async fn a_claim_naming_another_block_is_refused_and_never_makes_the_agent_write
     claims_api.replace("web-0", &PostParams::default(), &claim).await.expect("repair the claim");
     let second = wait_web0(&client, &first_uid, "web-0 running again").await;
     assert_eq!(ip_of(&second), ip);
+}
+
+/// Waits until the controller has written down web-0's claim as in effect for pod `uid`
+/// (`status.witnessed`), and returns the IPs it saw.
+async fn wait_witnessed(client: &kube::Client, uid: &str) -> Vec<String> {
+    wait::until("the controller witnessing web-0's claim", TIMEOUT, || async {
+        let claim = claims(client, NS).await.remove("web-0");
+        let seen = claim.and_then(|c| c.status).and_then(|s| s.witnessed);
+        Ok(match seen {
+            Some(w) if w.pod_uid == uid => {
+                Probe::Done(w.interfaces.iter().flat_map(|i| &i.ips).map(|c| c.ip.clone()).collect())
+            }
+            other => Probe::Pending(format!("{other:?}")),
+        })
+    })
+    .await
+    .expect("witnessed")
+}
+
+/// Another node's agent (node-1's credentials, as its root reads them) takes web-0's IPClaim
+/// over as far as rule C-1 lets it, pointing it at another IP, and then tries to delete it.
+/// web-0 lives on node-0: its restart takes back the IP the controller saw it hold
+/// (`status.witnessed`, which no agent may write), and the delete is refused by rule C-2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_another_node_took_over_moves_no_statefulset_pods_ip_and_cannot_be_deleted_by_it() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let janitor = ["--claim-janitor-interval-seconds=1"];
+    let (ipwarden, _controller, first) = web0_on_node0_of_two(&[], &janitor).await;
+    let client = ipwarden.client();
+    let ip = ip_of(&first);
+    assert_eq!(wait_witnessed(&client, &first.uid().unwrap_or_default()).await, std::slice::from_ref(&ip));
+    let kubeconfig = e2e::accounts::node_bound_kubeconfig_for(
+        &ipwarden.cluster,
+        support::NODE_BOUND_NAMESPACE,
+        "ipwarden-agent",
+        "node-1",
+    )
+    .await
+    .expect("a token of node-1's agent");
+    let rogue: Api<IPClaim> =
+        Api::namespaced(e2e::controlplane::client_for(&kubeconfig).await.expect("node-1's client"), NS);
+
+    // Taken over for a pod of node-1's, and pointed at another free IP of web-0's block.
+    let other = std::net::Ipv4Addr::from(u32::from(ip.parse::<std::net::Ipv4Addr>().expect("an IPv4")) + 5).to_string();
+    let mut claim = rogue.get("web-0").await.expect("node-1 reads web-0's claim");
+    claim.spec.pod_uid = "node-1-pod".to_string();
+    claim.spec.node = "node-1".to_string();
+    claim.spec.interfaces[0].ips[0].ip = other.clone();
+    claim.status = None;
+    rogue.replace("web-0", &PostParams::default(), &claim).await.expect("rule C-1 lets node-1 take it over");
+    let refused = rogue.delete("web-0", &DeleteParams::default()).await.expect_err("rule C-2 refuses the delete");
+    assert!(refused.to_string().contains("ipwarden C-2"), "{refused}");
+    let stored = claims(&client, NS).await.remove("web-0").expect("the claim");
+    assert_eq!(stored.spec.interfaces[0].ips[0].ip, other, "the spec is node-1's rewrite");
+    assert!(stored.status.and_then(|s| s.witnessed).is_some(), "the witnessed binding survived the rewrite");
+
+    let second = restart_web0(&client, &first).await;
+    assert_eq!(ip_of(&second), ip, "web-0 keeps its IP although its claim's spec names {other} and a pod on node-1");
+    let claim = claims(&client, NS).await.remove("web-0").expect("web-0's claim");
+    assert_eq!(
+        (claim.spec.pod_uid.as_str(), claim.spec.node.as_str(), claim.spec.interfaces[0].ips[0].ip.as_str()),
+        (second.uid().unwrap_or_default().as_str(), "node-0", ip.as_str()),
+        "web-0's ADD wrote its claim right again"
+    );
+    assert_eq!(wait_witnessed(&client, &second.uid().unwrap_or_default()).await, [ip]);
 }
 
 /// The record of `ip`: its pod UID, and its handshake's state and waiting pod, if any.

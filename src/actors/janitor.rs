@@ -1,14 +1,23 @@
 //! `ClaimJanitor`: deletes IPClaims whose workload is gone for good (completed Job pods
-//! included), on the leader only, on a timer.
+//! included), and writes down the binding of each claim it sees in effect
+//! (`status.witnessed`, [`witness`]), on the leader only, on a timer.
 
 use super::leader::Leadership;
 use std::time::Duration;
 
 use actix::{Actor, AsyncContext, Context, WrapFuture};
+use jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::Client;
+use kube::api::{Api, PostParams};
 
 use super::watches::SharedIndex;
-use crate::gc::claims::gone_for_good;
+use crate::crd::{ClaimedInterface, IPClaim, WitnessedBinding};
+use crate::gc::claims::{gone_for_good, witness};
+
+/// A claim's binding the janitor writes down as witnessed: namespace, name, the claim
+/// object's UID, and pod UID, node and IPs per interface.
+type Witnessed = (String, String, String, (String, String, Vec<ClaimedInterface>));
 
 /// The janitor actor.
 pub struct ClaimJanitor {
@@ -28,20 +37,37 @@ impl ClaimJanitor {
         if !self.leading.is_leading() {
             return;
         }
-        let doomed: Vec<(String, String, String)> = {
+        let (doomed, witnessed): (Vec<(String, String, String)>, Vec<Witnessed>) = {
             let index = self.index.read();
-            index
+            let doomed = index
                 .claims()
                 .filter(|(namespace, name, claim)| gone_for_good(&index, namespace, name, claim))
                 .map(|(namespace, name, claim)| (namespace.to_string(), name.to_string(), claim.pod_uid.clone()))
-                .collect()
+                .collect();
+            let witnessed = index
+                .claims()
+                .filter_map(|(namespace, name, claim)| {
+                    let binding = witness(&index, namespace, claim)?;
+                    Some((namespace.to_string(), name.to_string(), claim.object_uid.clone(), binding))
+                })
+                .collect();
+            (doomed, witnessed)
         };
-        if doomed.is_empty() {
+        if doomed.is_empty() && witnessed.is_empty() {
             return;
         }
         let (client, leading) = (self.client.clone(), self.leading.clone());
         ctx.spawn(
             async move {
+                for (namespace, name, object_uid, (pod_uid, node, interfaces)) in witnessed {
+                    if !leading.is_leading() {
+                        return;
+                    }
+                    let binding = WitnessedBinding { pod_uid, node, interfaces, at: Time(Timestamp::now()) };
+                    if let Err(e) = write_witnessed(&client, &namespace, &name, &object_uid, binding).await {
+                        tracing::warn!(claim = %format!("{namespace}/{name}"), error = %e, "writing the claim's witnessed binding failed; the next pass retries");
+                    }
+                }
                 for (namespace, name, uid) in doomed {
                     // Checked right before each write: leadership may lapse mid-pass.
                     if !leading.is_leading() {
@@ -57,6 +83,30 @@ impl ClaimJanitor {
             .into_actor(self),
         );
     }
+}
+
+/// Writes `binding` into claim `namespace/name`'s `status.witnessed`, read first and replaced
+/// with the resourceVersion read, on the object of UID `object_uid` only (a claim deleted and
+/// created again since is another object; a conflict waits for the next pass).
+async fn write_witnessed(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    object_uid: &str,
+    binding: WitnessedBinding,
+) -> Result<(), kube::Error> {
+    let api: Api<IPClaim> = Api::namespaced(client.clone(), namespace);
+    let Some(mut claim) = api.get_opt(name).await? else { return Ok(()) };
+    if claim.metadata.uid.as_deref() != Some(object_uid) {
+        return Ok(());
+    }
+    claim.status.get_or_insert_default().witnessed = Some(binding);
+    match api.replace_status(name, &PostParams::default(), &claim).await {
+        Ok(_) => tracing::debug!(claim = %format!("{namespace}/{name}"), "wrote the claim's witnessed binding"),
+        Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {}
+        Err(e) => return Err(e),
+    }
+    Ok(())
 }
 
 impl Actor for ClaimJanitor {

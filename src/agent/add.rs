@@ -407,9 +407,14 @@ impl Core {
         else {
             return Ok(None);
         };
-        let Some(interface) = claim.spec.interfaces.iter().find(|i| i.interface == request.ifname) else {
+        let witnessed = claim.status.as_ref().and_then(|s| s.witnessed.as_ref());
+        let Some(interface) = workload::claimed_interface(&claim.spec, witnessed, &request.ifname) else {
             return Ok(None);
         };
+        if !claim.spec.interfaces.iter().any(|i| i == interface) {
+            tracing::warn!(claim = %format!("{namespace}/{claim_name}"), ips = ?interface.ips.iter().map(|c| c.ip.as_str()).collect::<Vec<_>>(),
+                "the claim names other IPs than the controller saw the workload's pod hold: taking those back");
+        }
         // Checked before anything is written: the claim is user-writable, the blocks are not.
         for claimed in &interface.ips {
             let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {

@@ -22,6 +22,7 @@ use super::OwnerRef;
     plural = "ipclaims",
     shortname = "ipc",
     namespaced,
+    status = "IPClaimStatus",
     printcolumn(name = "IP", type_ = "string", json_path = ".spec.interfaces[0].ips[0].ip"),
     printcolumn(name = "Node", type_ = "string", json_path = ".spec.node"),
     printcolumn(name = "Sticky", type_ = "boolean", json_path = ".spec.sticky"),
@@ -46,7 +47,7 @@ pub struct IPClaimSpec {
 }
 
 /// The IPs of one interface.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ClaimedInterface {
     /// The interface name inside the sandbox.
@@ -56,7 +57,7 @@ pub struct ClaimedInterface {
 }
 
 /// One claimed IP and where its record lives.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ClaimedIp {
     /// The IP address.
@@ -65,4 +66,31 @@ pub struct ClaimedIp {
     pub pool: String,
     /// The IPBlock holding its record.
     pub block: String,
+}
+
+/// What the controller has seen of the claim: kept in the status subresource, which no
+/// agent may write (decision 0022), so another node's agent cannot change it.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IPClaimStatus {
+    /// The last binding the controller saw in effect.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub witnessed: Option<WitnessedBinding>,
+}
+
+/// A binding of the claim the controller saw in effect: its pod, with that UID, live on that
+/// node and controlled by the claim's owner, and every IP of it recorded in its block for
+/// that pod and node. A sticky ADD takes these IPs back when the claim's spec names others
+/// (another node's agent may have rewritten the spec; it cannot forge this).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WitnessedBinding {
+    /// The UID of the pod.
+    pub pod_uid: String,
+    /// The pod's node.
+    pub node: String,
+    /// The IPs per interface, as the spec listed them.
+    pub interfaces: Vec<ClaimedInterface>,
+    /// When the controller saw it.
+    pub at: Time,
 }

@@ -13,7 +13,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 pub use block::{Allocation, HandshakeState, IPBlock, IPBlockSpec, MigrationTarget, ReleaseHandshake, Takeover};
-pub use claim::{ClaimedInterface, ClaimedIp, IPClaim, IPClaimSpec};
+pub use claim::{ClaimedInterface, ClaimedIp, IPClaim, IPClaimSpec, IPClaimStatus, WitnessedBinding};
 pub use pool::{IPPool, IPPoolSpec, IPPoolStatus, IpRange, POOL_FINALIZER};
 
 /// The API group of every ipwarden resource.

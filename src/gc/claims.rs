@@ -1,8 +1,9 @@
-//! Pure rule for the claim janitor: is an IPClaim's workload gone for good?
+//! Pure rules for the claim janitor: is an IPClaim's workload gone for good, and is the
+//! claim's binding in effect, so that the controller writes it down as witnessed?
 
 use super::index::{ClaimFacts, ClusterIndex};
 use super::rules::Phase;
-use crate::crd::OwnerRef;
+use crate::crd::{ClaimedInterface, OwnerRef};
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
 
 /// Whether `claim` (in `namespace`, named `name`) can be deleted. A claim no ADD reads back
@@ -31,6 +32,41 @@ pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &
     !index.wants(namespace, owner, name) && pod_done && !replaced_by_same_ordinal
 }
 
+/// The binding of `claim` (in `namespace`) to write as witnessed (`status.witnessed`: pod UID,
+/// node, IPs per interface), when the spec's binding is in effect and the status does not say
+/// so yet: a sticky claim of a sticky owner kind with at least one IP, whose pod (found
+/// through the records) lives with the spec's UID on the spec's node, not terminating, and is
+/// controlled by the spec's owner; and every IP of it recorded, in the block and pool the
+/// claim names, as a sticky record of that pod and node. A node's agent may rewrite a claim's
+/// spec (rule C-1) but not the records of another node or its pods (decision 0022), so a
+/// spec another node rewrote is never witnessed: the status keeps the binding seen before.
+pub fn witness(
+    index: &ClusterIndex,
+    namespace: &str,
+    claim: &ClaimFacts,
+) -> Option<(String, String, Vec<ClaimedInterface>)> {
+    let owner = claim.owner.as_ref().filter(|o| claim.sticky && workload::is_sticky(Some(o), index.sticky_kinds()))?;
+    let mut pod_name = None;
+    for claimed in claim.interfaces.iter().flat_map(|i| &i.ips) {
+        let block = index.block(&claimed.block).filter(|b| b.spec.pool == claimed.pool)?;
+        let record = block.spec.allocations.get(&claimed.ip)?;
+        let ours = record.sticky
+            && record.pod.namespace == namespace
+            && record.pod.uid == claim.pod_uid
+            && record.node == claim.node
+            && pod_name.is_none_or(|name| name == record.pod.name.as_str());
+        if !ours {
+            return None;
+        }
+        pod_name = Some(record.pod.name.as_str());
+    }
+    let pod = index.pod(namespace, pod_name?)?;
+    let live =
+        pod.uid == claim.pod_uid && pod.node == claim.node && !pod.terminal() && pod.owner.as_ref() == Some(owner);
+    let binding = (claim.pod_uid.clone(), claim.node.clone(), claim.interfaces.clone());
+    (live && claim.witnessed.as_ref() != Some(&binding)).then_some(binding)
+}
+
 #[cfg(test)]
 mod test {
     use super::*;
@@ -44,9 +80,13 @@ mod test {
 
     fn claim(uid: &str, sticky: bool, owner: Option<(&str, &str)>) -> ClaimFacts {
         ClaimFacts {
+            object_uid: "claim-uid".into(),
             pod_uid: uid.into(),
+            node: "node-0".into(),
             sticky,
             owner: owner.map(|(kind, name)| OwnerRef { kind: kind.into(), name: name.into() }),
+            interfaces: Vec::new(),
+            witnessed: None,
         }
     }
 

@@ -24,7 +24,7 @@ use super::handshake::{TakeoverStep, claimant_refusal, controller_takeover_step}
 use super::rules::{
     Facts, IpHolder, NodeState, NotReadyGate, Phase, PodView, RecordView, RuleSettings, Verdict, decide, not_ready_gate,
 };
-use crate::crd::{Allocation, IPBlock, IPClaim, IPPool, OwnerRef, PodRef};
+use crate::crd::{Allocation, ClaimedInterface, IPBlock, IPClaim, IPPool, OwnerRef, PodRef};
 use crate::ipam::blocks::{Adopter, may_be_attached};
 pub use crate::ipam::workload::StatefulSetFacts;
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND, OwnerFacts, Presence, WorkloadKind};
@@ -114,12 +114,21 @@ impl PodFacts {
 /// What the janitor needs of one claim.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClaimFacts {
+    /// The claim object's UID: a status write goes to this object only.
+    pub object_uid: String,
     /// The UID of the pod the claim is bound to.
     pub pod_uid: String,
+    /// The node that pod ran on.
+    pub node: String,
     /// The workload's controller.
     pub owner: Option<OwnerRef>,
     /// Whether the claim is a sticky reservation.
     pub sticky: bool,
+    /// The IPs per interface.
+    pub interfaces: Vec<ClaimedInterface>,
+    /// The binding the controller last saw in effect (`status.witnessed`): pod UID, node and
+    /// IPs per interface.
+    pub witnessed: Option<(String, String, Vec<ClaimedInterface>)>,
 }
 
 /// A pod reporting an IP.
@@ -404,10 +413,15 @@ impl ClusterIndex {
                 self.nodes.insert(key.name, node_state(node));
             }
             Watched::Claim(claim) => {
+                let witnessed = claim.status.as_ref().and_then(|s| s.witnessed.as_ref());
                 let facts = ClaimFacts {
+                    object_uid: claim.metadata.uid.clone().unwrap_or_default(),
                     pod_uid: claim.spec.pod_uid.clone(),
+                    node: claim.spec.node.clone(),
                     owner: claim.spec.owner.clone(),
                     sticky: claim.spec.sticky,
+                    interfaces: claim.spec.interfaces.clone(),
+                    witnessed: witnessed.map(|w| (w.pod_uid.clone(), w.node.clone(), w.interfaces.clone())),
                 };
                 insert(&mut self.claims, &key.namespace, &key.name, facts);
             }

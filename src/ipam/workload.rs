@@ -7,7 +7,7 @@
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-use crate::crd::{Allocation, ClaimedInterface, IPClaimSpec, MigrationTarget, OwnerRef};
+use crate::crd::{Allocation, ClaimedInterface, IPClaimSpec, MigrationTarget, OwnerRef, WitnessedBinding};
 use crate::ipam::blocks;
 
 /// The owner kind of KubeVirt's running VM instances, whose claim is named `vm.<VM>`.
@@ -244,6 +244,32 @@ pub fn claim_interfaces(
         None => interfaces.push(interface),
     }
     interfaces
+}
+
+/// The IPs of interface `ifname` a recreated sticky pod takes back from its claim: the spec's,
+/// unless the controller saw the claim in effect with other IPs for that interface
+/// (`witnessed`, the claim's status, which no agent may write): then those. Another node's
+/// agent may take a claim's spec over and point it elsewhere (rule C-1, decision 0022); the
+/// witnessed binding is what the workload's pod last really held.
+pub fn claimed_interface<'a>(
+    spec: &'a IPClaimSpec,
+    witnessed: Option<&'a WitnessedBinding>,
+    ifname: &str,
+) -> Option<&'a ClaimedInterface> {
+    let of = |interfaces: &'a [ClaimedInterface]| interfaces.iter().find(|i| i.interface == ifname);
+    let claimed = of(&spec.interfaces);
+    let seen = witnessed.and_then(|w| of(&w.interfaces));
+    let sorted = |interface: &'a ClaimedInterface| {
+        let mut ips: Vec<(&str, &str, &str)> =
+            interface.ips.iter().map(|c| (c.ip.as_str(), c.pool.as_str(), c.block.as_str())).collect();
+        ips.sort_unstable();
+        ips
+    };
+    match (claimed, seen) {
+        (Some(claimed), Some(seen)) if sorted(claimed) == sorted(seen) => Some(claimed),
+        (_, Some(seen)) => Some(seen),
+        (claimed, None) => claimed,
+    }
 }
 
 /// The ordinal of StatefulSet pod `pod_name` of StatefulSet `statefulset`, if it is one.

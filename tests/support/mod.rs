@@ -51,6 +51,10 @@ fn binary() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_ipwarden"))
 }
 
+/// The release namespace of [`Ipwarden::start_node_bound`]: its agents' ServiceAccount lives
+/// there, so a test asks for another token of it (a node's agent's credentials) there too.
+pub const NODE_BOUND_NAMESPACE: &str = "ipwarden-system";
+
 /// The network the simulated kubelet uses: the real `ipwarden-cni`, talking to the node's agent.
 pub fn network() -> CniNetwork {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cni-bin-{}", std::process::id()));
@@ -81,12 +85,12 @@ impl Ipwarden {
     /// to a pod on its node, and controllers (as the admin) in that namespace with the agents'
     /// heartbeat Leases.
     pub async fn start_node_bound(nodes: usize, pools: &[(&str, serde_json::Value)], agent_args: &[&str]) -> Self {
-        const SYSTEM: &str = "ipwarden-system";
         let mut ipwarden = Self::without_agents(nodes, pools, network()).await;
-        apply_chart_rbac(&ipwarden, SYSTEM).await;
-        ipwarden.run_agents_as_chart_account(SYSTEM).await;
+        apply_chart_rbac(&ipwarden, NODE_BOUND_NAMESPACE).await;
+        ipwarden.run_agents_as_chart_account(NODE_BOUND_NAMESPACE).await;
         let admin = ipwarden.cluster.kubeconfig().to_path_buf();
-        ipwarden.controller_run_as = Some(e2e::ipwarden::RunAs { kubeconfig: admin, namespace: SYSTEM.to_string() });
+        ipwarden.controller_run_as =
+            Some(e2e::ipwarden::RunAs { kubeconfig: admin, namespace: NODE_BOUND_NAMESPACE.to_string() });
         ipwarden.start_agents(agent_args).await;
         ipwarden
     }
