@@ -180,6 +180,17 @@ fn claim(name: &str, uid: &str, node: &str) -> IPClaim {
     .expect("claim")
 }
 
+/// Writes, as `admin` (standing in for the controller), that claim `name` was seen in effect
+/// for its pod on `node` (`status.witnessed`).
+async fn witness_claim(admin: &Client, name: &str, node: &str) {
+    let api: Api<IPClaim> = Api::namespaced(admin.clone(), NS);
+    let mut stored = api.get(name).await.expect("read the claim");
+    stored.status = serde_json::from_value(json!({"witnessed": {"podUid": stored.spec.pod_uid, "node": node,
+        "interfaces": [], "at": STAMP}}))
+    .expect("a status");
+    api.replace_status(name, &PostParams::default(), &stored).await.expect("write the status");
+}
+
 /// Creates `claim` as `client` (a dry run).
 async fn create_claim(client: &Client, claim: IPClaim) -> Result<(), kube::Error> {
     let dry_run = PostParams { dry_run: true, ..PostParams::default() };
@@ -281,9 +292,12 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     let controller =
         client(&e2e::accounts::kubeconfig_for(cluster, SYSTEM, "ipwarden-controller").await.expect("token")).await;
     create_blocks(&admin).await;
-    for (name, node) in [("web-0", A), ("web-1", B)] {
+    // web-2's claim: as node A leaves it after taking it over from web-2's pod on B, which the
+    // controller saw in effect there.
+    for (name, node, seen_on) in [("web-0", A, A), ("web-1", B, B), ("web-2", A, B)] {
         let stored = claim(name, &format!("{name}-uid"), node);
         Api::namespaced(admin.clone(), NS).create(&PostParams::default(), &stored).await.expect("create the claim");
+        witness_claim(&admin, name, seen_on).await;
     }
     let a = &on_a;
 
@@ -436,6 +450,8 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     assert_refused(row, "C-1", rebind_claim(&admin, a, "web-1", "forged-uid", B).await);
     let row = "rebind the claim of a pod on B to a pod on a third node";
     assert_refused(row, "C-1", rebind_claim(&admin, a, "web-1", "forged-uid", "node-2").await);
+    let row = "delete a claim taken over from a pod on B, which the controller saw in effect on B";
+    assert_refused(row, "C-2", delete_claim(a, "web-2").await);
     let row = "renew B's Lease";
     assert_refused(row, "L-1", renew(a, &format!("ipwarden-agent-{B}"), B).await);
     let row = "renew a decoy Lease labelled for B";
@@ -460,8 +476,8 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     assert_allowed(row, rebind_claim(&admin, a, "web-0", "web-0-next", A).await);
     assert_allowed(row, rebind_claim(&admin, a, "web-0", "target-uid", B).await);
     // Not checked yet (decision 0022): a claim policy cannot read the records' handshake, so
-    // a take of B's claim for a pod on A passes, after which the claim is A's to delete or
-    // rebind (the row above); the controller is to write the claims.
+    // a take of B's claim for a pod on A passes, after which A may rebind it (the row above),
+    // but not delete it (C-2); B's pod's next ADD takes back what the controller witnessed.
     let row = "take the claim of a pod on B over for a pod on A";
     assert_allowed(row, rebind_claim(&admin, a, "web-1", "web-1-on-a", A).await);
     let row = "allocate in A's own block";

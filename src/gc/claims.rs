@@ -187,4 +187,93 @@ mod test {
         assert!(gone_for_good(&watched(None, Some(true)), "ns", "vm.vm1", &c), "the VM is being deleted");
         assert!(gone_for_good(&watched(None, None), "ns", "vm.vm1", &c), "the VM is gone");
     }
+
+    /// What the witness rows vary, each from the state where web-1's claim is in effect.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Change {
+        None,
+        PodGone,
+        PodTerminating,
+        PodOnAnotherNode,
+        PodOfAnotherOwner,
+        PodOfAnotherUid,
+        RecordOfAnotherNode,
+        RecordOfAnotherPod,
+        RecordMissing,
+        ClaimNamesAnotherBlock,
+        ClaimNamesNoIp,
+        AlreadyWitnessed,
+        NotSticky,
+    }
+
+    fn witness_with(change: Change) -> Option<(String, String, Vec<ClaimedInterface>)> {
+        let mut pod = json!({"metadata": {"namespace": "ns", "name": "web-1", "uid": "u1",
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "s",
+                    "controller": true}]},
+            "spec": {"nodeName": "node-0"}, "status": {"phase": "Running", "podIPs": [{"ip": "10.0.0.5"}]}});
+        match change {
+            Change::PodTerminating => pod["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z"),
+            Change::PodOnAnotherNode => pod["spec"]["nodeName"] = json!("node-1"),
+            Change::PodOfAnotherOwner => pod["metadata"]["ownerReferences"][0]["name"] = json!("other"),
+            Change::PodOfAnotherUid => pod["metadata"]["uid"] = json!("u2"),
+            _ => {}
+        }
+        let pod: Pod = serde_json::from_value(pod).expect("pod");
+        let mut record = crate::ipam::blocks::test::record("u1", "c1");
+        record.pod.namespace = "ns".into();
+        record.pod.name = "web-1".into();
+        record.sticky = true;
+        match change {
+            Change::RecordOfAnotherNode => record.node = "node-1".into(),
+            Change::RecordOfAnotherPod => record.pod.uid = "forged".into(),
+            _ => {}
+        }
+        let mut block = json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPBlock", "metadata": {"name": "b"},
+            "spec": {"pool": "p", "cidr": "10.0.0.0/24", "allocations": {"10.0.0.5": record}}});
+        if change == Change::RecordMissing {
+            block["spec"]["allocations"] = json!({});
+        }
+        let block: std::sync::Arc<crate::crd::IPBlock> = std::sync::Arc::new(serde_json::from_value(block).expect("block"));
+        let mut objects = vec![Watched::Block(&block)];
+        if change != Change::PodGone {
+            objects.push(Watched::Pod(&pod));
+        }
+        let index = ClusterIndex::from_objects(&sticky_kinds(), objects);
+        let ips = match change {
+            Change::ClaimNamesAnotherBlock => {
+                vec![crate::crd::ClaimedIp { ip: "10.0.0.5".into(), pool: "p".into(), block: "x".into() }]
+            }
+            Change::ClaimNamesNoIp => Vec::new(),
+            _ => vec![crate::crd::ClaimedIp { ip: "10.0.0.5".into(), pool: "p".into(), block: "b".into() }],
+        };
+        let mut claim = claim("u1", change != Change::NotSticky, Some(("StatefulSet", "web")));
+        claim.interfaces = vec![ClaimedInterface { interface: "eth0".into(), ips }];
+        if change == Change::AlreadyWitnessed {
+            claim.witnessed = Some(("u1".into(), "node-0".into(), claim.interfaces.clone()));
+        }
+        witness(&index, "ns", &claim)
+    }
+
+    #[test]
+    fn a_claim_is_witnessed_only_while_its_pod_and_its_records_say_it_is_in_effect() {
+        let seen = witness_with(Change::None).expect("in effect");
+        assert_eq!((seen.0.as_str(), seen.1.as_str(), seen.2[0].ips[0].ip.as_str()), ("u1", "node-0", "10.0.0.5"));
+        let not_witnessed = [
+            Change::PodGone,
+            Change::PodTerminating,
+            Change::PodOnAnotherNode,
+            Change::PodOfAnotherOwner,
+            Change::PodOfAnotherUid,
+            Change::RecordOfAnotherNode,
+            Change::RecordOfAnotherPod,
+            Change::RecordMissing,
+            Change::ClaimNamesAnotherBlock,
+            Change::ClaimNamesNoIp,
+            Change::AlreadyWitnessed,
+            Change::NotSticky,
+        ];
+        for change in not_witnessed {
+            assert_eq!(witness_with(change), None, "{change:?}");
+        }
+    }
 }

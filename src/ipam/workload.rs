@@ -719,4 +719,65 @@ mod test {
             assert_eq!(statefulset_wants("web", replicas, start, deleting, pod), wanted, "{pod} of {replicas}@{start}");
         }
     }
+
+    #[test]
+    fn a_sticky_pod_takes_back_the_witnessed_ips_where_the_spec_names_others() {
+        let ip = |ip: &str| crate::crd::ClaimedIp { ip: ip.into(), pool: "p".into(), block: "b".into() };
+        let interface = |name: &str, ips: &[&str]| ClaimedInterface {
+            interface: name.into(),
+            ips: ips.iter().map(|i| ip(i)).collect(),
+        };
+        let spec = |interfaces: Vec<ClaimedInterface>| IPClaimSpec {
+            pod_uid: "forged".into(),
+            node: "node-1".into(),
+            owner: None,
+            sticky: true,
+            interfaces,
+            bound_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
+        };
+        let witnessed = |interfaces: Vec<ClaimedInterface>| WitnessedBinding {
+            pod_uid: "u1".into(),
+            node: "node-0".into(),
+            interfaces,
+            at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
+        };
+        let ips_of =
+            |found: Option<&ClaimedInterface>| found.map(|i| i.ips.iter().map(|c| c.ip.clone()).collect::<Vec<_>>());
+        let seen = witnessed(vec![interface("eth0", &["10.0.0.5", "fd00::5"]), interface("net1", &["10.1.0.5"])]);
+        let cases = [
+            // (what, the spec's interfaces, witnessed, the IPs taken back for eth0)
+            (
+                "the spec agrees, in its own order",
+                vec![interface("eth0", &["fd00::5", "10.0.0.5"])],
+                Some(&seen),
+                Some(vec!["fd00::5", "10.0.0.5"]),
+            ),
+            (
+                "the spec names another IP",
+                vec![interface("eth0", &["10.0.0.9", "fd00::5"])],
+                Some(&seen),
+                Some(vec!["10.0.0.5", "fd00::5"]),
+            ),
+            (
+                "the spec lost the interface",
+                vec![interface("net1", &["10.1.0.5"])],
+                Some(&seen),
+                Some(vec!["10.0.0.5", "fd00::5"]),
+            ),
+            ("nothing witnessed yet", vec![interface("eth0", &["10.0.0.9"])], None, Some(vec!["10.0.0.9"])),
+            ("neither names the interface", vec![interface("net2", &["10.2.0.5"])], None, None),
+        ];
+        for (what, interfaces, witnessed, expected) in cases {
+            let spec = spec(interfaces);
+            let expected = expected.map(|ips| ips.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+            assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0")), expected, "{what}");
+        }
+        let only_net1 = witnessed(vec![interface("net1", &["10.1.0.5"])]);
+        let spec = spec(vec![interface("eth0", &["10.0.0.9"])]);
+        assert_eq!(
+            ips_of(claimed_interface(&spec, Some(&only_net1), "eth0")),
+            Some(vec!["10.0.0.9".to_string()]),
+            "another interface witnessed"
+        );
+    }
 }
