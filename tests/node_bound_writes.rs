@@ -294,10 +294,15 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     create_blocks(&admin).await;
     // web-2's claim: as node A leaves it after taking it over from web-2's pod on B, which the
     // controller saw in effect there.
-    for (name, node, seen_on) in [("web-0", A, A), ("web-1", B, B), ("web-2", A, B)] {
+    // web-3's: a claim of A's pod the controller has not seen in effect yet.
+    for (name, node, seen_on) in
+        [("web-0", A, Some(A)), ("web-1", B, Some(B)), ("web-2", A, Some(B)), ("web-3", A, None)]
+    {
         let stored = claim(name, &format!("{name}-uid"), node);
         Api::namespaced(admin.clone(), NS).create(&PostParams::default(), &stored).await.expect("create the claim");
-        witness_claim(&admin, name, seen_on).await;
+        if let Some(seen_on) = seen_on {
+            witness_claim(&admin, name, seen_on).await;
+        }
     }
     let a = &on_a;
 
@@ -470,8 +475,9 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     // Allowed: every shape of write an agent makes.
     let row = "create the claim of a sticky pod on A";
     assert_allowed(row, create_claim(a, claim("web-7", "web-7-uid", A)).await);
-    let row = "delete the claim of A's own pod";
+    let row = "delete the claim of A's own pod, witnessed on A or not yet witnessed";
     assert_allowed(row, delete_claim(a, "web-0").await);
+    assert_allowed(row, delete_claim(a, "web-3").await);
     let row = "rebind A's own claim to A's next pod, or hand it to a migration target on B";
     assert_allowed(row, rebind_claim(&admin, a, "web-0", "web-0-next", A).await);
     assert_allowed(row, rebind_claim(&admin, a, "web-0", "target-uid", B).await);

@@ -278,12 +278,21 @@ async fn a_claim_another_node_took_over_moves_no_statefulset_pods_ip_and_cannot_
 
     // Taken over for a pod of node-1's, and pointed at another free IP of web-0's block.
     let other = std::net::Ipv4Addr::from(u32::from(ip.parse::<std::net::Ipv4Addr>().expect("an IPv4")) + 5).to_string();
-    let mut claim = rogue.get("web-0").await.expect("node-1 reads web-0's claim");
-    claim.spec.pod_uid = "node-1-pod".to_string();
-    claim.spec.node = "node-1".to_string();
-    claim.spec.interfaces[0].ips[0].ip = other.clone();
-    claim.status = None;
-    rogue.replace("web-0", &PostParams::default(), &claim).await.expect("rule C-1 lets node-1 take it over");
+    // The controller may write the status again meanwhile (its cache had not seen its first
+    // write): a conflict, read again.
+    wait::until("node-1 taking web-0's claim over", TIMEOUT, || async {
+        let mut claim = rogue.get("web-0").await.expect("node-1 reads web-0's claim");
+        claim.spec.pod_uid = "node-1-pod".to_string();
+        claim.spec.node = "node-1".to_string();
+        claim.spec.interfaces[0].ips[0].ip = other.clone();
+        Ok(match rogue.replace("web-0", &PostParams::default(), &claim).await {
+            Ok(_) => Probe::Done(()),
+            Err(kube::Error::Api(status)) if status.code == 409 => Probe::Pending("a conflict".into()),
+            Err(e) => panic!("rule C-1 lets node-1 take it over: {e}"),
+        })
+    })
+    .await
+    .expect("taken over");
     let refused = rogue.delete("web-0", &DeleteParams::default()).await.expect_err("rule C-2 refuses the delete");
     assert!(refused.to_string().contains("ipwarden C-2"), "{refused}");
     let stored = claims(&client, NS).await.remove("web-0").expect("the claim");

@@ -47,7 +47,7 @@ impl ClaimJanitor {
             let witnessed = index
                 .claims()
                 .filter_map(|(namespace, name, claim)| {
-                    let binding = witness(&index, namespace, claim)?;
+                    let binding = witness(&index, namespace, name, claim)?;
                     Some((namespace.to_string(), name.to_string(), claim.object_uid.clone(), binding))
                 })
                 .collect();
@@ -103,7 +103,12 @@ async fn write_witnessed(
     claim.status.get_or_insert_default().witnessed = Some(binding);
     match api.replace_status(name, &PostParams::default(), &claim).await {
         Ok(_) => tracing::debug!(claim = %format!("{namespace}/{name}"), "wrote the claim's witnessed binding"),
-        Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {}
+        // Just read, so most likely a CRD without the status subresource (installed by an
+        // older version and not upgraded: install.md, "Upgrade").
+        Err(kube::Error::Api(status)) if status.code == 404 => {
+            tracing::warn!(claim = %format!("{namespace}/{name}"), "the IPClaim has no status subresource to write the witnessed binding to: apply this version's CRDs");
+        }
+        Err(kube::Error::Api(status)) if status.code == 409 => {}
         Err(e) => return Err(e),
     }
     Ok(())

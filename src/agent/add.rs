@@ -408,7 +408,18 @@ impl Core {
             return Ok(None);
         };
         let witnessed = claim.status.as_ref().and_then(|s| s.witnessed.as_ref());
-        let Some(interface) = workload::claimed_interface(&claim.spec, witnessed, &request.ifname) else {
+        let recorded_for_spec = |claimed: &ClaimedIp| {
+            let block = self.newest_block(&claimed.block);
+            block.and_then(|b| b.spec.allocations.get(&claimed.ip).cloned()).is_some_and(|r| {
+                r.sticky
+                    && r.pod.namespace == namespace
+                    && r.pod.uid == claim.spec.pod_uid
+                    && r.node == claim.spec.node
+                    && workload::claim_name(&r.pod.name, r.owner.as_ref()) == claim_name
+            })
+        };
+        let Some(interface) = workload::claimed_interface(&claim.spec, witnessed, &request.ifname, recorded_for_spec)
+        else {
             return Ok(None);
         };
         if !claim.spec.interfaces.iter().any(|i| i == interface) {

@@ -32,17 +32,20 @@ pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &
     !index.wants(namespace, owner, name) && pod_done && !replaced_by_same_ordinal
 }
 
-/// The binding of `claim` (in `namespace`) to write as witnessed (`status.witnessed`: pod UID,
-/// node, IPs per interface), when the spec's binding is in effect and the status does not say
-/// so yet: a sticky claim of a sticky owner kind with at least one IP, whose pod (found
-/// through the records) lives with the spec's UID on the spec's node, not terminating, and is
-/// controlled by the spec's owner; and every IP of it recorded, in the block and pool the
-/// claim names, as a sticky record of that pod and node. A node's agent may rewrite a claim's
-/// spec (rule C-1) but not the records of another node or its pods (decision 0022), so a
-/// spec another node rewrote is never witnessed: the status keeps the binding seen before.
+/// The binding of `claim` (in `namespace`, named `name`) to write as witnessed
+/// (`status.witnessed`: pod UID, node, IPs per interface), when the spec's binding is in effect
+/// and the status does not say so yet: a sticky claim of a sticky owner kind with at least one
+/// IP, whose pod (found through the records) is the claim's own (its claim name is `name`),
+/// lives with the spec's UID on the spec's node, not terminating, and is controlled by the
+/// spec's owner; and every IP of it recorded, in the block and pool the claim names, as a
+/// sticky record of that pod and node. A node's agent may rewrite a claim's spec (rule C-1)
+/// and add records naming itself, but the claim's pod runs where the scheduler put it and only
+/// that node writes records naming it there (decision 0022), so a spec another node rewrote
+/// is never witnessed: the status keeps the binding seen before.
 pub fn witness(
     index: &ClusterIndex,
     namespace: &str,
+    name: &str,
     claim: &ClaimFacts,
 ) -> Option<(String, String, Vec<ClaimedInterface>)> {
     let owner = claim.owner.as_ref().filter(|o| claim.sticky && workload::is_sticky(Some(o), index.sticky_kinds()))?;
@@ -61,8 +64,11 @@ pub fn witness(
         pod_name = Some(record.pod.name.as_str());
     }
     let pod = index.pod(namespace, pod_name?)?;
-    let live =
-        pod.uid == claim.pod_uid && pod.node == claim.node && !pod.terminal() && pod.owner.as_ref() == Some(owner);
+    let live = pod.uid == claim.pod_uid
+        && pod.node == claim.node
+        && !pod.terminal()
+        && pod.owner.as_ref() == Some(owner)
+        && workload::claim_name(&pod.name, pod.owner.as_ref()) == name;
     let binding = (claim.pod_uid.clone(), claim.node.clone(), claim.interfaces.clone());
     (live && claim.witnessed.as_ref() != Some(&binding)).then_some(binding)
 }
@@ -204,6 +210,9 @@ mod test {
         ClaimNamesNoIp,
         AlreadyWitnessed,
         NotSticky,
+        ClaimOfAnotherPod,
+        RecordsOfTwoPods,
+        BlockOfAnotherPool,
     }
 
     fn witness_with(change: Change) -> Option<(String, String, Vec<ClaimedInterface>)> {
@@ -230,10 +239,19 @@ mod test {
         }
         let mut block = json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPBlock", "metadata": {"name": "b"},
             "spec": {"pool": "p", "cidr": "10.0.0.0/24", "allocations": {"10.0.0.5": record}}});
+        if change == Change::RecordsOfTwoPods {
+            let mut other = crate::ipam::blocks::test::record("u1", "c1");
+            (other.pod.namespace, other.pod.name, other.sticky) = ("ns".into(), "web-2".into(), true);
+            block["spec"]["allocations"]["10.0.0.6"] = serde_json::to_value(other).expect("a record");
+        }
+        if change == Change::BlockOfAnotherPool {
+            block["spec"]["pool"] = json!("q");
+        }
         if change == Change::RecordMissing {
             block["spec"]["allocations"] = json!({});
         }
-        let block: std::sync::Arc<crate::crd::IPBlock> = std::sync::Arc::new(serde_json::from_value(block).expect("block"));
+        let block: std::sync::Arc<crate::crd::IPBlock> =
+            std::sync::Arc::new(serde_json::from_value(block).expect("block"));
         let mut objects = vec![Watched::Block(&block)];
         if change != Change::PodGone {
             objects.push(Watched::Pod(&pod));
@@ -244,6 +262,9 @@ mod test {
                 vec![crate::crd::ClaimedIp { ip: "10.0.0.5".into(), pool: "p".into(), block: "x".into() }]
             }
             Change::ClaimNamesNoIp => Vec::new(),
+            Change::RecordsOfTwoPods => ["10.0.0.5", "10.0.0.6"]
+                .map(|ip| crate::crd::ClaimedIp { ip: ip.into(), pool: "p".into(), block: "b".into() })
+                .to_vec(),
             _ => vec![crate::crd::ClaimedIp { ip: "10.0.0.5".into(), pool: "p".into(), block: "b".into() }],
         };
         let mut claim = claim("u1", change != Change::NotSticky, Some(("StatefulSet", "web")));
@@ -251,7 +272,8 @@ mod test {
         if change == Change::AlreadyWitnessed {
             claim.witnessed = Some(("u1".into(), "node-0".into(), claim.interfaces.clone()));
         }
-        witness(&index, "ns", &claim)
+        let name = if change == Change::ClaimOfAnotherPod { "web-0" } else { "web-1" };
+        witness(&index, "ns", name, &claim)
     }
 
     #[test]
@@ -271,6 +293,9 @@ mod test {
             Change::ClaimNamesNoIp,
             Change::AlreadyWitnessed,
             Change::NotSticky,
+            Change::ClaimOfAnotherPod,
+            Change::RecordsOfTwoPods,
+            Change::BlockOfAnotherPool,
         ];
         for change in not_witnessed {
             assert_eq!(witness_with(change), None, "{change:?}");

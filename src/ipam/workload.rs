@@ -7,7 +7,7 @@
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-use crate::crd::{Allocation, ClaimedInterface, IPClaimSpec, MigrationTarget, OwnerRef, WitnessedBinding};
+use crate::crd::{Allocation, ClaimedInterface, ClaimedIp, IPClaimSpec, MigrationTarget, OwnerRef, WitnessedBinding};
 use crate::ipam::blocks;
 
 /// The owner kind of KubeVirt's running VM instances, whose claim is named `vm.<VM>`.
@@ -248,13 +248,17 @@ pub fn claim_interfaces(
 
 /// The IPs of interface `ifname` a recreated sticky pod takes back from its claim: the spec's,
 /// unless the controller saw the claim in effect with other IPs for that interface
-/// (`witnessed`, the claim's status, which no agent may write): then those. Another node's
-/// agent may take a claim's spec over and point it elsewhere (rule C-1, decision 0022); the
-/// witnessed binding is what the workload's pod last really held.
+/// (`witnessed`, the claim's status, which no agent may write): then those, unless the spec is
+/// a newer binding on the witnessed node, each of its IPs a record that node wrote for the
+/// spec's pod (`recorded_for_spec`: a sticky record of this workload naming the spec's pod UID
+/// and node). Another node's agent may take a claim's spec over and point it elsewhere (rule
+/// C-1, decision 0022), but writes no record naming another node; the witnessed binding is
+/// what the workload's pod last really held.
 pub fn claimed_interface<'a>(
     spec: &'a IPClaimSpec,
     witnessed: Option<&'a WitnessedBinding>,
     ifname: &str,
+    recorded_for_spec: impl Fn(&ClaimedIp) -> bool,
 ) -> Option<&'a ClaimedInterface> {
     let of = |interfaces: &'a [ClaimedInterface]| interfaces.iter().find(|i| i.interface == ifname);
     let claimed = of(&spec.interfaces);
@@ -265,8 +269,15 @@ pub fn claimed_interface<'a>(
         ips.sort_unstable();
         ips
     };
+    let newer_on_the_witnessed_node = |claimed: &ClaimedInterface| {
+        witnessed.is_some_and(|w| w.node == spec.node)
+            && !claimed.ips.is_empty()
+            && claimed.ips.iter().all(&recorded_for_spec)
+    };
     match (claimed, seen) {
-        (Some(claimed), Some(seen)) if sorted(claimed) == sorted(seen) => Some(claimed),
+        (Some(claimed), Some(seen)) if sorted(claimed) == sorted(seen) || newer_on_the_witnessed_node(claimed) => {
+            Some(claimed)
+        }
         (_, Some(seen)) => Some(seen),
         (claimed, None) => claimed,
     }
@@ -770,14 +781,31 @@ mod test {
         for (what, interfaces, witnessed, expected) in cases {
             let spec = spec(interfaces);
             let expected = expected.map(|ips| ips.iter().map(|s| s.to_string()).collect::<Vec<_>>());
-            assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0")), expected, "{what}");
+            assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0", |_| false)), expected, "{what}");
         }
         let only_net1 = witnessed(vec![interface("net1", &["10.1.0.5"])]);
         let spec = spec(vec![interface("eth0", &["10.0.0.9"])]);
         assert_eq!(
-            ips_of(claimed_interface(&spec, Some(&only_net1), "eth0")),
+            ips_of(claimed_interface(&spec, Some(&only_net1), "eth0", |_| false)),
             Some(vec!["10.0.0.9".to_string()]),
             "another interface witnessed"
+        );
+        // A newer binding on the witnessed node (the pod got new IPs there, then restarted
+        // before the controller's next pass): the spec's, where that node recorded each of
+        // its IPs for the spec's pod.
+        let mut newer = spec.clone();
+        newer.node = "node-0".into();
+        let recorded = |c: &crate::crd::ClaimedIp| c.ip == "10.0.0.9";
+        let seen = witnessed(vec![interface("eth0", &["10.0.0.5"])]);
+        let taken = |spec: &IPClaimSpec, recorded: &dyn Fn(&crate::crd::ClaimedIp) -> bool| {
+            ips_of(claimed_interface(spec, Some(&seen), "eth0", recorded))
+        };
+        assert_eq!(taken(&newer, &recorded), Some(vec!["10.0.0.9".to_string()]), "recorded for it");
+        assert_eq!(taken(&newer, &|_| false), Some(vec!["10.0.0.5".to_string()]), "not recorded for it");
+        assert_eq!(
+            taken(&spec, &recorded),
+            Some(vec!["10.0.0.5".to_string()]),
+            "recorded, but the spec names another node"
         );
     }
 }
