@@ -135,7 +135,7 @@ async fn agents_and_controllers_with_the_charts_rbac_survive_a_statefulset_scale
     ipwarden.start_agents(&["--reuse-cooldown-seconds=1"]).await;
     ipwarden.controller_run_as = Some(RunAs { kubeconfig: controller_kubeconfig, namespace: SYSTEM.into() });
     for identity in ["storm-a", "storm-b"] {
-        ipwarden.start_controller(identity, &["--full-scan-interval-seconds=5"]);
+        ipwarden.start_controller(identity, &["--full-scan-interval-seconds=5", "--claim-janitor-interval-seconds=2"]);
     }
     let leases: Api<Lease> = Api::namespaced(client.clone(), SYSTEM);
     let holder = wait::until("a controller holds the Lease", TIMEOUT, || async {
@@ -185,19 +185,26 @@ async fn agents_and_controllers_with_the_charts_rbac_survive_a_statefulset_scale
         wait_running(&client, "alpha", "beta").await;
     }
 
-    // Settled: the records are exactly the running pods, and only their claims are left.
-    let settled = wait::until("records == running pods, no leftover claims, the leak reclaimed", TIMEOUT, || async {
+    // Settled: the records are exactly the running pods, and only their claims are left, each
+    // witnessed for its pod by the controller (a status write its chart account must be let
+    // make).
+    let settled = wait::until("records == running pods, claims only theirs and witnessed, the leak reclaimed", TIMEOUT, || async {
         let running = pods_with_ips(&client, NS, "storm=true").await?;
         let expected: BTreeMap<String, String> =
             running.values().map(|p| (ip_of(p), p.uid().unwrap_or_default())).collect();
         let records = storm_records(&client).await.map_err(e2e::Error::kube("listing blocks"))?;
-        let claimed: BTreeSet<String> = claims(&client, NS).await.into_keys().collect();
+        let all_claims = claims(&client, NS).await;
+        let claimed: BTreeSet<String> = all_claims.keys().cloned().collect();
+        let witnessed = running.iter().all(|(name, pod)| {
+            let seen = all_claims.get(name).and_then(|c| c.status.as_ref()).and_then(|s| s.witnessed.as_ref());
+            seen.is_some_and(|w| Some(w.pod_uid.as_str()) == pod.uid().as_deref())
+        });
         let running_names: BTreeSet<String> = running.keys().cloned().collect();
         let spare = support::records(&client).await.keys().any(|ip| ip == "10.61.0.9" || ip == "10.61.0.10");
-        Ok(if records == expected && claimed == running_names && running.len() == REPLICAS as usize && !spare {
+        Ok(if records == expected && claimed == running_names && witnessed && running.len() == REPLICAS as usize && !spare {
             Probe::Done(running_names)
         } else {
-            Probe::Pending(format!("records {records:?}, running {expected:?}, claims {claimed:?}, leak held {spare}"))
+            Probe::Pending(format!("records {records:?}, running {expected:?}, claims {claimed:?} (witnessed {witnessed}), leak held {spare}"))
         })
     })
     .await
