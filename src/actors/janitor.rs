@@ -86,8 +86,9 @@ impl ClaimJanitor {
 }
 
 /// Writes `binding` into claim `namespace/name`'s `status.witnessed`, read first and replaced
-/// with the resourceVersion read, on the object of UID `object_uid` only (a claim deleted and
-/// created again since is another object; a conflict waits for the next pass).
+/// with the resourceVersion read, on the object of UID `object_uid` only and while its spec
+/// still names that binding (a claim deleted and created again since is another object, a spec
+/// changed since is decided again; a conflict waits for the next pass).
 async fn write_witnessed(
     client: &Client,
     namespace: &str,
@@ -97,7 +98,10 @@ async fn write_witnessed(
 ) -> Result<(), kube::Error> {
     let api: Api<IPClaim> = Api::namespaced(client.clone(), namespace);
     let Some(mut claim) = api.get_opt(name).await? else { return Ok(()) };
-    if claim.metadata.uid.as_deref() != Some(object_uid) {
+    let spec = &claim.spec;
+    let same_spec =
+        spec.pod_uid == binding.pod_uid && spec.node == binding.node && spec.interfaces == binding.interfaces;
+    if claim.metadata.uid.as_deref() != Some(object_uid) || !same_spec {
         return Ok(());
     }
     claim.status.get_or_insert_default().witnessed = Some(binding);

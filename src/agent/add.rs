@@ -408,17 +408,39 @@ impl Core {
             return Ok(None);
         };
         let witnessed = claim.status.as_ref().and_then(|s| s.witnessed.as_ref());
-        let recorded_for_spec = |claimed: &ClaimedIp| {
-            let block = self.newest_block(&claimed.block);
-            block.and_then(|b| b.spec.allocations.get(&claimed.ip).cloned()).is_some_and(|r| {
-                r.sticky
-                    && r.pod.namespace == namespace
-                    && r.pod.uid == claim.spec.pod_uid
-                    && r.node == claim.spec.node
-                    && workload::claim_name(&r.pod.name, r.owner.as_ref()) == claim_name
-            })
+        let spec_recorded = || {
+            let spec = &claim.spec;
+            let held: BTreeSet<(String, String)> = self
+                .known_blocks()
+                .iter()
+                .flat_map(|b| {
+                    let name = b.name_any();
+                    b.spec
+                        .allocations
+                        .iter()
+                        .filter(|(_, r)| {
+                            r.sticky && r.pod.uid == spec.pod_uid && r.node == spec.node && r.pod.namespace == namespace
+                        })
+                        .map(move |(ip, _)| (name.clone(), ip.clone()))
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let record_at = |c: &ClaimedIp| {
+                let block = self.newest_block(&c.block)?;
+                let record = block.spec.allocations.get(&c.ip)?.clone();
+                Some((block.spec.pool, record))
+            };
+            workload::binding_recorded(
+                &namespace,
+                &claim_name,
+                &spec.pod_uid,
+                &spec.node,
+                &spec.interfaces,
+                record_at,
+                &held,
+            )
         };
-        let Some(interface) = workload::claimed_interface(&claim.spec, witnessed, &request.ifname, recorded_for_spec)
+        let Some(interface) = workload::claimed_interface(&claim.spec, witnessed, &request.ifname, spec_recorded)
         else {
             return Ok(None);
         };

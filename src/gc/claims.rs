@@ -1,9 +1,13 @@
 //! Pure rules for the claim janitor: is an IPClaim's workload gone for good, and is the
 //! claim's binding in effect, so that the controller writes it down as witnessed?
 
+use std::collections::BTreeSet;
+
+use kube::ResourceExt;
+
 use super::index::{ClaimFacts, ClusterIndex};
 use super::rules::Phase;
-use crate::crd::{ClaimedInterface, OwnerRef};
+use crate::crd::{ClaimedInterface, ClaimedIp, OwnerRef};
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
 
 /// Whether `claim` (in `namespace`, named `name`) can be deleted. A claim no ADD reads back
@@ -37,8 +41,10 @@ pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &
 /// and the status does not say so yet: a sticky claim of a sticky owner kind with at least one
 /// IP, whose pod (found through the records) is the claim's own (its claim name is `name`),
 /// lives with the spec's UID on the spec's node, not terminating, and is controlled by the
-/// spec's owner; and every IP of it recorded, in the block and pool the claim names, as a
-/// sticky record of that pod and node. A node's agent may rewrite a claim's spec (rule C-1)
+/// spec's owner; and the records hold the binding exactly ([`workload::binding_recorded`]:
+/// each IP a sticky record of that pod and node for its interface, in the block and pool the
+/// claim names, and none of that pod's on that node left out). A node's agent may rewrite a
+/// claim's spec (rule C-1)
 /// and add records naming itself, but the claim's pod runs where the scheduler put it and only
 /// that node writes records naming it there (decision 0022), so a spec another node rewrote
 /// is never witnessed: the status keeps the binding seen before.
@@ -49,28 +55,26 @@ pub fn witness(
     claim: &ClaimFacts,
 ) -> Option<(String, String, Vec<ClaimedInterface>)> {
     let owner = claim.owner.as_ref().filter(|o| claim.sticky && workload::is_sticky(Some(o), index.sticky_kinds()))?;
-    let mut pod_name = None;
-    for claimed in claim.interfaces.iter().flat_map(|i| &i.ips) {
-        let block = index.block(&claimed.block).filter(|b| b.spec.pool == claimed.pool)?;
-        let record = block.spec.allocations.get(&claimed.ip)?;
-        let ours = record.sticky
-            && record.pod.namespace == namespace
-            && record.pod.uid == claim.pod_uid
-            && record.node == claim.node
-            && pod_name.is_none_or(|name| name == record.pod.name.as_str());
-        if !ours {
-            return None;
-        }
-        pod_name = Some(record.pod.name.as_str());
-    }
-    let pod = index.pod(namespace, pod_name?)?;
+    let held: BTreeSet<(String, String)> = index
+        .records_of(&claim.pod_uid)
+        .filter(|(_, _, r)| r.sticky && r.node == claim.node && r.pod.namespace == namespace)
+        .map(|(block, ip, _)| (block.name_any(), ip.to_string()))
+        .collect();
+    let record_at = |c: &ClaimedIp| {
+        let block = index.block(&c.block)?;
+        Some((block.spec.pool.clone(), block.spec.allocations.get(&c.ip)?.clone()))
+    };
+    let recorded =
+        workload::binding_recorded(namespace, name, &claim.pod_uid, &claim.node, &claim.interfaces, record_at, &held);
+    let pod_name = index.records_of(&claim.pod_uid).map(|(_, _, r)| r.pod.name.as_str()).next()?;
+    let pod = index.pod(namespace, pod_name)?;
     let live = pod.uid == claim.pod_uid
         && pod.node == claim.node
         && !pod.terminal()
         && pod.owner.as_ref() == Some(owner)
         && workload::claim_name(&pod.name, pod.owner.as_ref()) == name;
     let binding = (claim.pod_uid.clone(), claim.node.clone(), claim.interfaces.clone());
-    (live && claim.witnessed.as_ref() != Some(&binding)).then_some(binding)
+    (recorded && live && claim.witnessed.as_ref() != Some(&binding)).then_some(binding)
 }
 
 #[cfg(test)]
@@ -213,6 +217,7 @@ mod test {
         ClaimOfAnotherPod,
         RecordsOfTwoPods,
         BlockOfAnotherPool,
+        SpecLeavesARecordOut,
     }
 
     fn witness_with(change: Change) -> Option<(String, String, Vec<ClaimedInterface>)> {
@@ -243,6 +248,11 @@ mod test {
             let mut other = crate::ipam::blocks::test::record("u1", "c1");
             (other.pod.namespace, other.pod.name, other.sticky) = ("ns".into(), "web-2".into(), true);
             block["spec"]["allocations"]["10.0.0.6"] = serde_json::to_value(other).expect("a record");
+        }
+        if change == Change::SpecLeavesARecordOut {
+            let mut second = crate::ipam::blocks::test::record("u1", "c1");
+            (second.pod.namespace, second.pod.name, second.sticky) = ("ns".into(), "web-1".into(), true);
+            block["spec"]["allocations"]["10.0.0.6"] = serde_json::to_value(second).expect("a record");
         }
         if change == Change::BlockOfAnotherPool {
             block["spec"]["pool"] = json!("q");
@@ -296,6 +306,7 @@ mod test {
             Change::ClaimOfAnotherPod,
             Change::RecordsOfTwoPods,
             Change::BlockOfAnotherPool,
+            Change::SpecLeavesARecordOut,
         ];
         for change in not_witnessed {
             assert_eq!(witness_with(change), None, "{change:?}");

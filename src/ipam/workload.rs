@@ -1,8 +1,11 @@
 //! Pure rules about the workload behind a pod: the UID the runtime knows it by, its
 //! controller, whether its IPs are sticky,
-//! the name of its IPClaim and the interfaces it lists, whether a sticky owner (a
+//! the name of its IPClaim and the interfaces it lists, whether the records hold a claim's
+//! binding and which of a claim's IPs a recreated pod takes back, whether a sticky owner (a
 //! StatefulSet's ordinal, a KubeVirt VM) still wants its IPs, and which workload holds the
 //! IPs its pods draw from an `ipwarden.io/ip-list`, for as long as it lives.
+
+use std::collections::BTreeSet;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -246,19 +249,54 @@ pub fn claim_interfaces(
     interfaces
 }
 
+/// Whether the block records hold claim `claim`'s binding (in `namespace`: pod `uid` on `node`
+/// with `interfaces`) exactly, with at least one IP: each claimed IP a sticky record of the
+/// workload's pod `uid` on `node` in a block of the claimed pool, naming the claimed interface
+/// (or none: a record the controller repaired), and no other sticky record of that pod and
+/// node left out (`held`: the block and IP of each). Only `node`'s agent, and the controller,
+/// write records naming `node`, so another node cannot make a binding on `node` look recorded
+/// by rewriting a claim (decision 0022). `record_at`: the pool of the claimed block and the
+/// record at the claimed IP, as the caller's cache has them.
+pub fn binding_recorded(
+    namespace: &str,
+    claim: &str,
+    uid: &str,
+    node: &str,
+    interfaces: &[ClaimedInterface],
+    record_at: impl Fn(&ClaimedIp) -> Option<(String, Allocation)>,
+    held: &BTreeSet<(String, String)>,
+) -> bool {
+    let claimed: BTreeSet<(String, String)> =
+        interfaces.iter().flat_map(|i| &i.ips).map(|c| (c.block.clone(), c.ip.clone())).collect();
+    let each_recorded = interfaces.iter().all(|interface| {
+        interface.ips.iter().all(|c| {
+            record_at(c).is_some_and(|(pool, r)| {
+                pool == c.pool
+                    && r.sticky
+                    && r.pod.namespace == namespace
+                    && r.pod.uid == uid
+                    && r.node == node
+                    && (r.interface == interface.interface || r.interface.is_empty())
+                    && claim_name(&r.pod.name, r.owner.as_ref()) == claim
+            })
+        })
+    });
+    !claimed.is_empty() && claimed == *held && each_recorded
+}
+
 /// The IPs of interface `ifname` a recreated sticky pod takes back from its claim: the spec's,
 /// unless the controller saw the claim in effect with other IPs for that interface
 /// (`witnessed`, the claim's status, which no agent may write): then those, unless the spec is
-/// a newer binding on the witnessed node, each of its IPs a record that node wrote for the
-/// spec's pod (`recorded_for_spec`: a sticky record of this workload naming the spec's pod UID
-/// and node). Another node's agent may take a claim's spec over and point it elsewhere (rule
-/// C-1, decision 0022), but writes no record naming another node; the witnessed binding is
-/// what the workload's pod last really held.
+/// a newer binding on the witnessed node that the records hold ([`binding_recorded`], asked
+/// only then: `spec_recorded`), which is a pod that got new IPs on that node and restarted
+/// before the controller's next pass. Another node's agent may take a claim's spec over and
+/// point it elsewhere (rule C-1, decision 0022), but writes no record naming another node; the
+/// witnessed binding is what the workload's pod last really held.
 pub fn claimed_interface<'a>(
     spec: &'a IPClaimSpec,
     witnessed: Option<&'a WitnessedBinding>,
     ifname: &str,
-    recorded_for_spec: impl Fn(&ClaimedIp) -> bool,
+    spec_recorded: impl FnOnce() -> bool,
 ) -> Option<&'a ClaimedInterface> {
     let of = |interfaces: &'a [ClaimedInterface]| interfaces.iter().find(|i| i.interface == ifname);
     let claimed = of(&spec.interfaces);
@@ -269,15 +307,9 @@ pub fn claimed_interface<'a>(
         ips.sort_unstable();
         ips
     };
-    let newer_on_the_witnessed_node = |claimed: &ClaimedInterface| {
-        witnessed.is_some_and(|w| w.node == spec.node)
-            && !claimed.ips.is_empty()
-            && claimed.ips.iter().all(&recorded_for_spec)
-    };
     match (claimed, seen) {
-        (Some(claimed), Some(seen)) if sorted(claimed) == sorted(seen) || newer_on_the_witnessed_node(claimed) => {
-            Some(claimed)
-        }
+        (Some(claimed), Some(seen)) if sorted(claimed) == sorted(seen) => Some(claimed),
+        (Some(claimed), Some(_)) if witnessed.is_some_and(|w| w.node == spec.node) && spec_recorded() => Some(claimed),
         (_, Some(seen)) => Some(seen),
         (claimed, None) => claimed,
     }
@@ -781,31 +813,69 @@ mod test {
         for (what, interfaces, witnessed, expected) in cases {
             let spec = spec(interfaces);
             let expected = expected.map(|ips| ips.iter().map(|s| s.to_string()).collect::<Vec<_>>());
-            assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0", |_| false)), expected, "{what}");
+            assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0", || false)), expected, "{what}");
         }
         let only_net1 = witnessed(vec![interface("net1", &["10.1.0.5"])]);
         let spec = spec(vec![interface("eth0", &["10.0.0.9"])]);
         assert_eq!(
-            ips_of(claimed_interface(&spec, Some(&only_net1), "eth0", |_| false)),
+            ips_of(claimed_interface(&spec, Some(&only_net1), "eth0", || false)),
             Some(vec!["10.0.0.9".to_string()]),
             "another interface witnessed"
         );
         // A newer binding on the witnessed node (the pod got new IPs there, then restarted
-        // before the controller's next pass): the spec's, where that node recorded each of
-        // its IPs for the spec's pod.
+        // before the controller's next pass): the spec's, where the records hold it.
         let mut newer = spec.clone();
         newer.node = "node-0".into();
-        let recorded = |c: &crate::crd::ClaimedIp| c.ip == "10.0.0.9";
         let seen = witnessed(vec![interface("eth0", &["10.0.0.5"])]);
-        let taken = |spec: &IPClaimSpec, recorded: &dyn Fn(&crate::crd::ClaimedIp) -> bool| {
-            ips_of(claimed_interface(spec, Some(&seen), "eth0", recorded))
+        let taken =
+            |spec: &IPClaimSpec, recorded: bool| ips_of(claimed_interface(spec, Some(&seen), "eth0", || recorded));
+        assert_eq!(taken(&newer, true), Some(vec!["10.0.0.9".to_string()]), "recorded for it");
+        assert_eq!(taken(&newer, false), Some(vec!["10.0.0.5".to_string()]), "not recorded for it");
+        assert_eq!(taken(&spec, true), Some(vec!["10.0.0.5".to_string()]), "recorded, but the spec names another node");
+    }
+
+    /// The pool and record a test's cache has at an IP.
+    type RecordAt<'a> = dyn Fn(&str) -> Option<(String, Allocation)> + 'a;
+
+    /// The blocks and IPs of a pod's records on its node.
+    type Held = BTreeSet<(String, String)>;
+
+    #[test]
+    fn a_binding_is_recorded_only_when_the_records_hold_it_exactly() {
+        let claimed_ip = |ip: &str| crate::crd::ClaimedIp { ip: ip.into(), pool: "p4".into(), block: "b".into() };
+        let eth0 =
+            ClaimedInterface { interface: "eth0".into(), ips: vec![claimed_ip("10.0.0.5"), claimed_ip("10.0.0.6")] };
+        let record = |interface: &str| {
+            let mut r = blocks::test::record("u1", "c1");
+            (r.sticky, r.interface) = (true, interface.into());
+            r.owner = Some(OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
+            r
         };
-        assert_eq!(taken(&newer, &recorded), Some(vec!["10.0.0.9".to_string()]), "recorded for it");
-        assert_eq!(taken(&newer, &|_| false), Some(vec!["10.0.0.5".to_string()]), "not recorded for it");
-        assert_eq!(
-            taken(&spec, &recorded),
-            Some(vec!["10.0.0.5".to_string()]),
-            "recorded, but the spec names another node"
-        );
+        let held = |ips: &[&str]| ips.iter().map(|ip| ("b".to_string(), ip.to_string())).collect::<BTreeSet<_>>();
+        let both = held(&["10.0.0.5", "10.0.0.6"]);
+        let recorded = |interfaces: &[ClaimedInterface],
+                        at: &dyn Fn(&str) -> Option<(String, Allocation)>,
+                        held: &BTreeSet<(String, String)>| {
+            binding_recorded("default", "web-0", "u1", "node-0", interfaces, |c| at(&c.ip), held)
+        };
+        let in_p4 = |interface: &'static str| move |_: &str| Some(("p4".to_string(), record(interface)));
+        assert!(recorded(std::slice::from_ref(&eth0), &in_p4("eth0"), &both), "held exactly");
+        assert!(recorded(std::slice::from_ref(&eth0), &in_p4(""), &both), "repaired records name no interface");
+        let cases: [(&str, &RecordAt<'_>, Held); 6] = [
+            ("a record of the pod on that node left out", &in_p4("eth0"), held(&["10.0.0.5", "10.0.0.6", "10.0.0.7"])),
+            ("a record naming another interface", &in_p4("net1"), both.clone()),
+            ("a block of another pool", &|_| Some(("p6".to_string(), record("eth0"))), both.clone()),
+            ("no record", &|_| None, both.clone()),
+            ("another pod's record", &|_| Some(("p4".to_string(), blocks::test::record("u2", "c2"))), both.clone()),
+            (
+                "another node's record",
+                &|_| Some(("p4".to_string(), Allocation { node: "node-1".into(), ..record("eth0") })),
+                both.clone(),
+            ),
+        ];
+        for (what, at, held) in cases {
+            assert!(!recorded(std::slice::from_ref(&eth0), at, &held), "{what}");
+        }
+        assert!(!recorded(&[], &in_p4("eth0"), &BTreeSet::new()), "no IP");
     }
 }
