@@ -1,73 +1,80 @@
 //! `ClaimJanitor`: deletes IPClaims whose workload is gone for good (completed Job pods
-//! included), and writes down the binding of each claim it sees in effect
-//! (`status.witnessed`, [`witness`]), on the leader only, on a timer.
+//! included), on a timer, and writes down the binding of each claim it sees in effect
+//! (`status.witnessed`, [`witness`]) soon after the index changes, both on the leader only.
 
 use super::leader::Leadership;
 use std::time::Duration;
 
-use actix::{Actor, AsyncContext, Context, WrapFuture};
+use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::Client;
 use kube::api::{Api, PostParams};
 
+use super::metrics::ControllerMetrics;
 use super::watches::SharedIndex;
-use crate::crd::{ClaimedInterface, IPClaim, WitnessedBinding};
+use crate::crd::{IPClaim, WitnessedBinding};
 use crate::gc::claims::{gone_for_good, witness};
+use crate::gc::index::ClaimBinding;
 
-/// A claim's binding the janitor writes down as witnessed: namespace, name, the claim
-/// object's UID, and pod UID, node and IPs per interface.
-type Witnessed = (String, String, String, (String, String, Vec<ClaimedInterface>));
+/// A claim whose binding the janitor writes down as witnessed.
+struct Witnessed {
+    namespace: String,
+    name: String,
+    /// The claim object's UID: the write goes to this object only.
+    object_uid: String,
+    binding: ClaimBinding,
+}
 
 /// The janitor actor.
 pub struct ClaimJanitor {
     client: Client,
     index: SharedIndex,
     leading: Leadership,
+    metrics: ControllerMetrics,
     interval: Duration,
+    witness_interval: Duration,
+    /// The index's change count when the witnesses were last decided ([`SharedIndex::changes`]).
+    decided_at: Option<u64>,
+    /// Whether witness writes of the last decision still run.
+    witnessing: bool,
 }
 
 impl ClaimJanitor {
-    /// A janitor running every `interval`.
-    pub fn new(client: Client, index: SharedIndex, leading: Leadership, interval: Duration) -> Self {
-        Self { client, index, leading, interval }
+    /// A janitor deleting claims every `interval` and deciding the witnesses every
+    /// `witness_interval` while the index changed since, and on each deletion pass (which
+    /// retries writes that failed).
+    pub fn new(
+        client: Client,
+        index: SharedIndex,
+        leading: Leadership,
+        metrics: ControllerMetrics,
+        interval: Duration,
+        witness_interval: Duration,
+    ) -> Self {
+        Self { client, index, leading, metrics, interval, witness_interval, decided_at: None, witnessing: false }
     }
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
         if !self.leading.is_leading() {
             return;
         }
-        let (doomed, witnessed): (Vec<(String, String, String)>, Vec<Witnessed>) = {
+        self.decided_at = None;
+        self.witness(ctx);
+        let doomed: Vec<(String, String, String)> = {
             let index = self.index.read();
-            let doomed = index
+            index
                 .claims()
                 .filter(|(namespace, name, claim)| gone_for_good(&index, namespace, name, claim))
                 .map(|(namespace, name, claim)| (namespace.to_string(), name.to_string(), claim.pod_uid.clone()))
-                .collect();
-            let witnessed = index
-                .claims()
-                .filter_map(|(namespace, name, claim)| {
-                    let binding = witness(&index, namespace, name, claim)?;
-                    Some((namespace.to_string(), name.to_string(), claim.object_uid.clone(), binding))
-                })
-                .collect();
-            (doomed, witnessed)
+                .collect()
         };
-        if doomed.is_empty() && witnessed.is_empty() {
+        if doomed.is_empty() {
             return;
         }
         let (client, leading) = (self.client.clone(), self.leading.clone());
         ctx.spawn(
             async move {
-                for (namespace, name, object_uid, (pod_uid, node, interfaces)) in witnessed {
-                    if !leading.is_leading() {
-                        return;
-                    }
-                    let binding = WitnessedBinding { pod_uid, node, interfaces, at: Time(Timestamp::now()) };
-                    if let Err(e) = write_witnessed(&client, &namespace, &name, &object_uid, binding).await {
-                        tracing::warn!(claim = %format!("{namespace}/{name}"), error = %e, "writing the claim's witnessed binding failed; the next pass retries");
-                    }
-                }
                 for (namespace, name, uid) in doomed {
                     // Checked right before each write: leadership may lapse mid-pass.
                     if !leading.is_leading() {
@@ -83,39 +90,96 @@ impl ClaimJanitor {
             .into_actor(self),
         );
     }
+
+    /// Decides which claims to write down as witnessed, unless nothing changed since the last
+    /// decision or its writes still run, and writes them one after the other.
+    fn witness(&mut self, ctx: &mut Context<Self>) {
+        if !self.leading.is_leading() {
+            self.decided_at = None;
+            return;
+        }
+        // Read before the index: an event applied after this read is decided again next time.
+        let changes = self.index.changes();
+        if self.witnessing || self.decided_at == Some(changes) {
+            return;
+        }
+        self.decided_at = Some(changes);
+        let due: Vec<Witnessed> = {
+            let index = self.index.read();
+            index
+                .claims()
+                .filter_map(|(namespace, name, claim)| {
+                    Some(Witnessed {
+                        binding: witness(&index, namespace, name, claim)?,
+                        namespace: namespace.to_string(),
+                        name: name.to_string(),
+                        object_uid: claim.object_uid.clone(),
+                    })
+                })
+                .collect()
+        };
+        if due.is_empty() {
+            return;
+        }
+        self.witnessing = true;
+        let (client, leading, metrics) = (self.client.clone(), self.leading.clone(), self.metrics.clone());
+        ctx.spawn(
+            async move {
+                for claim in due {
+                    if !leading.is_leading() {
+                        return;
+                    }
+                    let result = write_witnessed(&client, &claim).await.unwrap_or_else(|e| {
+                        tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), error = %e,
+                            "writing the claim's witnessed binding failed; the next pass retries");
+                        Some("failed")
+                    });
+                    if let Some(result) = result {
+                        metrics.witness_write(result);
+                    }
+                }
+            }
+            .into_actor(self)
+            .map(|(), act, _| act.witnessing = false),
+        );
+    }
 }
 
-/// Writes `binding` into claim `namespace/name`'s `status.witnessed`, read first and replaced
-/// with the resourceVersion read, on the object of UID `object_uid` only and while its spec
-/// still names that binding (a claim deleted and created again since is another object, a spec
-/// changed since is decided again; a conflict waits for the next pass).
-async fn write_witnessed(
-    client: &Client,
-    namespace: &str,
-    name: &str,
-    object_uid: &str,
-    binding: WitnessedBinding,
-) -> Result<(), kube::Error> {
+/// Writes `claim`'s binding into its `status.witnessed`, read first and replaced with the
+/// resourceVersion read, on the object of the claim's UID only and while its spec still names
+/// that binding (a claim deleted and created again since is another object, a spec changed
+/// since is decided again; a conflict is decided again on the next change). Returns the result
+/// to count, `None` when nothing was to be written.
+async fn write_witnessed(client: &Client, claim: &Witnessed) -> Result<Option<&'static str>, kube::Error> {
+    let (namespace, name, binding) = (&claim.namespace, &claim.name, &claim.binding);
     let api: Api<IPClaim> = Api::namespaced(client.clone(), namespace);
-    let Some(mut claim) = api.get_opt(name).await? else { return Ok(()) };
-    let spec = &claim.spec;
+    let Some(mut stored) = api.get_opt(name).await? else { return Ok(None) };
+    let spec = &stored.spec;
     let same_spec =
         spec.pod_uid == binding.pod_uid && spec.node == binding.node && spec.interfaces == binding.interfaces;
-    if claim.metadata.uid.as_deref() != Some(object_uid) || !same_spec {
-        return Ok(());
+    if stored.metadata.uid.as_deref() != Some(claim.object_uid.as_str()) || !same_spec {
+        return Ok(None);
     }
-    claim.status.get_or_insert_default().witnessed = Some(binding);
-    match api.replace_status(name, &PostParams::default(), &claim).await {
-        Ok(_) => tracing::debug!(claim = %format!("{namespace}/{name}"), "wrote the claim's witnessed binding"),
+    stored.status.get_or_insert_default().witnessed = Some(WitnessedBinding {
+        pod_uid: binding.pod_uid.clone(),
+        node: binding.node.clone(),
+        interfaces: binding.interfaces.clone(),
+        at: Time(Timestamp::now()),
+    });
+    match api.replace_status(name, &PostParams::default(), &stored).await {
+        Ok(_) => {
+            tracing::debug!(claim = %format!("{namespace}/{name}"), "wrote the claim's witnessed binding");
+            Ok(Some("written"))
+        }
         // Just read, so most likely a CRD without the status subresource (installed by an
         // older version and not upgraded: install.md, "Upgrade").
         Err(kube::Error::Api(status)) if status.code == 404 => {
             tracing::warn!(claim = %format!("{namespace}/{name}"), "the IPClaim has no status subresource to write the witnessed binding to: apply this version's CRDs");
+            Ok(Some("no_status_subresource"))
         }
-        Err(kube::Error::Api(status)) if status.code == 409 => {}
-        Err(e) => return Err(e),
+        Err(kube::Error::Api(status)) if status.code == 409 => Ok(Some("conflict")),
+        Err(e) => Err(e),
     }
-    Ok(())
 }
 
 impl Actor for ClaimJanitor {
@@ -123,5 +187,6 @@ impl Actor for ClaimJanitor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         ctx.run_interval(self.interval, |act, ctx| act.tick(ctx));
+        ctx.run_interval(self.witness_interval, |act, ctx| act.witness(ctx));
     }
 }

@@ -41,6 +41,13 @@ pub struct HandshakeLabels {
     pub step: String,
 }
 
+/// Labels of a claim witness write.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WitnessLabels {
+    /// `written`, `conflict`, `no_status_subresource` or `failed`.
+    pub result: String,
+}
+
 /// Labels of a pool gauge.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolLabels {
@@ -79,6 +86,8 @@ pub struct ControllerMetrics {
     pub handshakes: Family<HandshakeLabels, Counter>,
     /// KubeVirt migration targets detached because no pod backs them, by pool.
     pub targets_detached: Family<PoolLabels, Counter>,
+    /// Claim witness writes (`status.witnessed`), by result.
+    pub witness_writes: Family<WitnessLabels, Counter>,
     /// 1 while this replica leads.
     pub leader: Gauge,
     /// From the pod's end (deletion or completion) to its IP being free.
@@ -115,6 +124,7 @@ impl ControllerMetrics {
             pool_handshaking: Family::default(),
             handshakes: Family::default(),
             targets_detached: Family::default(),
+            witness_writes: Family::default(),
             leader: Gauge::default(),
             reclaim_latency: Histogram::new(exponential_buckets(0.1, 2.0, 14)),
             conflict_retries: Counter::default(),
@@ -165,6 +175,11 @@ impl ControllerMetrics {
             "KubeVirt migration targets detached from a VM's record because no live launcher pod of the VM backs them",
             m.targets_detached.clone(),
         );
+        r.register(
+            "claim_witness_writes",
+            "Writes of a claim's witnessed binding (status.witnessed), by result",
+            m.witness_writes.clone(),
+        );
         r.register("controller_leader", "1 while this controller replica leads", m.leader.clone());
         r.register(
             "gc_reclaim_latency_seconds",
@@ -189,6 +204,11 @@ impl ControllerMetrics {
     /// Counts a release-handshake step.
     pub fn handshake(&self, pool: &str, step: &str) {
         self.handshakes.get_or_create(&HandshakeLabels { pool: pool.to_string(), step: step.to_string() }).inc();
+    }
+
+    /// Counts a claim witness write's result.
+    pub fn witness_write(&self, result: &str) {
+        self.witness_writes.get_or_create(&WitnessLabels { result: result.to_string() }).inc();
     }
 
     /// Counts a skip.

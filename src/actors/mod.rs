@@ -6,7 +6,8 @@
 //! - [`pool::PoolSupervisor`] runs one [`pool::PoolActor`] per IPPool, the only writer of
 //!   that pool's records; on its timer the leader also keeps the pool finalizer
 //!   ([`finalizer`]) and releases the block affinities of nodes that are gone ([`affinity`]).
-//! - [`janitor::ClaimJanitor`] deletes claims whose workload is gone for good.
+//! - [`janitor::ClaimJanitor`] deletes claims whose workload is gone for good and writes
+//!   down the binding of each claim it sees in effect.
 //! - [`manual::ManualTrigger`] serves `ipwarden gc`.
 //!
 //! Decisions come from `crate::gc` (pure) over the one index [`watches::SharedIndex`] the
@@ -89,6 +90,10 @@ pub struct ControllerArgs {
     /// Seconds between claim janitor passes.
     #[arg(long, env = "IPWARDEN_CLAIM_JANITOR_INTERVAL_SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub claim_janitor_interval_seconds: u64,
+    /// Milliseconds between decisions of which claims to write down as witnessed
+    /// (`status.witnessed`), made only when the controller's index changed since the last.
+    #[arg(long, env = "IPWARDEN_CLAIM_WITNESS_INTERVAL_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..))]
+    pub claim_witness_interval_ms: u64,
     /// The namespace of the leader Lease and of the manual-trigger ConfigMap.
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub namespace: String,
@@ -232,7 +237,9 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             client.clone(),
             index.clone(),
             leading.clone(),
+            metrics.clone(),
             Duration::from_secs(args.claim_janitor_interval_seconds),
+            Duration::from_millis(args.claim_witness_interval_ms),
         )
         .start();
         gc_actors = Some((supervisor, tracer, janitor));

@@ -3,6 +3,7 @@
 //! through [`ClusterIndex::relist_started`] / [`ClusterIndex::relist_done`]), so no actor
 //! ever rebuilds it and only the trimmed facts the rules need are kept.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
@@ -14,11 +15,13 @@ use tokio::sync::Notify;
 
 use crate::gc::index::{ClusterIndex, Kind, Watched};
 
-/// The index and a signal for each kind's first list; cheap to clone.
+/// The index, a signal for each kind's first list and a count of the events applied; cheap
+/// to clone.
 #[derive(Clone)]
 pub struct SharedIndex {
     index: Arc<RwLock<ClusterIndex>>,
     listed: Arc<Notify>,
+    changes: Arc<AtomicU64>,
 }
 
 impl SharedIndex {
@@ -28,7 +31,14 @@ impl SharedIndex {
         Self {
             index: Arc::new(RwLock::new(ClusterIndex::new(sticky_kinds, default_agent_lease))),
             listed: Arc::default(),
+            changes: Arc::default(),
         }
+    }
+
+    /// How many watch events the index has taken so far: an actor that decides only when
+    /// something changed compares it with the count of its last decision.
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::SeqCst)
     }
 
     /// The index as of now. Hold the guard only for a decision: watch events wait on it.
@@ -48,6 +58,7 @@ impl SharedIndex {
                 self.listed.notify_waiters();
             }
         }
+        self.changes.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Judges the agents every second from now on ([`ClusterIndex::judge_agents`]), on this

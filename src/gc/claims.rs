@@ -5,9 +5,9 @@ use std::collections::BTreeSet;
 
 use kube::ResourceExt;
 
-use super::index::{ClaimFacts, ClusterIndex};
+use super::index::{ClaimBinding, ClaimFacts, ClusterIndex};
 use super::rules::Phase;
-use crate::crd::{ClaimedInterface, ClaimedIp, OwnerRef};
+use crate::crd::{ClaimedIp, OwnerRef};
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
 
 /// Whether `claim` (in `namespace`, named `name`) can be deleted. A claim no ADD reads back
@@ -48,12 +48,7 @@ pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &
 /// and add records naming itself, but the claim's pod runs where the scheduler put it and only
 /// that node writes records naming it there (decision 0022), so a spec another node rewrote
 /// is never witnessed: the status keeps the binding seen before.
-pub fn witness(
-    index: &ClusterIndex,
-    namespace: &str,
-    name: &str,
-    claim: &ClaimFacts,
-) -> Option<(String, String, Vec<ClaimedInterface>)> {
+pub fn witness(index: &ClusterIndex, namespace: &str, name: &str, claim: &ClaimFacts) -> Option<ClaimBinding> {
     let owner = claim.owner.as_ref().filter(|o| claim.sticky && workload::is_sticky(Some(o), index.sticky_kinds()))?;
     let held: BTreeSet<(String, String)> = index
         .records_of(&claim.pod_uid)
@@ -73,13 +68,15 @@ pub fn witness(
         && !pod.terminal()
         && pod.owner.as_ref() == Some(owner)
         && workload::claim_name(&pod.name, pod.owner.as_ref()) == name;
-    let binding = (claim.pod_uid.clone(), claim.node.clone(), claim.interfaces.clone());
+    let binding =
+        ClaimBinding { pod_uid: claim.pod_uid.clone(), node: claim.node.clone(), interfaces: claim.interfaces.clone() };
     (recorded && live && claim.witnessed.as_ref() != Some(&binding)).then_some(binding)
 }
 
 #[cfg(test)]
 mod test {
     use super::*;
+    use crate::crd::ClaimedInterface;
     use crate::gc::index::{Kind, Watched};
     use jiff::Timestamp;
     use k8s_openapi::api::apps::v1::StatefulSet;
@@ -220,7 +217,7 @@ mod test {
         SpecLeavesARecordOut,
     }
 
-    fn witness_with(change: Change) -> Option<(String, String, Vec<ClaimedInterface>)> {
+    fn witness_with(change: Change) -> Option<ClaimBinding> {
         let mut pod = json!({"metadata": {"namespace": "ns", "name": "web-1", "uid": "u1",
                 "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "s",
                     "controller": true}]},
@@ -280,7 +277,11 @@ mod test {
         let mut claim = claim("u1", change != Change::NotSticky, Some(("StatefulSet", "web")));
         claim.interfaces = vec![ClaimedInterface { interface: "eth0".into(), ips }];
         if change == Change::AlreadyWitnessed {
-            claim.witnessed = Some(("u1".into(), "node-0".into(), claim.interfaces.clone()));
+            claim.witnessed = Some(ClaimBinding {
+                pod_uid: "u1".into(),
+                node: "node-0".into(),
+                interfaces: claim.interfaces.clone(),
+            });
         }
         let name = if change == Change::ClaimOfAnotherPod { "web-0" } else { "web-1" };
         witness(&index, "ns", name, &claim)
@@ -289,7 +290,10 @@ mod test {
     #[test]
     fn a_claim_is_witnessed_only_while_its_pod_and_its_records_say_it_is_in_effect() {
         let seen = witness_with(Change::None).expect("in effect");
-        assert_eq!((seen.0.as_str(), seen.1.as_str(), seen.2[0].ips[0].ip.as_str()), ("u1", "node-0", "10.0.0.5"));
+        assert_eq!(
+            (seen.pod_uid.as_str(), seen.node.as_str(), seen.interfaces[0].ips[0].ip.as_str()),
+            ("u1", "node-0", "10.0.0.5")
+        );
         let not_witnessed = [
             Change::PodGone,
             Change::PodTerminating,

@@ -126,9 +126,20 @@ pub struct ClaimFacts {
     pub sticky: bool,
     /// The IPs per interface.
     pub interfaces: Vec<ClaimedInterface>,
-    /// The binding the controller last saw in effect (`status.witnessed`): pod UID, node and
-    /// IPs per interface.
-    pub witnessed: Option<(String, String, Vec<ClaimedInterface>)>,
+    /// The binding the controller last saw in effect (`status.witnessed`).
+    pub witnessed: Option<ClaimBinding>,
+}
+
+/// A claim's binding as the controller witnesses it (`status.witnessed` without its time):
+/// which pod held which IPs on which node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimBinding {
+    /// The pod's UID.
+    pub pod_uid: String,
+    /// The node it ran on.
+    pub node: String,
+    /// Its IPs per interface.
+    pub interfaces: Vec<ClaimedInterface>,
 }
 
 /// A pod reporting an IP.
@@ -421,7 +432,11 @@ impl ClusterIndex {
                     owner: claim.spec.owner.clone(),
                     sticky: claim.spec.sticky,
                     interfaces: claim.spec.interfaces.clone(),
-                    witnessed: witnessed.map(|w| (w.pod_uid.clone(), w.node.clone(), w.interfaces.clone())),
+                    witnessed: witnessed.map(|w| ClaimBinding {
+                        pod_uid: w.pod_uid.clone(),
+                        node: w.node.clone(),
+                        interfaces: w.interfaces.clone(),
+                    }),
                 };
                 insert(&mut self.claims, &key.namespace, &key.name, facts);
             }
