@@ -253,20 +253,10 @@ async fn wait_witnessed(client: &kube::Client, uid: &str) -> Vec<String> {
     .expect("witnessed")
 }
 
-/// Another node's agent (node-1's credentials, as its root reads them) takes web-0's IPClaim
-/// over as far as rule C-1 lets it, pointing it at another IP, and then tries to delete it.
-/// web-0 lives on node-0: its restart takes back the IP the controller saw it hold
-/// (`status.witnessed`, which no agent may write), and the delete is refused by rule C-2.
-/// The janitor's timed pass never runs here: the controller witnesses each binding soon after
-/// its index changed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_another_node_took_over_moves_no_statefulset_pods_ip_and_cannot_be_deleted_by_it() {
-    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let janitor = ["--claim-janitor-interval-seconds=3600"];
-    let (ipwarden, _controller, first) = web0_on_node0_of_two(&[], &janitor).await;
-    let client = ipwarden.client();
-    let ip = ip_of(&first);
-    assert_eq!(wait_witnessed(&client, &first.uid().unwrap_or_default()).await, std::slice::from_ref(&ip));
+/// node-1's agent client (node-1's credentials, as its root reads them) on web-0's IPClaim,
+/// after it took the claim over for a pod of its own as far as rule C-1 lets it, pointed at
+/// `other`; returns that client.
+async fn node1_takes_web0_claim_over(ipwarden: &Ipwarden, other: &str) -> Api<IPClaim> {
     let kubeconfig = e2e::accounts::node_bound_kubeconfig_for(
         &ipwarden.cluster,
         support::NODE_BOUND_NAMESPACE,
@@ -277,16 +267,12 @@ async fn a_claim_another_node_took_over_moves_no_statefulset_pods_ip_and_cannot_
     .expect("a token of node-1's agent");
     let rogue: Api<IPClaim> =
         Api::namespaced(e2e::controlplane::client_for(&kubeconfig).await.expect("node-1's client"), NS);
-
-    // Taken over for a pod of node-1's, and pointed at another free IP of web-0's block.
-    let other = std::net::Ipv4Addr::from(u32::from(ip.parse::<std::net::Ipv4Addr>().expect("an IPv4")) + 5).to_string();
-    // The controller may write the status again meanwhile (its cache had not seen its first
-    // write): a conflict, read again.
+    // The controller may write the status meanwhile: a conflict, read again.
     wait::until("node-1 taking web-0's claim over", TIMEOUT, || async {
         let mut claim = rogue.get("web-0").await.expect("node-1 reads web-0's claim");
         claim.spec.pod_uid = "node-1-pod".to_string();
         claim.spec.node = "node-1".to_string();
-        claim.spec.interfaces[0].ips[0].ip = other.clone();
+        claim.spec.interfaces[0].ips[0].ip = other.to_string();
         Ok(match rogue.replace("web-0", &PostParams::default(), &claim).await {
             Ok(_) => Probe::Done(()),
             Err(kube::Error::Api(status)) if status.code == 409 => Probe::Pending("a conflict".into()),
@@ -295,21 +281,80 @@ async fn a_claim_another_node_took_over_moves_no_statefulset_pods_ip_and_cannot_
     })
     .await
     .expect("taken over");
+    rogue
+}
+
+/// Another free IP of web-0's block, five above `ip`.
+fn five_above(ip: &str) -> String {
+    std::net::Ipv4Addr::from(u32::from(ip.parse::<std::net::Ipv4Addr>().expect("an IPv4")) + 5).to_string()
+}
+
+/// Checks that web-0's restart took its own IP `ip` back on node-0 although its claim's spec
+/// named `other` and a pod on node-1, that its ADD wrote the claim right again and that the
+/// controller witnesses it for the new pod.
+async fn web0_restarts_with_its_own_ip(client: &kube::Client, first: &Pod, ip: &str, other: &str) {
+    let second = restart_web0(client, first).await;
+    assert_eq!(ip_of(&second), ip, "web-0 keeps its IP although its claim's spec names {other} and a pod on node-1");
+    let claim = claims(client, NS).await.remove("web-0").expect("web-0's claim");
+    assert_eq!(
+        (claim.spec.pod_uid.as_str(), claim.spec.node.as_str(), claim.spec.interfaces[0].ips[0].ip.as_str()),
+        (second.uid().unwrap_or_default().as_str(), "node-0", ip),
+        "web-0's ADD wrote its claim right again"
+    );
+    assert_eq!(wait_witnessed(client, &second.uid().unwrap_or_default()).await, [ip]);
+}
+
+/// Another node's agent (node-1's credentials) takes web-0's IPClaim over as far as rule C-1
+/// lets it, pointing it at another IP, and then tries to delete it. web-0 lives on node-0: its
+/// restart takes back the IP the controller saw it hold (`status.witnessed`, which no agent
+/// may write), and the delete is refused by rule C-2. The janitor's timed pass never runs
+/// here: the controller witnesses each binding soon after its index changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_another_node_took_over_moves_no_statefulset_pods_ip_and_cannot_be_deleted_by_it() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let janitor = ["--claim-janitor-interval-seconds=3600"];
+    let (ipwarden, _controller, first) = web0_on_node0_of_two(&[], &janitor).await;
+    let client = ipwarden.client();
+    let ip = ip_of(&first);
+    assert_eq!(wait_witnessed(&client, &first.uid().unwrap_or_default()).await, std::slice::from_ref(&ip));
+
+    let other = five_above(&ip);
+    let rogue = node1_takes_web0_claim_over(&ipwarden, &other).await;
     let refused = rogue.delete("web-0", &DeleteParams::default()).await.expect_err("rule C-2 refuses the delete");
     assert!(refused.to_string().contains("ipwarden C-2"), "{refused}");
     let stored = claims(&client, NS).await.remove("web-0").expect("the claim");
     assert_eq!(stored.spec.interfaces[0].ips[0].ip, other, "the spec is node-1's rewrite");
     assert!(stored.status.and_then(|s| s.witnessed).is_some(), "the witnessed binding survived the rewrite");
 
-    let second = restart_web0(&client, &first).await;
-    assert_eq!(ip_of(&second), ip, "web-0 keeps its IP although its claim's spec names {other} and a pod on node-1");
-    let claim = claims(&client, NS).await.remove("web-0").expect("web-0's claim");
+    web0_restarts_with_its_own_ip(&client, &first, &ip, &other).await;
+}
+
+/// node-1 rewrites web-0's claim before any controller has seen it (staged: the controller
+/// starts only after the rewrite). The controller then witnesses what web-0's records on
+/// node-0 hold, not the spec, and web-0's restart takes its own IP back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_another_node_rewrote_before_the_controller_saw_it_moves_no_statefulset_pods_ip() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    let first = web0_on_node0(&client).await;
+    let ip = ip_of(&first);
+    let other = five_above(&ip);
+    node1_takes_web0_claim_over(&ipwarden, &other).await;
+    let stored = claims(&client, NS).await.remove("web-0").expect("the claim");
+    assert!(stored.status.and_then(|s| s.witnessed).is_none(), "no controller has witnessed it yet");
+
+    let controller = ipwarden.start_controller("controller", &["--claim-janitor-interval-seconds=3600"]);
+    ipwarden.wait_leader(controller).await;
     assert_eq!(
-        (claim.spec.pod_uid.as_str(), claim.spec.node.as_str(), claim.spec.interfaces[0].ips[0].ip.as_str()),
-        (second.uid().unwrap_or_default().as_str(), "node-0", ip.as_str()),
-        "web-0's ADD wrote its claim right again"
+        wait_witnessed(&client, &first.uid().unwrap_or_default()).await,
+        std::slice::from_ref(&ip),
+        "the witness is what web-0's records hold"
     );
-    assert_eq!(wait_witnessed(&client, &second.uid().unwrap_or_default()).await, [ip]);
+    let stored = claims(&client, NS).await.remove("web-0").expect("the claim");
+    assert_eq!(stored.spec.interfaces[0].ips[0].ip, other, "the controller leaves the spec as it is");
+
+    web0_restarts_with_its_own_ip(&client, &first, &ip, &other).await;
 }
 
 /// The record of `ip`: its pod UID, and its handshake's state and waiting pod, if any.

@@ -14,7 +14,7 @@ use kube::api::{Api, PostParams};
 use super::metrics::ControllerMetrics;
 use super::watches::SharedIndex;
 use crate::crd::{IPClaim, WitnessedBinding};
-use crate::gc::claims::{gone_for_good, witness};
+use crate::gc::claims::{claimants, gone_for_good, witness};
 use crate::gc::index::ClaimBinding;
 
 /// A claim whose binding the janitor writes down as witnessed.
@@ -106,11 +106,12 @@ impl ClaimJanitor {
         self.decided_at = Some(changes);
         let due: Vec<Witnessed> = {
             let index = self.index.read();
+            let claimants = claimants(&index);
             index
                 .claims()
                 .filter_map(|(namespace, name, claim)| {
                     Some(Witnessed {
-                        binding: witness(&index, namespace, name, claim)?,
+                        binding: witness(&index, &claimants, namespace, name, claim)?,
                         namespace: namespace.to_string(),
                         name: name.to_string(),
                         object_uid: claim.object_uid.clone(),
@@ -146,18 +147,14 @@ impl ClaimJanitor {
 }
 
 /// Writes `claim`'s binding into its `status.witnessed`, read first and replaced with the
-/// resourceVersion read, on the object of the claim's UID only and while its spec still names
-/// that binding (a claim deleted and created again since is another object, a spec changed
-/// since is decided again; a conflict is decided again on the next change). Returns the result
-/// to count, `None` when nothing was to be written.
+/// resourceVersion read, on the object of the claim's UID only (a claim deleted and created
+/// again since is another object; a conflict is decided again on the next change). Returns
+/// the result to count, `None` when the claim is gone or another object.
 async fn write_witnessed(client: &Client, claim: &Witnessed) -> Result<Option<&'static str>, kube::Error> {
     let (namespace, name, binding) = (&claim.namespace, &claim.name, &claim.binding);
     let api: Api<IPClaim> = Api::namespaced(client.clone(), namespace);
     let Some(mut stored) = api.get_opt(name).await? else { return Ok(None) };
-    let spec = &stored.spec;
-    let same_spec =
-        spec.pod_uid == binding.pod_uid && spec.node == binding.node && spec.interfaces == binding.interfaces;
-    if stored.metadata.uid.as_deref() != Some(claim.object_uid.as_str()) || !same_spec {
+    if stored.metadata.uid.as_deref() != Some(claim.object_uid.as_str()) {
         return Ok(None);
     }
     stored.status.get_or_insert_default().witnessed = Some(WitnessedBinding {

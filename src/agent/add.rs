@@ -408,40 +408,7 @@ impl Core {
             return Ok(None);
         };
         let witnessed = claim.status.as_ref().and_then(|s| s.witnessed.as_ref());
-        let spec_recorded = || {
-            let spec = &claim.spec;
-            let held: BTreeSet<(String, String)> = self
-                .known_blocks()
-                .iter()
-                .flat_map(|b| {
-                    let name = b.name_any();
-                    b.spec
-                        .allocations
-                        .iter()
-                        .filter(|(_, r)| {
-                            r.sticky && r.pod.uid == spec.pod_uid && r.node == spec.node && r.pod.namespace == namespace
-                        })
-                        .map(move |(ip, _)| (name.clone(), ip.clone()))
-                        .collect::<Vec<_>>()
-                })
-                .collect();
-            let record_at = |c: &ClaimedIp| {
-                let block = self.newest_block(&c.block)?;
-                let record = block.spec.allocations.get(&c.ip)?.clone();
-                Some((block.spec.pool, record))
-            };
-            workload::binding_recorded(
-                &namespace,
-                &claim_name,
-                &spec.pod_uid,
-                &spec.node,
-                &spec.interfaces,
-                record_at,
-                &held,
-            )
-        };
-        let Some(interface) = workload::claimed_interface(&claim.spec, witnessed, &request.ifname, spec_recorded)
-        else {
+        let Some(interface) = workload::claimed_interface(&claim.spec, witnessed, &request.ifname) else {
             return Ok(None);
         };
         if !claim.spec.interfaces.iter().any(|i| i == interface) {

@@ -1,11 +1,11 @@
 //! Pure rules for the claim janitor: is an IPClaim's workload gone for good, and is the
 //! claim's binding in effect, so that the controller writes it down as witnessed?
 
-use std::collections::BTreeSet;
+use std::collections::HashMap;
 
 use kube::ResourceExt;
 
-use super::index::{ClaimBinding, ClaimFacts, ClusterIndex};
+use super::index::{ClaimBinding, ClaimFacts, ClusterIndex, PodFacts};
 use super::rules::Phase;
 use crate::crd::{ClaimedIp, OwnerRef};
 use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
@@ -36,41 +36,59 @@ pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &
     !index.wants(namespace, owner, name) && pod_done && !replaced_by_same_ordinal
 }
 
-/// The binding of `claim` (in `namespace`, named `name`) to write as witnessed
-/// (`status.witnessed`: pod UID, node, IPs per interface), when the spec's binding is in effect
-/// and the status does not say so yet: a sticky claim of a sticky owner kind with at least one
-/// IP, whose pod (found through the records) is the claim's own (its claim name is `name`),
-/// lives with the spec's UID on the spec's node, not terminating, and is controlled by the
-/// spec's owner; and the records hold the binding exactly ([`workload::binding_recorded`]:
-/// each IP a sticky record of that pod and node for its interface, in the block and pool the
-/// claim names, and none of that pod's on that node left out). A node's agent may rewrite a
-/// claim's spec (rule C-1)
-/// and add records naming itself, but the claim's pod runs where the scheduler put it and only
-/// that node writes records naming it there (decision 0022), so a spec another node rewrote
-/// is never witnessed: the status keeps the binding seen before.
-pub fn witness(index: &ClusterIndex, namespace: &str, name: &str, claim: &ClaimFacts) -> Option<ClaimBinding> {
-    let owner = claim.owner.as_ref().filter(|o| claim.sticky && workload::is_sticky(Some(o), index.sticky_kinds()))?;
-    let held: BTreeSet<(String, String)> = index
-        .records_of(&claim.pod_uid)
-        .filter(|(_, _, r)| r.sticky && r.node == claim.node && r.pod.namespace == namespace)
-        .map(|(block, ip, _)| (block.name_any(), ip.to_string()))
-        .collect();
-    let record_at = |c: &ClaimedIp| {
-        let block = index.block(&c.block)?;
-        Some((block.spec.pool.clone(), block.spec.allocations.get(&c.ip)?.clone()))
-    };
-    let recorded =
-        workload::binding_recorded(namespace, name, &claim.pod_uid, &claim.node, &claim.interfaces, record_at, &held);
-    let pod_name = index.records_of(&claim.pod_uid).map(|(_, _, r)| r.pod.name.as_str()).next()?;
-    let pod = index.pod(namespace, pod_name)?;
-    let live = pod.uid == claim.pod_uid
-        && pod.node == claim.node
-        && !pod.terminal()
-        && pod.owner.as_ref() == Some(owner)
-        && workload::claim_name(&pod.name, pod.owner.as_ref()) == name;
-    let binding =
-        ClaimBinding { pod_uid: claim.pod_uid.clone(), node: claim.node.clone(), interfaces: claim.interfaces.clone() };
-    (recorded && live && claim.witnessed.as_ref() != Some(&binding)).then_some(binding)
+/// The live pods of sticky owners by namespace and claim name ([`workload::claim_name`]):
+/// the pods whose bindings [`witness`] may write down, found once for all claims.
+pub fn claimants(index: &ClusterIndex) -> HashMap<(String, String), Vec<&PodFacts>> {
+    let mut claimants: HashMap<(String, String), Vec<&PodFacts>> = HashMap::new();
+    for pod in index.pods().filter(|p| !p.terminal() && workload::is_sticky(p.owner.as_ref(), index.sticky_kinds())) {
+        let name = workload::claim_name(&pod.name, pod.owner.as_ref());
+        claimants.entry((pod.namespace.clone(), name)).or_default().push(pod);
+    }
+    claimants
+}
+
+/// The binding of sticky claim `claim` (in `namespace`, named `name`) to write down as
+/// witnessed (`status.witnessed`), when it differs from the one written: the IPs the block
+/// records give the claim's own live pod on its node ([`workload::recorded_interfaces`],
+/// among `claimants`), whatever the claim's spec says. None when no such pod holds a record
+/// of the claim, or two do (a VM's two launcher pods, each with records of their own). A
+/// node's agent may rewrite a claim's spec (rule C-1) and add records naming itself, but the
+/// claim's pod runs where the scheduler put it and only that node writes records naming it
+/// there (decision 0022), so the witness is what the workload's pod really holds.
+pub fn witness(
+    index: &ClusterIndex,
+    claimants: &HashMap<(String, String), Vec<&PodFacts>>,
+    namespace: &str,
+    name: &str,
+    claim: &ClaimFacts,
+) -> Option<ClaimBinding> {
+    if !claim.sticky {
+        return None;
+    }
+    let before = claim.witnessed.as_ref().map_or(&[][..], |w| w.interfaces.as_slice());
+    let pods = claimants.get(&(namespace.to_string(), name.to_string()))?;
+    let mut bindings = pods.iter().filter_map(|pod| {
+        let owner = pod.owner.as_ref()?;
+        let records = index.records_of(&pod.uid).map(|(block, ip, record)| {
+            (ClaimedIp { ip: ip.to_string(), pool: block.spec.pool.clone(), block: block.name_any() }, record)
+        });
+        let interfaces = workload::recorded_interfaces(
+            namespace,
+            name,
+            &pod.uid,
+            &pod.node,
+            owner,
+            records,
+            &claim.interfaces,
+            before,
+        )?;
+        Some(ClaimBinding { pod_uid: pod.uid.clone(), node: pod.node.clone(), interfaces })
+    });
+    let binding = bindings.next()?;
+    if bindings.next().is_some() {
+        return None;
+    }
+    (claim.witnessed.as_ref() != Some(&binding)).then_some(binding)
 }
 
 #[cfg(test)]
@@ -234,6 +252,7 @@ mod test {
         record.pod.namespace = "ns".into();
         record.pod.name = "web-1".into();
         record.sticky = true;
+        record.owner = Some(OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
         match change {
             Change::RecordOfAnotherNode => record.node = "node-1".into(),
             Change::RecordOfAnotherPod => record.pod.uid = "forged".into(),
@@ -249,6 +268,7 @@ mod test {
         if change == Change::SpecLeavesARecordOut {
             let mut second = crate::ipam::blocks::test::record("u1", "c1");
             (second.pod.namespace, second.pod.name, second.sticky) = ("ns".into(), "web-1".into(), true);
+            second.owner = record.owner.clone();
             block["spec"]["allocations"]["10.0.0.6"] = serde_json::to_value(second).expect("a record");
         }
         if change == Change::BlockOfAnotherPool {
@@ -284,16 +304,38 @@ mod test {
             });
         }
         let name = if change == Change::ClaimOfAnotherPod { "web-0" } else { "web-1" };
-        witness(&index, "ns", name, &claim)
+        witness(&index, &claimants(&index), "ns", name, &claim)
     }
 
     #[test]
-    fn a_claim_is_witnessed_only_while_its_pod_and_its_records_say_it_is_in_effect() {
-        let seen = witness_with(Change::None).expect("in effect");
-        assert_eq!(
-            (seen.pod_uid.as_str(), seen.node.as_str(), seen.interfaces[0].ips[0].ip.as_str()),
-            ("u1", "node-0", "10.0.0.5")
-        );
+    fn a_claim_is_witnessed_as_its_live_pods_records_on_its_node_hold_it_whatever_its_spec_says() {
+        let ips_of = |binding: &ClaimBinding| -> Vec<(String, String, String)> {
+            binding
+                .interfaces
+                .iter()
+                .flat_map(|i| &i.ips)
+                .map(|c| (c.ip.clone(), c.pool.clone(), c.block.clone()))
+                .collect()
+        };
+        let at = |ip: &str, pool: &str| (ip.to_string(), pool.to_string(), "b".to_string());
+        let from_records = [
+            (Change::None, vec![at("10.0.0.5", "p")]),
+            (Change::ClaimNamesAnotherBlock, vec![at("10.0.0.5", "p")]),
+            (Change::ClaimNamesNoIp, vec![at("10.0.0.5", "p")]),
+            (Change::RecordsOfTwoPods, vec![at("10.0.0.5", "p")]),
+            (Change::BlockOfAnotherPool, vec![at("10.0.0.5", "q")]),
+            (Change::SpecLeavesARecordOut, vec![at("10.0.0.5", "p"), at("10.0.0.6", "p")]),
+        ];
+        for (change, expected) in from_records {
+            let seen = witness_with(change).unwrap_or_else(|| panic!("{change:?}: witnessed"));
+            assert_eq!((seen.pod_uid.as_str(), seen.node.as_str()), ("u1", "node-0"), "{change:?}");
+            assert_eq!(
+                seen.interfaces.iter().map(|i| i.interface.as_str()).collect::<Vec<_>>(),
+                ["eth0"],
+                "{change:?}"
+            );
+            assert_eq!(ips_of(&seen), expected, "{change:?}");
+        }
         let not_witnessed = [
             Change::PodGone,
             Change::PodTerminating,
@@ -303,14 +345,9 @@ mod test {
             Change::RecordOfAnotherNode,
             Change::RecordOfAnotherPod,
             Change::RecordMissing,
-            Change::ClaimNamesAnotherBlock,
-            Change::ClaimNamesNoIp,
             Change::AlreadyWitnessed,
             Change::NotSticky,
             Change::ClaimOfAnotherPod,
-            Change::RecordsOfTwoPods,
-            Change::BlockOfAnotherPool,
-            Change::SpecLeavesARecordOut,
         ];
         for change in not_witnessed {
             assert_eq!(witness_with(change), None, "{change:?}");

@@ -5,7 +5,7 @@
 //! StatefulSet's ordinal, a KubeVirt VM) still wants its IPs, and which workload holds the
 //! IPs its pods draw from an `ipwarden.io/ip-list`, for as long as it lives.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -249,70 +249,98 @@ pub fn claim_interfaces(
     interfaces
 }
 
-/// Whether the block records hold claim `claim`'s binding (in `namespace`: pod `uid` on `node`
-/// with `interfaces`) exactly, with at least one IP: each claimed IP a sticky record of the
-/// workload's pod `uid` on `node` in a block of the claimed pool, naming the claimed interface
-/// (or none: a record the controller repaired), and no other sticky record of that pod and
-/// node left out (`held`: the block and IP of each). Only `node`'s agent, and the controller,
-/// write records naming `node`, so another node cannot make a binding on `node` look recorded
-/// by rewriting a claim (decision 0022). `record_at`: the pool of the claimed block and the
-/// record at the claimed IP, as the caller's cache has them.
-pub fn binding_recorded(
+/// The interfaces and IPs the block records give claim `claim`'s pod `uid` (in `namespace`,
+/// on `node`, under `owner`), as the controller writes them down as witnessed: its sticky
+/// records of that claim on that node, by interface, plus the interfaces of the binding
+/// witnessed before (`before`) that it has no record for yet (a recreated pod takes its
+/// predecessor's IPs back one ADD an interface); `None` when it holds no such record, or one
+/// naming no interface (repaired or adopted) that neither `before` nor the spec (`spec`)
+/// places. Only `node`'s agent and the controller write records naming `node`, and the
+/// scheduler put the pod there (decision 0022): no other node can make IPs look recorded for
+/// it, whatever it wrote into the claim's spec. Each interface keeps the order of the spec's,
+/// else `before`'s, when it lists the same IPs; else IPv4 first. `records`: the records
+/// naming `uid`, each with its IP, pool and block.
+#[allow(clippy::too_many_arguments)]
+pub fn recorded_interfaces<'a>(
     namespace: &str,
     claim: &str,
     uid: &str,
     node: &str,
-    interfaces: &[ClaimedInterface],
-    record_at: impl Fn(&ClaimedIp) -> Option<(String, Allocation)>,
-    held: &BTreeSet<(String, String)>,
-) -> bool {
-    let claimed: BTreeSet<(String, String)> =
-        interfaces.iter().flat_map(|i| &i.ips).map(|c| (c.block.clone(), c.ip.clone())).collect();
-    let each_recorded = interfaces.iter().all(|interface| {
-        interface.ips.iter().all(|c| {
-            record_at(c).is_some_and(|(pool, r)| {
-                pool == c.pool
-                    && r.sticky
-                    && r.pod.namespace == namespace
-                    && r.pod.uid == uid
-                    && r.node == node
-                    && (r.interface == interface.interface || r.interface.is_empty())
-                    && claim_name(&r.pod.name, r.owner.as_ref()) == claim
-            })
-        })
-    });
-    !claimed.is_empty() && claimed == *held && each_recorded
+    owner: &OwnerRef,
+    records: impl IntoIterator<Item = (ClaimedIp, &'a Allocation)>,
+    spec: &[ClaimedInterface],
+    before: &[ClaimedInterface],
+) -> Option<Vec<ClaimedInterface>> {
+    let placed = |c: &ClaimedIp| {
+        let lists = |i: &&ClaimedInterface| i.ips.iter().any(|x| x.ip == c.ip && x.block == c.block);
+        before.iter().find(lists).or_else(|| spec.iter().find(lists)).map(|i| i.interface.clone())
+    };
+    let mut by_interface: BTreeMap<String, Vec<ClaimedIp>> = BTreeMap::new();
+    for (ip, record) in records {
+        let of_claim = record.sticky
+            && record.pod.uid == uid
+            && record.pod.namespace == namespace
+            && record.node == node
+            && record.owner.as_ref() == Some(owner)
+            && claim_name(&record.pod.name, record.owner.as_ref()) == claim;
+        if !of_claim {
+            continue;
+        }
+        let interface = if record.interface.is_empty() { placed(&ip)? } else { record.interface.clone() };
+        by_interface.entry(interface).or_default().push(ip);
+    }
+    if by_interface.is_empty() {
+        return None;
+    }
+    let key = |c: &ClaimedIp| (c.ip.clone(), c.pool.clone(), c.block.clone());
+    let same_ips = |a: &[ClaimedIp], b: &[ClaimedIp]| {
+        let (mut a, mut b): (Vec<_>, Vec<_>) = (a.iter().map(key).collect(), b.iter().map(key).collect());
+        a.sort_unstable();
+        b.sort_unstable();
+        a == b
+    };
+    let ordered = |interface: String, mut ips: Vec<ClaimedIp>| {
+        let listed = spec.iter().chain(before).find(|i| i.interface == interface && same_ips(&i.ips, &ips));
+        match listed {
+            Some(listed) => listed.clone(),
+            None => {
+                ips.sort_by_key(|c| (c.ip.contains(':'), c.ip.clone()));
+                ClaimedInterface { interface, ips }
+            }
+        }
+    };
+    let rank = |name: &str| spec.iter().chain(before).position(|i| i.interface == name).unwrap_or(usize::MAX);
+    let carried: Vec<ClaimedInterface> =
+        before.iter().filter(|b| !by_interface.contains_key(&b.interface)).cloned().collect();
+    let mut interfaces: Vec<ClaimedInterface> =
+        by_interface.into_iter().map(|(interface, ips)| ordered(interface, ips)).chain(carried).collect();
+    interfaces.sort_by_key(|i| rank(&i.interface));
+    Some(interfaces)
 }
 
-/// The IPs of interface `ifname` a recreated sticky pod takes back from its claim: the spec's,
-/// unless the controller saw the claim in effect with other IPs for that interface
-/// (`witnessed`, the claim's status, which no agent may write): then those, unless the spec is
-/// a newer binding on the witnessed node that the records hold ([`binding_recorded`], asked
-/// only then: `spec_recorded`), which is a pod that got new IPs on that node and restarted
-/// before the controller's next pass. Another node's agent may take a claim's spec over and
-/// point it elsewhere (rule C-1, decision 0022), but writes no record naming another node; the
-/// witnessed binding is what the workload's pod last really held.
+/// The IPs of interface `ifname` a recreated sticky pod takes back from its claim: those the
+/// controller saw the workload's pod hold (`witnessed`, the claim's status, which no agent may
+/// write), in the spec's order when the spec names the same; the spec's only while nothing is
+/// witnessed (the controller has not seen the claim in effect yet, or does not run). Another
+/// node's agent may take a claim's spec over and point it elsewhere (rule C-1, decision
+/// 0022), but writes no record naming another node, and the witness comes from the records
+/// alone; an interface the witness lacks gets new IPs, not the spec's.
 pub fn claimed_interface<'a>(
     spec: &'a IPClaimSpec,
     witnessed: Option<&'a WitnessedBinding>,
     ifname: &str,
-    spec_recorded: impl FnOnce() -> bool,
 ) -> Option<&'a ClaimedInterface> {
     let of = |interfaces: &'a [ClaimedInterface]| interfaces.iter().find(|i| i.interface == ifname);
     let claimed = of(&spec.interfaces);
-    let seen = witnessed.and_then(|w| of(&w.interfaces));
+    let Some(witnessed) = witnessed else { return claimed };
+    let seen = of(&witnessed.interfaces)?;
     let sorted = |interface: &'a ClaimedInterface| {
         let mut ips: Vec<(&str, &str, &str)> =
             interface.ips.iter().map(|c| (c.ip.as_str(), c.pool.as_str(), c.block.as_str())).collect();
         ips.sort_unstable();
         ips
     };
-    match (claimed, seen) {
-        (Some(claimed), Some(seen)) if sorted(claimed) == sorted(seen) => Some(claimed),
-        (Some(claimed), Some(_)) if witnessed.is_some_and(|w| w.node == spec.node) && spec_recorded() => Some(claimed),
-        (_, Some(seen)) => Some(seen),
-        (claimed, None) => claimed,
-    }
+    Some(claimed.filter(|claimed| sorted(claimed) == sorted(seen)).unwrap_or(seen))
 }
 
 /// The ordinal of StatefulSet pod `pod_name` of StatefulSet `statefulset`, if it is one.
@@ -787,6 +815,7 @@ mod test {
         let ips_of =
             |found: Option<&ClaimedInterface>| found.map(|i| i.ips.iter().map(|c| c.ip.clone()).collect::<Vec<_>>());
         let seen = witnessed(vec![interface("eth0", &["10.0.0.5", "fd00::5"]), interface("net1", &["10.1.0.5"])]);
+        let only_net1 = witnessed(vec![interface("net1", &["10.1.0.5"])]);
         let cases = [
             // (what, the spec's interfaces, witnessed, the IPs taken back for eth0)
             (
@@ -807,75 +836,114 @@ mod test {
                 Some(&seen),
                 Some(vec!["10.0.0.5", "fd00::5"]),
             ),
+            ("the witness lacks the interface", vec![interface("eth0", &["10.0.0.9"])], Some(&only_net1), None),
             ("nothing witnessed yet", vec![interface("eth0", &["10.0.0.9"])], None, Some(vec!["10.0.0.9"])),
             ("neither names the interface", vec![interface("net2", &["10.2.0.5"])], None, None),
         ];
         for (what, interfaces, witnessed, expected) in cases {
             let spec = spec(interfaces);
             let expected = expected.map(|ips| ips.iter().map(|s| s.to_string()).collect::<Vec<_>>());
-            assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0", || false)), expected, "{what}");
+            assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0")), expected, "{what}");
         }
-        let only_net1 = witnessed(vec![interface("net1", &["10.1.0.5"])]);
-        let spec = spec(vec![interface("eth0", &["10.0.0.9"])]);
-        assert_eq!(
-            ips_of(claimed_interface(&spec, Some(&only_net1), "eth0", || false)),
-            Some(vec!["10.0.0.9".to_string()]),
-            "another interface witnessed"
-        );
-        // A newer binding on the witnessed node (the pod got new IPs there, then restarted
-        // before the controller's next pass): the spec's, where the records hold it.
-        let mut newer = spec.clone();
-        newer.node = "node-0".into();
-        let seen = witnessed(vec![interface("eth0", &["10.0.0.5"])]);
-        let taken =
-            |spec: &IPClaimSpec, recorded: bool| ips_of(claimed_interface(spec, Some(&seen), "eth0", || recorded));
-        assert_eq!(taken(&newer, true), Some(vec!["10.0.0.9".to_string()]), "recorded for it");
-        assert_eq!(taken(&newer, false), Some(vec!["10.0.0.5".to_string()]), "not recorded for it");
-        assert_eq!(taken(&spec, true), Some(vec!["10.0.0.5".to_string()]), "recorded, but the spec names another node");
     }
 
-    /// The pool and record a test's cache has at an IP.
-    type RecordAt<'a> = dyn Fn(&str) -> Option<(String, Allocation)> + 'a;
+    /// What the rows of [`recorded_interfaces`] vary, each from web-0's pod `u1` on node-0
+    /// holding 10.0.0.6 and 10.0.0.5 on eth0.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum RecordChange {
+        None,
+        NotSticky,
+        AnotherPod,
+        AnotherNode,
+        AnotherNamespace,
+        AnotherOwner,
+        AnotherClaim,
+        NoInterface,
+    }
 
-    /// The blocks and IPs of a pod's records on its node.
-    type Held = BTreeSet<(String, String)>;
+    fn recorded_with(
+        change: RecordChange,
+        spec: &[ClaimedInterface],
+        before: &[ClaimedInterface],
+    ) -> Option<Vec<(String, Vec<String>)>> {
+        let owner = OwnerRef { kind: "StatefulSet".into(), name: "web".into() };
+        let records: Vec<(crate::crd::ClaimedIp, Allocation)> = ["10.0.0.6", "10.0.0.5"]
+            .into_iter()
+            .map(|ip| {
+                let mut r = blocks::test::record("u1", "c1");
+                (r.sticky, r.owner) = (true, Some(owner.clone()));
+                match change {
+                    RecordChange::None => {}
+                    RecordChange::NotSticky => r.sticky = false,
+                    RecordChange::AnotherPod => r.pod.uid = "u2".into(),
+                    RecordChange::AnotherNode => r.node = "node-1".into(),
+                    RecordChange::AnotherNamespace => r.pod.namespace = "other".into(),
+                    RecordChange::AnotherOwner => {
+                        r.owner = Some(OwnerRef { kind: "StatefulSet".into(), name: "db".into() })
+                    }
+                    RecordChange::AnotherClaim => r.pod.name = "web-1".into(),
+                    RecordChange::NoInterface => r.interface.clear(),
+                }
+                (crate::crd::ClaimedIp { ip: ip.into(), pool: "p".into(), block: "b".into() }, r)
+            })
+            .collect();
+        let found = recorded_interfaces(
+            "default",
+            "web-0",
+            "u1",
+            "node-0",
+            &owner,
+            records.iter().map(|(ip, r)| (ip.clone(), r)),
+            spec,
+            before,
+        )?;
+        Some(found.into_iter().map(|i| (i.interface, i.ips.into_iter().map(|c| c.ip).collect())).collect())
+    }
 
     #[test]
-    fn a_binding_is_recorded_only_when_the_records_hold_it_exactly() {
-        let claimed_ip = |ip: &str| crate::crd::ClaimedIp { ip: ip.into(), pool: "p4".into(), block: "b".into() };
-        let eth0 =
-            ClaimedInterface { interface: "eth0".into(), ips: vec![claimed_ip("10.0.0.5"), claimed_ip("10.0.0.6")] };
-        let record = |interface: &str| {
-            let mut r = blocks::test::record("u1", "c1");
-            (r.sticky, r.interface) = (true, interface.into());
-            r.owner = Some(OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
-            r
+    fn a_witness_is_what_the_records_of_the_claims_pod_on_its_node_hold() {
+        let interface = |name: &str, ips: &[&str]| ClaimedInterface {
+            interface: name.into(),
+            ips: ips
+                .iter()
+                .map(|ip| crate::crd::ClaimedIp { ip: (*ip).into(), pool: "p".into(), block: "b".into() })
+                .collect(),
         };
-        let held = |ips: &[&str]| ips.iter().map(|ip| ("b".to_string(), ip.to_string())).collect::<BTreeSet<_>>();
-        let both = held(&["10.0.0.5", "10.0.0.6"]);
-        let recorded = |interfaces: &[ClaimedInterface],
-                        at: &dyn Fn(&str) -> Option<(String, Allocation)>,
-                        held: &BTreeSet<(String, String)>| {
-            binding_recorded("default", "web-0", "u1", "node-0", interfaces, |c| at(&c.ip), held)
+        let owned = |rows: &[(&str, &[&str])]| -> Option<Vec<(String, Vec<String>)>> {
+            Some(rows.iter().map(|(i, ips)| (i.to_string(), ips.iter().map(|s| s.to_string()).collect())).collect())
         };
-        let in_p4 = |interface: &'static str| move |_: &str| Some(("p4".to_string(), record(interface)));
-        assert!(recorded(std::slice::from_ref(&eth0), &in_p4("eth0"), &both), "held exactly");
-        assert!(recorded(std::slice::from_ref(&eth0), &in_p4(""), &both), "repaired records name no interface");
-        let cases: [(&str, &RecordAt<'_>, Held); 6] = [
-            ("a record of the pod on that node left out", &in_p4("eth0"), held(&["10.0.0.5", "10.0.0.6", "10.0.0.7"])),
-            ("a record naming another interface", &in_p4("net1"), both.clone()),
-            ("a block of another pool", &|_| Some(("p6".to_string(), record("eth0"))), both.clone()),
-            ("no record", &|_| None, both.clone()),
-            ("another pod's record", &|_| Some(("p4".to_string(), blocks::test::record("u2", "c2"))), both.clone()),
-            (
-                "another node's record",
-                &|_| Some(("p4".to_string(), Allocation { node: "node-1".into(), ..record("eth0") })),
-                both.clone(),
-            ),
+        let eth0 = owned(&[("eth0", &["10.0.0.5", "10.0.0.6"])]);
+        assert_eq!(recorded_with(RecordChange::None, &[], &[]), eth0, "IPv4 in order without a spec");
+        let forged = [interface("eth0", &["10.0.0.9"])];
+        assert_eq!(recorded_with(RecordChange::None, &forged, &[]), eth0, "a spec naming other IPs changes nothing");
+        let reversed = [interface("eth0", &["10.0.0.6", "10.0.0.5"])];
+        assert_eq!(
+            recorded_with(RecordChange::None, &reversed, &[]),
+            owned(&[("eth0", &["10.0.0.6", "10.0.0.5"])]),
+            "the spec's order where it names the same IPs"
+        );
+        let net1 = [interface("net1", &["10.1.0.5"])];
+        assert_eq!(
+            recorded_with(RecordChange::None, &[], &[interface("eth0", &["10.0.0.7"]), net1[0].clone()]),
+            owned(&[("eth0", &["10.0.0.5", "10.0.0.6"]), ("net1", &["10.1.0.5"])]),
+            "an interface witnessed before and not recorded yet stays, in the order seen before"
+        );
+        assert_eq!(
+            recorded_with(RecordChange::NoInterface, &[interface("net1", &["10.0.0.5", "10.0.0.6"])], &[]),
+            owned(&[("net1", &["10.0.0.5", "10.0.0.6"])]),
+            "a record naming no interface goes where the claim lists it"
+        );
+        let none = [
+            RecordChange::NotSticky,
+            RecordChange::AnotherPod,
+            RecordChange::AnotherNode,
+            RecordChange::AnotherNamespace,
+            RecordChange::AnotherOwner,
+            RecordChange::AnotherClaim,
+            RecordChange::NoInterface,
         ];
-        for (what, at, held) in cases {
-            assert!(!recorded(std::slice::from_ref(&eth0), at, &held), "{what}");
+        for change in none {
+            assert_eq!(recorded_with(change, &[], &[]), None, "{change:?}");
         }
-        assert!(!recorded(&[], &in_p4("eth0"), &BTreeSet::new()), "no IP");
     }
 }
