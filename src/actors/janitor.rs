@@ -3,6 +3,7 @@
 //! (`status.witnessed`, [`witness`]) soon after the index changes, both on the leader only.
 
 use super::leader::Leadership;
+use std::collections::HashSet;
 use std::time::Duration;
 
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
@@ -38,6 +39,10 @@ pub struct ClaimJanitor {
     decided_at: Option<u64>,
     /// Whether witness writes of the last decision still run.
     witnessing: bool,
+    /// Claims (namespace, name) whose last witness write failed: decided again only on the
+    /// timed pass, not on every change (a CRD without the status subresource, or missing
+    /// RBAC, would otherwise cost a read and a write per claim every decision).
+    held_back: HashSet<(String, String)>,
 }
 
 impl ClaimJanitor {
@@ -52,7 +57,17 @@ impl ClaimJanitor {
         interval: Duration,
         witness_interval: Duration,
     ) -> Self {
-        Self { client, index, leading, metrics, interval, witness_interval, decided_at: None, witnessing: false }
+        Self {
+            client,
+            index,
+            leading,
+            metrics,
+            interval,
+            witness_interval,
+            decided_at: None,
+            witnessing: false,
+            held_back: HashSet::new(),
+        }
     }
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
@@ -60,6 +75,7 @@ impl ClaimJanitor {
             return;
         }
         self.decided_at = None;
+        self.held_back.clear();
         self.witness(ctx);
         let doomed: Vec<(String, String, String)> = {
             let index = self.index.read();
@@ -109,6 +125,9 @@ impl ClaimJanitor {
             let claimants = claimants(&index);
             index
                 .claims()
+                .filter(|(namespace, name, _)| {
+                    self.held_back.is_empty() || !self.held_back.contains(&(namespace.to_string(), name.to_string()))
+                })
                 .filter_map(|(namespace, name, claim)| {
                     Some(Witnessed {
                         binding: witness(&index, &claimants, namespace, name, claim)?,
@@ -126,22 +145,30 @@ impl ClaimJanitor {
         let (client, leading, metrics) = (self.client.clone(), self.leading.clone(), self.metrics.clone());
         ctx.spawn(
             async move {
+                let mut failed = Vec::new();
                 for claim in due {
                     if !leading.is_leading() {
-                        return;
+                        break;
                     }
                     let result = write_witnessed(&client, &claim).await.unwrap_or_else(|e| {
                         tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), error = %e,
-                            "writing the claim's witnessed binding failed; the next pass retries");
+                            "writing the claim's witnessed binding failed; the next timed pass retries");
                         Some("failed")
                     });
                     if let Some(result) = result {
                         metrics.witness_write(result);
                     }
+                    if matches!(result, Some("failed" | "no_status_subresource")) {
+                        failed.push((claim.namespace, claim.name));
+                    }
                 }
+                failed
             }
             .into_actor(self)
-            .map(|(), act, _| act.witnessing = false),
+            .map(|failed, act, _| {
+                act.witnessing = false;
+                act.held_back.extend(failed);
+            }),
         );
     }
 }

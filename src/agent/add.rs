@@ -402,8 +402,9 @@ impl Core {
             .await
             .map_err(Error::api(format!("reading IPClaim {namespace}/{claim_name}")))?
             // A stateless claim an older version left keeps no IPs (decision 0015): this ADD
-            // writes the pod's sticky claim over it.
-            .filter(|claim| claim.spec.sticky)
+            // writes the pod's sticky claim over it. The witness is the controller's, whatever
+            // the spec says.
+            .filter(|claim| claim.spec.sticky || claim.status.as_ref().is_some_and(|s| s.witnessed.is_some()))
         else {
             return Ok(None);
         };

@@ -8,7 +8,7 @@ use kube::ResourceExt;
 use super::index::{ClaimBinding, ClaimFacts, ClusterIndex, PodFacts};
 use super::rules::Phase;
 use crate::crd::{ClaimedIp, OwnerRef};
-use crate::ipam::workload::{self, KUBEVIRT_VMI_KIND};
+use crate::ipam::workload::{self, Claimant, KUBEVIRT_VMI_KIND};
 
 /// Whether `claim` (in `namespace`, named `name`) can be deleted. A claim no ADD reads back
 /// goes once its pod is gone, replaced or completed (Job pods included): a stateless one
@@ -47,10 +47,11 @@ pub fn claimants(index: &ClusterIndex) -> HashMap<(String, String), Vec<&PodFact
     claimants
 }
 
-/// The binding of sticky claim `claim` (in `namespace`, named `name`) to write down as
-/// witnessed (`status.witnessed`), when it differs from the one written: the IPs the block
-/// records give the claim's own live pod on its node ([`workload::recorded_interfaces`],
-/// among `claimants`), whatever the claim's spec says. None when no such pod holds a record
+/// The binding of claim `claim` (in `namespace`, named `name`) to write down as witnessed
+/// (`status.witnessed`), when it differs from the one written: the IPs the block records give
+/// the claim's own live pod of a sticky owner kind on its node
+/// ([`workload::recorded_interfaces`], among `claimants`), whatever the claim's spec says
+/// (even `sticky: false`, which an older version wrote and another node's agent may write). None when no such pod holds a record
 /// of the claim, or two do (a VM's two launcher pods, each with records of their own). A
 /// node's agent may rewrite a claim's spec (rule C-1) and add records naming itself, but the
 /// claim's pod runs where the scheduler put it and only that node writes records naming it
@@ -62,9 +63,6 @@ pub fn witness(
     name: &str,
     claim: &ClaimFacts,
 ) -> Option<ClaimBinding> {
-    if !claim.sticky {
-        return None;
-    }
     let before = claim.witnessed.as_ref().map_or(&[][..], |w| w.interfaces.as_slice());
     let pods = claimants.get(&(namespace.to_string(), name.to_string()))?;
     let mut bindings = pods.iter().filter_map(|pod| {
@@ -72,16 +70,8 @@ pub fn witness(
         let records = index.records_of(&pod.uid).map(|(block, ip, record)| {
             (ClaimedIp { ip: ip.to_string(), pool: block.spec.pool.clone(), block: block.name_any() }, record)
         });
-        let interfaces = workload::recorded_interfaces(
-            namespace,
-            name,
-            &pod.uid,
-            &pod.node,
-            owner,
-            records,
-            &claim.interfaces,
-            before,
-        )?;
+        let claimant = Claimant { namespace, claim: name, uid: &pod.uid, node: &pod.node, owner };
+        let interfaces = workload::recorded_interfaces(claimant, records, &claim.interfaces, before)?;
         Some(ClaimBinding { pod_uid: pod.uid.clone(), node: pod.node.clone(), interfaces })
     });
     let binding = bindings.next()?;
@@ -107,7 +97,6 @@ mod test {
         ClaimFacts {
             object_uid: "claim-uid".into(),
             pod_uid: uid.into(),
-            node: "node-0".into(),
             sticky,
             owner: owner.map(|(kind, name)| OwnerRef { kind: kind.into(), name: name.into() }),
             interfaces: Vec::new(),
@@ -322,6 +311,7 @@ mod test {
             (Change::None, vec![at("10.0.0.5", "p")]),
             (Change::ClaimNamesAnotherBlock, vec![at("10.0.0.5", "p")]),
             (Change::ClaimNamesNoIp, vec![at("10.0.0.5", "p")]),
+            (Change::NotSticky, vec![at("10.0.0.5", "p")]),
             (Change::RecordsOfTwoPods, vec![at("10.0.0.5", "p")]),
             (Change::BlockOfAnotherPool, vec![at("10.0.0.5", "q")]),
             (Change::SpecLeavesARecordOut, vec![at("10.0.0.5", "p"), at("10.0.0.6", "p")]),
@@ -346,11 +336,55 @@ mod test {
             Change::RecordOfAnotherPod,
             Change::RecordMissing,
             Change::AlreadyWitnessed,
-            Change::NotSticky,
             Change::ClaimOfAnotherPod,
         ];
         for change in not_witnessed {
             assert_eq!(witness_with(change), None, "{change:?}");
         }
+    }
+
+    #[test]
+    fn a_vm_claim_is_witnessed_from_the_one_launcher_pod_holding_records_of_it() {
+        let launcher = |name: &str, uid: &str, node: &str| -> Pod {
+            serde_json::from_value(json!({"metadata": {"namespace": "ns", "name": name, "uid": uid,
+                    "ownerReferences": [{"apiVersion": "kubevirt.io/v1", "kind": KUBEVIRT_VMI_KIND, "name": "vm1",
+                        "uid": "i", "controller": true}]},
+                "spec": {"nodeName": node}, "status": {"phase": "Running"}}))
+            .expect("pod")
+        };
+        let record = |uid: &str, name: &str, node: &str| {
+            let mut r = crate::ipam::blocks::test::record(uid, "c1");
+            (r.pod.namespace, r.pod.name, r.node, r.sticky) = ("ns".into(), name.into(), node.into(), true);
+            r.owner = Some(OwnerRef { kind: KUBEVIRT_VMI_KIND.into(), name: "vm1".into() });
+            serde_json::to_value(r).expect("a record")
+        };
+        let (source, target) =
+            (launcher("virt-launcher-vm1-a", "s1", "node-0"), launcher("virt-launcher-vm1-b", "t1", "node-1"));
+        let witnessed = |allocations: serde_json::Value| {
+            let block: std::sync::Arc<crate::crd::IPBlock> = std::sync::Arc::new(
+                serde_json::from_value(json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPBlock",
+                    "metadata": {"name": "b"}, "spec": {"pool": "p", "cidr": "10.0.0.0/24", "allocations": allocations}}))
+                .expect("block"),
+            );
+            let index = ClusterIndex::from_objects(
+                &sticky_kinds(),
+                [Watched::Block(&block), Watched::Pod(&source), Watched::Pod(&target)],
+            );
+            let c = claim("forged", true, Some((KUBEVIRT_VMI_KIND, "vm1")));
+            witness(&index, &claimants(&index), "ns", "vm.vm1", &c).map(|b| (b.pod_uid, b.node))
+        };
+        let source_only = json!({"10.0.0.5": record("s1", "virt-launcher-vm1-a", "node-0")});
+        assert_eq!(witnessed(source_only), Some(("s1".into(), "node-0".into())), "the source holds the VM's record");
+        let handed_over = json!({"10.0.0.5": record("t1", "virt-launcher-vm1-b", "node-1")});
+        assert_eq!(
+            witnessed(handed_over),
+            Some(("t1".into(), "node-1".into())),
+            "the target holds it after the handover"
+        );
+        let both = json!({"10.0.0.5": record("s1", "virt-launcher-vm1-a", "node-0"),
+            "10.0.0.6": record("t1", "virt-launcher-vm1-b", "node-1")});
+        assert_eq!(witnessed(both), None, "two launcher pods each hold records of the VM");
+        let forged = json!({"10.0.0.5": record("t1", "virt-launcher-vm1-b", "node-0")});
+        assert_eq!(witnessed(forged), None, "a record naming the target on another node than its own");
     }
 }

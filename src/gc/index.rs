@@ -118,8 +118,6 @@ pub struct ClaimFacts {
     pub object_uid: String,
     /// The UID of the pod the claim is bound to.
     pub pod_uid: String,
-    /// The node that pod ran on.
-    pub node: String,
     /// The workload's controller.
     pub owner: Option<OwnerRef>,
     /// Whether the claim is a sticky reservation.
@@ -428,7 +426,6 @@ impl ClusterIndex {
                 let facts = ClaimFacts {
                     object_uid: claim.metadata.uid.clone().unwrap_or_default(),
                     pod_uid: claim.spec.pod_uid.clone(),
-                    node: claim.spec.node.clone(),
                     owner: claim.spec.owner.clone(),
                     sticky: claim.spec.sticky,
                     interfaces: claim.spec.interfaces.clone(),

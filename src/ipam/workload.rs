@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use crate::crd::{Allocation, ClaimedInterface, ClaimedIp, IPClaimSpec, MigrationTarget, OwnerRef, WitnessedBinding};
-use crate::ipam::blocks;
+use crate::ipam::{blocks, fixed};
 
 /// The owner kind of KubeVirt's running VM instances, whose claim is named `vm.<VM>`.
 pub const KUBEVIRT_VMI_KIND: &str = "VirtualMachineInstance";
@@ -249,48 +249,66 @@ pub fn claim_interfaces(
     interfaces
 }
 
-/// The interfaces and IPs the block records give claim `claim`'s pod `uid` (in `namespace`,
-/// on `node`, under `owner`), as the controller writes them down as witnessed: its sticky
-/// records of that claim on that node, by interface, plus the interfaces of the binding
-/// witnessed before (`before`) that it has no record for yet (a recreated pod takes its
-/// predecessor's IPs back one ADD an interface); `None` when it holds no such record, or one
-/// naming no interface (repaired or adopted) that neither `before` nor the spec (`spec`)
-/// places. Only `node`'s agent and the controller write records naming `node`, and the
+/// A live pod of a claim, whose records the controller writes down as the claim's witness.
+#[derive(Clone, Copy, Debug)]
+pub struct Claimant<'a> {
+    /// The claim's and the pod's namespace.
+    pub namespace: &'a str,
+    /// The claim's name, which is the pod's claim name ([`claim_name`]).
+    pub claim: &'a str,
+    /// The pod's UID.
+    pub uid: &'a str,
+    /// The node the scheduler put it on.
+    pub node: &'a str,
+    /// Its controller.
+    pub owner: &'a OwnerRef,
+}
+
+/// The interfaces and IPs the block records give `pod` of its claim, as the controller writes
+/// them down as witnessed: its sticky records of that claim on its node under its owner, by
+/// interface, plus what the binding witnessed before (`before`) has that the pod has no record
+/// for yet: whole interfaces, and IP families of an interface (a recreated pod takes its
+/// predecessor's IPs back one ADD an interface, one block write a family). `None` when it
+/// holds no such record. A record naming no interface (repaired or adopted: the pod's own
+/// network) goes under the interface `before` lists it in, else [`fixed::POD_INTERFACE`]. Only
+/// the pod's node's agent and the controller write records naming that node, and the
 /// scheduler put the pod there (decision 0022): no other node can make IPs look recorded for
-/// it, whatever it wrote into the claim's spec. Each interface keeps the order of the spec's,
-/// else `before`'s, when it lists the same IPs; else IPv4 first. `records`: the records
-/// naming `uid`, each with its IP, pool and block.
-#[allow(clippy::too_many_arguments)]
+/// it, whatever it wrote into the claim's spec (`spec`), which only orders each interface's
+/// IPs where it lists the same ones (else `before` does, else IPv4 first). `records`: the
+/// records naming the pod's UID, each with its IP, pool and block.
 pub fn recorded_interfaces<'a>(
-    namespace: &str,
-    claim: &str,
-    uid: &str,
-    node: &str,
-    owner: &OwnerRef,
+    pod: Claimant<'_>,
     records: impl IntoIterator<Item = (ClaimedIp, &'a Allocation)>,
     spec: &[ClaimedInterface],
     before: &[ClaimedInterface],
 ) -> Option<Vec<ClaimedInterface>> {
     let placed = |c: &ClaimedIp| {
         let lists = |i: &&ClaimedInterface| i.ips.iter().any(|x| x.ip == c.ip && x.block == c.block);
-        before.iter().find(lists).or_else(|| spec.iter().find(lists)).map(|i| i.interface.clone())
+        before.iter().find(lists).map_or_else(|| fixed::POD_INTERFACE.to_string(), |i| i.interface.clone())
     };
     let mut by_interface: BTreeMap<String, Vec<ClaimedIp>> = BTreeMap::new();
     for (ip, record) in records {
         let of_claim = record.sticky
-            && record.pod.uid == uid
-            && record.pod.namespace == namespace
-            && record.node == node
-            && record.owner.as_ref() == Some(owner)
-            && claim_name(&record.pod.name, record.owner.as_ref()) == claim;
-        if !of_claim {
-            continue;
+            && record.pod.uid == pod.uid
+            && record.pod.namespace == pod.namespace
+            && record.node == pod.node
+            && record.owner.as_ref() == Some(pod.owner)
+            && claim_name(&record.pod.name, record.owner.as_ref()) == pod.claim;
+        if of_claim {
+            let interface = if record.interface.is_empty() { placed(&ip) } else { record.interface.clone() };
+            by_interface.entry(interface).or_default().push(ip);
         }
-        let interface = if record.interface.is_empty() { placed(&ip)? } else { record.interface.clone() };
-        by_interface.entry(interface).or_default().push(ip);
     }
     if by_interface.is_empty() {
         return None;
+    }
+    let is_v6 = |c: &ClaimedIp| c.ip.contains(':');
+    for earlier in before {
+        if let Some(ips) = by_interface.get_mut(&earlier.interface) {
+            let missing: Vec<ClaimedIp> =
+                earlier.ips.iter().filter(|e| !ips.iter().any(|c| is_v6(c) == is_v6(e))).cloned().collect();
+            ips.extend(missing);
+        }
     }
     let key = |c: &ClaimedIp| (c.ip.clone(), c.pool.clone(), c.block.clone());
     let same_ips = |a: &[ClaimedIp], b: &[ClaimedIp]| {
@@ -304,7 +322,7 @@ pub fn recorded_interfaces<'a>(
         match listed {
             Some(listed) => listed.clone(),
             None => {
-                ips.sort_by_key(|c| (c.ip.contains(':'), c.ip.clone()));
+                ips.sort_by_key(|c| (is_v6(c), c.ip.clone()));
                 ClaimedInterface { interface, ips }
             }
         }
@@ -887,16 +905,8 @@ mod test {
                 (crate::crd::ClaimedIp { ip: ip.into(), pool: "p".into(), block: "b".into() }, r)
             })
             .collect();
-        let found = recorded_interfaces(
-            "default",
-            "web-0",
-            "u1",
-            "node-0",
-            &owner,
-            records.iter().map(|(ip, r)| (ip.clone(), r)),
-            spec,
-            before,
-        )?;
+        let pod = Claimant { namespace: "default", claim: "web-0", uid: "u1", node: "node-0", owner: &owner };
+        let found = recorded_interfaces(pod, records.iter().map(|(ip, r)| (ip.clone(), r)), spec, before)?;
         Some(found.into_iter().map(|i| (i.interface, i.ips.into_iter().map(|c| c.ip).collect())).collect())
     }
 
@@ -929,9 +939,19 @@ mod test {
             "an interface witnessed before and not recorded yet stays, in the order seen before"
         );
         assert_eq!(
-            recorded_with(RecordChange::NoInterface, &[interface("net1", &["10.0.0.5", "10.0.0.6"])], &[]),
+            recorded_with(RecordChange::NoInterface, &[], &[interface("net1", &["10.0.0.5", "10.0.0.6"])]),
             owned(&[("net1", &["10.0.0.5", "10.0.0.6"])]),
-            "a record naming no interface goes where the claim lists it"
+            "a record naming no interface goes where the earlier witness lists it"
+        );
+        assert_eq!(
+            recorded_with(RecordChange::NoInterface, &[interface("net1", &["10.0.0.5", "10.0.0.6"])], &[]),
+            eth0,
+            "else on the pod's own network, whatever the spec says"
+        );
+        assert_eq!(
+            recorded_with(RecordChange::None, &[], &[interface("eth0", &["10.0.0.5", "fd00::5"])]),
+            owned(&[("eth0", &["10.0.0.5", "10.0.0.6", "fd00::5"])]),
+            "a family witnessed before and not recorded yet stays"
         );
         let none = [
             RecordChange::NotSticky,
@@ -940,7 +960,6 @@ mod test {
             RecordChange::AnotherNamespace,
             RecordChange::AnotherOwner,
             RecordChange::AnotherClaim,
-            RecordChange::NoInterface,
         ];
         for change in none {
             assert_eq!(recorded_with(change, &[], &[]), None, "{change:?}");
