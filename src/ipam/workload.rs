@@ -338,19 +338,25 @@ pub fn recorded_interfaces<'a>(
 
 /// The IPs of interface `ifname` a recreated sticky pod takes back from its claim: those the
 /// controller saw the workload's pod hold (`witnessed`, the claim's status, which no agent may
-/// write), in the spec's order when the spec names the same; the spec's only while nothing is
-/// witnessed (the controller has not seen the claim in effect yet, or does not run). Another
-/// node's agent may take a claim's spec over and point it elsewhere (rule C-1, decision
-/// 0022), but writes no record naming another node, and the witness comes from the records
-/// alone; an interface the witness lacks gets new IPs, not the spec's.
+/// write), in the spec's order when the spec names the same; an interface the witness lacks
+/// gets new IPs. While the claim was never witnessed (the second after its first write, or no
+/// controller runs), the spec's, but only where each of its IPs is a record this node holds
+/// for the workload (`held_here`), or for a live migration's target (`migrating`), which only
+/// attaches to the VM's record its source holds. Another node's agent may create a claim or
+/// take one over and point it elsewhere (rule C-1, decision 0022), but writes no record naming
+/// another node, and the witness comes from the records of the pod's own node alone.
 pub fn claimed_interface<'a>(
     spec: &'a IPClaimSpec,
     witnessed: Option<&'a WitnessedBinding>,
     ifname: &str,
+    migrating: bool,
+    held_here: impl Fn(&ClaimedIp) -> bool,
 ) -> Option<&'a ClaimedInterface> {
     let of = |interfaces: &'a [ClaimedInterface]| interfaces.iter().find(|i| i.interface == ifname);
     let claimed = of(&spec.interfaces);
-    let Some(witnessed) = witnessed else { return claimed };
+    let Some(witnessed) = witnessed else {
+        return claimed.filter(|c| migrating || (!c.ips.is_empty() && c.ips.iter().all(&held_here)));
+    };
     let seen = of(&witnessed.interfaces)?;
     let sorted = |interface: &'a ClaimedInterface| {
         let mut ips: Vec<(&str, &str, &str)> =
@@ -861,8 +867,23 @@ mod test {
         for (what, interfaces, witnessed, expected) in cases {
             let spec = spec(interfaces);
             let expected = expected.map(|ips| ips.iter().map(|s| s.to_string()).collect::<Vec<_>>());
-            assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0")), expected, "{what}");
+            assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0", false, |_| true)), expected, "{what}");
         }
+        // Never witnessed: the spec's only where this node holds each IP for the workload, or
+        // for a live migration's target.
+        let unwitnessed = spec(vec![interface("eth0", &["10.0.0.9", "fd00::9"])]);
+        let held = |ip: &'static str| move |c: &crate::crd::ClaimedIp| c.ip == ip;
+        let nine = Some(vec!["10.0.0.9".to_string(), "fd00::9".to_string()]);
+        assert_eq!(ips_of(claimed_interface(&unwitnessed, None, "eth0", false, |_| true)), nine, "held here");
+        assert_eq!(ips_of(claimed_interface(&unwitnessed, None, "eth0", false, held("10.0.0.9"))), None, "one not");
+        assert_eq!(ips_of(claimed_interface(&unwitnessed, None, "eth0", false, |_| false)), None, "another node's");
+        assert_eq!(
+            ips_of(claimed_interface(&unwitnessed, None, "eth0", true, |_| false)),
+            nine,
+            "a migration's target"
+        );
+        let empty = spec(vec![interface("eth0", &[])]);
+        assert_eq!(ips_of(claimed_interface(&empty, None, "eth0", false, |_| true)), None, "no IP");
     }
 
     /// What the rows of [`recorded_interfaces`] vary, each from web-0's pod `u1` on node-0
