@@ -126,7 +126,7 @@ async fn a_restarted_vm_gets_its_ip_back_on_a_new_launcher_pod() {
     let client = ipwarden.client();
     let (vm, first) = run_vm(&client, "vm-r", "node-0").await;
     let ip = ip_of(&first);
-    // The restart lands on node-1: its ADD takes only what the controller witnessed.
+    // The controller witnessed the VM's claim (a VM claim's witness in a real cluster).
     let seen = support::wait_witnessed(&client, NS, "vm.vm-r", &first.uid().unwrap_or_default()).await;
     assert_eq!(seen, std::slice::from_ref(&ip));
 

@@ -409,25 +409,7 @@ impl Core {
             return Ok(None);
         };
         let witnessed = claim.status.as_ref().and_then(|s| s.witnessed.as_ref());
-        let recorded_here = |c: &ClaimedIp| {
-            self.newest_block(&c.block).is_some_and(|b| {
-                b.spec.pool == c.pool
-                    && b.spec.allocations.get(&c.ip).is_some_and(|r| {
-                        r.sticky
-                            && r.node == self.settings.node
-                            && r.pod.namespace == namespace
-                            && workload::claim_name(&r.pod.name, r.owner.as_ref()) == claim_name
-                    })
-            })
-        };
-        let chosen =
-            workload::claimed_interface(&claim.spec, witnessed, &request.ifname, migration.is_some(), recorded_here);
-        let Some(interface) = chosen else {
-            if claim.spec.interfaces.iter().any(|i| i.interface == request.ifname) {
-                tracing::warn!(claim = %format!("{namespace}/{claim_name}"), interface = %request.ifname,
-                    witnessed = witnessed.is_some(),
-                    "the claim's IPs of this interface are neither witnessed by the controller nor held on this node for the workload: allocating new ones");
-            }
+        let Some(interface) = workload::claimed_interface(&claim.spec, witnessed, &request.ifname) else {
             return Ok(None);
         };
         if !claim.spec.interfaces.iter().any(|i| i == interface) {

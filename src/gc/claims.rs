@@ -71,7 +71,17 @@ pub fn witness(
             (ClaimedIp { ip: ip.to_string(), pool: block.spec.pool.clone(), block: block.name_any() }, record)
         });
         let claimant = Claimant { namespace, claim: name, uid: &pod.uid, node: &pod.node, owner };
-        let interfaces = workload::recorded_interfaces(claimant, records, &claim.interfaces, before)?;
+        let reserved = |c: &ClaimedIp| {
+            index.block(&c.block).is_some_and(|b| {
+                b.spec.pool == c.pool
+                    && b.spec.allocations.get(&c.ip).is_some_and(|r| {
+                        r.sticky
+                            && r.pod.namespace == namespace
+                            && workload::claim_name(&r.pod.name, r.owner.as_ref()) == name
+                    })
+            })
+        };
+        let interfaces = workload::recorded_interfaces(claimant, records, &claim.interfaces, before, reserved)?;
         Some(ClaimBinding { pod_uid: pod.uid.clone(), node: pod.node.clone(), interfaces })
     });
     let binding = bindings.next()?;

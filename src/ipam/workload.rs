@@ -268,7 +268,9 @@ pub struct Claimant<'a> {
 /// them down as witnessed: its sticky records of that claim on its node under its owner, by
 /// interface, plus what the binding witnessed before (`before`) has that the pod has no record
 /// for yet: whole interfaces, and IP families of an interface (a recreated pod takes its
-/// predecessor's IPs back one ADD an interface, one block write a family). `None` when it
+/// predecessor's IPs back one ADD an interface, one block write a family), each IP only while
+/// the records still reserve it for the claim (`reserved`: an IP whose pool is gone, or that
+/// another pod took, is not offered again on every restart). `None` when it
 /// holds no such record. A record naming no interface (repaired or adopted: the pod's own
 /// network) goes under the interface `before` lists it in, else [`fixed::POD_INTERFACE`]. Only
 /// the pod's node's agent and the controller write records naming that node, and the
@@ -281,6 +283,7 @@ pub fn recorded_interfaces<'a>(
     records: impl IntoIterator<Item = (ClaimedIp, &'a Allocation)>,
     spec: &[ClaimedInterface],
     before: &[ClaimedInterface],
+    reserved: impl Fn(&ClaimedIp) -> bool,
 ) -> Option<Vec<ClaimedInterface>> {
     let placed = |c: &ClaimedIp| {
         let lists = |i: &&ClaimedInterface| i.ips.iter().any(|x| x.ip == c.ip && x.block == c.block);
@@ -305,8 +308,12 @@ pub fn recorded_interfaces<'a>(
     let is_v6 = |c: &ClaimedIp| c.ip.contains(':');
     for earlier in before {
         if let Some(ips) = by_interface.get_mut(&earlier.interface) {
-            let missing: Vec<ClaimedIp> =
-                earlier.ips.iter().filter(|e| !ips.iter().any(|c| is_v6(c) == is_v6(e))).cloned().collect();
+            let missing: Vec<ClaimedIp> = earlier
+                .ips
+                .iter()
+                .filter(|e| !ips.iter().any(|c| is_v6(c) == is_v6(e)) && reserved(e))
+                .cloned()
+                .collect();
             ips.extend(missing);
         }
     }
@@ -328,8 +335,15 @@ pub fn recorded_interfaces<'a>(
         }
     };
     let rank = |name: &str| spec.iter().chain(before).position(|i| i.interface == name).unwrap_or(usize::MAX);
-    let carried: Vec<ClaimedInterface> =
-        before.iter().filter(|b| !by_interface.contains_key(&b.interface)).cloned().collect();
+    let carried: Vec<ClaimedInterface> = before
+        .iter()
+        .filter(|b| !by_interface.contains_key(&b.interface))
+        .map(|b| ClaimedInterface {
+            interface: b.interface.clone(),
+            ips: b.ips.iter().filter(|c| reserved(c)).cloned().collect(),
+        })
+        .filter(|b| !b.ips.is_empty())
+        .collect();
     let mut interfaces: Vec<ClaimedInterface> =
         by_interface.into_iter().map(|(interface, ips)| ordered(interface, ips)).chain(carried).collect();
     interfaces.sort_by_key(|i| rank(&i.interface));
@@ -338,26 +352,19 @@ pub fn recorded_interfaces<'a>(
 
 /// The IPs of interface `ifname` a recreated sticky pod takes back from its claim: those the
 /// controller saw the workload's pod hold (`witnessed`, the claim's status, which no agent may
-/// write), in the spec's order when the spec names the same; an interface the witness lacks
-/// gets new IPs. While the claim was never witnessed (the second after its first write, or no
-/// controller runs), the spec's, but only where each of its IPs is a record this node holds
-/// for the workload (`held_here`), or for a live migration's target (`migrating`), which only
-/// attaches to the VM's record its source holds. Another node's agent may create a claim or
-/// take one over and point it elsewhere (rule C-1, decision 0022), but writes no record naming
-/// another node, and the witness comes from the records of the pod's own node alone.
+/// write), in the spec's order when the spec names the same; the spec's where nothing is
+/// witnessed for that interface (the controller has not seen it in effect yet, or does not
+/// run). Another node's agent may take a claim's spec over and point it elsewhere (rule C-1,
+/// decision 0022), but writes no record naming another node, and the witness comes from the
+/// records alone.
 pub fn claimed_interface<'a>(
     spec: &'a IPClaimSpec,
     witnessed: Option<&'a WitnessedBinding>,
     ifname: &str,
-    migrating: bool,
-    held_here: impl Fn(&ClaimedIp) -> bool,
 ) -> Option<&'a ClaimedInterface> {
     let of = |interfaces: &'a [ClaimedInterface]| interfaces.iter().find(|i| i.interface == ifname);
     let claimed = of(&spec.interfaces);
-    let Some(witnessed) = witnessed else {
-        return claimed.filter(|c| migrating || (!c.ips.is_empty() && c.ips.iter().all(&held_here)));
-    };
-    let seen = of(&witnessed.interfaces)?;
+    let Some(seen) = witnessed.and_then(|w| of(&w.interfaces)) else { return claimed };
     let sorted = |interface: &'a ClaimedInterface| {
         let mut ips: Vec<(&str, &str, &str)> =
             interface.ips.iter().map(|c| (c.ip.as_str(), c.pool.as_str(), c.block.as_str())).collect();
@@ -860,30 +867,20 @@ mod test {
                 Some(&seen),
                 Some(vec!["10.0.0.5", "fd00::5"]),
             ),
-            ("the witness lacks the interface", vec![interface("eth0", &["10.0.0.9"])], Some(&only_net1), None),
+            (
+                "the witness lacks the interface",
+                vec![interface("eth0", &["10.0.0.9"])],
+                Some(&only_net1),
+                Some(vec!["10.0.0.9"]),
+            ),
             ("nothing witnessed yet", vec![interface("eth0", &["10.0.0.9"])], None, Some(vec!["10.0.0.9"])),
             ("neither names the interface", vec![interface("net2", &["10.2.0.5"])], None, None),
         ];
         for (what, interfaces, witnessed, expected) in cases {
             let spec = spec(interfaces);
             let expected = expected.map(|ips| ips.iter().map(|s| s.to_string()).collect::<Vec<_>>());
-            assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0", false, |_| true)), expected, "{what}");
+            assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0")), expected, "{what}");
         }
-        // Never witnessed: the spec's only where this node holds each IP for the workload, or
-        // for a live migration's target.
-        let unwitnessed = spec(vec![interface("eth0", &["10.0.0.9", "fd00::9"])]);
-        let held = |ip: &'static str| move |c: &crate::crd::ClaimedIp| c.ip == ip;
-        let nine = Some(vec!["10.0.0.9".to_string(), "fd00::9".to_string()]);
-        assert_eq!(ips_of(claimed_interface(&unwitnessed, None, "eth0", false, |_| true)), nine, "held here");
-        assert_eq!(ips_of(claimed_interface(&unwitnessed, None, "eth0", false, held("10.0.0.9"))), None, "one not");
-        assert_eq!(ips_of(claimed_interface(&unwitnessed, None, "eth0", false, |_| false)), None, "another node's");
-        assert_eq!(
-            ips_of(claimed_interface(&unwitnessed, None, "eth0", true, |_| false)),
-            nine,
-            "a migration's target"
-        );
-        let empty = spec(vec![interface("eth0", &[])]);
-        assert_eq!(ips_of(claimed_interface(&empty, None, "eth0", false, |_| true)), None, "no IP");
     }
 
     /// What the rows of [`recorded_interfaces`] vary, each from web-0's pod `u1` on node-0
@@ -927,7 +924,8 @@ mod test {
             })
             .collect();
         let pod = Claimant { namespace: "default", claim: "web-0", uid: "u1", node: "node-0", owner: &owner };
-        let found = recorded_interfaces(pod, records.iter().map(|(ip, r)| (ip.clone(), r)), spec, before)?;
+        let reserved = |c: &crate::crd::ClaimedIp| c.ip != "fd00::9";
+        let found = recorded_interfaces(pod, records.iter().map(|(ip, r)| (ip.clone(), r)), spec, before, reserved)?;
         Some(found.into_iter().map(|i| (i.interface, i.ips.into_iter().map(|c| c.ip).collect())).collect())
     }
 
@@ -973,6 +971,15 @@ mod test {
             recorded_with(RecordChange::None, &[], &[interface("eth0", &["10.0.0.5", "fd00::5"])]),
             owned(&[("eth0", &["10.0.0.5", "10.0.0.6", "fd00::5"])]),
             "a family witnessed before and not recorded yet stays"
+        );
+        assert_eq!(
+            recorded_with(
+                RecordChange::None,
+                &[],
+                &[interface("eth0", &["10.0.0.5", "fd00::9"]), interface("net1", &["fd00::9"])]
+            ),
+            eth0,
+            "no longer reserved (fd00::9 here): neither a family nor an interface stays"
         );
         let none = [
             RecordChange::NotSticky,

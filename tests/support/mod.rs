@@ -546,27 +546,8 @@ pub async fn cordon(client: &Client, name: &str, unschedulable: bool) {
         .expect("cordon");
 }
 
-/// Writes claim `namespace/name`'s spec into its `status.witnessed`, as the controller's claim
-/// janitor would once it saw the records hold it (`gc::claims::witness`), for tests that run
-/// no controller and move a sticky pod to another node, which takes only witnessed IPs. Call it
-/// once the pod's ADD wrote the claim: the records then hold the spec.
-pub async fn witness_as_the_controller(client: &Client, namespace: &str, name: &str) {
-    let api: Api<IPClaim> = Api::namespaced(client.clone(), namespace);
-    let mut stored = api.get(name).await.expect("read the claim");
-    let spec = &stored.spec;
-    let witnessed = ipwarden::crd::WitnessedBinding {
-        pod_uid: spec.pod_uid.clone(),
-        node: spec.node.clone(),
-        interfaces: spec.interfaces.clone(),
-        at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now()),
-    };
-    stored.status.get_or_insert_default().witnessed = Some(witnessed);
-    api.replace_status(name, &PostParams::default(), &stored).await.expect("write the claim's status");
-}
-
 /// Waits until the controller has written down claim `namespace/name` as in effect for pod
-/// `uid` (`status.witnessed`), and returns the IPs it saw: a sticky pod moving to another node
-/// takes only witnessed IPs (an unwitnessed claim's, only where its new node holds them).
+/// `uid` (`status.witnessed`), and returns the IPs it saw.
 pub async fn wait_witnessed(client: &Client, namespace: &str, name: &str, uid: &str) -> Vec<String> {
     wait::until(&format!("the controller witnessing claim {namespace}/{name}"), TIMEOUT, || async {
         let claim = claims(client, namespace).await.remove(name);
