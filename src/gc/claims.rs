@@ -51,11 +51,13 @@ pub fn claimants(index: &ClusterIndex) -> HashMap<(String, String), Vec<&PodFact
 /// (`status.witnessed`), when it differs from the one written: the IPs the block records give
 /// the claim's own live pod of a sticky owner kind on its node
 /// ([`workload::recorded_interfaces`], among `claimants`), whatever the claim's spec says
-/// (even `sticky: false`, which an older version wrote and another node's agent may write). None when no such pod holds a record
-/// of the claim, or two do (a VM's two launcher pods, each with records of their own). A
-/// node's agent may rewrite a claim's spec (rule C-1) and add records naming itself, but the
-/// claim's pod runs where the scheduler put it and only that node writes records naming it
-/// there (decision 0022), so the witness is what the workload's pod really holds.
+/// (even `sticky: false`, which an older version wrote and another node's agent may write),
+/// with what the earlier witness listed while a sticky record of the claim still holds it.
+/// None when no such pod holds a record of the claim, or two do (a VM's two launcher pods,
+/// each with records of their own). A node's agent may rewrite a claim's spec (rule C-1) and
+/// add records naming itself, but the claim's pod runs where the scheduler put it and only
+/// that node writes records naming it there (decision 0022), so the witness is what the
+/// workload's pod really holds.
 pub fn witness(
     index: &ClusterIndex,
     claimants: &HashMap<(String, String), Vec<&PodFacts>>,
