@@ -245,6 +245,15 @@ async fn wait_witnessed(client: &kube::Client, uid: &str) -> Vec<String> {
 /// after it took the claim over for a pod of its own as far as rule C-1 lets it, pointed at
 /// `other`; returns that client.
 async fn node1_takes_web0_claim_over(ipwarden: &Ipwarden, other: &str) -> Api<IPClaim> {
+    node1_rewrites_web0_claim(ipwarden, |spec| spec.interfaces[0].ips[0].ip = other.to_string()).await
+}
+
+/// node-1's agent client on web-0's IPClaim, after it took the claim over for a pod of its own
+/// (rule C-1) with `edit` applied to the spec; returns that client.
+async fn node1_rewrites_web0_claim(
+    ipwarden: &Ipwarden,
+    edit: impl Fn(&mut ipwarden::crd::IPClaimSpec),
+) -> Api<IPClaim> {
     let kubeconfig = e2e::accounts::node_bound_kubeconfig_for(
         &ipwarden.cluster,
         support::NODE_BOUND_NAMESPACE,
@@ -260,7 +269,7 @@ async fn node1_takes_web0_claim_over(ipwarden: &Ipwarden, other: &str) -> Api<IP
         let mut claim = rogue.get("web-0").await.expect("node-1 reads web-0's claim");
         claim.spec.pod_uid = "node-1-pod".to_string();
         claim.spec.node = "node-1".to_string();
-        claim.spec.interfaces[0].ips[0].ip = other.to_string();
+        edit(&mut claim.spec);
         Ok(match rogue.replace("web-0", &PostParams::default(), &claim).await {
             Ok(_) => Probe::Done(()),
             Err(kube::Error::Api(status)) if status.code == 409 => Probe::Pending("a conflict".into()),
@@ -343,6 +352,40 @@ async fn a_claim_another_node_rewrote_before_the_controller_saw_it_moves_no_stat
     assert_eq!(stored.spec.interfaces[0].ips[0].ip, other, "the controller leaves the spec as it is");
 
     web0_restarts_with_its_own_ip(&client, &first, &ip, &other).await;
+}
+
+/// node-1 rewrites web-0's witnessed claim so that, judged by its spec, its workload looks
+/// gone (another pod's UID, stateless, another owner). The claim janitor, passing every
+/// second, judges it by the witness and keeps it; web-1's claim, whose ordinal a scale-down
+/// ends while node-0's runtime drops its DEL (so no agent deletes the claim), shows a pass ran
+/// after the rewrite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claim_janitor_keeps_a_witnessed_claim_another_node_made_look_gone() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let janitor = ["--claim-janitor-interval-seconds=1"];
+    let (ipwarden, _controller, first) = web0_on_node0_of_two(&[], &janitor).await;
+    let client = ipwarden.client();
+    scale_web(&client, 2).await;
+    let pods = support::wait_pods_with_ips(&client, NS, "app=web", 2).await;
+    let web1 = pods["web-1"].uid().unwrap_or_default();
+    support::wait_witnessed(&client, NS, "web-1", &web1).await;
+
+    node1_rewrites_web0_claim(&ipwarden, |spec| {
+        spec.sticky = false;
+        spec.owner = Some(ipwarden::crd::OwnerRef { kind: "StatefulSet".into(), name: "gone".into() });
+    })
+    .await;
+    ipwarden.cluster.nodes()[0].faults().set_skip_del(true);
+    scale_web(&client, 1).await;
+    wait::until("the janitor deleting web-1's claim", TIMEOUT, || async {
+        let names: Vec<String> = claims(&client, NS).await.into_keys().collect();
+        Ok(if names.iter().any(|n| n == "web-1") { Probe::Pending(format!("{names:?}")) } else { Probe::Done(()) })
+    })
+    .await
+    .expect("web-1's claim deleted");
+    ipwarden.cluster.nodes()[0].faults().set_skip_del(false);
+    let kept = claims(&client, NS).await.remove("web-0").expect("web-0's claim is kept");
+    assert_eq!(kept.status.and_then(|s| s.witnessed).map(|w| w.pod_uid), first.uid());
 }
 
 /// The record of `ip`: its pod UID, and its handshake's state and waiting pod, if any.

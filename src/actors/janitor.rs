@@ -187,6 +187,7 @@ async fn write_witnessed(client: &Client, claim: &Witnessed) -> Result<Option<&'
     stored.status.get_or_insert_default().witnessed = Some(WitnessedBinding {
         pod_uid: binding.pod_uid.clone(),
         node: binding.node.clone(),
+        owner: binding.owner.clone(),
         interfaces: binding.interfaces.clone(),
         at: Time(Timestamp::now()),
     });

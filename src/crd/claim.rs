@@ -89,7 +89,11 @@ pub struct WitnessedBinding {
     pub pod_uid: String,
     /// The pod's node.
     pub node: String,
-    /// The IPs per interface, as the spec listed them.
+    /// The pod's controller, as the controller saw it: what the claim janitor judges the
+    /// claim's workload by (absent in witnesses an earlier version wrote).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<OwnerRef>,
+    /// The IPs per interface its records held.
     pub interfaces: Vec<ClaimedInterface>,
     /// When the controller saw it.
     pub at: Time,

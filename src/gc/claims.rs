@@ -17,22 +17,28 @@ use crate::ipam::workload::{self, Claimant, KUBEVIRT_VMI_KIND};
 /// pod's once it is gone or completed and its StatefulSet no longer wants the ordinal; a
 /// KubeVirt VM's (`vm.<VM>`, which outlives its launcher pods) once the VM no longer wants it,
 /// by the same rule as its records ([`ClusterIndex::wants`]: kept while the controller does
-/// not watch KubeVirt).
+/// not watch KubeVirt). A claim the controller witnessed with its owner is judged by that
+/// witness (its pod's UID and owner, sticky), not by its spec, which another node's agent may
+/// rewrite (rule C-1) to make the claim look gone.
 pub fn gone_for_good(index: &ClusterIndex, namespace: &str, name: &str, claim: &ClaimFacts) -> bool {
+    let (pod_uid, sticky, owner) = match &claim.witnessed {
+        Some(w) if w.owner.is_some() => (&w.pod_uid, true, w.owner.as_ref()),
+        _ => (&claim.pod_uid, claim.sticky, claim.owner.as_ref()),
+    };
     let pod = index.pod(namespace, name);
     let pod_done = match pod {
         None => true,
-        Some(p) => p.uid != claim.pod_uid || p.phase == Phase::Completed,
+        Some(p) => p.uid != *pod_uid || p.phase == Phase::Completed,
     };
-    let read_back = |o: &&OwnerRef| claim.sticky && workload::is_sticky(Some(o), index.sticky_kinds());
-    let Some(owner) = claim.owner.as_ref().filter(read_back) else {
+    let read_back = |o: &&OwnerRef| sticky && workload::is_sticky(Some(o), index.sticky_kinds());
+    let Some(owner) = owner.filter(read_back) else {
         return pod_done;
     };
     if owner.kind == KUBEVIRT_VMI_KIND {
         return !index.wants(namespace, owner, name);
     }
     // A recreated StatefulSet pod (another UID) takes the claim over in its ADD: not gone.
-    let replaced_by_same_ordinal = pod.is_some_and(|p| p.uid != claim.pod_uid && p.phase != Phase::Completed);
+    let replaced_by_same_ordinal = pod.is_some_and(|p| p.uid != *pod_uid && p.phase != Phase::Completed);
     !index.wants(namespace, owner, name) && pod_done && !replaced_by_same_ordinal
 }
 
@@ -84,7 +90,7 @@ pub fn witness(
             })
         };
         let interfaces = workload::recorded_interfaces(claimant, records, &claim.interfaces, before, reserved)?;
-        Some(ClaimBinding { pod_uid: pod.uid.clone(), node: pod.node.clone(), interfaces })
+        Some(ClaimBinding { pod_uid: pod.uid.clone(), node: pod.node.clone(), owner: Some(owner.clone()), interfaces })
     });
     let binding = bindings.next()?;
     if bindings.next().is_some() {
@@ -301,6 +307,7 @@ mod test {
             claim.witnessed = Some(ClaimBinding {
                 pod_uid: "u1".into(),
                 node: "node-0".into(),
+                owner: Some(OwnerRef { kind: "StatefulSet".into(), name: "web".into() }),
                 interfaces: claim.interfaces.clone(),
             });
         }
@@ -398,5 +405,27 @@ mod test {
         assert_eq!(witnessed(both), None, "two launcher pods each hold records of the VM");
         let forged = json!({"10.0.0.5": record("t1", "virt-launcher-vm1-b", "node-0")});
         assert_eq!(witnessed(forged), None, "a record naming the target on another node than its own");
+    }
+
+    #[test]
+    fn a_witnessed_claim_is_judged_by_its_witness_not_by_a_spec_another_node_rewrote() {
+        let running = with_pod("u1", "Running");
+        let mut forged = claim("forged", false, Some(("StatefulSet", "other")));
+        assert!(gone_for_good(&running, "ns", "web-1", &forged), "by the rewritten spec, gone");
+        forged.witnessed = Some(ClaimBinding {
+            pod_uid: "u1".into(),
+            node: "node-0".into(),
+            owner: Some(OwnerRef { kind: "StatefulSet".into(), name: "web".into() }),
+            interfaces: Vec::new(),
+        });
+        assert!(!gone_for_good(&running, "ns", "web-1", &forged), "by the witness, its pod runs");
+        assert!(gone_for_good(&ClusterIndex::default(), "ns", "web-1", &forged), "the pod and its set are gone");
+        if let Some(witnessed) = forged.witnessed.as_mut() {
+            witnessed.owner = None;
+        }
+        assert!(
+            gone_for_good(&running, "ns", "web-1", &forged),
+            "a witness without owner (an older version's): the spec"
+        );
     }
 }

@@ -136,6 +136,8 @@ pub struct ClaimBinding {
     pub pod_uid: String,
     /// The node it ran on.
     pub node: String,
+    /// Its controller (`None` in a witness an earlier version wrote).
+    pub owner: Option<OwnerRef>,
     /// Its IPs per interface.
     pub interfaces: Vec<ClaimedInterface>,
 }
@@ -432,6 +434,7 @@ impl ClusterIndex {
                     witnessed: witnessed.map(|w| ClaimBinding {
                         pod_uid: w.pod_uid.clone(),
                         node: w.node.clone(),
+                        owner: w.owner.clone(),
                         interfaces: w.interfaces.clone(),
                     }),
                 };

@@ -840,6 +840,7 @@ mod test {
         let witnessed = |interfaces: Vec<ClaimedInterface>| WitnessedBinding {
             pod_uid: "u1".into(),
             node: "node-0".into(),
+            owner: None,
             interfaces,
             at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
         };
