@@ -216,6 +216,46 @@ async fn a_sticky_pod_keeps_its_ipv6_when_only_its_ipv4_pool_is_being_deleted() 
     wait_records(&client, 2).await;
 }
 
+/// A claim witnessed with one family (its pod's IPv6 pool came later, or the controller saw
+/// the pod's first ADD between its two families' writes) does not keep a recreated pod off the
+/// other family: the ADD takes the claimed IPv4 back and allocates the IPv6 its pools now give.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_pod_whose_claim_holds_one_family_gets_the_other_when_recreated() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let [v4, _] = pools(json!({}));
+    let mut ipwarden = Ipwarden::start(1, &[v4], &[]).await;
+    let client = ipwarden.client();
+    ipwarden.start_controller("controller-0", &["--full-scan-interval-seconds=600"]);
+    ipwarden.wait_leader(0).await;
+    Api::<StatefulSet>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &statefulset("db"))
+        .await
+        .expect("create db");
+    let before = support::wait_pods_with_ips(&client, NS, "app=db", 1).await.remove("db-0").expect("db-0");
+    let uid = before.uid().unwrap_or_default();
+    let witnessed = support::wait_witnessed(&client, NS, "db-0", &uid).await;
+    assert_eq!(witnessed.len(), 1, "the claim is witnessed with IPv4 only: {witnessed:?}");
+    e2e::ipwarden::create_pool(&client, V6, json!({"cidr": "fd00:70::/120", "default": true}))
+        .await
+        .expect("create pool v6");
+
+    Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
+    let after = wait_dual_stack(&client, "db-0", Some(&uid)).await;
+    let ips = assert_dual_stack(&client, &after).await;
+    assert_eq!(ips[0], witnessed[0], "the recreated pod keeps its claimed IPv4");
+    let uid = after.uid().unwrap_or_default();
+    wait::until("the witness naming both families", TIMEOUT, || async {
+        let claim = claims(&client, NS).await.remove("db-0");
+        let seen = claim.and_then(|c| c.status).and_then(|s| s.witnessed).filter(|w| w.pod_uid == uid);
+        let seen: Vec<String> =
+            seen.iter().flat_map(|w| &w.interfaces).flat_map(|i| &i.ips).map(|c| c.ip.clone()).collect();
+        Ok(if seen == ips { Probe::Done(()) } else { Probe::Pending(format!("{seen:?}")) })
+    })
+    .await
+    .expect("the controller witnesses the new IPv6");
+    wait_records(&client, 2).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exhausted_ipv6_pool_fails_the_add_naming_it_and_kubelet_retries_leak_no_ipv4() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();

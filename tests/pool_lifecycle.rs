@@ -216,6 +216,37 @@ async fn a_disabled_pool_hands_out_no_new_ip_keeps_the_existing_ones_and_shows_i
     assert_ne!(ip_of(&served["waiting"]), kept, "the re-enabled pool serves the waiting pod");
 }
 
+/// A disabled pool still gives a sticky pod its reserved IP back, in a single-stack cluster
+/// where no pool of the other family exists (the recreated pod asks the pools for that one
+/// too, and none fitting is no reason to refuse it the IP it ran with).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disabled_pool_still_gives_a_recreated_statefulset_pod_its_reserved_ip() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let pools = [("main", json!({"cidr": "10.73.0.0/24", "default": true}))];
+    let ipwarden = Ipwarden::start(1, &pools, &[]).await;
+    let client = ipwarden.client();
+    support::create_statefulset(&client, NS, "db", json!({})).await;
+    let before = wait_pods_with_ips(&client, NS, "app=db", 1).await.remove("db-0").expect("db-0");
+    let disable = json!({"spec": {"disabled": true}});
+    Api::<IPPool>::all(client.clone())
+        .patch("main", &PatchParams::default(), &Patch::Merge(disable))
+        .await
+        .expect("disable");
+
+    Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
+    let after = wait::until("db-0 recreated with an IP", TIMEOUT, || async {
+        let pods = support::pods_with_ips(&client, NS, "app=db").await?;
+        Ok(match pods.get("db-0") {
+            Some(pod) if pod.uid() != before.uid() => Probe::Done(pod.clone()),
+            _ => Probe::Pending(format!("{:?}", pods.keys().collect::<Vec<_>>())),
+        })
+    })
+    .await
+    .expect("the disabled pool gives db-0 its reserved IP back");
+    assert_eq!(ip_of(&after), ip_of(&before), "db-0 keeps its IP");
+    assert_eq!(records(&client).await.len(), 1, "nothing else is held");
+}
+
 /// Ranges, exclusions and the gateway only say which IPs of a block are handed out; the
 /// blocks a pool owns follow from its CIDR and block size alone (both immutable). A range
 /// edited into an invalid layout (the apiserver accepts a reversed one) must not disown the

@@ -157,20 +157,30 @@ fn is_v4(ip: &str) -> bool {
     ip.parse::<IpAddr>().is_ok_and(|ip| ip.is_ipv4())
 }
 
+/// The IP families (`true`: IPv4) a sticky pod keeps no claimed IP of: given up, or never
+/// claimed; those it gets afresh from its pools, as a new pod does.
+fn missing_families<T>(slots: &[Result<T, bool>], v4: impl Fn(&T) -> bool) -> Vec<bool> {
+    let kept = |family: bool| slots.iter().any(|slot| slot.as_ref().is_ok_and(|ip| v4(ip) == family));
+    [true, false].into_iter().filter(|family| !kept(*family)).collect()
+}
+
 /// A sticky pod's IPs in its claim's order: each kept IP (`Ok`) in its place, each IP given
 /// up (`Err`, with whether it is IPv4) replaced by the fresh IP of its family, or left out
-/// when no pool of that family was chosen.
+/// when no pool of that family was chosen; a fresh IP of a family the claim did not hold
+/// comes after them.
 fn fill_given_up<T>(slots: Vec<Result<T, bool>>, fresh: Vec<T>, v4: impl Fn(&T) -> bool) -> Vec<T> {
     let (fresh_v4, fresh_v6): (Vec<T>, Vec<T>) = fresh.into_iter().partition(|ip| v4(ip));
     let (mut fresh_v4, mut fresh_v6) = (fresh_v4.into_iter(), fresh_v6.into_iter());
-    slots
+    let mut ips: Vec<T> = slots
         .into_iter()
         .filter_map(|slot| match slot {
             Ok(kept) => Some(kept),
             Err(true) => fresh_v4.next(),
             Err(false) => fresh_v6.next(),
         })
-        .collect()
+        .collect();
+    ips.extend(fresh_v4.chain(fresh_v6));
+    ips
 }
 
 impl Core {
@@ -532,16 +542,31 @@ impl Core {
             }
             slots.push(Ok(ip));
         }
-        let given_up: Vec<bool> = slots.iter().filter_map(|slot| slot.as_ref().err().copied()).collect();
+        let given_up = slots.iter().filter(|slot| slot.is_err()).count();
         // Unless every IP was given up (or one could not be taken back): then the pod is
         // allocated afresh, as a new pod is.
-        if slots.len() == interface.ips.len() && given_up.len() < slots.len() {
+        if slots.len() == interface.ips.len() && given_up < slots.len() {
+            let given_up_families: Vec<bool> = slots.iter().filter_map(|slot| slot.as_ref().err().copied()).collect();
+            // A family the claim never held an IP of (its pool created since, or a witness
+            // written between a first ADD's two families' writes) is allocated as a new pod's
+            // is, unless no pool gives one now: the pod then starts with what it claimed, as
+            // it ran. A migration target only attaches to what its source holds.
+            let unclaimed: Vec<bool> = missing_families(&slots, |ip| is_v4(&ip.ip))
+                .into_iter()
+                .filter(|family| target.is_none() && !given_up_families.contains(family))
+                .collect();
             let mut fresh = Vec::new();
-            if !given_up.is_empty() {
-                match self.allocate(pod, owner, true, request, Some(&given_up), &BTreeSet::new()).await {
+            for (families, required) in [(given_up_families, true), (unclaimed, false)] {
+                if families.is_empty() {
+                    continue;
+                }
+                match self.allocate(pod, owner, true, request, Some(&families), &BTreeSet::new()).await {
                     Ok(written) => {
-                        fresh = written.iter().map(|w| w.ip.clone()).collect();
+                        fresh.extend(written.iter().map(|w| w.ip.clone()));
                         taken.extend(written);
+                    }
+                    Err(e) if !required && e.is_pool_shortage() => {
+                        tracing::warn!(claim = %claim_name, error = %e, "no IP of a family the claim never held: the pod starts with its claimed IPs");
                     }
                     Err(e) => {
                         self.roll_back(&taken, request, &record.pod.uid).await;
@@ -550,7 +575,6 @@ impl Core {
                 }
             }
             let ips = fill_given_up(slots, fresh, |ip| is_v4(&ip.ip));
-            let given_up = given_up.len();
             tracing::info!(claim = %claim_name, migration_target = shared, given_up, "sticky IPs reclaimed for the pod");
             return Ok(Some(Reclaimed { ips, written: taken, shared }));
         }
@@ -911,20 +935,35 @@ mod test {
     use super::*;
 
     #[test]
-    fn an_ip_given_up_is_replaced_in_its_place_by_the_fresh_ip_of_its_family() {
+    fn an_ip_given_up_or_a_family_never_claimed_is_allocated_afresh() {
         let v4 = |ip: &&str| is_v4(ip);
         // (slots, fresh IPs, the pod's IPs)
         type Case = (Vec<Result<&'static str, bool>>, Vec<&'static str>, Vec<&'static str>);
-        let cases: [Case; 5] = [
+        let cases: [Case; 7] = [
             (vec![Err(true), Ok("fd00::1")], vec!["10.1.0.9"], vec!["10.1.0.9", "fd00::1"]),
             (vec![Ok("10.0.0.1"), Err(false)], vec!["fd01::9"], vec!["10.0.0.1", "fd01::9"]),
             (vec![Ok("fd00::1"), Err(true)], vec!["10.1.0.9"], vec!["fd00::1", "10.1.0.9"]),
             // No pool of the family chosen: the pod goes without, as a new pod would.
             (vec![Err(true), Ok("fd00::1")], vec![], vec!["fd00::1"]),
             (vec![Ok("10.0.0.1"), Ok("fd00::1")], vec![], vec!["10.0.0.1", "fd00::1"]),
+            // A family the claim did not hold comes after the claimed IPs.
+            (vec![Ok("fd00::1")], vec!["10.1.0.9"], vec!["fd00::1", "10.1.0.9"]),
+            (vec![Err(false), Ok("10.0.0.1")], vec!["fd01::9"], vec!["fd01::9", "10.0.0.1"]),
         ];
         for (slots, fresh, want) in cases {
             assert_eq!(fill_given_up(slots.clone(), fresh.clone(), v4), want, "{slots:?} + {fresh:?}");
+        }
+        // (slots, the families to allocate afresh: `true` IPv4)
+        type Missing = (Vec<Result<&'static str, bool>>, Vec<bool>);
+        let missing: [Missing; 5] = [
+            (vec![Ok("10.0.0.1"), Ok("fd00::1")], vec![]),
+            (vec![Ok("10.0.0.1")], vec![false]),
+            (vec![Ok("fd00::1")], vec![true]),
+            (vec![Err(true), Ok("fd00::1")], vec![true]),
+            (vec![Err(true), Err(false)], vec![true, false]),
+        ];
+        for (slots, want) in missing {
+            assert_eq!(missing_families(&slots, v4), want, "{slots:?}");
         }
         assert!(is_v4("10.0.0.1") && !is_v4("fd00::1"));
     }

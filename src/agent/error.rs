@@ -166,6 +166,12 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether no pool can give the pod an IP now, short of someone changing the pools: none
+    /// fits, or the chosen one is full. A cooldown passes on its own, so it is not one.
+    pub fn is_pool_shortage(&self) -> bool {
+        matches!(self, Self::NoPoolFits { .. } | Self::PoolExhausted { .. } | Self::NoPool)
+    }
+
     /// A failed apiserver call, saying `what` it was doing.
     pub fn api(what: impl Into<String>) -> impl FnOnce(kube::Error) -> Self {
         let what = what.into();
