@@ -164,15 +164,22 @@ pub async fn bind_adopted<'a>(
 }
 
 /// Deletes claim `namespace/name` if it names `pod_uid`, with a precondition on its UID and
-/// resourceVersion; returns whether it was deleted.
+/// resourceVersion; returns whether it was deleted. With `even_witnessed` false (an agent),
+/// a claim the controller witnessed (`status.witnessed`) is left for the controller to delete
+/// once its workload is gone (rule C-2, decision 0022): its pod may be on its way to another
+/// node, whose ADD takes the witnessed IPs back.
 pub async fn delete_if_bound_to(
     client: &Client,
     namespace: &str,
     name: &str,
     pod_uid: &str,
+    even_witnessed: bool,
 ) -> Result<bool, kube::Error> {
     let api: Api<IPClaim> = Api::namespaced(client.clone(), namespace);
     let Some(claim) = bound_claim(&api, name, pod_uid).await? else { return Ok(false) };
+    if !even_witnessed && claim.status.as_ref().is_some_and(|s| s.witnessed.is_some()) {
+        return Ok(false);
+    }
     let params = DeleteParams {
         preconditions: Some(Preconditions { uid: claim.uid(), resource_version: claim.resource_version() }),
         ..DeleteParams::default()

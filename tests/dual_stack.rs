@@ -256,6 +256,30 @@ async fn a_sticky_pod_whose_claim_holds_one_family_gets_the_other_when_recreated
     wait_records(&client, 2).await;
 }
 
+/// A StatefulSet pod with one fixed IPv4 in a dual-stack cluster runs with that IP alone (its
+/// fixed IPs are all it gets), and a restart takes it back without touching the IPv6 pool:
+/// no IPv6 allocated to be rolled back again, which would also cool that IP down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_pod_with_one_fixed_ipv4_restarts_without_touching_the_ipv6_pool() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &[]).await;
+    let client = ipwarden.client();
+    let mut fixed = statefulset("db");
+    let template = fixed.spec.template.metadata.as_mut().expect("template metadata");
+    template.annotations = Some([("ipwarden.io/ips".to_string(), "10.70.0.50".to_string())].into());
+    Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &fixed).await.expect("create db");
+    let before = support::wait_pods_with_ips(&client, NS, "app=db", 1).await.remove("db-0").expect("db-0");
+    assert_eq!(pod_ips(&before), ["10.70.0.50"], "the fixed IPv4 alone");
+
+    Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
+    let after = support::wait_recreated(&client, NS, "app=db", &before).await;
+    assert_eq!(pod_ips(&after), ["10.70.0.50"], "the fixed IPv4 alone, again");
+    let agent = ipwarden.scrape_agent(0).await;
+    assert_eq!(metric(&agent, r#"ipwarden_agent_releases_total{result="rolled_back"}"#), 0.0, "nothing rolled back");
+    let v6 = pool_records(&client, V6).await.expect("records");
+    assert!(v6.is_empty(), "no IPv6 record: {v6:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exhausted_ipv6_pool_fails_the_add_naming_it_and_kubelet_retries_leak_no_ipv4() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();

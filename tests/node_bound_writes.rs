@@ -457,6 +457,10 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     assert_refused(row, "C-1", rebind_claim(&admin, a, "web-1", "forged-uid", "node-2").await);
     let row = "delete a claim taken over from a pod on B, which the controller saw in effect on B";
     assert_refused(row, "C-2", delete_claim(a, "web-2").await);
+    // The witness still names A while A's pod is on its way to another node; deleting the
+    // claim then would cost the pod its IPs there.
+    let row = "delete the claim of A's own pod, which the controller saw in effect on A";
+    assert_refused(row, "C-2", delete_claim(a, "web-0").await);
     let row = "renew B's Lease";
     assert_refused(row, "L-1", renew(a, &format!("ipwarden-agent-{B}"), B).await);
     let row = "renew a decoy Lease labelled for B";
@@ -475,8 +479,7 @@ async fn an_agent_writes_only_what_its_own_node_may_write() {
     // Allowed: every shape of write an agent makes.
     let row = "create the claim of a sticky pod on A";
     assert_allowed(row, create_claim(a, claim("web-7", "web-7-uid", A)).await);
-    let row = "delete the claim of A's own pod, witnessed on A or not yet witnessed";
-    assert_allowed(row, delete_claim(a, "web-0").await);
+    let row = "delete the claim of A's own pod the controller has not witnessed yet (a failed ADD's)";
     assert_allowed(row, delete_claim(a, "web-3").await);
     let row = "rebind A's own claim to A's next pod, or hand it to a migration target on B";
     assert_allowed(row, rebind_claim(&admin, a, "web-0", "web-0-next", A).await);

@@ -234,15 +234,7 @@ async fn a_disabled_pool_still_gives_a_recreated_statefulset_pod_its_reserved_ip
         .expect("disable");
 
     Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
-    let after = wait::until("db-0 recreated with an IP", TIMEOUT, || async {
-        let pods = support::pods_with_ips(&client, NS, "app=db").await?;
-        Ok(match pods.get("db-0") {
-            Some(pod) if pod.uid() != before.uid() => Probe::Done(pod.clone()),
-            _ => Probe::Pending(format!("{:?}", pods.keys().collect::<Vec<_>>())),
-        })
-    })
-    .await
-    .expect("the disabled pool gives db-0 its reserved IP back");
+    let after = support::wait_recreated(&client, NS, "app=db", &before).await;
     assert_eq!(ip_of(&after), ip_of(&before), "db-0 keeps its IP");
     assert_eq!(records(&client).await.len(), 1, "nothing else is held");
 }

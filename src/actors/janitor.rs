@@ -96,7 +96,7 @@ impl ClaimJanitor {
                     if !leading.is_leading() {
                         return;
                     }
-                    match crate::claim_writes::delete_if_bound_to(&client, &namespace, &name, &uid).await {
+                    match crate::claim_writes::delete_if_bound_to(&client, &namespace, &name, &uid, true).await {
                         Ok(true) => tracing::info!(claim = %format!("{namespace}/{name}"), "deleted a claim whose workload is gone"),
                         Ok(false) => {}
                         Err(e) => tracing::warn!(claim = %format!("{namespace}/{name}"), error = %e, "deleting a claim failed"),

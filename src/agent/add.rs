@@ -257,7 +257,9 @@ impl Core {
             let mut reclaimed = if sticky {
                 let held_here: BTreeSet<String> =
                     self.checkpoint.read(|c| c.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect());
-                self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request, &held_here).await?
+                let fill_families = fixed.is_none();
+                self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request, &held_here, fill_families)
+                    .await?
             } else {
                 None
             };
@@ -395,7 +397,8 @@ impl Core {
     /// is another node's (attached, or a reservation) or still in `held_here` (the IPs of this
     /// node's checkpoint) is not shared: the record is marked for a sticky takeover and the
     /// ADD fails with "try again later" until the record's node, or the controller for a node
-    /// that cannot answer, has let go of it ([`reclaim_step`]).
+    /// that cannot answer, has let go of it ([`reclaim_step`]). With `fill_families`, an IP
+    /// family the claim holds no IP of is allocated afresh (a pod with fixed IPs gets none).
     async fn reclaim_sticky(
         &self,
         pod: &Pod,
@@ -403,6 +406,7 @@ impl Core {
         migration: Option<&str>,
         request: &AttachmentRequest,
         held_here: &BTreeSet<String>,
+        fill_families: bool,
     ) -> Result<Option<Reclaimed>, Error> {
         let namespace = pod.namespace().unwrap_or_default();
         let claim_name = workload::claim_name(&pod.name_any(), owner);
@@ -550,10 +554,11 @@ impl Core {
             // A family the claim never held an IP of (its pool created since, or a witness
             // written between a first ADD's two families' writes) is allocated as a new pod's
             // is, unless no pool gives one now: the pod then starts with what it claimed, as
-            // it ran. A migration target only attaches to what its source holds.
+            // it ran. A migration target only attaches to what its source holds, and a pod
+            // with fixed IPs gets those alone.
             let unclaimed: Vec<bool> = missing_families(&slots, |ip| is_v4(&ip.ip))
                 .into_iter()
-                .filter(|family| target.is_none() && !given_up_families.contains(family))
+                .filter(|family| fill_families && target.is_none() && !given_up_families.contains(family))
                 .collect();
             let mut fresh = Vec::new();
             for (families, required) in [(given_up_families, true), (unclaimed, false)] {
@@ -906,13 +911,13 @@ impl Core {
         }
     }
 
-    /// Puts the IPClaim an ADD wrote back as it was (deleted when the ADD created it), if it
-    /// still names `uid`. A restore that fails is logged: the claim janitor, and the next
-    /// ADD of the pod, mend the claim.
+    /// Puts the IPClaim an ADD wrote back as it was (deleted when the ADD created it and the
+    /// controller has not witnessed it since: rule C-2), if it still names `uid`. A restore
+    /// that fails is logged: the claim janitor, and the next ADD of the pod, mend the claim.
     async fn restore_claim(&self, claim: &ClaimWrite, uid: &str) {
         let api: Api<IPClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
         let restored = match &claim.before {
-            None => crate::claim_writes::delete_if_bound_to(&self.client, &claim.namespace, &claim.name, uid)
+            None => crate::claim_writes::delete_if_bound_to(&self.client, &claim.namespace, &claim.name, uid, false)
                 .await
                 .map(drop),
             Some(before) => match api.get_opt(&claim.name).await {

@@ -451,10 +451,12 @@ impl Core {
         }
     }
 
-    /// Deletes claim `claim.name` in `claim.namespace` if it is still bound to `claim.uid`.
+    /// Deletes claim `claim.name` in `claim.namespace` if it is still bound to `claim.uid` and
+    /// the controller has not witnessed it (rule C-2: then it is the claim janitor's).
     async fn delete_claim_of(&self, claim: &BoundClaim) {
         let deleted =
-            crate::claim_writes::delete_if_bound_to(&self.client, &claim.namespace, &claim.name, &claim.uid).await;
+            crate::claim_writes::delete_if_bound_to(&self.client, &claim.namespace, &claim.name, &claim.uid, false)
+                .await;
         if let Err(e) = deleted {
             tracing::debug!(claim = %claim.name, error = %e, "claim not deleted; the claim janitor will");
         }

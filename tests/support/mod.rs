@@ -498,6 +498,21 @@ pub async fn wait_pods_with_ips(
     .expect("pods get IPs")
 }
 
+/// Waits until pod `name` (matching `selector`) runs with an IP under another UID than
+/// `before`'s: its controller recreated it.
+pub async fn wait_recreated(client: &Client, namespace: &str, selector: &str, before: &Pod) -> Pod {
+    let name = before.name_any();
+    wait::until(&format!("{name} recreated with an IP"), TIMEOUT, || async {
+        let pods = pods_with_ips(client, namespace, selector).await?;
+        Ok(match pods.get(&name) {
+            Some(pod) if pod.uid() != before.uid() => Probe::Done(pod.clone()),
+            _ => Probe::Pending(format!("{:?}", pods.keys().collect::<Vec<_>>())),
+        })
+    })
+    .await
+    .expect("the pod comes back")
+}
+
 /// The pod's IP.
 pub fn ip_of(pod: &Pod) -> String {
     pod.status.as_ref().and_then(|s| s.pod_ip.clone()).unwrap_or_default()
