@@ -91,6 +91,17 @@ fn statefulset(name: &str) -> StatefulSet {
     .expect("statefulset")
 }
 
+/// Creates StatefulSet `db` and waits until db-0 runs dual-stack; returns it and its IPs.
+async fn db_running_dual_stack(client: &Client) -> (Pod, Vec<String>) {
+    Api::<StatefulSet>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &statefulset("db"))
+        .await
+        .expect("create db");
+    let db0 = wait_dual_stack(client, "db-0", None).await;
+    let ips = assert_dual_stack(client, &db0).await;
+    (db0, ips)
+}
+
 /// Waits until agent 0 has counted at least `count` ADDs with `result`.
 async fn wait_adds(ipwarden: &Ipwarden, result: &str, count: f64) {
     let series = format!(r#"ipwarden_agent_allocations_total{{result="{result}"}}"#);
@@ -194,12 +205,7 @@ async fn a_sticky_pod_keeps_its_ipv6_when_only_its_ipv4_pool_is_being_deleted() 
     let client = ipwarden.client();
     ipwarden.start_controller("controller-0", &["--full-scan-interval-seconds=600"]);
     ipwarden.wait_leader(0).await;
-    Api::<StatefulSet>::namespaced(client.clone(), NS)
-        .create(&PostParams::default(), &statefulset("db"))
-        .await
-        .expect("create db");
-    let before = wait_dual_stack(&client, "db-0", None).await;
-    let ips = assert_dual_stack(&client, &before).await;
+    let (before, ips) = db_running_dual_stack(&client).await;
     support::delete_pool_in_use(&client, V4).await;
     e2e::ipwarden::create_pool(&client, "v4-next", json!({"cidr": "10.71.0.0/24", "default": true}))
         .await
