@@ -254,16 +254,7 @@ async fn node1_rewrites_web0_claim(
     ipwarden: &Ipwarden,
     edit: impl Fn(&mut ipwarden::crd::IPClaimSpec),
 ) -> Api<IPClaim> {
-    let kubeconfig = e2e::accounts::node_bound_kubeconfig_for(
-        &ipwarden.cluster,
-        support::NODE_BOUND_NAMESPACE,
-        "ipwarden-agent",
-        "node-1",
-    )
-    .await
-    .expect("a token of node-1's agent");
-    let rogue: Api<IPClaim> =
-        Api::namespaced(e2e::controlplane::client_for(&kubeconfig).await.expect("node-1's client"), NS);
+    let rogue: Api<IPClaim> = Api::namespaced(node1_agent(ipwarden).await, NS);
     // The controller may write the status meanwhile: a conflict, read again.
     wait::until("node-1 taking web-0's claim over", TIMEOUT, || async {
         let mut claim = rogue.get("web-0").await.expect("node-1 reads web-0's claim");
@@ -352,6 +343,73 @@ async fn a_claim_another_node_rewrote_before_the_controller_saw_it_moves_no_stat
     assert_eq!(stored.spec.interfaces[0].ips[0].ip, other, "the controller leaves the spec as it is");
 
     web0_restarts_with_its_own_ip(&client, &first, &ip, &other).await;
+}
+
+/// A client of node-1's agent (node-1's credentials, as its root reads them).
+async fn node1_agent(ipwarden: &Ipwarden) -> kube::Client {
+    let kubeconfig = e2e::accounts::node_bound_kubeconfig_for(
+        &ipwarden.cluster,
+        support::NODE_BOUND_NAMESPACE,
+        "ipwarden-agent",
+        "node-1",
+    )
+    .await
+    .expect("a token of node-1's agent");
+    e2e::controlplane::client_for(&kubeconfig).await.expect("node-1's client")
+}
+
+/// Before StatefulSet `web` exists, node-1 (its agent's credentials, under the node-bound
+/// policies) forges a reservation of web-0 in the pool's one block, which it creates, and creates web-0's IPClaim
+/// naming it, bound to node-1, as rules B-U3 and C-1 let it. web-0 then starts on node-0 while
+/// no controller has witnessed the claim: its ADD takes no other node's record the claim's
+/// spec names (any node may have written that spec), so node-1 neither chooses web-0's IP nor
+/// holds its start back by never answering the takeover mark; web-0 gets a fresh IP and the
+/// forged record stays node-1's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_another_node_created_before_its_pod_chooses_none_of_its_ips() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    let rogue = node1_agent(&ipwarden).await;
+    let (forged, block) = ("10.74.0.200", "pool-10-74-0-0-24");
+    let mut reservation = support::record_json(NS, "web-0", "node-1-pod", "node-1", Some(("StatefulSet", "web")), true);
+    reservation["containerId"] = json!("");
+    reservation["interface"] = json!("");
+    let forged_block: IPBlock = serde_json::from_value(json!({
+        "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPBlock", "metadata": {"name": block},
+        "spec": {"pool": POOL, "cidr": CIDR, "affinity": "node-1", "allocations": {forged: reservation}},
+    }))
+    .expect("a block");
+    Api::<IPBlock>::all(rogue.clone())
+        .create(&PostParams::default(), &forged_block)
+        .await
+        .expect("B-U3 lets node-1 forge it");
+    let claim: IPClaim = serde_json::from_value(json!({
+        "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim", "metadata": {"name": "web-0", "namespace": NS},
+        "spec": {"podUid": "node-1-pod", "node": "node-1", "sticky": true, "boundAt": "2026-01-01T00:00:00Z",
+                 "owner": {"kind": "StatefulSet", "name": "web"},
+                 "interfaces": [{"interface": "eth0", "ips": [{"ip": forged, "pool": POOL, "block": block}]}]},
+    }))
+    .expect("a claim");
+    Api::<IPClaim>::namespaced(rogue, NS)
+        .create(&PostParams::default(), &claim)
+        .await
+        .expect("C-1 lets node-1 create it");
+
+    let web0 = web0_on_node0(&client).await;
+    assert_ne!(ip_of(&web0), forged, "web-0 took the reservation node-1 forged and named in the claim");
+    let kept = records(&client).await.remove(forged).expect("the forged record");
+    assert_eq!(
+        (kept.node.as_str(), kept.pod.uid.as_str()),
+        ("node-1", "node-1-pod"),
+        "node-1's record is left as it was"
+    );
+    let claim = claims(&client, NS).await.remove("web-0").expect("web-0's claim");
+    assert_eq!(
+        (claim.spec.node.as_str(), claim.spec.interfaces[0].ips[0].ip.as_str()),
+        ("node-0", ip_of(&web0).as_str()),
+        "web-0's ADD bound the claim to what it got"
+    );
 }
 
 /// node-1 rewrites web-0's witnessed claim so that, judged by its spec, its workload looks

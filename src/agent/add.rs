@@ -426,6 +426,9 @@ impl Core {
         let Some(interface) = workload::claimed_interface(&claim.spec, witnessed, &request.ifname) else {
             return Ok(None);
         };
+        // Taken from another node only as the controller witnessed it (rule C-1 lets any node
+        // write the spec before the first witness).
+        let interface_witnessed = witnessed.is_some_and(|w| w.interfaces.iter().any(|i| i.interface == request.ifname));
         if !claim.spec.interfaces.iter().any(|i| i == interface) {
             tracing::warn!(claim = %format!("{namespace}/{claim_name}"), ips = ?interface.ips.iter().map(|c| c.ip.as_str()).collect::<Vec<_>>(),
                 "the claim names other IPs than the controller saw the workload's pod hold: taking those back");
@@ -489,6 +492,7 @@ impl Core {
                         same_pod: current.pod.uid == record.pod.uid,
                         same_workload: same_workload(current, &record),
                         own_node: current.node == self.settings.node,
+                        witnessed: interface_witnessed,
                         detached_here: current.node == self.settings.node && !held_here.contains(&key),
                         handshake: current.release_handshake.as_ref().map(|h| h.state),
                         asked_for_another: current
@@ -531,7 +535,8 @@ impl Core {
                 });
             }
             let Some(took) = took else {
-                tracing::warn!(claim = %claim_name, ip = %claimed.ip, "claimed IP is held by another pod; allocating afresh");
+                tracing::warn!(claim = %claim_name, ip = %claimed.ip, witnessed = interface_witnessed,
+                    "claimed IP is held by another pod, or by another node for a claim the controller has not witnessed; allocating afresh");
                 break;
             };
             let ip = pool.checkpoint_ip(claimed.ip.clone(), claimed.block.clone());

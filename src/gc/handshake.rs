@@ -277,6 +277,10 @@ pub struct ClaimedRecord {
     pub same_workload: bool,
     /// The record's node is this node.
     pub own_node: bool,
+    /// The controller witnessed the claimed IP for the workload's pod (`status.witnessed`),
+    /// rather than only the claim's spec naming it, which an agent on any node may have
+    /// written before the first witness (rule C-1 cannot check it against the records).
+    pub witnessed: bool,
     /// The record's node is this node and no sandbox in this agent's checkpoint holds the
     /// IP: this agent knows the sandbox is gone.
     pub detached_here: bool,
@@ -309,9 +313,13 @@ pub enum ReclaimStep {
 /// controller for a node that cannot answer) said `ready-for-release` to this pod's takeover
 /// mark, a reservation on another node included (decision 0022: this node could name any pod
 /// in its record). An answer to a takeover another pod (an earlier one of the workload) or
-/// another node asked for is asked again for this pod.
+/// another node asked for is asked again for this pod. Another node's record is asked for
+/// only when the controller witnessed the IP for the workload: an unwitnessed claim's spec is
+/// no node's word but its writer's, so a node could otherwise name a reservation of its own it
+/// forged for the workload and choose the pod's IP, or never answer and hold the pod's start
+/// back (decision 0022).
 pub fn reclaim_step(record: ClaimedRecord) -> ReclaimStep {
-    if !record.same_pod && !record.same_workload {
+    if (!record.same_pod && !record.same_workload) || (!record.own_node && !record.witnessed) {
         return ReclaimStep::NotOurs;
     }
     if record.own_node && (record.same_pod || record.detached_here) {
@@ -618,9 +626,14 @@ mod test {
             same_pod,
             same_workload,
             own_node,
+            witnessed: true,
             detached_here,
             handshake,
             asked_for_another: false,
+        };
+        let unwitnessed = |own_node, detached_here, handshake| ClaimedRecord {
+            witnessed: false,
+            ..record(false, true, own_node, detached_here, handshake)
         };
         let for_another =
             |handshake| ClaimedRecord { asked_for_another: true, ..record(false, true, false, false, handshake) };
@@ -647,6 +660,13 @@ mod test {
             (for_another(ready), ReclaimStep::Mark),
             (for_another(marked), ReclaimStep::Wait),
             (ClaimedRecord { asked_for_another: true, ..record(false, true, true, true, ready) }, ReclaimStep::Take),
+            // An IP only the claim's spec names: this node's records as witnessed ones, no
+            // other node's, whatever its handshake says.
+            (unwitnessed(true, true, None), ReclaimStep::Take),
+            (unwitnessed(true, false, None), ReclaimStep::Mark),
+            (unwitnessed(false, false, None), ReclaimStep::NotOurs),
+            (unwitnessed(false, false, ready), ReclaimStep::NotOurs),
+            (unwitnessed(false, false, marked), ReclaimStep::NotOurs),
         ];
         for (record, step) in table {
             assert_eq!(reclaim_step(record), step, "{record:?}");
