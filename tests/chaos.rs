@@ -362,6 +362,11 @@ async fn statefulset_pods_keep_their_ips_through_deletions_a_drain_and_a_control
     create_statefulset(&client, "web", 4).await;
     let first = running(&client, "web", 4).await;
     let fixed = ips(&first);
+    // A pod's IPs follow it to another node once the controller witnessed its claim (before
+    // that, no other node's record is taken for it: decision 0022).
+    for (name, pod) in &first {
+        support::wait_witnessed(&client, NS, name, &pod.uid().unwrap_or_default()).await;
+    }
 
     // One pod deleted.
     delete_pod(&client, "web-1", None).await;
@@ -516,8 +521,8 @@ async fn killing_the_controller_an_agent_the_apiserver_and_etcd_during_churn_los
 }
 
 #[test]
-fn the_checker_flags_a_statefulset_pod_back_with_another_ip_unless_its_ordinal_was_let_go() {
-    use support::invariants::{StickyMemory, sticky_changes};
+fn the_checker_flags_a_statefulset_pod_back_with_another_ip_once_witnessed_unless_its_ordinal_was_let_go() {
+    use support::invariants::{StickyMemory, Witnessed, sticky_changes};
     let pod = |uid: &str, ip: &str| -> Pod {
         serde_json::from_value(json!({
             "metadata": {"namespace": NS, "name": "web-1", "uid": uid,
@@ -531,11 +536,23 @@ fn the_checker_flags_a_statefulset_pod_back_with_another_ip_unless_its_ordinal_w
             "replicas": replicas, "serviceName": "web", "selector": {}, "template": {}}}))
         .expect("sts")
     };
+    let witnessed = |ips: &[&str]| -> Witnessed {
+        ips.iter().map(|ip| ((NS.to_string(), "web-1".to_string()), ip.to_string())).collect()
+    };
+    let (none, five) = (witnessed(&[]), witnessed(&["10.0.0.5"]));
     let mut memory = StickyMemory::new();
-    assert!(sticky_changes(&[pod("u1", "10.0.0.5")], &[sts(2)], &mut memory).is_empty());
-    assert!(sticky_changes(&[pod("u1", "10.0.0.5")], &[sts(2)], &mut memory).is_empty(), "same pod, same IP");
-    let moved = sticky_changes(&[pod("u2", "10.0.0.9")], &[sts(2)], &mut memory);
+    assert!(sticky_changes(&[pod("u0", "10.0.0.6")], &[sts(2)], &none, &mut memory).is_empty());
+    assert!(
+        sticky_changes(&[pod("u1", "10.0.0.5")], &[sts(2)], &none, &mut memory).is_empty(),
+        "recreated with another IP before the controller witnessed the first"
+    );
+    assert!(sticky_changes(&[pod("u1", "10.0.0.5")], &[sts(2)], &five, &mut memory).is_empty());
+    assert!(sticky_changes(&[pod("u1", "10.0.0.5")], &[sts(2)], &five, &mut memory).is_empty(), "same pod, same IP");
+    let moved = sticky_changes(&[pod("u2", "10.0.0.9")], &[sts(2)], &five, &mut memory);
     assert_eq!(moved.len(), 1, "recreated with another IP: {moved:?}");
-    assert!(sticky_changes(&[], &[sts(1)], &mut memory).is_empty(), "scaled below the ordinal");
-    assert!(sticky_changes(&[pod("u3", "10.0.0.7")], &[sts(2)], &mut memory).is_empty(), "a let-go ordinal may move");
+    assert!(sticky_changes(&[], &[sts(1)], &five, &mut memory).is_empty(), "scaled below the ordinal");
+    assert!(
+        sticky_changes(&[pod("u3", "10.0.0.7")], &[sts(2)], &five, &mut memory).is_empty(),
+        "a let-go ordinal may move"
+    );
 }

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use e2e::cni::{Invocation, PodArgs};
 use e2e::wait::{self, Probe};
-use ipwarden::crd::{Allocation, IPBlock};
+use ipwarden::crd::{Allocation, IPBlock, IPClaim};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::ClusterRole;
@@ -259,6 +259,31 @@ async fn a_sticky_pod_whose_claim_holds_one_family_gets_the_other_when_recreated
     })
     .await
     .expect("the controller witnesses the new IPv6");
+    wait_records(&client, 2).await;
+}
+
+/// A witness the controller wrote between a first ADD's two families' writes (IPv4 only;
+/// staged: written by the test, standing in for the controller, with none running) does not
+/// cost the recreated pod its IPv6: its ADD takes the IPv6 its claim's spec names back beside
+/// the witnessed IPv4, as that reservation is its own node's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_pod_witnessed_between_its_two_families_writes_keeps_both_ips_when_recreated() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &[]).await;
+    let client = ipwarden.client();
+    let (db0, ips) = db_running_dual_stack(&client).await;
+    let api: Api<IPClaim> = Api::namespaced(client.clone(), NS);
+    let mut claim = api.get("db-0").await.expect("db-0's claim");
+    let mut ipv4_only = claim.spec.interfaces.clone();
+    ipv4_only[0].ips.retain(|c| !c.ip.contains(':'));
+    claim.status = serde_json::from_value(json!({"witnessed": {"podUid": db0.uid(), "node": claim.spec.node,
+        "owner": claim.spec.owner, "interfaces": ipv4_only, "at": "2026-01-01T00:00:00Z"}}))
+    .expect("a status");
+    api.replace_status("db-0", &PostParams::default(), &claim).await.expect("write the witness");
+
+    Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
+    let after = wait_dual_stack(&client, "db-0", db0.uid().as_deref()).await;
+    assert_eq!(assert_dual_stack(&client, &after).await, ips, "the recreated pod keeps both its IPs");
     wait_records(&client, 2).await;
 }
 

@@ -69,14 +69,16 @@ async fn web0_on_node0(client: &kube::Client) -> Pod {
 }
 
 /// Two nodes as the chart installs ipwarden (agents with `agent_args` on node-bound tokens),
-/// a leading controller with `controller_args`, and web-0 running on node-0: the cluster, the
-/// controller's index and web-0.
+/// a leading controller with `controller_args`, and web-0 running on node-0, its claim
+/// witnessed (so its IP follows it to node-1: decision 0022): the cluster, the controller's
+/// index and web-0.
 async fn web0_on_node0_of_two(agent_args: &[&str], controller_args: &[&str]) -> (Ipwarden, usize, Pod) {
     let mut ipwarden =
         Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], agent_args).await;
     let controller = ipwarden.start_controller("controller", controller_args);
     ipwarden.wait_leader(controller).await;
     let first = web0_on_node0(&ipwarden.client()).await;
+    wait_witnessed(&ipwarden.client(), &first.uid().unwrap_or_default()).await;
     (ipwarden, controller, first)
 }
 
@@ -113,9 +115,8 @@ async fn force_delete_holding_del(ipwarden: &Ipwarden, index: usize, pod: &Pod) 
 async fn a_late_del_of_a_superseded_sandbox_leaves_the_new_owners_claim_and_the_ip_stays_sticky() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let agent_args = ["--release-sandbox-grace-seconds=2", "--reuse-cooldown-seconds=0"];
-    let ipwarden = Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let (ipwarden, _controller, first) = web0_on_node0_of_two(&agent_args, &[]).await;
     let client = ipwarden.client();
-    let first = web0_on_node0(&client).await;
     let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
 
     // web-0 is force-deleted on node-0, whose runtime holds the DEL back, and comes back on

@@ -257,8 +257,7 @@ impl Core {
             let mut reclaimed = if sticky {
                 let held_here: BTreeSet<String> =
                     self.checkpoint.read(|c| c.entries().flat_map(|e| e.ips.iter().map(|i| i.ip.clone())).collect());
-                let fill_families = fixed.is_none();
-                self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request, &held_here, fill_families)
+                self.reclaim_sticky(&pod, owner.as_ref(), migration.as_deref(), request, &held_here, fixed.as_ref())
                     .await?
             } else {
                 None
@@ -397,8 +396,11 @@ impl Core {
     /// is another node's (attached, or a reservation) or still in `held_here` (the IPs of this
     /// node's checkpoint) is not shared: the record is marked for a sticky takeover and the
     /// ADD fails with "try again later" until the record's node, or the controller for a node
-    /// that cannot answer, has let go of it ([`reclaim_step`]). With `fill_families`, an IP
-    /// family the claim holds no IP of is allocated afresh (a pod with fixed IPs gets none).
+    /// that cannot answer, has let go of it ([`reclaim_step`]); another node's record only for
+    /// an IP the controller witnessed for the claim or one of the pod's `fixed` IPs. Unless the
+    /// pod has fixed IPs (it gets those alone), the spec's IP of a family the witness lacks is
+    /// taken back beside the witnessed ones where it can be, and an IP family the claim then
+    /// holds no IP of is allocated afresh.
     async fn reclaim_sticky(
         &self,
         pod: &Pod,
@@ -406,7 +408,7 @@ impl Core {
         migration: Option<&str>,
         request: &AttachmentRequest,
         held_here: &BTreeSet<String>,
-        fill_families: bool,
+        fixed: Option<&fixed::Requested>,
     ) -> Result<Option<Reclaimed>, Error> {
         let namespace = pod.namespace().unwrap_or_default();
         let claim_name = workload::claim_name(&pod.name_any(), owner);
@@ -426,8 +428,8 @@ impl Core {
         let Some(interface) = workload::claimed_interface(&claim.spec, witnessed, &request.ifname) else {
             return Ok(None);
         };
-        // Taken from another node only as the controller witnessed it (rule C-1 lets any node
-        // write the spec before the first witness).
+        // Another node's record is taken only for an IP the controller witnessed, or one of
+        // the pod's fixed IPs (rule C-1 lets any node write the spec before the first witness).
         let interface_witnessed = witnessed.is_some_and(|w| w.interfaces.iter().any(|i| i.interface == request.ifname));
         if !claim.spec.interfaces.iter().any(|i| i == interface) {
             tracing::warn!(claim = %format!("{namespace}/{claim_name}"), ips = ?interface.ips.iter().map(|c| c.ip.as_str()).collect::<Vec<_>>(),
@@ -453,21 +455,44 @@ impl Core {
             container_id: record.container_id.clone(),
             interface: record.interface.clone(),
         });
-        // One slot per claimed IP, in the claim's order; `Err(is IPv4)`: given up, allocated
-        // afresh.
-        let (mut slots, mut taken, mut shared) = (Vec::new(), Vec::new(), false);
-        for claimed in &interface.ips {
+        // After the claimed IPs, the spec's IPs of a family the witness lacks (`required`
+        // false): each taken back where it can be, else its family is allocated afresh; no
+        // failure of theirs costs the pod its claimed IPs, as any node may have written them.
+        let fill_families = fixed.is_none();
+        let beside = match (fill_families, &target) {
+            (true, None) => workload::unwitnessed_family_ips(&claim.spec, witnessed, &request.ifname),
+            _ => Vec::new(),
+        };
+        // One slot per IP taken back, in the claim's order; `Err(is IPv4)`: given up,
+        // allocated afresh. `claimed_slots` counts the claimed IPs' slots.
+        let (mut slots, mut taken, mut shared, mut claimed_slots) = (Vec::new(), Vec::new(), false, 0);
+        let offered = interface.ips.iter().map(|c| (c, true)).chain(beside.into_iter().map(|c| (c, false)));
+        for (claimed, required) in offered {
             let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
-                break;
+                if required {
+                    break;
+                }
+                continue;
             };
             // A pool being deleted hands out no new IP, so a restarted pod gives up its IP
             // there (only that family's); a live migration's target still attaches to the IP
             // its source holds, which is not a new one.
             if pool.deleting && target.is_none() {
-                slots.push(Err(is_v4(&claimed.ip)));
+                if required {
+                    slots.push(Err(is_v4(&claimed.ip)));
+                    claimed_slots += 1;
+                }
                 continue;
             }
-            let Some(block) = pool.layout.block_of(ip) else { break };
+            let Some(block) = pool.layout.block_of(ip) else {
+                if required {
+                    break;
+                }
+                continue;
+            };
+            if !required && pools::check_claimed_block(&pool.name, block, ip, &claimed.block).is_err() {
+                continue;
+            }
             let key = ip.to_string();
             let mut waiting_for = None;
             let took = self
@@ -482,6 +507,11 @@ impl Core {
                         return None;
                     }
                     let Some(current) = spec.allocations.get_mut(&key) else {
+                        // A family the witness lacks is taken back only as this node's record:
+                        // a free IP any node may have named is no better than a fresh one.
+                        if !required {
+                            return None;
+                        }
                         // No record: free unless the pool's layout no longer hands it out or it
                         // is a node's spare (maybe bound, its record not written yet).
                         let free =
@@ -492,7 +522,7 @@ impl Core {
                         same_pod: current.pod.uid == record.pod.uid,
                         same_workload: same_workload(current, &record),
                         own_node: current.node == self.settings.node,
-                        witnessed: interface_witnessed,
+                        vouched_for: (interface_witnessed && required) || fixed.is_some_and(|f| f.ips.contains(&ip)),
                         detached_here: current.node == self.settings.node && !held_here.contains(&key),
                         handshake: current.release_handshake.as_ref().map(|h| h.state),
                         asked_for_another: current
@@ -518,6 +548,10 @@ impl Core {
                 .await;
             let took = match took {
                 Ok(took) => took,
+                Err(e) if !required => {
+                    tracing::warn!(claim = %claim_name, ip = %claimed.ip, error = %e, "taking back an IP of a family the witness lacks failed; allocating that family afresh");
+                    continue;
+                }
                 Err(e) => {
                     self.roll_back(&taken, request, &record.pod.uid).await;
                     return Err(e);
@@ -535,6 +569,9 @@ impl Core {
                 });
             }
             let Some(took) = took else {
+                if !required {
+                    continue;
+                }
                 tracing::warn!(claim = %claim_name, ip = %claimed.ip, witnessed = interface_witnessed,
                     "claimed IP is held by another pod, or by another node for a claim the controller has not witnessed; allocating afresh");
                 break;
@@ -550,14 +587,16 @@ impl Core {
                 Reclaim::Marked => break,
             }
             slots.push(Ok(ip));
+            claimed_slots += usize::from(required);
         }
         let given_up = slots.iter().filter(|slot| slot.is_err()).count();
-        // Unless every IP was given up (or one could not be taken back): then the pod is
-        // allocated afresh, as a new pod is.
-        if slots.len() == interface.ips.len() && given_up < slots.len() {
+        // Unless every IP was given up (or a claimed one could not be taken back): then the pod
+        // is allocated afresh, as a new pod is.
+        if claimed_slots == interface.ips.len() && given_up < slots.len() {
             let given_up_families: Vec<bool> = slots.iter().filter_map(|slot| slot.as_ref().err().copied()).collect();
             // A family the claim never held an IP of (its pool created since, or a witness
-            // written between a first ADD's two families' writes) is allocated as a new pod's
+            // written between a first ADD's two families' writes whose other IP could not be
+            // taken back beside it) is allocated as a new pod's
             // is, unless no pool gives one now: the pod then starts with what it claimed, as
             // it ran. A migration target only attaches to what its source holds, and a pod
             // with fixed IPs gets those alone.

@@ -277,10 +277,11 @@ pub struct ClaimedRecord {
     pub same_workload: bool,
     /// The record's node is this node.
     pub own_node: bool,
-    /// The controller witnessed the claimed IP for the workload's pod (`status.witnessed`),
-    /// rather than only the claim's spec naming it, which an agent on any node may have
-    /// written before the first witness (rule C-1 cannot check it against the records).
-    pub witnessed: bool,
+    /// More than the claim's spec names the IP (an agent on any node may have written the
+    /// spec before the first witness; rule C-1 cannot check it against the records): the
+    /// controller witnessed it for the workload's pod (`status.witnessed`), or the pod names
+    /// it among its fixed IPs.
+    pub vouched_for: bool,
     /// The record's node is this node and no sandbox in this agent's checkpoint holds the
     /// IP: this agent knows the sandbox is gone.
     pub detached_here: bool,
@@ -314,12 +315,12 @@ pub enum ReclaimStep {
 /// mark, a reservation on another node included (decision 0022: this node could name any pod
 /// in its record). An answer to a takeover another pod (an earlier one of the workload) or
 /// another node asked for is asked again for this pod. Another node's record is asked for
-/// only when the controller witnessed the IP for the workload: an unwitnessed claim's spec is
-/// no node's word but its writer's, so a node could otherwise name a reservation of its own it
-/// forged for the workload and choose the pod's IP, or never answer and hold the pod's start
-/// back (decision 0022).
+/// only for an IP vouched for (witnessed by the controller, or a fixed IP of the pod): an
+/// unwitnessed claim's spec is no node's word but its writer's, so a node could otherwise
+/// name a reservation of its own it forged for the workload and choose the pod's IP, or never
+/// answer and hold the pod's start back (decision 0022).
 pub fn reclaim_step(record: ClaimedRecord) -> ReclaimStep {
-    if (!record.same_pod && !record.same_workload) || (!record.own_node && !record.witnessed) {
+    if (!record.same_pod && !record.same_workload) || (!record.own_node && !record.vouched_for) {
         return ReclaimStep::NotOurs;
     }
     if record.own_node && (record.same_pod || record.detached_here) {
@@ -626,13 +627,13 @@ mod test {
             same_pod,
             same_workload,
             own_node,
-            witnessed: true,
+            vouched_for: true,
             detached_here,
             handshake,
             asked_for_another: false,
         };
-        let unwitnessed = |own_node, detached_here, handshake| ClaimedRecord {
-            witnessed: false,
+        let unvouched = |own_node, detached_here, handshake| ClaimedRecord {
+            vouched_for: false,
             ..record(false, true, own_node, detached_here, handshake)
         };
         let for_another =
@@ -660,13 +661,13 @@ mod test {
             (for_another(ready), ReclaimStep::Mark),
             (for_another(marked), ReclaimStep::Wait),
             (ClaimedRecord { asked_for_another: true, ..record(false, true, true, true, ready) }, ReclaimStep::Take),
-            // An IP only the claim's spec names: this node's records as witnessed ones, no
+            // An IP only the claim's spec names: this node's records as vouched-for ones, no
             // other node's, whatever its handshake says.
-            (unwitnessed(true, true, None), ReclaimStep::Take),
-            (unwitnessed(true, false, None), ReclaimStep::Mark),
-            (unwitnessed(false, false, None), ReclaimStep::NotOurs),
-            (unwitnessed(false, false, ready), ReclaimStep::NotOurs),
-            (unwitnessed(false, false, marked), ReclaimStep::NotOurs),
+            (unvouched(true, true, None), ReclaimStep::Take),
+            (unvouched(true, false, None), ReclaimStep::Mark),
+            (unvouched(false, false, None), ReclaimStep::NotOurs),
+            (unvouched(false, false, ready), ReclaimStep::NotOurs),
+            (unvouched(false, false, marked), ReclaimStep::NotOurs),
         ];
         for (record, step) in table {
             assert_eq!(reclaim_step(record), step, "{record:?}");

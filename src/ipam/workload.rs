@@ -374,6 +374,36 @@ pub fn claimed_interface<'a>(
     Some(claimed.filter(|claimed| sorted(claimed) == sorted(seen)).unwrap_or(seen))
 }
 
+/// The spec's IPs of interface `ifname` of an IP family the witnessed interface holds none
+/// of, one a family: what a first ADD wrote after the controller witnessed its other family (a
+/// witness decided between two families' writes, corrected about a second later). Empty when
+/// nothing is witnessed for `ifname`: [`claimed_interface`] then gives the spec's IPs
+/// themselves. Any node may have written the spec, so these are taken back only where they
+/// are the ADD's own node's records, and at best effort: a family that cannot be is allocated
+/// afresh, and the witnessed IPs are kept.
+pub fn unwitnessed_family_ips<'a>(
+    spec: &'a IPClaimSpec,
+    witnessed: Option<&WitnessedBinding>,
+    ifname: &str,
+) -> Vec<&'a ClaimedIp> {
+    let Some(seen) = witnessed.and_then(|w| w.interfaces.iter().find(|i| i.interface == ifname)) else {
+        return Vec::new();
+    };
+    let is_v6 = |c: &ClaimedIp| c.ip.contains(':');
+    let mut families = Vec::new();
+    spec.interfaces
+        .iter()
+        .filter(|i| i.interface == ifname)
+        .flat_map(|i| &i.ips)
+        .filter(|c| !seen.ips.iter().any(|w| is_v6(w) == is_v6(c)))
+        .filter(|c| {
+            let new = !families.contains(&is_v6(c));
+            families.push(is_v6(c));
+            new
+        })
+        .collect()
+}
+
 /// The ordinal of StatefulSet pod `pod_name` of StatefulSet `statefulset`, if it is one.
 pub fn ordinal(statefulset: &str, pod_name: &str) -> Option<i32> {
     pod_name.strip_prefix(statefulset)?.strip_prefix('-')?.parse().ok().filter(|n: &i32| *n >= 0)
@@ -823,7 +853,7 @@ mod test {
     }
 
     #[test]
-    fn a_sticky_pod_takes_back_the_witnessed_ips_where_the_spec_names_others() {
+    fn a_sticky_pod_takes_back_the_witnessed_ips_and_only_a_family_the_witness_lacks_from_the_spec() {
         let ip = |ip: &str| crate::crd::ClaimedIp { ip: ip.into(), pool: "p".into(), block: "b".into() };
         let interface = |name: &str, ips: &[&str]| ClaimedInterface {
             interface: name.into(),
@@ -881,6 +911,43 @@ mod test {
             let spec = spec(interfaces);
             let expected = expected.map(|ips| ips.iter().map(|s| s.to_string()).collect::<Vec<_>>());
             assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0")), expected, "{what}");
+        }
+
+        let v4_only = witnessed(vec![interface("eth0", &["10.0.0.5"]), interface("net1", &["fd01::5"])]);
+        let cases = [
+            // (what, the spec's interfaces, witnessed, the spec's IPs offered beside the witness)
+            (
+                "the first ADD's IPv6, written after the witness",
+                vec![interface("eth0", &["10.0.0.5", "fd00::5"])],
+                Some(&v4_only),
+                vec!["fd00::5"],
+            ),
+            (
+                "another IPv4 in the spec: the witness's family",
+                vec![interface("eth0", &["10.0.0.9", "fd00::5"])],
+                Some(&v4_only),
+                vec!["fd00::5"],
+            ),
+            (
+                "two IPv6s: one a family",
+                vec![interface("eth0", &["fd00::5", "fd00::6"])],
+                Some(&v4_only),
+                vec!["fd00::5"],
+            ),
+            ("another interface's IPs", vec![interface("net1", &["10.1.0.5"])], Some(&v4_only), vec![]),
+            ("the witness holds both families", vec![interface("eth0", &["10.0.0.9", "fd00::9"])], Some(&seen), vec![]),
+            (
+                "nothing witnessed: the spec is the interface",
+                vec![interface("eth0", &["10.0.0.5", "fd00::5"])],
+                None,
+                vec![],
+            ),
+        ];
+        for (what, interfaces, witnessed, expected) in cases {
+            let spec = spec(interfaces);
+            let offered: Vec<&str> =
+                unwitnessed_family_ips(&spec, witnessed, "eth0").iter().map(|c| c.ip.as_str()).collect();
+            assert_eq!(offered, expected, "{what}");
         }
     }
 

@@ -3,9 +3,11 @@
 //!
 //! During a run, at every poll: no IP is held by two live pods, every live pod's IP is
 //! recorded under its UID, no record names another UID than the live pod reporting its IP,
-//! and a recreated StatefulSet pod comes back with the IP its ordinal had, as long as the
-//! ordinal stayed wanted (every StatefulSet change is seen through a watch, so a let-go
-//! ordinal is never missed between two polls; terminating pods are not remembered). A report is not one atomic read (pods, then blocks), so a problem
+//! and a recreated StatefulSet pod comes back with the IP its ordinal had once the controller
+//! witnessed its claim holding it (before that, a pod recreated on another node starts on new
+//! IPs: decision 0022), as long as the ordinal stayed wanted (every StatefulSet change is seen
+//! through a watch, so a let-go ordinal is never missed between two polls; terminating pods
+//! are not remembered). A report is not one atomic read (pods, then blocks), so a problem
 //! counts only when a second report, read right after, shows it too. After the run, [`wait_settled`]: no problem of any kind (leaks,
 //! claims without records, count drift included) within a bound.
 
@@ -14,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ipwarden::crd::IPClaim;
 use ipwarden::gc::check::{Problem, ProblemKind};
 use ipwarden::gc::index::PodFacts;
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -151,13 +154,32 @@ async fn poll(client: &Client, sticky: &Mutex<StickyMemory>) -> anyhow::Result<V
     };
     let pods = Api::<Pod>::all(client.clone()).list(&ListParams::default()).await?;
     let statefulsets = Api::<StatefulSet>::all(client.clone()).list(&ListParams::default()).await?;
+    let claims = Api::<IPClaim>::all(client.clone()).list(&ListParams::default()).await?;
+    let witnessed: Witnessed = claims
+        .items
+        .iter()
+        .flat_map(|claim| {
+            let key = (claim.namespace().unwrap_or_default(), claim.name_any());
+            let seen = claim.status.as_ref().and_then(|s| s.witnessed.as_ref());
+            seen.into_iter().flat_map(|w| &w.interfaces).flat_map(|i| &i.ips).map(move |c| (key.clone(), c.ip.clone()))
+        })
+        .collect();
     let mut memory = sticky.lock().unwrap_or_else(|e| e.into_inner());
-    found.extend(sticky_changes(&pods.items, &statefulsets.items, &mut memory));
+    found.extend(sticky_changes(&pods.items, &statefulsets.items, &witnessed, &mut memory));
     Ok(found)
 }
 
-/// The StatefulSet pods recreated with another IP than their ordinal had; updates `memory`.
-pub fn sticky_changes(pods: &[Pod], statefulsets: &[StatefulSet], memory: &mut StickyMemory) -> Vec<String> {
+/// The IPs each claim's `status.witnessed` lists, by claim (namespace, name).
+pub type Witnessed = BTreeSet<((String, String), String)>;
+
+/// The StatefulSet pods recreated with another IP than their ordinal had; updates `memory`
+/// with each pod's IP once `witnessed` lists it for the pod's claim.
+pub fn sticky_changes(
+    pods: &[Pod],
+    statefulsets: &[StatefulSet],
+    witnessed: &Witnessed,
+    memory: &mut StickyMemory,
+) -> Vec<String> {
     // Forget ordinals their StatefulSet stopped wanting: they may come back with any IP.
     forget_unwanted(memory, statefulsets, None);
     let mut changed = Vec::new();
@@ -178,7 +200,9 @@ pub fn sticky_changes(pods: &[Pod], statefulsets: &[StatefulSet], memory: &mut S
             }
             _ => {}
         }
-        memory.insert(key, (ip.clone(), facts.uid.clone()));
+        if witnessed.contains(&(key.clone(), ip.clone())) {
+            memory.insert(key, (ip.clone(), facts.uid.clone()));
+        }
     }
     changed
 }
