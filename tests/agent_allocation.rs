@@ -83,8 +83,12 @@ async fn two_hundred_concurrent_adds_from_four_agents_get_distinct_ips_that_reco
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statefulset_pod_deleted_and_recreated_keeps_its_ip_and_scale_down_frees_it() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let ipwarden = Ipwarden::start(2, &[("pool", json!({"cidr": "10.51.0.0/24", "default": true}))], &[]).await;
+    let mut ipwarden = Ipwarden::start(2, &[("pool", json!({"cidr": "10.51.0.0/24", "default": true}))], &[]).await;
     let client = ipwarden.client();
+    // The controller witnesses the claims, so that an IP follows its pod to the other node
+    // (decision 0022), and deletes a witnessed claim of a let-go ordinal on its next pass.
+    let controller = ipwarden.start_controller("controller", &["--claim-janitor-interval-seconds=1"]);
+    ipwarden.wait_leader(controller).await;
     let sts: StatefulSet = serde_json::from_value(json!({
         "metadata": {"name": "db"},
         "spec": {"replicas": 2, "serviceName": "db", "selector": {"matchLabels": {"app": "db"}},
@@ -98,6 +102,7 @@ async fn a_statefulset_pod_deleted_and_recreated_keeps_its_ip_and_scale_down_fre
     let before = wait_pods_with_ips(&client, NS, "app=db", 2).await;
     assert_consistent(&ipwarden, &before).await;
     let old = &before["db-1"];
+    support::wait_witnessed(&client, NS, "db-1", &old.uid().unwrap_or_default()).await;
 
     Api::<Pod>::namespaced(client.clone(), NS).delete("db-1", &DeleteParams::default()).await.expect("delete db-1");
     let old_uid = old.uid().unwrap_or_default();

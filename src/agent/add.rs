@@ -459,6 +459,9 @@ impl Core {
         // false): each taken back where it can be, else its family is allocated afresh; no
         // failure of theirs costs the pod its claimed IPs, as any node may have written them.
         let fill_families = fixed.is_none();
+        // An IP the pod itself names (not a list to choose from, which another node's forged
+        // reservation of the workload would otherwise choose for it) vouches for the record.
+        let pinned = |ip: IpAddr| fixed.is_some_and(|f| f.source != fixed::Source::List && f.ips.contains(&ip));
         let beside = match (fill_families, &target) {
             (true, None) => workload::unwitnessed_family_ips(&claim.spec, witnessed, &request.ifname),
             _ => Vec::new(),
@@ -522,7 +525,7 @@ impl Core {
                         same_pod: current.pod.uid == record.pod.uid,
                         same_workload: same_workload(current, &record),
                         own_node: current.node == self.settings.node,
-                        vouched_for: (interface_witnessed && required) || fixed.is_some_and(|f| f.ips.contains(&ip)),
+                        vouched_for: (interface_witnessed && required) || pinned(ip),
                         detached_here: current.node == self.settings.node && !held_here.contains(&key),
                         handshake: current.release_handshake.as_ref().map(|h| h.state),
                         asked_for_another: current
@@ -532,6 +535,8 @@ impl Core {
                             .is_some_and(|t| t.pod.uid != record.pod.uid || t.node != record.node),
                     });
                     match step {
+                        // A family the witness lacks is not waited for: it is allocated afresh.
+                        ReclaimStep::NotOurs | ReclaimStep::Wait | ReclaimStep::Mark if !required => None,
                         ReclaimStep::NotOurs => None,
                         ReclaimStep::Take => Some(Reclaim::Taken(blocks::allocate(spec, ip, record.clone()))),
                         ReclaimStep::Wait => {
@@ -596,10 +601,10 @@ impl Core {
             let given_up_families: Vec<bool> = slots.iter().filter_map(|slot| slot.as_ref().err().copied()).collect();
             // A family the claim never held an IP of (its pool created since, or a witness
             // written between a first ADD's two families' writes whose other IP could not be
-            // taken back beside it) is allocated as a new pod's
-            // is, unless no pool gives one now: the pod then starts with what it claimed, as
-            // it ran. A migration target only attaches to what its source holds, and a pod
-            // with fixed IPs gets those alone.
+            // taken back beside it) is allocated as a new pod's is, unless no pool gives one
+            // now: the pod then starts with what it claimed, as it ran. A migration target
+            // only attaches to what its source holds, and a pod with fixed IPs gets those
+            // alone.
             let unclaimed: Vec<bool> = missing_families(&slots, |ip| is_v4(&ip.ip))
                 .into_iter()
                 .filter(|family| fill_families && target.is_none() && !given_up_families.contains(family))

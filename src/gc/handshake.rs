@@ -280,7 +280,7 @@ pub struct ClaimedRecord {
     /// More than the claim's spec names the IP (an agent on any node may have written the
     /// spec before the first witness; rule C-1 cannot check it against the records): the
     /// controller witnessed it for the workload's pod (`status.witnessed`), or the pod names
-    /// it among its fixed IPs.
+    /// it among its fixed IPs (not a list to choose from).
     pub vouched_for: bool,
     /// The record's node is this node and no sandbox in this agent's checkpoint holds the
     /// IP: this agent knows the sandbox is gone.
@@ -315,7 +315,7 @@ pub enum ReclaimStep {
 /// mark, a reservation on another node included (decision 0022: this node could name any pod
 /// in its record). An answer to a takeover another pod (an earlier one of the workload) or
 /// another node asked for is asked again for this pod. Another node's record is asked for
-/// only for an IP vouched for (witnessed by the controller, or a fixed IP of the pod): an
+/// only for an IP vouched for (witnessed by the controller, or a fixed IP the pod names): an
 /// unwitnessed claim's spec is no node's word but its writer's, so a node could otherwise
 /// name a reservation of its own it forged for the workload and choose the pod's IP, or never
 /// answer and hold the pod's start back (decision 0022).
@@ -665,6 +665,8 @@ mod test {
             // other node's, whatever its handshake says.
             (unvouched(true, true, None), ReclaimStep::Take),
             (unvouched(true, false, None), ReclaimStep::Mark),
+            (unvouched(true, false, marked), ReclaimStep::Wait),
+            (unvouched(true, false, ready), ReclaimStep::Take),
             (unvouched(false, false, None), ReclaimStep::NotOurs),
             (unvouched(false, false, ready), ReclaimStep::NotOurs),
             (unvouched(false, false, marked), ReclaimStep::NotOurs),
