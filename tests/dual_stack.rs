@@ -262,18 +262,18 @@ async fn a_sticky_pod_whose_claim_holds_one_family_gets_the_other_when_recreated
     wait_records(&client, 2).await;
 }
 
-/// A witness the controller wrote between a first ADD's two families' writes (IPv4 only;
-/// staged: written by the test, standing in for the controller, with none running) does not
-/// cost the recreated pod its IPv6: its ADD takes the IPv6 its claim's spec names back beside
-/// the witnessed IPv4, as that reservation is its own node's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sticky_pod_witnessed_between_its_two_families_writes_keeps_both_ips_when_recreated() {
-    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let ipwarden = Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &[]).await;
-    let client = ipwarden.client();
-    let (db0, ips) = db_running_dual_stack(&client).await;
+/// db-0 of a dual-stack cluster with no controller, running, and then recreated after the test
+/// (standing in for the controller) wrote its claim's witness with its IPv4 alone, as one
+/// written between a first ADD's two families' writes, and set the spec's IPv6 to `spec_ipv6`
+/// when given: db-0's IPs before and after.
+async fn recreated_after_a_partial_witness(client: &Client, spec_ipv6: Option<&str>) -> (Vec<String>, Vec<String>) {
+    let (db0, ips) = db_running_dual_stack(client).await;
     let api: Api<IPClaim> = Api::namespaced(client.clone(), NS);
     let mut claim = api.get("db-0").await.expect("db-0's claim");
+    if let Some(ipv6) = spec_ipv6 {
+        claim.spec.interfaces[0].ips.iter_mut().filter(|c| c.ip.contains(':')).for_each(|c| c.ip = ipv6.to_string());
+        claim = api.replace("db-0", &PostParams::default(), &claim).await.expect("rewrite the spec");
+    }
     let mut ipv4_only = claim.spec.interfaces.clone();
     ipv4_only[0].ips.retain(|c| !c.ip.contains(':'));
     claim.status = serde_json::from_value(json!({"witnessed": {"podUid": db0.uid(), "node": claim.spec.node,
@@ -282,9 +282,36 @@ async fn a_sticky_pod_witnessed_between_its_two_families_writes_keeps_both_ips_w
     api.replace_status("db-0", &PostParams::default(), &claim).await.expect("write the witness");
 
     Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
-    let after = wait_dual_stack(&client, "db-0", db0.uid().as_deref()).await;
-    assert_eq!(assert_dual_stack(&client, &after).await, ips, "the recreated pod keeps both its IPs");
+    let after = wait_dual_stack(client, "db-0", db0.uid().as_deref()).await;
+    (ips, assert_dual_stack(client, &after).await)
+}
+
+/// A witness the controller wrote between a first ADD's two families' writes does not cost
+/// the recreated pod its IPv6: its ADD takes the IPv6 its claim's spec names back beside the
+/// witnessed IPv4, as that reservation is its own node's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_pod_witnessed_between_its_two_families_writes_keeps_both_ips_when_recreated() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &[]).await;
+    let client = ipwarden.client();
+    let (before, after) = recreated_after_a_partial_witness(&client, None).await;
+    assert_eq!(after, before, "the recreated pod keeps both its IPs");
     wait_records(&client, 2).await;
+}
+
+/// The spec's IP of a family the witness lacks is taken back only as the node's own record:
+/// one naming a free IP (anyone who may write the spec chose it) is not, and the pod keeps its
+/// witnessed IPv4 and gets a fresh IPv6.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_free_ip_the_spec_names_beside_a_partial_witness_is_not_taken() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let ipwarden = Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &[]).await;
+    let client = ipwarden.client();
+    let (before, after) = recreated_after_a_partial_witness(&client, Some("fd00:70::50")).await;
+    assert_eq!(after[0], before[0], "the witnessed IPv4 is kept");
+    assert!(after[1] != "fd00:70::50" && after[1] != before[1], "a fresh IPv6: {after:?}, before {before:?}");
+    let held = support::records(&client).await;
+    assert!(!held.contains_key("fd00:70::50"), "the free IP the spec named stays free");
 }
 
 /// A StatefulSet pod with one fixed IPv4 in a dual-stack cluster runs with that IP alone (its
