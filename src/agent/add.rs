@@ -397,7 +397,8 @@ impl Core {
     /// node's checkpoint) is not shared: the record is marked for a sticky takeover and the
     /// ADD fails with "try again later" until the record's node, or the controller for a node
     /// that cannot answer, has let go of it ([`reclaim_step`]); another node's record only for
-    /// an IP the controller witnessed for the claim or one of the pod's `fixed` IPs. Unless the
+    /// an IP the controller witnessed for the claim or one the pod names in `fixed` (not a
+    /// list to choose from). Unless the
     /// pod has fixed IPs (it gets those alone), the spec's IP of a family the witness lacks is
     /// taken back beside the witnessed ones where it can be, and an IP family the claim then
     /// holds no IP of is allocated afresh.
