@@ -346,6 +346,58 @@ async fn a_claim_another_node_rewrote_before_the_controller_saw_it_moves_no_stat
     web0_restarts_with_its_own_ip(&client, &first, &ip, &other).await;
 }
 
+/// web-0's IPClaim, deleted by hand while web-0 runs, is created again by the controller (as
+/// the chart's ServiceAccount, so under the chart's RBAC) from the records web-0 holds, and
+/// witnessed: web-0's next life on the same node takes its IP back instead of starting on a
+/// new one (decision 0022: the controller writes the claims).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_deleted_while_its_pod_runs_is_created_again_by_the_controller_and_the_ip_stays_sticky() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    let namespace = support::NODE_BOUND_NAMESPACE;
+    let kubeconfig =
+        e2e::accounts::kubeconfig_for(&ipwarden.cluster, namespace, "ipwarden-controller").await.expect("token");
+    ipwarden.controller_run_as = Some(e2e::ipwarden::RunAs { kubeconfig, namespace: namespace.into() });
+    let controller = ipwarden.start_controller("controller", &["--claim-janitor-interval-seconds=3600"]);
+    ipwarden.wait_leader(controller).await;
+    let first = web0_on_node0(&client).await;
+    let (uid, ip) = (first.uid().unwrap_or_default(), ip_of(&first));
+    assert_eq!(wait_witnessed(&client, &uid).await, std::slice::from_ref(&ip));
+
+    let claims_api: Api<IPClaim> = Api::namespaced(client.clone(), NS);
+    let deleted = claims_api.get("web-0").await.expect("web-0's claim").uid().unwrap_or_default();
+    claims_api.delete("web-0", &DeleteParams::default()).await.expect("delete web-0's claim by hand");
+    let created = wait::until("the controller creating web-0's claim again", TIMEOUT, || async {
+        let claim = claims(&client, NS).await.remove("web-0");
+        Ok(match claim {
+            Some(c)
+                if c.uid().unwrap_or_default() != deleted
+                    && c.status.as_ref().is_some_and(|s| s.witnessed.is_some()) =>
+            {
+                Probe::Done(c)
+            }
+            other => Probe::Pending(format!("{:?}", other.map(|c| (c.uid(), c.status)))),
+        })
+    })
+    .await
+    .expect("the claim is created again");
+    let spec = &created.spec;
+    assert_eq!(
+        (spec.pod_uid.as_str(), spec.node.as_str(), spec.sticky, spec.owner.as_ref().map(|o| o.name.as_str())),
+        (uid.as_str(), "node-0", true, Some("web")),
+        "{created:?}"
+    );
+    let claimed: Vec<(&str, &str)> =
+        spec.interfaces.iter().flat_map(|i| i.ips.iter().map(|c| (i.interface.as_str(), c.ip.as_str()))).collect();
+    assert_eq!(claimed, [("eth0", ip.as_str())], "{created:?}");
+    let witnessed = created.status.and_then(|s| s.witnessed).expect("witnessed");
+    assert_eq!((witnessed.pod_uid.as_str(), witnessed.interfaces), (uid.as_str(), spec.interfaces.clone()));
+
+    let second = restart_web0(&client, &first).await;
+    assert_eq!(ip_of(&second), ip, "web-0's next life takes back the IP of the claim the controller wrote");
+}
+
 /// A client of node-1's agent (node-1's credentials, as its root reads them).
 async fn node1_agent(ipwarden: &Ipwarden) -> kube::Client {
     let kubeconfig = e2e::accounts::node_bound_kubeconfig_for(

@@ -1,6 +1,7 @@
 //! `ClaimJanitor`: deletes IPClaims whose workload is gone for good (completed Job pods
 //! included), on a timer, and writes down the binding of each claim it sees in effect
-//! (`status.witnessed`, [`witness`]) soon after the index changes, both on the leader only.
+//! (`status.witnessed`, [`witness`]) soon after the index changes, creating the claim a live
+//! sticky pod lacks ([`missing`]) first, all on the leader only.
 
 use super::leader::Leadership;
 use std::collections::HashSet;
@@ -14,16 +15,17 @@ use kube::api::{Api, PostParams};
 
 use super::metrics::ControllerMetrics;
 use super::watches::SharedIndex;
-use crate::crd::{IPClaim, WitnessedBinding};
-use crate::gc::claims::{claimants, gone_for_good, witness};
+use crate::crd::{IPClaim, IPClaimSpec, WitnessedBinding};
+use crate::gc::claims::{claimants, gone_for_good, missing, witness};
 use crate::gc::index::ClaimBinding;
 
 /// A claim whose binding the janitor writes down as witnessed.
 struct Witnessed {
     namespace: String,
     name: String,
-    /// The claim object's UID: the write goes to this object only.
-    object_uid: String,
+    /// The claim object's UID: the write goes to this object only. `None`: no claim exists,
+    /// the janitor creates it with the binding as its spec.
+    object_uid: Option<String>,
     binding: ClaimBinding,
 }
 
@@ -107,8 +109,9 @@ impl ClaimJanitor {
         );
     }
 
-    /// Decides which claims to write down as witnessed, unless nothing changed since the last
-    /// decision or its writes still run, and writes them one after the other.
+    /// Decides which claims to write down as witnessed, and which to create, unless nothing
+    /// changed since the last decision or its writes still run, and writes them one after the
+    /// other.
     fn witness(&mut self, ctx: &mut Context<Self>) {
         if !self.leading.is_leading() {
             self.decided_at = None;
@@ -125,16 +128,23 @@ impl ClaimJanitor {
             let claimants = claimants(&index);
             index
                 .claims()
-                .filter(|(namespace, name, _)| {
-                    self.held_back.is_empty() || !self.held_back.contains(&(namespace.to_string(), name.to_string()))
-                })
                 .filter_map(|(namespace, name, claim)| {
                     Some(Witnessed {
                         binding: witness(&index, &claimants, namespace, name, claim)?,
                         namespace: namespace.to_string(),
                         name: name.to_string(),
-                        object_uid: claim.object_uid.clone(),
+                        object_uid: Some(claim.object_uid.clone()),
                     })
+                })
+                .chain(missing(&index, &claimants).into_iter().map(|(namespace, name, binding)| Witnessed {
+                    namespace,
+                    name,
+                    object_uid: None,
+                    binding,
+                }))
+                .filter(|claim| {
+                    self.held_back.is_empty()
+                        || !self.held_back.contains(&(claim.namespace.clone(), claim.name.clone()))
                 })
                 .collect()
         };
@@ -175,15 +185,44 @@ impl ClaimJanitor {
 
 /// Writes `claim`'s binding into its `status.witnessed`, read first and replaced with the
 /// resourceVersion read, on the object of the claim's UID only (a claim deleted and created
-/// again since is another object; a conflict is decided again on the next change). Returns
-/// the result to count, `None` when the claim is gone or another object.
+/// again since is another object; a conflict is decided again on the next change). A claim
+/// to create is created first, with the binding as its spec; one created since by an agent
+/// is a conflict. Returns the result to count, `None` when the claim is gone or another object.
 async fn write_witnessed(client: &Client, claim: &Witnessed) -> Result<Option<&'static str>, kube::Error> {
     let (namespace, name, binding) = (&claim.namespace, &claim.name, &claim.binding);
     let api: Api<IPClaim> = Api::namespaced(client.clone(), namespace);
-    let Some(mut stored) = api.get_opt(name).await? else { return Ok(None) };
-    if stored.metadata.uid.as_deref() != Some(claim.object_uid.as_str()) {
-        return Ok(None);
-    }
+    let (mut stored, written) = match &claim.object_uid {
+        Some(uid) => {
+            let Some(stored) = api.get_opt(name).await? else { return Ok(None) };
+            if stored.metadata.uid.as_deref() != Some(uid.as_str()) {
+                return Ok(None);
+            }
+            (stored, "written")
+        }
+        None => {
+            let mut fresh = IPClaim::new(
+                name,
+                IPClaimSpec {
+                    pod_uid: binding.pod_uid.clone(),
+                    node: binding.node.clone(),
+                    owner: binding.owner.clone(),
+                    sticky: true,
+                    interfaces: binding.interfaces.clone(),
+                    bound_at: Time(Timestamp::now()),
+                },
+            );
+            fresh.metadata.namespace = Some(namespace.clone());
+            match api.create(&PostParams::default(), &fresh).await {
+                Ok(created) => {
+                    tracing::info!(claim = %format!("{namespace}/{name}"), pod_uid = %binding.pod_uid, node = %binding.node,
+                        "created the claim of a live sticky pod that had none, from its records");
+                    (created, "created")
+                }
+                Err(kube::Error::Api(status)) if status.code == 409 => return Ok(Some("conflict")),
+                Err(e) => return Err(e),
+            }
+        }
+    };
     stored.status.get_or_insert_default().witnessed = Some(WitnessedBinding {
         pod_uid: binding.pod_uid.clone(),
         node: binding.node.clone(),
@@ -194,7 +233,7 @@ async fn write_witnessed(client: &Client, claim: &Witnessed) -> Result<Option<&'
     match api.replace_status(name, &PostParams::default(), &stored).await {
         Ok(_) => {
             tracing::debug!(claim = %format!("{namespace}/{name}"), "wrote the claim's witnessed binding");
-            Ok(Some("written"))
+            Ok(Some(written))
         }
         // Just read, so most likely a CRD without the status subresource (installed by an
         // older version and not upgraded: install.md, "Upgrade").

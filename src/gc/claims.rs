@@ -1,5 +1,6 @@
-//! Pure rules for the claim janitor: is an IPClaim's workload gone for good, and is the
-//! claim's binding in effect, so that the controller writes it down as witnessed?
+//! Pure rules for the claim janitor: is an IPClaim's workload gone for good, is the claim's
+//! binding in effect, so that the controller writes it down as witnessed, and which live
+//! sticky pods lack the claim the controller then creates?
 
 use std::collections::HashMap;
 
@@ -97,6 +98,30 @@ pub fn witness(
         return None;
     }
     (claim.witnessed.as_ref() != Some(&binding)).then_some(binding)
+}
+
+/// A claim to create: its namespace, its name and the binding it is created with.
+pub type Missing = (String, String, ClaimBinding);
+
+/// The claims the controller creates (decision 0022: the controller writes the claims): each
+/// claim name among `claimants` that no IPClaim has, whose one live pod's records give it a
+/// binding ([`witness`]) and whose owner still wants it ([`ClusterIndex::wants`]: not a
+/// StatefulSet ordinal being scaled away, nor one whose set is not in the cache yet), with that
+/// binding, written as the new claim's spec and then as its witness. A live sticky pod lacks
+/// its claim when someone deleted it, or `ipwarden adopt` wrote none; without one, its next
+/// life would start on new IPs. Sorted by namespace and name.
+pub fn missing(index: &ClusterIndex, claimants: &HashMap<(String, String), Vec<&PodFacts>>) -> Vec<Missing> {
+    let mut missing: Vec<Missing> = claimants
+        .keys()
+        .filter(|(namespace, name)| index.claim(namespace, name).is_none())
+        .filter_map(|(namespace, name)| {
+            let binding = witness(index, claimants, namespace, name, &ClaimFacts::default())?;
+            let wanted = binding.owner.as_ref().is_some_and(|owner| index.wants(namespace, owner, name));
+            wanted.then(|| (namespace.clone(), name.clone(), binding))
+        })
+        .collect();
+    missing.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+    missing
 }
 
 #[cfg(test)]
@@ -427,5 +452,62 @@ mod test {
             gone_for_good(&running, "ns", "web-1", &forged),
             "a witness without owner (an older version's): the spec"
         );
+    }
+
+    #[test]
+    fn the_controller_creates_the_claim_a_live_sticky_pod_lacks_while_its_ordinal_is_wanted() {
+        // (the StatefulSet's replicas (None: not cached), web-1 terminating, its record held,
+        // its claim stored, a claim to create, case)
+        let rows = [
+            (Some(2), false, true, false, true, "a live pod holding its record, no claim"),
+            (Some(2), false, true, true, false, "the claim exists: witnessed, not created"),
+            (Some(2), true, true, false, false, "the pod is terminating"),
+            (Some(2), false, false, false, false, "no record holds the pod's IP"),
+            (Some(1), false, true, false, false, "the ordinal is being scaled away"),
+            (None, false, true, false, false, "the StatefulSet is not cached yet"),
+        ];
+        for (replicas, terminating, recorded, stored, created, case) in rows {
+            let mut pod = json!({"metadata": {"namespace": "ns", "name": "web-1", "uid": "u1",
+                    "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "s",
+                        "controller": true}]},
+                "spec": {"nodeName": "node-0"}, "status": {"phase": "Running"}});
+            if terminating {
+                pod["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+            }
+            let pod: Pod = serde_json::from_value(pod).expect("pod");
+            let mut record = crate::ipam::blocks::test::record("u1", "c1");
+            (record.pod.namespace, record.pod.name, record.sticky) = ("ns".into(), "web-1".into(), true);
+            record.owner = Some(OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
+            let allocations = if recorded { json!({"10.0.0.5": record}) } else { json!({}) };
+            let block: std::sync::Arc<crate::crd::IPBlock> = std::sync::Arc::new(
+                serde_json::from_value(json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPBlock",
+                    "metadata": {"name": "b"}, "spec": {"pool": "p", "cidr": "10.0.0.0/24", "allocations": allocations}}))
+                .expect("block"),
+            );
+            let claim: crate::crd::IPClaim = serde_json::from_value(json!({"apiVersion": "ipwarden.io/v1alpha1",
+                "kind": "IPClaim", "metadata": {"namespace": "ns", "name": "web-1", "uid": "c"},
+                "spec": {"podUid": "u1", "node": "node-0", "sticky": true, "interfaces": [],
+                    "boundAt": "2026-01-01T00:00:00Z"}}))
+            .expect("claim");
+            let set = replicas.map(statefulset);
+            let mut objects = vec![Watched::Block(&block), Watched::Pod(&pod)];
+            objects.extend(set.as_ref().map(Watched::StatefulSet));
+            if stored {
+                objects.push(Watched::Claim(&claim));
+            }
+            let index = ClusterIndex::from_objects(&sticky_kinds(), objects);
+            let missing = missing(&index, &claimants(&index));
+            let expected = created.then(|| {
+                let ip = crate::crd::ClaimedIp { ip: "10.0.0.5".into(), pool: "p".into(), block: "b".into() };
+                let binding = ClaimBinding {
+                    pod_uid: "u1".into(),
+                    node: "node-0".into(),
+                    owner: record.owner.clone(),
+                    interfaces: vec![ClaimedInterface { interface: "eth0".into(), ips: vec![ip] }],
+                };
+                ("ns".to_string(), "web-1".to_string(), binding)
+            });
+            assert_eq!(missing, Vec::from_iter(expected), "{case}");
+        }
     }
 }

@@ -112,7 +112,7 @@ impl PodFacts {
 }
 
 /// What the janitor needs of one claim.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ClaimFacts {
     /// The claim object's UID: a status write goes to this object only.
     pub object_uid: String,
@@ -707,6 +707,11 @@ impl ClusterIndex {
     /// The claims by namespace and name.
     pub fn claims(&self) -> impl Iterator<Item = (&str, &str, &ClaimFacts)> {
         self.claims.iter().flat_map(|(ns, names)| names.iter().map(move |(n, c)| (ns.as_str(), n.as_str(), c)))
+    }
+
+    /// Claim `namespace/name`, when the index holds one.
+    pub fn claim(&self, namespace: &str, name: &str) -> Option<&ClaimFacts> {
+        get(&self.claims, namespace, name)
     }
 
     /// The pools.
