@@ -248,8 +248,6 @@ async fn an_adopted_statefulset_pod_recreated_on_ipwarden_gets_its_ip_back_and_t
     let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
     ipwarden.start_agents(&[]).await;
     switched.store(true, Ordering::SeqCst);
-    let controller = ipwarden.start_controller("controller-a", &["--full-scan-interval-seconds=2"]);
-    ipwarden.wait_leader(controller).await;
 
     // A network name other than the default, so that the flag is seen to take effect.
     let (ok, report) = adopt(&ipwarden, false, &["--network", "pods"]);
@@ -267,6 +265,9 @@ async fn an_adopted_statefulset_pod_recreated_on_ipwarden_gets_its_ip_back_and_t
     assert!(ok && ips(&again, "skipped") == [ip.clone()], "already recorded: {again:#}");
     let claim = claims(&client, NS).await.remove("web-0").expect("the next run writes web-0's claim again");
     assert_eq!(claim.spec.pod_uid, first_uid);
+    // Only now: a controller creates a live sticky pod's missing claim itself.
+    let controller = ipwarden.start_controller("controller-a", &["--full-scan-interval-seconds=2"]);
+    ipwarden.wait_leader(controller).await;
 
     // web-0 gone and its successor waiting for a schedulable node: the tracer and two full
     // sweeps see the adopted record, and must keep it as web-0's reservation.

@@ -160,7 +160,7 @@ impl ClaimJanitor {
                     if !leading.is_leading() {
                         break;
                     }
-                    let result = write_witnessed(&client, &claim).await.unwrap_or_else(|e| {
+                    let result = write_witnessed(&client, &metrics, &claim).await.unwrap_or_else(|e| {
                         tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), error = %e,
                             "writing the claim's witnessed binding failed; the next timed pass retries");
                         Some("failed")
@@ -186,18 +186,23 @@ impl ClaimJanitor {
 /// Writes `claim`'s binding into its `status.witnessed`, read first and replaced with the
 /// resourceVersion read, on the object of the claim's UID only (a claim deleted and created
 /// again since is another object; a conflict is decided again on the next change). A claim
-/// to create is created first, with the binding as its spec; one created since by an agent
-/// is a conflict. Returns the result to count, `None` when the claim is gone or another object.
-async fn write_witnessed(client: &Client, claim: &Witnessed) -> Result<Option<&'static str>, kube::Error> {
+/// to create is created first, with the binding as its spec (counted as `created` in
+/// `metrics`); one created since by an agent is a conflict. Returns the result to count,
+/// `None` when the claim is gone or another object.
+async fn write_witnessed(
+    client: &Client,
+    metrics: &ControllerMetrics,
+    claim: &Witnessed,
+) -> Result<Option<&'static str>, kube::Error> {
     let (namespace, name, binding) = (&claim.namespace, &claim.name, &claim.binding);
     let api: Api<IPClaim> = Api::namespaced(client.clone(), namespace);
-    let (mut stored, written) = match &claim.object_uid {
+    let mut stored = match &claim.object_uid {
         Some(uid) => {
             let Some(stored) = api.get_opt(name).await? else { return Ok(None) };
             if stored.metadata.uid.as_deref() != Some(uid.as_str()) {
                 return Ok(None);
             }
-            (stored, "written")
+            stored
         }
         None => {
             let mut fresh = IPClaim::new(
@@ -216,7 +221,8 @@ async fn write_witnessed(client: &Client, claim: &Witnessed) -> Result<Option<&'
                 Ok(created) => {
                     tracing::info!(claim = %format!("{namespace}/{name}"), pod_uid = %binding.pod_uid, node = %binding.node,
                         "created the claim of a live sticky pod that had none, from its records");
-                    (created, "created")
+                    metrics.witness_write("created");
+                    created
                 }
                 Err(kube::Error::Api(status)) if status.code == 409 => return Ok(Some("conflict")),
                 Err(e) => return Err(e),
@@ -233,11 +239,15 @@ async fn write_witnessed(client: &Client, claim: &Witnessed) -> Result<Option<&'
     match api.replace_status(name, &PostParams::default(), &stored).await {
         Ok(_) => {
             tracing::debug!(claim = %format!("{namespace}/{name}"), "wrote the claim's witnessed binding");
-            Ok(Some(written))
+            Ok(Some("written"))
         }
-        // Just read, so most likely a CRD without the status subresource (installed by an
-        // older version and not upgraded: install.md, "Upgrade").
+        // Deleted since it was read (an unwitnessed claim's agent may delete it), or, while it
+        // is still there, a CRD without the status subresource (installed by an older version
+        // and not upgraded: install.md, "Upgrade").
         Err(kube::Error::Api(status)) if status.code == 404 => {
+            if api.get_opt(name).await?.is_none_or(|c| c.metadata.uid != stored.metadata.uid) {
+                return Ok(None);
+            }
             tracing::warn!(claim = %format!("{namespace}/{name}"), "the IPClaim has no status subresource to write the witnessed binding to: apply this version's CRDs");
             Ok(Some("no_status_subresource"))
         }

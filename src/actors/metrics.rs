@@ -44,7 +44,8 @@ pub struct HandshakeLabels {
 /// Labels of a claim witness write.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WitnessLabels {
-    /// `written`, `conflict`, `no_status_subresource` or `failed`.
+    /// `written`, `created` (a claim created before its witness write), `conflict`,
+    /// `no_status_subresource` or `failed`.
     pub result: String,
 }
 

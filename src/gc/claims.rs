@@ -105,19 +105,28 @@ pub type Missing = (String, String, ClaimBinding);
 
 /// The claims the controller creates (decision 0022: the controller writes the claims): each
 /// claim name among `claimants` that no IPClaim has, whose one live pod's records give it a
-/// binding ([`witness`]) and whose owner still wants it ([`ClusterIndex::wants`]: not a
-/// StatefulSet ordinal being scaled away, nor one whose set is not in the cache yet), with that
-/// binding, written as the new claim's spec and then as its witness. A live sticky pod lacks
-/// its claim when someone deleted it, or `ipwarden adopt` wrote none; without one, its next
-/// life would start on new IPs. Sorted by namespace and name.
+/// binding ([`witness`]) holding every IP the pod reports (at least one), and whose owner still
+/// wants it ([`ClusterIndex::wants`]: not a StatefulSet ordinal being scaled away, nor one whose
+/// set is not in the cache yet), with that binding, written as the new claim's spec and then as
+/// its witness. A live sticky pod lacks its claim when someone deleted it, or `ipwarden adopt`
+/// wrote none; without one, its next life would start on new IPs. The reported IPs make sure
+/// the pod's ADD is over (a failed ADD takes its records and its claim back, and a claim
+/// created meanwhile would outlive them) and, as `ipwarden adopt` requires, that no IP the pod
+/// uses would be left out of its claim. Sorted by namespace and name.
 pub fn missing(index: &ClusterIndex, claimants: &HashMap<(String, String), Vec<&PodFacts>>) -> Vec<Missing> {
+    let reported_all = |pods: &[&PodFacts], binding: &ClaimBinding| {
+        // Compared as addresses: the kubelet and the records may spell an IPv6 differently.
+        let same = |a: &str, b: &str| a == b || a.parse::<std::net::IpAddr>().is_ok_and(|a| b.parse() == Ok(a));
+        let recorded = |ip: &String| binding.interfaces.iter().flat_map(|i| &i.ips).any(|c| same(&c.ip, ip));
+        pods.iter().find(|p| p.uid == binding.pod_uid).is_some_and(|p| !p.ips.is_empty() && p.ips.iter().all(recorded))
+    };
     let mut missing: Vec<Missing> = claimants
-        .keys()
-        .filter(|(namespace, name)| index.claim(namespace, name).is_none())
-        .filter_map(|(namespace, name)| {
+        .iter()
+        .filter(|((namespace, name), _)| index.claim(namespace, name).is_none())
+        .filter_map(|((namespace, name), pods)| {
             let binding = witness(index, claimants, namespace, name, &ClaimFacts::default())?;
             let wanted = binding.owner.as_ref().is_some_and(|owner| index.wants(namespace, owner, name));
-            wanted.then(|| (namespace.clone(), name.clone(), binding))
+            (wanted && reported_all(pods, &binding)).then(|| (namespace.clone(), name.clone(), binding))
         })
         .collect();
     missing.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
@@ -457,20 +466,24 @@ mod test {
     #[test]
     fn the_controller_creates_the_claim_a_live_sticky_pod_lacks_while_its_ordinal_is_wanted() {
         // (the StatefulSet's replicas (None: not cached), web-1 terminating, its record held,
-        // its claim stored, a claim to create, case)
+        // the IPs web-1 reports, its claim stored, a claim to create, case)
+        let ours: &[&str] = &["10.0.0.5"];
         let rows = [
-            (Some(2), false, true, false, true, "a live pod holding its record, no claim"),
-            (Some(2), false, true, true, false, "the claim exists: witnessed, not created"),
-            (Some(2), true, true, false, false, "the pod is terminating"),
-            (Some(2), false, false, false, false, "no record holds the pod's IP"),
-            (Some(1), false, true, false, false, "the ordinal is being scaled away"),
-            (None, false, true, false, false, "the StatefulSet is not cached yet"),
+            (Some(2), false, true, ours, false, true, "a live pod holding its record, no claim"),
+            (Some(2), false, true, ours, true, false, "the claim exists: witnessed, not created"),
+            (Some(2), true, true, ours, false, false, "the pod is terminating"),
+            (Some(2), false, false, ours, false, false, "no record holds the pod's IP"),
+            (Some(1), false, true, ours, false, false, "the ordinal is being scaled away"),
+            (None, false, true, ours, false, false, "the StatefulSet is not cached yet"),
+            (Some(2), false, true, &[], false, false, "the pod reports no IP yet: its ADD may still fail"),
+            (Some(2), false, true, &["10.0.0.5", "fd00::5"], false, false, "an IP the pod reports is not recorded"),
         ];
-        for (replicas, terminating, recorded, stored, created, case) in rows {
+        for (replicas, terminating, recorded, reported, stored, created, case) in rows {
+            let reported: Vec<serde_json::Value> = reported.iter().map(|ip| json!({"ip": ip})).collect();
             let mut pod = json!({"metadata": {"namespace": "ns", "name": "web-1", "uid": "u1",
                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "s",
                         "controller": true}]},
-                "spec": {"nodeName": "node-0"}, "status": {"phase": "Running"}});
+                "spec": {"nodeName": "node-0"}, "status": {"phase": "Running", "podIPs": reported}});
             if terminating {
                 pod["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
             }
