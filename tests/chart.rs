@@ -21,7 +21,7 @@ use support::TIMEOUT;
 const NAMESPACE: &str = "ipwarden-system";
 
 /// The alerts the PrometheusRule must hold, each with a section in docs/alerts.md.
-const ALERTS: [&str; 9] = [
+const ALERTS: [&str; 10] = [
     "IpwardenPoolNearlyExhausted",
     "IpwardenPoolExhausted",
     "IpwardenLeakCandidatesGrowing",
@@ -31,6 +31,7 @@ const ALERTS: [&str; 9] = [
     "IpwardenNodesWithoutLiveAgent",
     "IpwardenIpConflicts",
     "IpwardenRecordConflictsFound",
+    "IpwardenClaimWitnessFailing",
 ];
 
 fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
@@ -201,7 +202,10 @@ async fn the_chart_lints_and_renders_restricted_workloads_least_privilege_rbac_a
         e2e::process::run_tool(&promtool, &["check".into(), "rules".into(), rules_file.display().to_string()], None)
             .await
             .expect("promtool check rules accepts the alerts");
-    assert!(checked.contains("SUCCESS: 9 rules found"), "promtool found every rule: {checked}");
+    assert!(
+        checked.contains(&format!("SUCCESS: {} rules found", ALERTS.len())),
+        "promtool found every rule: {checked}"
+    );
 
     let pools = ["cni.pools={pods-v4,pods-v6}"];
     let docs = helm.template("ipwarden", NAMESPACE, &pools, &[]).await.expect("renders with pools");

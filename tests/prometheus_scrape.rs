@@ -2,7 +2,9 @@
 //! scenario, evaluating the chart's alert rules: both targets are up, the key series carry the
 //! values the scenario implies, the alerts the scenario should raise are active and the others
 //! are not (then a pod reporting another pod's IP raises IpwardenIpConflicts), and
-//! `promtool check metrics` has nothing to say about either exposition.
+//! `promtool check metrics` has nothing to say about either exposition. Apart: claims the
+//! controller cannot witness (an IPClaim CRD without its status subresource) raise
+//! IpwardenClaimWitnessFailing.
 
 mod support;
 
@@ -11,8 +13,10 @@ use std::path::PathBuf;
 
 use e2e::prometheus::Prometheus;
 use e2e::wait::{self, Probe};
+use ipwarden::crd::IPClaim;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, Patch, PatchParams};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
 use support::{Ipwarden, TIMEOUT, create_pod, inject_record, ip_of, record_json, wait_pods_with_ips};
 
@@ -199,4 +203,77 @@ async fn prometheus_scrapes_the_controller_and_an_agent_and_sees_the_scenario() 
 
     promtool_check(ipwarden.controller_ports[controller], "controller").await;
     promtool_check(ipwarden.metrics_ports[0], "agent").await;
+}
+
+/// An IPClaim CRD without its status subresource (installed by an older version and not
+/// upgraded): the controller cannot write a StatefulSet pod's witnessed binding, counts
+/// `no_status_subresource` on each retry, and IpwardenClaimWitnessFailing is pending (its
+/// `for` is 15 minutes) with that result; nothing else is active.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_the_controller_cannot_witness_raise_ipwarden_claim_witness_failing() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": "10.70.0.0/28", "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let mut crd = crds.get("ipclaims.ipwarden.io").await.expect("the IPClaim CRD");
+    for version in &mut crd.spec.versions {
+        if let Some(subresources) = version.subresources.as_mut() {
+            subresources.status = None;
+        }
+    }
+    crds.replace("ipclaims.ipwarden.io", &PostParams::default(), &crd).await.expect("drop the status subresource");
+    // Served without it once a status write on a claim is refused as not found.
+    let claims: Api<IPClaim> = Api::namespaced(client.clone(), NS);
+    let probe: IPClaim = serde_json::from_value(json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim",
+        "metadata": {"name": "probe"}, "spec": {"podUid": "probe", "node": "node-0", "interfaces": [],
+            "boundAt": "2026-01-01T00:00:00Z"}}))
+    .expect("claim");
+    claims.create(&PostParams::default(), &probe).await.expect("create the probe claim");
+    wait::until("the IPClaim status subresource gone", TIMEOUT, || async {
+        let stored = claims.get("probe").await.expect("the probe claim");
+        Ok(match claims.replace_status("probe", &PostParams::default(), &stored).await {
+            Err(kube::Error::Api(status)) if status.code == 404 => Probe::Done(()),
+            other => Probe::Pending(format!("{:?}", other.map(|c| c.status))),
+        })
+    })
+    .await
+    .expect("the subresource is no longer served");
+    claims.delete("probe", &Default::default()).await.expect("delete the probe claim");
+
+    let controller = ipwarden.start_controller("scrape-0", &[]);
+    ipwarden.wait_leader(controller).await;
+    let rules = rule_file(ipwarden.cluster.dir()).await;
+    let prometheus = Prometheus::start(
+        &ipwarden.cluster.dir().join("prometheus"),
+        &[("ipwarden-controller", vec![ipwarden.controller_ports[controller]])],
+        &[rules],
+        TIMEOUT,
+    )
+    .await
+    .expect("Prometheus starts");
+    support::create_statefulset(&client, NS, "web", json!({})).await;
+    wait_pods_with_ips(&client, NS, "app=web", 1).await;
+
+    let alert = wait::until("IpwardenClaimWitnessFailing pending", TIMEOUT, || async {
+        let alerts = prometheus.alerts().await?;
+        Ok(
+            match alerts
+                .iter()
+                .find(|a| a.labels.get("alertname").map(String::as_str) == Some("IpwardenClaimWitnessFailing"))
+            {
+                Some(alert) => Probe::Done(alert.clone()),
+                None => Probe::Pending(format!("{alerts:?}")),
+            },
+        )
+    })
+    .await
+    .expect("the alert is raised");
+    assert_eq!(alert.state, "pending", "it waits its 15 minutes");
+    assert_eq!(alert.labels.get("result").map(String::as_str), Some("no_status_subresource"));
+    let alerts = prometheus.alerts().await.expect("alerts");
+    let names: Vec<&str> = alerts.iter().filter_map(|a| a.labels.get("alertname").map(String::as_str)).collect();
+    assert_eq!(names, ["IpwardenClaimWitnessFailing"], "nothing else is active");
+    let failed =
+        single(&prometheus, r#"sum(ipwarden_claim_witness_writes_total{result="no_status_subresource"})"#).await;
+    assert!(failed.is_some_and(|n| n >= 1.0), "counted: {failed:?}");
 }
