@@ -271,8 +271,10 @@ async fn claims_the_controller_cannot_witness_raise_ipwarden_claim_witness_faili
     assert_eq!(alert.state, "pending", "it waits its 15 minutes");
     assert_eq!(alert.labels.get("result").map(String::as_str), Some("no_status_subresource"));
     let alerts = prometheus.alerts().await.expect("alerts");
-    let names: Vec<&str> = alerts.iter().filter_map(|a| a.labels.get("alertname").map(String::as_str)).collect();
-    assert_eq!(names, ["IpwardenClaimWitnessFailing"], "nothing else is active");
+    // One alert a result: a transient error may add `failed` beside it.
+    let names: std::collections::BTreeSet<&str> =
+        alerts.iter().filter_map(|a| a.labels.get("alertname").map(String::as_str)).collect();
+    assert_eq!(names, ["IpwardenClaimWitnessFailing"].into(), "nothing else is active");
     let failed =
         single(&prometheus, r#"sum(ipwarden_claim_witness_writes_total{result="no_status_subresource"})"#).await;
     assert!(failed.is_some_and(|n| n >= 1.0), "counted: {failed:?}");

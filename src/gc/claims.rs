@@ -104,21 +104,29 @@ pub fn witness(
 pub type Missing = (String, String, ClaimBinding);
 
 /// The claims the controller creates (decision 0022: the controller writes the claims): each
-/// claim name among `claimants` that no IPClaim has, whose one live pod's records give it a
-/// binding ([`witness`]) holding every IP the pod reports (at least one), and whose owner still
-/// wants it ([`ClusterIndex::wants`]: not a StatefulSet ordinal being scaled away, nor one whose
-/// set is not in the cache yet), with that binding, written as the new claim's spec and then as
-/// its witness. A live sticky pod lacks its claim when someone deleted it, or `ipwarden adopt`
-/// wrote none; without one, its next life would start on new IPs. The reported IPs make sure
-/// the pod's ADD is over (a failed ADD takes its records and its claim back, and a claim
-/// created meanwhile would outlive them) and, as `ipwarden adopt` requires, that no IP the pod
-/// uses would be left out of its claim. Sorted by namespace and name.
+/// claim name among `claimants` that no IPClaim has, whose one live pod reports an IP, whose
+/// records give it a binding ([`witness`]) holding every IP it reports from a pool's CIDR, and
+/// whose owner still wants it ([`ClusterIndex::wants`]: not a StatefulSet ordinal being scaled
+/// away, nor one whose set is not in the cache yet), with that binding, written as the new
+/// claim's spec and then as its witness. A live sticky pod lacks its claim when someone
+/// deleted it, or `ipwarden adopt` wrote none; without one, its next life would start on new
+/// IPs. The reported IPs make sure the pod's ADD is over (the kubelet reports them once every
+/// network's ADD returned; a failed ADD takes its records and its claim back, and a claim
+/// created meanwhile would outlive them) and, as `ipwarden adopt` requires, that no pool IP
+/// the pod uses on its own network would be left out of its claim. An IP outside every pool is
+/// another IPAM's (ipwarden serving only a secondary network, whose IPs the pod does not
+/// report). Sorted by namespace and name.
 pub fn missing(index: &ClusterIndex, claimants: &HashMap<(String, String), Vec<&PodFacts>>) -> Vec<Missing> {
+    let cidrs: Vec<ipnet::IpNet> = index.pools().iter().filter_map(|p| p.spec.cidr.parse().ok()).collect();
     let reported_all = |pods: &[&PodFacts], binding: &ClaimBinding| {
         // Compared as addresses: the kubelet and the records may spell an IPv6 differently.
-        let same = |a: &str, b: &str| a == b || a.parse::<std::net::IpAddr>().is_ok_and(|a| b.parse() == Ok(a));
-        let recorded = |ip: &String| binding.interfaces.iter().flat_map(|i| &i.ips).any(|c| same(&c.ip, ip));
-        pods.iter().find(|p| p.uid == binding.pod_uid).is_some_and(|p| !p.ips.is_empty() && p.ips.iter().all(recorded))
+        let address = |ip: &str| ip.parse::<std::net::IpAddr>().ok();
+        let pooled = |ip: &&String| address(ip).is_some_and(|ip| cidrs.iter().any(|c| c.contains(&ip)));
+        let recorded =
+            |ip: &String| binding.interfaces.iter().flat_map(|i| &i.ips).any(|c| address(&c.ip) == address(ip));
+        pods.iter()
+            .find(|p| p.uid == binding.pod_uid)
+            .is_some_and(|p| !p.ips.is_empty() && p.ips.iter().filter(pooled).all(recorded))
     };
     let mut missing: Vec<Missing> = claimants
         .iter()
@@ -466,7 +474,8 @@ mod test {
     #[test]
     fn the_controller_creates_the_claim_a_live_sticky_pod_lacks_while_its_ordinal_is_wanted() {
         // (the StatefulSet's replicas (None: not cached), web-1 terminating, its record held,
-        // the IPs web-1 reports, its claim stored, a claim to create, case)
+        // the IPs web-1 reports, its claim stored, a claim to create, case); the pools' CIDRs
+        // are 10.0.0.0/24 and fd00::/64.
         let ours: &[&str] = &["10.0.0.5"];
         let rows = [
             (Some(2), false, true, ours, false, true, "a live pod holding its record, no claim"),
@@ -476,7 +485,18 @@ mod test {
             (Some(1), false, true, ours, false, false, "the ordinal is being scaled away"),
             (None, false, true, ours, false, false, "the StatefulSet is not cached yet"),
             (Some(2), false, true, &[], false, false, "the pod reports no IP yet: its ADD may still fail"),
-            (Some(2), false, true, &["10.0.0.5", "fd00::5"], false, false, "an IP the pod reports is not recorded"),
+            (Some(2), false, true, &["10.0.0.5", "fd00::5"], false, false, "a pool IP the pod reports is not recorded"),
+            (Some(2), false, true, &["fd00:0::5", "10.0.0.5"], false, false, "so is an IPv6 spelled otherwise"),
+            (
+                Some(2),
+                false,
+                true,
+                &["192.168.1.7"],
+                false,
+                true,
+                "another IPAM's IP: ipwarden serves a second network",
+            ),
+            (Some(2), false, true, &["10.0.0.5", "192.168.1.7"], false, true, "beside another network's IP"),
         ];
         for (replicas, terminating, recorded, reported, stored, created, case) in rows {
             let reported: Vec<serde_json::Value> = reported.iter().map(|ip| json!({"ip": ip})).collect();
@@ -503,7 +523,17 @@ mod test {
                     "boundAt": "2026-01-01T00:00:00Z"}}))
             .expect("claim");
             let set = replicas.map(statefulset);
+            let pools: Vec<std::sync::Arc<crate::crd::IPPool>> = [("p", "10.0.0.0/24"), ("p6", "fd00::/64")]
+                .map(|(name, cidr)| {
+                    std::sync::Arc::new(
+                        serde_json::from_value(json!({"apiVersion": "ipwarden.io/v1alpha1", "kind": "IPPool",
+                            "metadata": {"name": name}, "spec": {"cidr": cidr}}))
+                        .expect("pool"),
+                    )
+                })
+                .to_vec();
             let mut objects = vec![Watched::Block(&block), Watched::Pod(&pod)];
+            objects.extend(pools.iter().map(Watched::Pool));
             objects.extend(set.as_ref().map(Watched::StatefulSet));
             if stored {
                 objects.push(Watched::Claim(&claim));
