@@ -268,6 +268,9 @@ async fn an_adopted_statefulset_pod_recreated_on_ipwarden_gets_its_ip_back_and_t
     // Only now: a controller creates a live sticky pod's missing claim itself.
     let controller = ipwarden.start_controller("controller-a", &["--full-scan-interval-seconds=2"]);
     ipwarden.wait_leader(controller).await;
+    // The recreated pod takes back the IP the controller witnessed its claim holding
+    // (decision 0022): the adopted record, witnessed for the first web-0.
+    support::wait_witnessed(&client, NS, "web-0", &first_uid).await;
 
     // web-0 gone and its successor waiting for a schedulable node: the tracer and two full
     // sweeps see the adopted record, and must keep it as web-0's reservation.
@@ -293,6 +296,9 @@ async fn an_adopted_statefulset_pod_recreated_on_ipwarden_gets_its_ip_back_and_t
     assert_eq!(taken.pod.uid, second.uid().unwrap_or_default());
     assert!(taken.sticky && !taken.container_id.is_empty(), "now an ordinary sticky record: {taken:?}");
     assert_eq!(taken.network, e2e::ipwarden::NETWORK, "the ADD's network: {taken:?}");
+    // From decision 0022 on, the controller, not the ADD, writes the claim: read it once the
+    // controller witnessed it for the second web-0.
+    support::wait_witnessed(&client, NS, "web-0", &second.uid().unwrap_or_default()).await;
     let claim = claims(&client, NS).await.remove("web-0").expect("web-0's claim");
     assert_eq!(claim.spec.pod_uid, second.uid().unwrap_or_default(), "{claim:?}");
 }

@@ -17,9 +17,14 @@ use support::{Ipwarden, TIMEOUT, claims, create_pod, ip_of, metric, records, wai
 const NS: &str = "default";
 
 /// Asserts that records, claims and pod IPs tell the same story for `pods`: a StatefulSet
-/// pod's claim names its UID and IP, a stateless pod has no claim.
+/// pod's claim names its UID and IP, a stateless pod has no claim. A StatefulSet pod's claim
+/// is read once the controller witnessed it for that pod: from decision 0022 on, the
+/// controller writes it after the ADD, not the ADD itself.
 async fn assert_consistent(ipwarden: &Ipwarden, pods: &BTreeMap<String, Pod>) {
     let client = ipwarden.client();
+    for (name, pod) in pods.iter().filter(|(_, p)| p.owner_references().iter().any(|o| o.kind == "StatefulSet")) {
+        support::wait_witnessed(&client, NS, name, &pod.uid().unwrap_or_default()).await;
+    }
     let records = records(&client).await;
     let claims = claims(&client, NS).await;
     let ips: BTreeSet<String> = pods.values().map(ip_of).collect();

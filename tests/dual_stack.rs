@@ -12,7 +12,6 @@ use e2e::wait::{self, Probe};
 use ipwarden::crd::{Allocation, IPBlock, IPClaim};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::rbac::v1::ClusterRole;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
@@ -56,10 +55,29 @@ async fn wait_dual_stack(client: &Client, name: &str, not_uid: Option<&str>) -> 
     .expect("the pod runs dual-stack")
 }
 
+/// Waits until a controller has witnessed the claim of StatefulSet pod `pod` for its UID
+/// holding both its pod IPs: an ADD writes one family after the other, and a witness may come
+/// in between.
+async fn wait_witnessed_dual_stack(client: &Client, pod: &Pod) {
+    let (name, uid, ips) = (pod.name_any(), pod.uid().unwrap_or_default(), pod_ips(pod));
+    wait::until(&format!("{name}'s claim witnessed naming {ips:?}"), TIMEOUT, || async {
+        let claim = claims(client, NS).await.remove(&name);
+        let seen = claim.and_then(|c| c.status).and_then(|s| s.witnessed).filter(|w| w.pod_uid == uid);
+        let seen: Vec<String> =
+            seen.iter().flat_map(|w| &w.interfaces).flat_map(|i| &i.ips).map(|c| c.ip.clone()).collect();
+        Ok(if seen == ips { Probe::Done(()) } else { Probe::Pending(format!("{seen:?}")) })
+    })
+    .await
+    .expect("the controller witnesses both families");
+}
+
 /// Asserts that `pod` holds one IPv4 address of pool v4 first and one IPv6 address of pool
 /// v6, each recorded for its UID, and that its claim names both when it is a StatefulSet pod
-/// (a stateless pod has none); returns the two IPs.
-async fn assert_dual_stack(client: &Client, pod: &Pod) -> Vec<String> {
+/// (a stateless pod has none); returns the two IPs. A StatefulSet pod's claim is read once the
+/// controller (which must run) witnessed the pod holding both: the controller writes the claim
+/// after the ADD, not the ADD itself (decision 0022).
+async fn assert_dual_stack(ipwarden: &Ipwarden, pod: &Pod) -> Vec<String> {
+    let client = &ipwarden.client();
     let ips = pod_ips(pod);
     let name = pod.name_any();
     assert!(
@@ -71,8 +89,12 @@ async fn assert_dual_stack(client: &Client, pod: &Pod) -> Vec<String> {
         let records = pool_records(client, pool).await.expect("records");
         assert_eq!(records.get(ip).map(|r| r.pod.uid.as_str()), Some(uid.as_str()), "{ip} is recorded for {name}");
     }
+    let sticky = pod.owner_references().iter().any(|o| o.kind == "StatefulSet");
+    if sticky {
+        wait_witnessed_dual_stack(client, pod).await;
+    }
     let claim = claims(client, NS).await.remove(&name);
-    if !pod.owner_references().iter().any(|o| o.kind == "StatefulSet") {
+    if !sticky {
         assert!(claim.is_none(), "{name}, a stateless pod, has no claim");
         return ips;
     }
@@ -91,14 +113,16 @@ fn statefulset(name: &str) -> StatefulSet {
     .expect("statefulset")
 }
 
-/// Creates StatefulSet `db` and waits until db-0 runs dual-stack; returns it and its IPs.
-async fn db_running_dual_stack(client: &Client) -> (Pod, Vec<String>) {
+/// Creates StatefulSet `db` and waits until db-0 runs dual-stack (and, while a controller
+/// runs, until it witnessed db-0's claim); returns it and its IPs.
+async fn db_running_dual_stack(ipwarden: &Ipwarden) -> (Pod, Vec<String>) {
+    let client = &ipwarden.client();
     Api::<StatefulSet>::namespaced(client.clone(), NS)
         .create(&PostParams::default(), &statefulset("db"))
         .await
         .expect("create db");
     let db0 = wait_dual_stack(client, "db-0", None).await;
-    let ips = assert_dual_stack(client, &db0).await;
+    let ips = assert_dual_stack(ipwarden, &db0).await;
     (db0, ips)
 }
 
@@ -172,7 +196,7 @@ async fn a_dual_stack_pod_gets_one_ip_per_family_and_its_del_frees_both() {
     // Through the kubelet: pod status reports both, records and claim agree, DEL frees both.
     create_pod(&client, NS, "web", "node-0", json!({"app": "web"})).await;
     let web = wait_dual_stack(&client, "web", None).await;
-    assert_dual_stack(&client, &web).await;
+    assert_dual_stack(&ipwarden, &web).await;
     Api::<Pod>::namespaced(client.clone(), NS).delete("web", &DeleteParams::default()).await.expect("delete web");
     wait_freed(&client, "web").await;
 }
@@ -180,16 +204,20 @@ async fn a_dual_stack_pod_gets_one_ip_per_family_and_its_del_frees_both() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dual_stack_statefulset_pod_recreated_keeps_both_ips() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let ipwarden = Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &[]).await;
+    let mut ipwarden = Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &[]).await;
     let client = ipwarden.client();
+    // A recreated sticky pod takes back the IPs the controller witnessed its claim holding
+    // (decision 0022): assert_dual_stack waits for that witness before db-0 is deleted.
+    let controller = ipwarden.start_controller("controller", &[]);
+    ipwarden.wait_leader(controller).await;
     let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), NS);
     statefulsets.create(&PostParams::default(), &statefulset("db")).await.expect("create db");
     let before = wait_dual_stack(&client, "db-0", None).await;
-    let ips = assert_dual_stack(&client, &before).await;
+    let ips = assert_dual_stack(&ipwarden, &before).await;
 
     Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
     let after = wait_dual_stack(&client, "db-0", before.uid().as_deref()).await;
-    assert_eq!(assert_dual_stack(&client, &after).await, ips, "the recreated pod keeps both IPs");
+    assert_eq!(assert_dual_stack(&ipwarden, &after).await, ips, "the recreated pod keeps both IPs");
     assert_eq!(support::records(&client).await.len(), 2, "nothing else is held");
 
     let scale = json!({"spec": {"replicas": 0}});
@@ -205,7 +233,7 @@ async fn a_sticky_pod_keeps_its_ipv6_when_only_its_ipv4_pool_is_being_deleted() 
     let client = ipwarden.client();
     ipwarden.start_controller("controller-0", &["--full-scan-interval-seconds=600"]);
     ipwarden.wait_leader(0).await;
-    let (before, ips) = db_running_dual_stack(&client).await;
+    let (before, ips) = db_running_dual_stack(&ipwarden).await;
     support::delete_pool_in_use(&client, V4).await;
     e2e::ipwarden::create_pool(&client, "v4-next", json!({"cidr": "10.71.0.0/24", "default": true}))
         .await
@@ -216,6 +244,9 @@ async fn a_sticky_pod_keeps_its_ipv6_when_only_its_ipv4_pool_is_being_deleted() 
     let now = pod_ips(&after);
     assert!(now[0].starts_with("10.71.0."), "the IPv4 pool being deleted gave its IP up: {now:?}");
     assert_eq!(now[1], ips[1], "the IPv6 pool, not being deleted, gave the sticky IPv6 back");
+    // From decision 0022 on, the controller writes the claim after the ADD: read it once the
+    // controller witnessed the new db-0.
+    wait_witnessed_dual_stack(&client, &after).await;
     let claim = claims(&client, NS).await.remove("db-0").expect("db-0 has a claim");
     let claimed: Vec<String> = claim.spec.interfaces[0].ips.iter().map(|i| i.ip.clone()).collect();
     assert_eq!(claimed, now, "the claim names the pod's IPs");
@@ -247,33 +278,34 @@ async fn a_sticky_pod_whose_claim_holds_one_family_gets_the_other_when_recreated
 
     Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
     let after = wait_dual_stack(&client, "db-0", Some(&uid)).await;
-    let ips = assert_dual_stack(&client, &after).await;
+    // The controller witnesses the new IPv6 beside the IPv4 (assert_dual_stack waits for that
+    // witness before it reads the claim).
+    let ips = assert_dual_stack(&ipwarden, &after).await;
     assert_eq!(ips[0], witnessed[0], "the recreated pod keeps its claimed IPv4");
-    let uid = after.uid().unwrap_or_default();
-    wait::until("the witness naming both families", TIMEOUT, || async {
-        let claim = claims(&client, NS).await.remove("db-0");
-        let seen = claim.and_then(|c| c.status).and_then(|s| s.witnessed).filter(|w| w.pod_uid == uid);
-        let seen: Vec<String> =
-            seen.iter().flat_map(|w| &w.interfaces).flat_map(|i| &i.ips).map(|c| c.ip.clone()).collect();
-        Ok(if seen == ips { Probe::Done(()) } else { Probe::Pending(format!("{seen:?}")) })
-    })
-    .await
-    .expect("the controller witnesses the new IPv6");
     wait_records(&client, 2).await;
 }
 
-/// db-0 of a dual-stack cluster with no controller, running, and then recreated after the test
-/// (standing in for the controller) wrote its claim's witness with its IPv4 alone, as one
-/// written between a first ADD's two families' writes, and set the spec's IPv6 to `spec_ipv6`
-/// when given: db-0's IPs before and after.
-async fn recreated_after_a_partial_witness(client: &Client, spec_ipv6: Option<&str>) -> (Vec<String>, Vec<String>) {
-    let (db0, ips) = db_running_dual_stack(client).await;
+/// A witness the controller wrote between a first ADD's two families' writes (it writes the
+/// other family about a second later) costs a pod recreated within that second its IPv6: the
+/// ADD takes back what the controller saw, the IPv4, and allocates a fresh IPv6, whatever the
+/// claim's spec names (decision 0022: the spec chooses no IP). Staged: the controller stops
+/// once it witnessed both families, and the witness is written back to the IPv4 alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sticky_pod_recreated_after_a_partial_witness_keeps_the_witnessed_ipv4_and_gets_a_fresh_ipv6() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &[]).await;
+    let client = ipwarden.client();
+    let controller = ipwarden.start_controller("controller", &[]);
+    ipwarden.wait_leader(controller).await;
+    let (db0, before) = db_running_dual_stack(&ipwarden).await;
+    ipwarden.controllers[controller].kill();
     let api: Api<IPClaim> = Api::namespaced(client.clone(), NS);
     let mut claim = api.get("db-0").await.expect("db-0's claim");
-    if let Some(ipv6) = spec_ipv6 {
-        claim.spec.interfaces[0].ips.iter_mut().filter(|c| c.ip.contains(':')).for_each(|c| c.ip = ipv6.to_string());
-        claim = api.replace("db-0", &PostParams::default(), &claim).await.expect("rewrite the spec");
-    }
+    assert_eq!(
+        claim.spec.interfaces[0].ips.iter().map(|c| c.ip.clone()).collect::<Vec<_>>(),
+        before,
+        "the spec names both IPs"
+    );
     let mut ipv4_only = claim.spec.interfaces.clone();
     ipv4_only[0].ips.retain(|c| !c.ip.contains(':'));
     claim.status = serde_json::from_value(json!({"witnessed": {"podUid": db0.uid(), "node": claim.spec.node,
@@ -282,36 +314,12 @@ async fn recreated_after_a_partial_witness(client: &Client, spec_ipv6: Option<&s
     api.replace_status("db-0", &PostParams::default(), &claim).await.expect("write the witness");
 
     Api::<Pod>::namespaced(client.clone(), NS).delete("db-0", &DeleteParams::default()).await.expect("delete db-0");
-    let after = wait_dual_stack(client, "db-0", db0.uid().as_deref()).await;
-    (ips, assert_dual_stack(client, &after).await)
-}
-
-/// A witness the controller wrote between a first ADD's two families' writes does not cost
-/// the recreated pod its IPv6: its ADD takes the IPv6 its claim's spec names back beside the
-/// witnessed IPv4, as that reservation is its own node's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sticky_pod_witnessed_between_its_two_families_writes_keeps_both_ips_when_recreated() {
-    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let ipwarden = Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &[]).await;
-    let client = ipwarden.client();
-    let (before, after) = recreated_after_a_partial_witness(&client, None).await;
-    assert_eq!(after, before, "the recreated pod keeps both its IPs");
-    wait_records(&client, 2).await;
-}
-
-/// The spec's IP of a family the witness lacks is taken back only as the node's own record:
-/// one naming a free IP (anyone who may write the spec chose it) is not, and the pod keeps its
-/// witnessed IPv4 and gets a fresh IPv6.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_free_ip_the_spec_names_beside_a_partial_witness_is_not_taken() {
-    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let ipwarden = Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &[]).await;
-    let client = ipwarden.client();
-    let (before, after) = recreated_after_a_partial_witness(&client, Some("fd00:70::50")).await;
+    let after = pod_ips(&wait_dual_stack(&client, "db-0", db0.uid().as_deref()).await);
     assert_eq!(after[0], before[0], "the witnessed IPv4 is kept");
-    assert!(after[1] != "fd00:70::50" && after[1] != before[1], "a fresh IPv6: {after:?}, before {before:?}");
+    assert!(after[1].starts_with("fd00:70::") && after[1] != before[1], "a fresh IPv6: {after:?}, before {before:?}");
     let held = support::records(&client).await;
-    assert!(!held.contains_key("fd00:70::50"), "the free IP the spec named stays free");
+    let old = held.get(&before[1]).map(|r| r.pod.uid.clone());
+    assert_eq!(old, db0.uid(), "the old IPv6 stays the old pod's reservation, for the GC to judge");
 }
 
 /// A StatefulSet pod with one fixed IPv4 in a dual-stack cluster runs with that IP alone (its
@@ -343,11 +351,11 @@ async fn an_exhausted_ipv6_pool_fails_the_add_naming_it_and_kubelet_retries_leak
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let one_ip =
         json!({"cidr": "fd00:70::/120", "ranges": [{"start": "fd00:70::10", "end": "fd00:70::10"}], "default": true});
-    let ipwarden = Ipwarden::start(1, &pools(one_ip), &["--reuse-cooldown-seconds=0"]).await;
+    let mut ipwarden = Ipwarden::start(1, &pools(one_ip), &["--reuse-cooldown-seconds=0"]).await;
     let client = ipwarden.client();
     create_pod(&client, NS, "holder", "node-0", json!({"app": "holder"})).await;
     let holder = wait_dual_stack(&client, "holder", None).await;
-    let held = assert_dual_stack(&client, &holder).await;
+    let held = assert_dual_stack(&ipwarden, &holder).await;
 
     // The CNI error the runtime sees: code 101, naming the pool.
     let (args, netconf) = unwired_pod(&ipwarden, "manual").await;
@@ -365,63 +373,25 @@ async fn an_exhausted_ipv6_pool_fails_the_add_naming_it_and_kubelet_retries_leak
 
     Api::<Pod>::namespaced(client.clone(), NS).delete("holder", &DeleteParams::default()).await.expect("delete");
     let db = wait_dual_stack(&client, "db-0", None).await;
-    let ips = assert_dual_stack(&client, &db).await;
-    assert_eq!(ips[1], held[1], "db-0 got the freed IPv6 address");
+    assert_eq!(pod_ips(&db)[1], held[1], "db-0 got the freed IPv6 address");
     wait_records(&client, 2).await;
+    // From decision 0022 on, a controller writes db-0's claim once it runs; started only now,
+    // after nothing was seen leaked, so that no GC sweep of its frees what the retries or the
+    // holder's DEL should have.
+    let controller = ipwarden.start_controller("controller", &[]);
+    ipwarden.wait_leader(controller).await;
+    assert_dual_stack(&ipwarden, &db).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_add_whose_claim_write_is_forbidden_undoes_its_block_records() {
+async fn an_add_whose_checkpoint_cannot_be_saved_undoes_its_block_records() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    const SYSTEM: &str = "ipwarden-system";
     let mut ipwarden =
-        Ipwarden::without_agents(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), network()).await;
-    let client = ipwarden.client();
-    support::apply_chart_rbac(&ipwarden, SYSTEM).await;
-    // A misconfigured agent role: everything but creating IPClaims.
-    let roles: Api<ClusterRole> = Api::all(client.clone());
-    let set_claim_verbs = |verbs: &'static [&'static str]| {
-        let roles = roles.clone();
-        async move {
-            let mut role = roles.get("ipwarden-agent").await.expect("agent role");
-            let rule = role
-                .rules
-                .iter_mut()
-                .flatten()
-                .find(|r| r.resources.iter().flatten().any(|x| x == "ipclaims"))
-                .expect("a rule on ipclaims");
-            rule.verbs = verbs.iter().map(|v| v.to_string()).collect();
-            roles.replace("ipwarden-agent", &PostParams::default(), &role).await.expect("replace role");
-        }
-    };
-    set_claim_verbs(&["get", "update", "delete"]).await;
-    ipwarden.run_agents_as_chart_account(SYSTEM).await;
-    ipwarden.start_agents(&["--reuse-cooldown-seconds=0"]).await;
-
-    let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), NS);
-    statefulsets.create(&PostParams::default(), &statefulset("db")).await.expect("create db");
-    wait_adds(&ipwarden, "error", 5.0).await;
-    let log = std::fs::read_to_string(ipwarden.agents[0].log()).expect("agent log");
-    assert!(
-        log.contains("IPClaim default/db-0: writing it failed") && log.contains("forbidden"),
-        "the ADD failed on the claim"
-    );
-    let left = support::records(&client).await;
-    assert!(left.is_empty(), "every failed ADD undid its block records, reservations included: {left:#?}");
-
-    set_claim_verbs(&["get", "create", "update", "delete"]).await;
-    let db = wait_dual_stack(&client, "db-0", None).await;
-    assert_dual_stack(&client, &db).await;
-    wait_records(&client, 2).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_add_whose_checkpoint_cannot_be_saved_undoes_its_block_records_and_claim() {
-    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let ipwarden =
         Ipwarden::start(1, &pools(json!({"cidr": "fd00:70::/120", "default": true})), &["--reuse-cooldown-seconds=0"])
             .await;
     let client = ipwarden.client();
+    let controller = ipwarden.start_controller("controller", &[]);
+    ipwarden.wait_leader(controller).await;
     // The node cannot save the checkpoint: a directory squats the name of its temp file, so
     // creating that file fails (EISDIR), which the agent running as root cannot override
     // (a read-only mode would not stop it).
@@ -432,10 +402,10 @@ async fn an_add_whose_checkpoint_cannot_be_saved_undoes_its_block_records_and_cl
     wait_adds(&ipwarden, "error", 5.0).await;
     let left = support::records(&client).await;
     assert!(left.is_empty(), "every failed ADD undid its block records, reservations included: {left:#?}");
-    assert!(!claims(&client, NS).await.contains_key("db-0"), "the claim a failed ADD created is gone again");
+    assert!(!claims(&client, NS).await.contains_key("db-0"), "no claim for a pod whose ADDs all failed");
 
     std::fs::remove_dir(&squatter).expect("free the checkpoint's temp file");
     let db = wait_dual_stack(&client, "db-0", None).await;
-    assert_dual_stack(&client, &db).await;
+    assert_dual_stack(&ipwarden, &db).await;
     wait_records(&client, 2).await;
 }

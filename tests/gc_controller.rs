@@ -136,7 +136,10 @@ async fn every_class_of_rule_row_is_enforced_end_to_end_and_live_records_are_nev
         record_json(NS, "outsider", "outsider-old", "node-0", Some(("StatefulSet", "outsider")), true),
     )
     .await;
-    // db-0 runs with its own claim and IP: an old sticky record of it elsewhere is stale.
+    // db-0 runs with its own claim and IP: an old sticky record of it elsewhere is stale. Until
+    // the claim is bound to db-0 the row would be "re-added without ipwarden", and from decision
+    // 0022 on the controller, not the ADD, writes it: the leak comes once it witnessed the claim.
+    support::wait_witnessed(&client, NS, "db-0", &db["db-0"].uid().unwrap_or_default()).await;
     leak(&client, "10.70.0.208", record_json(NS, "db-0", "db0-old", "node-0", Some(("StatefulSet", "db")), true)).await;
 
     // Injected leaks, one per row.
@@ -365,7 +368,10 @@ async fn a_stateless_pod_gets_no_claim_and_a_claim_an_older_version_left_goes_on
     create_pod(&client, NS, "plain", "node-0", json!({"app": "plain"})).await;
     create_statefulset(&client, NS, "web", json!({})).await;
     let plain = wait_pods_with_ips(&client, NS, "app=plain", 1).await.remove("plain").expect("plain pod");
-    wait_pods_with_ips(&client, NS, "app=web", 1).await;
+    let web = wait_pods_with_ips(&client, NS, "app=web", 1).await.remove("web-0").expect("web-0");
+    // From decision 0022 on, the controller, not the ADD, writes a sticky pod's claim: read the
+    // claims once it witnessed web-0's.
+    support::wait_witnessed(&client, NS, "web-0", &web.uid().unwrap_or_default()).await;
     let claimed = claims(&client, NS).await;
     assert!(claimed.contains_key("web-0"), "a StatefulSet pod still gets its claim: {:?}", claimed.keys());
     assert!(!claimed.contains_key("plain"), "a plain pod's ADD writes no claim: {:?}", claimed.keys());
@@ -417,7 +423,7 @@ async fn a_sticky_claim_whose_owner_kind_is_no_longer_sticky_goes_once_its_pod_i
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sticky_pod_does_not_take_back_the_ips_of_a_stateless_claim_an_older_version_left() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let ipwarden = Ipwarden::start(1, &pool(), &[]).await;
+    let mut ipwarden = Ipwarden::start(1, &pool(), &[]).await;
     let client = ipwarden.client();
     create_pod(&client, NS, "plain", "node-0", json!({"app": "plain"})).await;
     wait_pods_with_ips(&client, NS, "app=plain", 1).await;
@@ -428,7 +434,9 @@ async fn a_sticky_pod_does_not_take_back_the_ips_of_a_stateless_claim_an_older_v
     create_statefulset(&client, NS, "web", json!({})).await;
     let web = wait_pods_with_ips(&client, NS, "app=web", 1).await.remove("web-0").expect("web-0");
     assert_ne!(ip_of(&web), old, "a stateless claim keeps no IPs for a sticky pod of the same name");
-    wait::until("web-0's ADD writes its sticky claim over the stateless one", TIMEOUT, || async {
+    let controller = ipwarden.start_controller("controller", &[]);
+    ipwarden.wait_leader(controller).await;
+    wait::until("the controller writing web-0's sticky claim over the stateless one", TIMEOUT, || async {
         let claim = claims(&client, NS).await.remove("web-0").map(|c| c.spec);
         Ok(match claim {
             Some(c) if c.sticky && c.pod_uid == web.uid().unwrap_or_default() => Probe::Done(()),

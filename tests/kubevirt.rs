@@ -100,15 +100,21 @@ async fn problems(client: &Client) -> Vec<String> {
 }
 
 /// VM `name` started as virt-controller starts it: its VMI and a virt-launcher pod on `node`,
-/// running with an IP. Returns the VM and the launcher pod.
+/// running with an IP, with its claim (`vm.<name>`) witnessed for that pod. Returns the VM and
+/// the launcher pod. Every test here runs a controller, and once only the controller writes
+/// claims (decision 0022) it creates the VM's a moment after the pod reports its IP, and a
+/// later launcher's ADD (a restart's, a migration target's) takes back only witnessed IPs.
 async fn run_vm(client: &Client, name: &str, node: &str) -> (DynamicObject, Pod) {
     let vm = create_vm(client, NS, name).await;
     let vmi = create_vmi(client, NS, &vm).await;
     let launcher = create_launcher(client, NS, &vmi, node, None).await;
-    (vm, wait_running_with_ip(client, NS, &launcher.name_any()).await)
+    let launcher = wait_running_with_ip(client, NS, &launcher.name_any()).await;
+    support::wait_witnessed(client, NS, &format!("vm.{name}"), &launcher.uid().unwrap_or_default()).await;
+    (vm, launcher)
 }
 
-/// A VM started on node-0 and then live-migrating to node-1: returns (source, target, IP).
+/// A VM started on node-0 (its claim witnessed for the source, [`run_vm`]) and then
+/// live-migrating to node-1: returns (source, target, IP).
 async fn vm_migrating(ipwarden: &Ipwarden, vm_name: &str) -> (Pod, Pod, String) {
     let client = ipwarden.client();
     let (_, source) = run_vm(&client, vm_name, "node-0").await;
@@ -148,6 +154,9 @@ async fn a_restarted_vm_gets_its_ip_back_on_a_new_launcher_pod() {
     assert_eq!(ip_of(&second), ip, "the restarted VM has its IP back");
     let uid = second.uid().unwrap_or_default();
     assert_eq!(record_of(&client, &ip).await.pod.uid, uid, "the record names the new launcher");
+    // The claim is read once the controller has written down the new launcher's binding, a
+    // moment after its ADD (decision 0022: the controller writes the claims).
+    support::wait_witnessed(&client, NS, "vm.vm-r", &uid).await;
     let vm_claims = claims_of_vmi(&client, NS, "vm-r").await;
     assert_eq!(vm_claims.len(), 1, "one claim for the VM");
     assert_eq!(vm_claims[0].spec.pod_uid, uid, "the VM's claim is bound to the new launcher");
@@ -193,6 +202,10 @@ async fn a_live_migration_target_inherits_the_vm_ip_and_the_source_late_del_free
     assert!(!after.container_id.is_empty(), "the target's sandbox is the record's");
     assert!(after.migration_target.is_none(), "no second attachment once the source left");
     assert!(!released(&client, &ip).await, "the source's DEL did not free the IP");
+    // The source has exited and holds no record since the handover: the target is the one
+    // launcher pod holding the VM's, so the controller's witness follows it, and the claim is
+    // read once it did (decision 0022: the controller writes the claims).
+    support::wait_witnessed(&client, NS, "vm.vm-m", &target_uid).await;
     let vm_claims = claims_of_vmi(&client, NS, "vm-m").await;
     assert_eq!(vm_claims.len(), 1, "the source's DEL did not delete the VM's claim");
     assert_eq!(vm_claims[0].spec.pod_uid, target_uid, "the claim follows the target");
@@ -272,6 +285,9 @@ async fn a_vm_and_a_statefulset_pod_both_named_web_0_get_separate_claims_and_dis
     Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &sts).await.expect("create sts");
     let pods = wait_pods_with_ips(&client, NS, "app=web", 1).await;
     let web = &pods["web-0"];
+    // The claims are read once the controller witnessed each for its pod (the VM's in
+    // [`run_vm`]): it creates them a moment after the pods report their IPs (decision 0022).
+    support::wait_witnessed(&client, NS, "web-0", &web.uid().unwrap_or_default()).await;
 
     assert_ne!(ip_of(web), ip_of(&launcher), "distinct IPs");
     let vm_claims = claims_of_vmi(&client, NS, "web-0").await;

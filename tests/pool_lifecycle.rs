@@ -223,10 +223,15 @@ async fn a_disabled_pool_hands_out_no_new_ip_keeps_the_existing_ones_and_shows_i
 async fn a_disabled_pool_still_gives_a_recreated_statefulset_pod_its_reserved_ip() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let pools = [("main", json!({"cidr": "10.73.0.0/24", "default": true}))];
-    let ipwarden = Ipwarden::start(1, &pools, &[]).await;
+    let mut ipwarden = Ipwarden::start(1, &pools, &[]).await;
     let client = ipwarden.client();
+    // The recreated pod takes back the IP the controller witnessed its claim holding (decision
+    // 0022). The controller does not read `spec.disabled`, which only stops ADDs' new IPs.
+    let controller = ipwarden.start_controller("controller", &[]);
+    ipwarden.wait_leader(controller).await;
     support::create_statefulset(&client, NS, "db", json!({})).await;
     let before = wait_pods_with_ips(&client, NS, "app=db", 1).await.remove("db-0").expect("db-0");
+    support::wait_witnessed(&client, NS, "db-0", &before.uid().unwrap_or_default()).await;
     let disable = json!({"spec": {"disabled": true}});
     Api::<IPPool>::all(client.clone())
         .patch("main", &PatchParams::default(), &Patch::Merge(disable))

@@ -150,6 +150,9 @@ async fn pods_on_a_real_node_run_with_their_ips_keep_them_through_runtime_restar
     support::create_statefulset(&client, "default", "db", e2e::realnode::workload_spec()).await;
     let db = wait_running(&client, "db-0").await;
     let db_ip = support::ip_of(&db);
+    // The controller witnesses db-0's claim while the pod runs: once only the controller writes
+    // claims (decision 0022), the recreated pod's ADD takes back only the witnessed IPs.
+    support::wait_witnessed(&client, "default", "db-0", &db.uid().unwrap_or_default()).await;
     pods.delete("db-0", &Default::default()).await.expect("delete db-0");
     let db_again = wait::until("db-0 recreated and Running", TIMEOUT, || async {
         let pod = pods.get_opt("db-0").await.map_err(e2e::Error::kube("reading db-0"))?;

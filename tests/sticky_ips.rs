@@ -125,6 +125,7 @@ async fn a_late_del_of_a_superseded_sandbox_leaves_the_new_owners_claim_and_the_
     let second = wait_web0(&client, &first_uid, "web-0 recreated on node-1").await;
     let second_uid = second.uid().unwrap_or_default();
     assert_eq!(ip_of(&second), ip, "the recreated web-0 keeps its IP");
+    wait_witnessed(&client, &second_uid).await;
     assert_eq!(claims(&client, NS).await.get("web-0").map(|c| c.spec.pod_uid.clone()), Some(second_uid.clone()));
 
     // The old sandbox's DEL arrives late on node-0: it must not touch the new owner's claim.
@@ -154,6 +155,8 @@ async fn every_interface_of_a_sticky_pod_keeps_its_ip_across_a_restart() {
     let eth0 = record_ip(&before, &first_uid, "eth0").expect("eth0 record");
     let net1 = record_ip(&before, &first_uid, "net1").expect("net1 record");
     assert_ne!(eth0, net1);
+    // The claim's IPs are what the controller saw web-0 hold: both interfaces, before the restart.
+    wait_witnessed_ips(&client, &first_uid, 2).await;
 
     let second = restart_web0(&client, &first).await;
     let second_uid = second.uid().unwrap_or_default();
@@ -167,6 +170,7 @@ async fn every_interface_of_a_sticky_pod_keeps_its_ip_across_a_restart() {
     .expect("net1 attached");
     assert_eq!(ip_of(&second), eth0, "eth0 keeps its IP");
     assert_eq!(net1_of_second, net1, "net1 keeps its IP");
+    wait_witnessed_ips(&client, &second_uid, 2).await;
     let claim = claims(&client, NS).await.remove("web-0").expect("claim");
     let claimed: Vec<(String, String)> = claim
         .spec
@@ -188,19 +192,22 @@ async fn every_interface_of_a_sticky_pod_keeps_its_ip_across_a_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_naming_another_block_is_refused_and_never_makes_the_agent_write_that_object() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let mut ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
     let client = ipwarden.client();
     create_web(&client, json!({}), json!({"nodeName": "node-0"})).await;
     let first = wait_web0(&client, "", "web-0 running").await;
     let ip = ip_of(&first);
+    let controller = witnessed_by_a_controller(&mut ipwarden, &first).await;
+    // Stopped, so that it does not write the tampered witness right again before the ADD.
+    ipwarden.controllers[controller].kill();
     let claims_api: Api<IPClaim> = Api::namespaced(client.clone(), NS);
-    let canonical = claims_api.get("web-0").await.expect("claim").spec.interfaces[0].ips[0].block.clone();
+    let canonical = witnessed_block(&mut claims_api.get("web-0").await.expect("claim")).clone();
 
-    // Someone points the claim at another object; web-0 restarts.
+    // Someone who may write the claim's status points it at another object; web-0 restarts.
     let tampered = "kube-system-evil";
     let mut claim = claims_api.get("web-0").await.expect("claim");
-    claim.spec.interfaces[0].ips[0].block = tampered.to_string();
-    claims_api.replace("web-0", &PostParams::default(), &claim).await.expect("tamper with the claim");
+    *witnessed_block(&mut claim) = tampered.to_string();
+    claims_api.replace_status("web-0", &PostParams::default(), &claim).await.expect("tamper with the claim");
     let first_uid = first.uid().unwrap_or_default();
     Api::<Pod>::namespaced(client.clone(), NS).delete("web-0", &DeleteParams::default()).await.expect("delete web-0");
     let refused = wait::until("the agent refusing the tampered claim (or using it)", TIMEOUT, || async {
@@ -231,15 +238,46 @@ async fn a_claim_naming_another_block_is_refused_and_never_makes_the_agent_write
 
     // The claim is put right: web-0 gets its sticky IP back.
     let mut claim = claims_api.get("web-0").await.expect("claim");
-    claim.spec.interfaces[0].ips[0].block = canonical;
-    claims_api.replace("web-0", &PostParams::default(), &claim).await.expect("repair the claim");
+    *witnessed_block(&mut claim) = canonical;
+    claims_api.replace_status("web-0", &PostParams::default(), &claim).await.expect("repair the claim");
     let second = wait_web0(&client, &first_uid, "web-0 running again").await;
     assert_eq!(ip_of(&second), ip);
+}
+
+/// The block the first witnessed IP of `claim` names.
+fn witnessed_block(claim: &mut IPClaim) -> &mut String {
+    let witnessed = claim.status.as_mut().and_then(|s| s.witnessed.as_mut()).expect("witnessed");
+    &mut witnessed.interfaces[0].ips[0].block
 }
 
 /// Waits until the controller has witnessed web-0's claim for pod `uid`; returns its IPs.
 async fn wait_witnessed(client: &kube::Client, uid: &str) -> Vec<String> {
     support::wait_witnessed(client, NS, "web-0", uid).await
+}
+
+/// Waits until the controller has witnessed web-0's claim for pod `uid` holding `count` IPs: a
+/// pod's interfaces are added one after the other, and a witness may come in between.
+async fn wait_witnessed_ips(client: &kube::Client, uid: &str, count: usize) {
+    wait::until(&format!("web-0's claim witnessed for {uid} with {count} IPs"), TIMEOUT, || async {
+        let witnessed = claims(client, NS).await.remove("web-0").and_then(|c| c.status).and_then(|s| s.witnessed);
+        let ips: Vec<String> = witnessed
+            .filter(|w| w.pod_uid == uid)
+            .map(|w| w.interfaces.iter().flat_map(|i| &i.ips).map(|c| c.ip.clone()).collect())
+            .unwrap_or_default();
+        Ok(if ips.len() == count { Probe::Done(()) } else { Probe::Pending(format!("{ips:?}")) })
+    })
+    .await
+    .expect("witnessed");
+}
+
+/// Starts a controller on `ipwarden` and waits until it has witnessed web-0's claim for `pod`:
+/// a sticky pod's next life takes back the IPs the controller saw it hold (decision 0022).
+/// Returns the controller's index.
+async fn witnessed_by_a_controller(ipwarden: &mut Ipwarden, pod: &Pod) -> usize {
+    let controller = ipwarden.start_controller("controller", &[]);
+    ipwarden.wait_leader(controller).await;
+    wait_witnessed(&ipwarden.client(), &pod.uid().unwrap_or_default()).await;
+    controller
 }
 
 /// node-1's agent client (node-1's credentials, as its root reads them) on web-0's IPClaim,
@@ -273,24 +311,57 @@ async fn node1_rewrites_web0_claim(
     rogue
 }
 
+/// Creates web-0's IPClaim with `rogue`, node-1's agent client, as rule C-1 lets it: bound to
+/// a pod on node-1 and naming `ip` of the pool's block.
+async fn node1_creates_web0_claim(rogue: kube::Client, ip: &str) {
+    let claim: IPClaim = serde_json::from_value(json!({
+        "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim", "metadata": {"name": "web-0", "namespace": NS},
+        "spec": {"podUid": "node-1-pod", "node": "node-1", "sticky": true, "boundAt": "2026-01-01T00:00:00Z",
+                 "owner": {"kind": "StatefulSet", "name": "web"},
+                 "interfaces": [{"interface": "eth0", "ips": [{"ip": ip, "pool": POOL, "block": "pool-10-74-0-0-24"}]}]},
+    }))
+    .expect("a claim");
+    Api::<IPClaim>::namespaced(rogue, NS)
+        .create(&PostParams::default(), &claim)
+        .await
+        .expect("C-1 lets node-1 create it");
+}
+
 /// Another free IP of web-0's block, five above `ip`.
 fn five_above(ip: &str) -> String {
     std::net::Ipv4Addr::from(u32::from(ip.parse::<std::net::Ipv4Addr>().expect("an IPv4")) + 5).to_string()
 }
 
+/// Waits until the controller has written web-0's claim's spec back to what `pod`'s records
+/// on node-0 hold, `ip`, after another node rewrote it.
+async fn wait_spec_written_back(client: &kube::Client, pod: &Pod, ip: &str) {
+    let uid = pod.uid().unwrap_or_default();
+    wait::until("the controller writing web-0's claim's spec back", TIMEOUT, || async {
+        let spec = claims(client, NS).await.remove("web-0").map(|c| c.spec);
+        let said = spec.as_ref().map(|s| (s.pod_uid.as_str(), s.node.as_str(), s.interfaces[0].ips[0].ip.as_str()));
+        Ok(if said == Some((uid.as_str(), "node-0", ip)) {
+            Probe::Done(())
+        } else {
+            Probe::Pending(format!("{said:?}"))
+        })
+    })
+    .await
+    .expect("the spec written back");
+}
+
 /// Checks that web-0's restart took its own IP `ip` back on node-0 although its claim's spec
-/// named `other` and a pod on node-1, that its ADD wrote the claim right again and that the
-/// controller witnesses it for the new pod.
+/// had named `other` and a pod on node-1, and that the controller witnesses it for the new pod
+/// and writes the spec as its records bind it.
 async fn web0_restarts_with_its_own_ip(client: &kube::Client, first: &Pod, ip: &str, other: &str) {
     let second = restart_web0(client, first).await;
-    assert_eq!(ip_of(&second), ip, "web-0 keeps its IP although its claim's spec names {other} and a pod on node-1");
+    assert_eq!(ip_of(&second), ip, "web-0 keeps its IP after another node pointed its claim's spec at {other}");
+    assert_eq!(wait_witnessed(client, &second.uid().unwrap_or_default()).await, [ip]);
     let claim = claims(client, NS).await.remove("web-0").expect("web-0's claim");
     assert_eq!(
         (claim.spec.pod_uid.as_str(), claim.spec.node.as_str(), claim.spec.interfaces[0].ips[0].ip.as_str()),
         (second.uid().unwrap_or_default().as_str(), "node-0", ip),
-        "web-0's ADD wrote its claim right again"
+        "the controller wrote the claim's spec right"
     );
-    assert_eq!(wait_witnessed(client, &second.uid().unwrap_or_default()).await, [ip]);
 }
 
 /// Another node's agent (node-1's credentials) takes web-0's IPClaim over as far as rule C-1
@@ -312,27 +383,32 @@ async fn a_claim_another_node_took_over_moves_no_statefulset_pods_ip_and_cannot_
     let refused = rogue.delete("web-0", &DeleteParams::default()).await.expect_err("rule C-2 refuses the delete");
     assert!(refused.to_string().contains("ipwarden C-2"), "{refused}");
     let stored = claims(&client, NS).await.remove("web-0").expect("the claim");
-    assert_eq!(stored.spec.interfaces[0].ips[0].ip, other, "the spec is node-1's rewrite");
     assert!(stored.status.and_then(|s| s.witnessed).is_some(), "the witnessed binding survived the rewrite");
+    wait_spec_written_back(&client, &first, &ip).await;
 
     web0_restarts_with_its_own_ip(&client, &first, &ip, &other).await;
 }
 
-/// node-1 rewrites web-0's claim before any controller has seen it (staged: the controller
-/// starts only after the rewrite). The controller then witnesses what web-0's records on
-/// node-0 hold, not the spec, and web-0's restart takes its own IP back.
+/// node-1 writes web-0's claim, which no agent writes any more, before any controller has
+/// seen web-0 (staged: the controller starts only after the write), naming another IP and a
+/// pod on node-1. The controller then witnesses what web-0's records on node-0 hold, not the
+/// spec, and writes the spec back (as the chart's ServiceAccount, so under the chart's RBAC);
+/// web-0's restart takes its own IP back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_another_node_rewrote_before_the_controller_saw_it_moves_no_statefulset_pods_ip() {
+async fn a_claim_another_node_wrote_before_the_controller_saw_it_moves_no_statefulset_pods_ip() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let mut ipwarden = Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
     let client = ipwarden.client();
     let first = web0_on_node0(&client).await;
     let ip = ip_of(&first);
     let other = five_above(&ip);
-    node1_takes_web0_claim_over(&ipwarden, &other).await;
-    let stored = claims(&client, NS).await.remove("web-0").expect("the claim");
-    assert!(stored.status.and_then(|s| s.witnessed).is_none(), "no controller has witnessed it yet");
+    assert!(claims(&client, NS).await.is_empty(), "web-0's ADD wrote no claim");
+    node1_creates_web0_claim(node1_agent(&ipwarden).await, &other).await;
 
+    let namespace = support::NODE_BOUND_NAMESPACE;
+    let kubeconfig =
+        e2e::accounts::kubeconfig_for(&ipwarden.cluster, namespace, "ipwarden-controller").await.expect("token");
+    ipwarden.controller_run_as = Some(e2e::ipwarden::RunAs { kubeconfig, namespace: namespace.into() });
     let controller = ipwarden.start_controller("controller", &["--claim-janitor-interval-seconds=3600"]);
     ipwarden.wait_leader(controller).await;
     assert_eq!(
@@ -340,8 +416,7 @@ async fn a_claim_another_node_rewrote_before_the_controller_saw_it_moves_no_stat
         std::slice::from_ref(&ip),
         "the witness is what web-0's records hold"
     );
-    let stored = claims(&client, NS).await.remove("web-0").expect("the claim");
-    assert_eq!(stored.spec.interfaces[0].ips[0].ip, other, "the controller leaves the spec as it is");
+    wait_spec_written_back(&client, &first, &ip).await;
 
     web0_restarts_with_its_own_ip(&client, &first, &ip, &other).await;
 }
@@ -420,7 +495,7 @@ async fn node1_agent(ipwarden: &Ipwarden) -> kube::Client {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_another_node_created_before_its_pod_chooses_none_of_its_ips() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let ipwarden = Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let mut ipwarden = Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
     let client = ipwarden.client();
     let rogue = node1_agent(&ipwarden).await;
     let (forged, block) = ("10.74.0.200", "pool-10-74-0-0-24");
@@ -436,17 +511,7 @@ async fn a_claim_another_node_created_before_its_pod_chooses_none_of_its_ips() {
         .create(&PostParams::default(), &forged_block)
         .await
         .expect("B-U3 lets node-1 forge it");
-    let claim: IPClaim = serde_json::from_value(json!({
-        "apiVersion": "ipwarden.io/v1alpha1", "kind": "IPClaim", "metadata": {"name": "web-0", "namespace": NS},
-        "spec": {"podUid": "node-1-pod", "node": "node-1", "sticky": true, "boundAt": "2026-01-01T00:00:00Z",
-                 "owner": {"kind": "StatefulSet", "name": "web"},
-                 "interfaces": [{"interface": "eth0", "ips": [{"ip": forged, "pool": POOL, "block": block}]}]},
-    }))
-    .expect("a claim");
-    Api::<IPClaim>::namespaced(rogue, NS)
-        .create(&PostParams::default(), &claim)
-        .await
-        .expect("C-1 lets node-1 create it");
+    node1_creates_web0_claim(rogue, forged).await;
 
     let web0 = web0_on_node0(&client).await;
     assert_ne!(ip_of(&web0), forged, "web-0 took the reservation node-1 forged and named in the claim");
@@ -456,19 +521,23 @@ async fn a_claim_another_node_created_before_its_pod_chooses_none_of_its_ips() {
         ("node-1", "node-1-pod"),
         "node-1's record is left as it was"
     );
+    // A controller, started once that is checked (its GC would release the forged record as
+    // stale), writes the claim as web-0's records bind it.
+    let controller = ipwarden.start_controller("controller", &[]);
+    ipwarden.wait_leader(controller).await;
+    assert_eq!(wait_witnessed(&client, &web0.uid().unwrap_or_default()).await, [ip_of(&web0)]);
     let claim = claims(&client, NS).await.remove("web-0").expect("web-0's claim");
     assert_eq!(
         (claim.spec.node.as_str(), claim.spec.interfaces[0].ips[0].ip.as_str()),
         ("node-0", ip_of(&web0).as_str()),
-        "web-0's ADD bound the claim to what it got"
+        "the controller bound the claim's spec to what web-0 got"
     );
 }
 
 /// node-1 rewrites web-0's witnessed claim so that, judged by its spec, its workload looks
 /// gone (another pod's UID, stateless, another owner). The claim janitor, passing every
-/// second, judges it by the witness and keeps it; web-1's claim, whose ordinal a scale-down
-/// ends while node-0's runtime drops its DEL (so no agent deletes the claim), shows a pass ran
-/// after the rewrite.
+/// second, judges it by the witness and keeps it (and writes the spec right again); web-1's
+/// claim, whose ordinal a scale-down ends, shows a pass ran after the rewrite.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_claim_janitor_keeps_a_witnessed_claim_another_node_made_look_gone() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
@@ -485,7 +554,6 @@ async fn the_claim_janitor_keeps_a_witnessed_claim_another_node_made_look_gone()
         spec.owner = Some(ipwarden::crd::OwnerRef { kind: "StatefulSet".into(), name: "gone".into() });
     })
     .await;
-    ipwarden.cluster.nodes()[0].faults().set_skip_del(true);
     scale_web(&client, 1).await;
     wait::until("the janitor deleting web-1's claim", TIMEOUT, || async {
         let names: Vec<String> = claims(&client, NS).await.into_keys().collect();
@@ -493,7 +561,6 @@ async fn the_claim_janitor_keeps_a_witnessed_claim_another_node_made_look_gone()
     })
     .await
     .expect("web-1's claim deleted");
-    ipwarden.cluster.nodes()[0].faults().set_skip_del(false);
     let kept = claims(&client, NS).await.remove("web-0").expect("web-0's claim is kept");
     assert_eq!(kept.status.and_then(|s| s.witnessed).map(|w| w.pod_uid), first.uid());
 }
@@ -579,6 +646,7 @@ async fn a_recreated_sticky_pod_waits_while_its_old_sandbox_is_attached_and_take
     let running = wait_web0(&client, &first_uid, "web-0 running on node-1").await;
     assert_eq!(ip_of(&running), ip, "the sticky IP, once no other sandbox holds it");
     assert_eq!(record_of(&client, &ip).await, Some((second_uid.clone(), None, None)));
+    wait_witnessed(&client, &second_uid).await;
     assert_eq!(claims(&client, NS).await.get("web-0").map(|c| c.spec.pod_uid.clone()), Some(second_uid));
 }
 
@@ -590,13 +658,15 @@ async fn a_recreated_sticky_pod_waits_while_its_old_sandbox_is_attached_and_take
 async fn a_statefulset_pod_with_a_fixed_ip_takes_it_over_from_its_old_sandbox_like_any_sticky_ip() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
-    let ipwarden = Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let mut ipwarden =
+        Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
     let client = ipwarden.client();
     cordon(&client, "node-1", true).await;
     create_web(&client, json!({"ipwarden.io/ips": "10.74.0.77"}), json!({})).await;
     let first = wait_web0(&client, "", "web-0 on node-0").await;
     let first_uid = first.uid().unwrap_or_default();
     assert_eq!(ip_of(&first), "10.74.0.77", "the fixed IP");
+    witnessed_by_a_controller(&mut ipwarden, &first).await;
 
     let sandbox = move_web0_to_node1_holding_del(&ipwarden, &first).await;
     let second_uid = wait_new_web0(&client, &first_uid).await.uid().unwrap_or_default();
@@ -650,6 +720,7 @@ async fn a_sticky_pod_takes_its_ip_over_from_a_lost_node_only_under_the_not_read
     let running = wait_web0(&client, &first_uid, "web-0 running on node-1").await;
     let second_uid = running.uid().unwrap_or_default();
     assert_eq!(ip_of(&running), ip, "web-0 keeps its IP");
+    wait_witnessed(&client, &second_uid).await;
     let claim = claims(&client, NS).await.remove("web-0").expect("claim");
     let due = since.checked_add(jiff::SignedDuration::from_secs(after)).expect("due");
     assert!(claim.spec.bound_at.0 >= due, "taken over at {} before the policy's bound {due}", claim.spec.bound_at.0);
@@ -674,11 +745,12 @@ async fn a_sticky_pod_takes_its_ip_over_from_a_lost_node_only_under_the_not_read
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ordinary_sticky_restart_takes_its_ip_back_without_waiting() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
-    let ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let mut ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
     let client = ipwarden.client();
     create_web(&client, json!({}), json!({"nodeName": "node-0"})).await;
     let mut pod = wait_web0(&client, "", "web-0 running").await;
     let ip = ip_of(&pod);
+    witnessed_by_a_controller(&mut ipwarden, &pod).await;
     let mut took = Vec::new();
     for _ in 0..3 {
         let started = std::time::Instant::now();
@@ -694,11 +766,12 @@ async fn an_ordinary_sticky_restart_takes_its_ip_back_without_waiting() {
 async fn a_sticky_pod_recreated_on_the_same_node_waits_for_its_old_sandbox_too() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
-    let ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let mut ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
     let client = ipwarden.client();
     create_web(&client, json!({}), json!({"nodeName": "node-0"})).await;
     let first = wait_web0(&client, "", "web-0 on node-0").await;
     let (ip, first_uid) = (ip_of(&first), first.uid().unwrap_or_default());
+    witnessed_by_a_controller(&mut ipwarden, &first).await;
 
     // The old sandbox is still in node-0's own checkpoint when web-0 comes back there.
     let sandbox = force_delete_holding_del(&ipwarden, 0, &first).await;
@@ -750,6 +823,7 @@ async fn a_fast_statefulset_scale_down_and_up_keeps_the_reservation_a_sweep_deci
     Api::<StatefulSet>::namespaced(client.clone(), NS).create(&PostParams::default(), &sts).await.expect("create web");
     let pods = support::wait_pods_with_ips(&client, NS, "app=web", 2).await;
     let (ip, first_uid) = (ip_of(&pods["web-1"]), pods["web-1"].uid().unwrap_or_default());
+    support::wait_witnessed(&client, NS, "web-1", &first_uid).await;
 
     // Scale down with web-1's DEL lost: its record stays for the controller to decide on.
     let node = &ipwarden.cluster.nodes()[0];

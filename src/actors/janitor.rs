@@ -1,7 +1,8 @@
 //! `ClaimJanitor`: deletes IPClaims whose workload is gone for good (completed Job pods
-//! included), on a timer, and writes down the binding of each claim it sees in effect
-//! (`status.witnessed`, [`witness`]) soon after the index changes, creating the claim a live
-//! sticky pod lacks ([`missing`]) first, all on the leader only.
+//! included), on a timer, and writes down the binding of each claim it sees in effect (its
+//! spec, then `status.witnessed`, [`witness`]) soon after the index changes, creating the
+//! claim a live sticky pod lacks ([`missing`]) first, all on the leader only. The only writer
+//! of claims besides `ipwarden adopt` (decision 0022).
 
 use super::leader::Leadership;
 use std::collections::HashSet;
@@ -16,7 +17,7 @@ use kube::api::{Api, PostParams};
 use super::metrics::ControllerMetrics;
 use super::watches::SharedIndex;
 use crate::crd::{IPClaim, IPClaimSpec, WitnessedBinding};
-use crate::gc::claims::{claimants, gone_for_good, missing, witness};
+use crate::gc::claims::{claimants, gone_for_good, missing, spec_lags, witness};
 use crate::gc::index::ClaimBinding;
 
 /// A claim whose binding the janitor writes down as witnessed.
@@ -27,6 +28,10 @@ struct Witnessed {
     /// the janitor creates it with the binding as its spec.
     object_uid: Option<String>,
     binding: ClaimBinding,
+    /// Whether the spec is written (the stored one says otherwise, [`spec_lags`]).
+    spec: bool,
+    /// Whether `status.witnessed` is written (it differs from the binding).
+    status: bool,
 }
 
 /// The janitor actor.
@@ -98,7 +103,7 @@ impl ClaimJanitor {
                     if !leading.is_leading() {
                         return;
                     }
-                    match crate::claim_writes::delete_if_bound_to(&client, &namespace, &name, &uid, true).await {
+                    match crate::claim_writes::delete_if_bound_to(&client, &namespace, &name, &uid).await {
                         Ok(true) => tracing::info!(claim = %format!("{namespace}/{name}"), "deleted a claim whose workload is gone"),
                         Ok(false) => {}
                         Err(e) => tracing::warn!(claim = %format!("{namespace}/{name}"), error = %e, "deleting a claim failed"),
@@ -129,8 +134,11 @@ impl ClaimJanitor {
             index
                 .claims()
                 .filter_map(|(namespace, name, claim)| {
+                    let binding = witness(&index, &claimants, namespace, name, claim)?;
                     Some(Witnessed {
-                        binding: witness(&index, &claimants, namespace, name, claim)?,
+                        spec: spec_lags(claim, &binding),
+                        status: claim.witnessed.as_ref() != Some(&binding),
+                        binding,
                         namespace: namespace.to_string(),
                         name: name.to_string(),
                         object_uid: Some(claim.object_uid.clone()),
@@ -141,6 +149,8 @@ impl ClaimJanitor {
                     name,
                     object_uid: None,
                     binding,
+                    spec: true,
+                    status: true,
                 }))
                 .filter(|claim| {
                     self.held_back.is_empty()
@@ -183,12 +193,14 @@ impl ClaimJanitor {
     }
 }
 
-/// Writes `claim`'s binding into its `status.witnessed`, read first and replaced with the
+/// Writes `claim`'s binding into its spec (when due, keeping `boundAt` while the pod is the
+/// same) and then its `status.witnessed` (when due), each read first and replaced with the
 /// resourceVersion read, on the object of the claim's UID only (a claim deleted and created
-/// again since is another object; a conflict is decided again on the next change). A claim
-/// to create is created first, with the binding as its spec (counted as `created` in
-/// `metrics`); one created since by an agent is a conflict. Returns the result to count,
-/// `None` when the claim is gone or another object.
+/// again since is another object; a conflict is decided again on the next change). The spec
+/// goes first, so that a reader seeing the witness sees the spec saying the same. A claim to
+/// create is created with the binding as its spec (counted as `created` in `metrics`); one
+/// created since (by `ipwarden adopt`, or an older version's agent) is a conflict. Returns the
+/// result to count, `None` when the claim is gone or another object.
 async fn write_witnessed(
     client: &Client,
     metrics: &ControllerMetrics,
@@ -196,26 +208,39 @@ async fn write_witnessed(
 ) -> Result<Option<&'static str>, kube::Error> {
     let (namespace, name, binding) = (&claim.namespace, &claim.name, &claim.binding);
     let api: Api<IPClaim> = Api::namespaced(client.clone(), namespace);
+    let spec = |bound_at: Option<&Time>| IPClaimSpec {
+        pod_uid: binding.pod_uid.clone(),
+        node: binding.node.clone(),
+        owner: binding.owner.clone(),
+        sticky: true,
+        interfaces: binding.interfaces.clone(),
+        bound_at: bound_at.cloned().unwrap_or_else(|| Time(Timestamp::now())),
+    };
     let mut stored = match &claim.object_uid {
         Some(uid) => {
-            let Some(stored) = api.get_opt(name).await? else { return Ok(None) };
+            let Some(mut stored) = api.get_opt(name).await? else { return Ok(None) };
             if stored.metadata.uid.as_deref() != Some(uid.as_str()) {
                 return Ok(None);
+            }
+            if claim.spec {
+                let same_pod = stored.spec.pod_uid == binding.pod_uid;
+                stored.spec = spec(same_pod.then_some(&stored.spec.bound_at));
+                stored = match api.replace(name, &PostParams::default(), &stored).await {
+                    Ok(written) => written,
+                    Err(kube::Error::Api(status)) if status.code == 404 => return Ok(None),
+                    Err(kube::Error::Api(status)) if status.code == 409 => return Ok(Some("conflict")),
+                    Err(e) => return Err(e),
+                };
+                tracing::debug!(claim = %format!("{namespace}/{name}"), pod_uid = %binding.pod_uid, node = %binding.node,
+                    "wrote the claim's spec as its records bind it");
+            }
+            if !claim.status {
+                return Ok(Some("written"));
             }
             stored
         }
         None => {
-            let mut fresh = IPClaim::new(
-                name,
-                IPClaimSpec {
-                    pod_uid: binding.pod_uid.clone(),
-                    node: binding.node.clone(),
-                    owner: binding.owner.clone(),
-                    sticky: true,
-                    interfaces: binding.interfaces.clone(),
-                    bound_at: Time(Timestamp::now()),
-                },
-            );
+            let mut fresh = IPClaim::new(name, spec(None));
             fresh.metadata.namespace = Some(namespace.clone());
             match api.create(&PostParams::default(), &fresh).await {
                 Ok(created) => {

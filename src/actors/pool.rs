@@ -448,7 +448,6 @@ async fn after_write(context: &PoolContext, pool: &str, pending: &Pending, outco
                     &change.pod.namespace,
                     &change.claim,
                     &change.pod.uid,
-                    true,
                 )
                 .await;
                 if let Err(e) = deleted {

@@ -1,8 +1,9 @@
-//! CNI ADD: the sandbox's IPs, allocated once, a sticky pod's claimed IPs reclaimed. Order:
-//! block record, then (for a sticky pod only) IPClaim, then checkpoint, so a crash leaves at
-//! worst a record that the next ADD or DEL of the same sandbox finds; a step that fails rolls
-//! back the block records this ADD wrote (`blocks::roll_back`). A stateless pod has no claim
-//! (docs/decisions/0015-no-claim-for-stateless-pods.md): its ADD makes one apiserver write.
+//! CNI ADD: the sandbox's IPs, allocated once, a sticky pod's witnessed IPs reclaimed. Order:
+//! block record, then checkpoint, so a crash leaves at worst a record that the next ADD or DEL
+//! of the same sandbox finds; a step that fails rolls back the block records this ADD wrote
+//! (`blocks::roll_back`). An ADD writes no IPClaim: the controller writes a sticky pod's claim
+//! from the records it holds (decision 0022), and the ADD reads only what the controller
+//! witnessed there. Each ADD makes one apiserver write.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -14,18 +15,17 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams};
 
 use super::batch::{Taken, Wish};
 use super::block_writes::ReleaseTrigger;
 use super::checkpoint::{CheckpointEntry, CheckpointIp};
-use super::core::{Base, Core, ResolvedPool, attachment_key, field_manager, new_block, result_of};
+use super::core::{Base, Core, ResolvedPool, attachment_key, new_block, result_of};
 use super::error::Error;
 use super::metrics::PoolLabels;
-use crate::claim_writes::{self, Binding};
 use crate::crd::{
-    Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPBlockSpec, IPClaim, IPClaimSpec, IPPool,
-    MigrationTarget, OwnerRef, POOL_ANNOTATION, POOLS_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
+    Allocation, HandshakeState, IPBlockSpec, IPClaim, IPPool, MigrationTarget, OwnerRef, POOL_ANNOTATION,
+    POOLS_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
 };
 use crate::gc::handshake::{ClaimedRecord, ReclaimStep, reclaim_step};
 use crate::ipam::affinity::{self, KnownBlock};
@@ -92,15 +92,6 @@ struct Reclaimed {
     ips: Vec<CheckpointIp>,
     /// The records taken over (undone if the ADD fails later).
     written: Vec<Written>,
-    /// Attached as a live migration's target instead of taken over (the claim stays as is).
-    shared: bool,
-}
-
-/// An IPClaim as an ADD wrote it, and the spec it replaced (`None`: the ADD created it).
-struct ClaimWrite {
-    namespace: String,
-    name: String,
-    before: Option<IPClaimSpec>,
 }
 
 /// The mark a recreated sticky pod's ADD writes on its predecessor's record: the record's
@@ -248,11 +239,11 @@ impl Core {
         })?;
         let found = self.records_of_sandbox(&request.container_id, &request.ifname);
         let migration = if sticky { self.active_migration(&pod, owner.as_ref()).await? } else { None };
-        let (ips, written, shares) = if !found.is_empty() {
+        let (ips, written) = if !found.is_empty() {
             // Written before a crash that lost the answer: the same sandbox adopts them. They
             // are not this call's writes, so a failure below leaves them to the sandbox's DEL.
             let ips = self.checkpoint_ips(found.into_iter().map(|(block, ip, pool)| (pool, block, ip)).collect());
-            (ips, Vec::new(), migration.is_some())
+            (ips, Vec::new())
         } else {
             let mut reclaimed = if sticky {
                 let held_here: BTreeSet<String> =
@@ -272,7 +263,7 @@ impl Core {
                 }
             }
             match reclaimed {
-                Some(reclaimed) => (reclaimed.ips, reclaimed.written, reclaimed.shared),
+                Some(reclaimed) => (reclaimed.ips, reclaimed.written),
                 None => {
                     let written = match &fixed {
                         Some(fixed) => {
@@ -280,20 +271,7 @@ impl Core {
                         }
                         None => self.allocate(&pod, owner.as_ref(), sticky, request, None, &returning).await?,
                     };
-                    (written.iter().map(|w| w.ip.clone()).collect(), written, false)
-                }
-            }
-        };
-        // Only a sticky pod has a claim. A live migration's target shares the source's IPs;
-        // the claim stays bound to the source until the source's sandbox leaves them to it.
-        let claim = if shares || !sticky {
-            None
-        } else {
-            match self.write_claim(&pod, owner.as_ref(), &request.ifname, &ips).await {
-                Ok(claim) => Some(claim),
-                Err(e) => {
-                    self.roll_back(&written, request, &uid).await;
-                    return Err(e);
+                    (written.iter().map(|w| w.ip.clone()).collect(), written)
                 }
             }
         };
@@ -308,9 +286,6 @@ impl Core {
         let inserted = self.checkpoint.insert(entry).await;
         self.spares_saved(&picked, inserted.is_ok());
         if let Err(e) = inserted {
-            if let Some(claim) = claim.as_ref().filter(|_| !written.is_empty()) {
-                self.restore_claim(claim, &uid).await;
-            }
             self.roll_back(&written, request, &uid).await;
             return Err(e.into());
         }
@@ -396,12 +371,11 @@ impl Core {
     /// is another node's (attached, or a reservation) or still in `held_here` (the IPs of this
     /// node's checkpoint) is not shared: the record is marked for a sticky takeover and the
     /// ADD fails with "try again later" until the record's node, or the controller for a node
-    /// that cannot answer, has let go of it ([`reclaim_step`]); another node's record only for
-    /// an IP the controller witnessed for the claim or one the pod names in `fixed` (not a
-    /// list to choose from). Unless the
-    /// pod has fixed IPs (it gets those alone), the spec's IP of a family the witness lacks is
-    /// taken back beside the witnessed ones where it can be, and an IP family the claim then
-    /// holds no IP of is allocated afresh.
+    /// that cannot answer, has let go of it ([`reclaim_step`]). The IPs are those the
+    /// controller witnessed for the claim (`status.witnessed`): what the workload's pod held by
+    /// its node's records. The spec, which any node's agent of an older version may write
+    /// (rule C-1), chooses nothing (decision 0022). Unless the pod has fixed IPs (it gets those
+    /// alone), an IP family the witness holds no IP of is allocated afresh.
     async fn reclaim_sticky(
         &self,
         pod: &Pod,
@@ -418,24 +392,14 @@ impl Core {
             .get_opt(&claim_name)
             .await
             .map_err(Error::api(format!("reading IPClaim {namespace}/{claim_name}")))?
-            // A stateless claim an older version left keeps no IPs (decision 0015): this ADD
-            // writes the pod's sticky claim over it. The witness is the controller's, whatever
-            // the spec says.
-            .filter(|claim| claim.spec.sticky || claim.status.as_ref().is_some_and(|s| s.witnessed.is_some()))
         else {
             return Ok(None);
         };
         let witnessed = claim.status.as_ref().and_then(|s| s.witnessed.as_ref());
-        let Some(interface) = workload::claimed_interface(&claim.spec, witnessed, &request.ifname) else {
+        let Some(interface) = witnessed.and_then(|w| w.interfaces.iter().find(|i| i.interface == request.ifname))
+        else {
             return Ok(None);
         };
-        // Another node's record is taken only for an IP the controller witnessed, or one of
-        // the pod's fixed IPs (rule C-1 lets any node write the spec before the first witness).
-        let interface_witnessed = witnessed.is_some_and(|w| w.interfaces.iter().any(|i| i.interface == request.ifname));
-        if !claim.spec.interfaces.iter().any(|i| i == interface) {
-            tracing::warn!(claim = %format!("{namespace}/{claim_name}"), ips = ?interface.ips.iter().map(|c| c.ip.as_str()).collect::<Vec<_>>(),
-                "the claim names other IPs than the controller saw the workload's pod hold: taking those back");
-        }
         // Checked before anything is written: the claim is user-writable, the blocks are not.
         for claimed in &interface.ips {
             let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
@@ -456,47 +420,24 @@ impl Core {
             container_id: record.container_id.clone(),
             interface: record.interface.clone(),
         });
-        // After the claimed IPs, the spec's IPs of a family the witness lacks (`required`
-        // false): each taken back where it can be, else its family is allocated afresh; no
-        // failure of theirs costs the pod its claimed IPs, as any node may have written them.
         let fill_families = fixed.is_none();
-        // An IP the pod itself names (not a list to choose from, which another node's forged
-        // reservation of the workload would otherwise choose for it) vouches for the record.
-        let pinned = |ip: IpAddr| fixed.is_some_and(|f| f.source != fixed::Source::List && f.ips.contains(&ip));
-        let beside = match (fill_families, &target) {
-            (true, None) => workload::unwitnessed_family_ips(&claim.spec, witnessed, &request.ifname),
-            _ => Vec::new(),
-        };
         // One slot per IP taken back, in the claim's order; `Err(is IPv4)`: given up,
-        // allocated afresh. `claimed_slots` counts the claimed IPs' slots.
-        let (mut slots, mut taken, mut shared, mut claimed_slots) = (Vec::new(), Vec::new(), false, 0);
-        let offered = interface.ips.iter().map(|c| (c, true)).chain(beside.into_iter().map(|c| (c, false)));
-        for (claimed, required) in offered {
+        // allocated afresh.
+        let (mut slots, mut taken, mut shared) = (Vec::new(), Vec::new(), false);
+        for claimed in &interface.ips {
             let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
-                if required {
-                    break;
-                }
-                continue;
+                break;
             };
             // A pool being deleted hands out no new IP, so a restarted pod gives up its IP
             // there (only that family's); a live migration's target still attaches to the IP
             // its source holds, which is not a new one.
             if pool.deleting && target.is_none() {
-                if required {
-                    slots.push(Err(is_v4(&claimed.ip)));
-                    claimed_slots += 1;
-                }
+                slots.push(Err(is_v4(&claimed.ip)));
                 continue;
             }
             let Some(block) = pool.layout.block_of(ip) else {
-                if required {
-                    break;
-                }
-                continue;
+                break;
             };
-            if !required && pools::check_claimed_block(&pool.name, block, ip, &claimed.block).is_err() {
-                continue;
-            }
             let key = ip.to_string();
             let mut waiting_for = None;
             let took = self
@@ -511,11 +452,6 @@ impl Core {
                         return None;
                     }
                     let Some(current) = spec.allocations.get_mut(&key) else {
-                        // A family the witness lacks is taken back only as this node's record:
-                        // a free IP any node may have named is no better than a fresh one.
-                        if !required {
-                            return None;
-                        }
                         // No record: free unless the pool's layout no longer hands it out or it
                         // is a node's spare (maybe bound, its record not written yet).
                         let free =
@@ -526,7 +462,6 @@ impl Core {
                         same_pod: current.pod.uid == record.pod.uid,
                         same_workload: same_workload(current, &record),
                         own_node: current.node == self.settings.node,
-                        vouched_for: (interface_witnessed && required) || pinned(ip),
                         detached_here: current.node == self.settings.node && !held_here.contains(&key),
                         handshake: current.release_handshake.as_ref().map(|h| h.state),
                         asked_for_another: current
@@ -536,8 +471,6 @@ impl Core {
                             .is_some_and(|t| t.pod.uid != record.pod.uid || t.node != record.node),
                     });
                     match step {
-                        // A family the witness lacks is not waited for: it is allocated afresh.
-                        ReclaimStep::NotOurs | ReclaimStep::Wait | ReclaimStep::Mark if !required => None,
                         ReclaimStep::NotOurs => None,
                         ReclaimStep::Take => Some(Reclaim::Taken(blocks::allocate(spec, ip, record.clone()))),
                         ReclaimStep::Wait => {
@@ -554,10 +487,6 @@ impl Core {
                 .await;
             let took = match took {
                 Ok(took) => took,
-                Err(e) if !required => {
-                    tracing::warn!(claim = %claim_name, ip = %claimed.ip, error = %e, "taking back an IP of a family the witness lacks failed; allocating that family afresh");
-                    continue;
-                }
                 Err(e) => {
                     self.roll_back(&taken, request, &record.pod.uid).await;
                     return Err(e);
@@ -575,11 +504,7 @@ impl Core {
                 });
             }
             let Some(took) = took else {
-                if !required {
-                    continue;
-                }
-                tracing::warn!(claim = %claim_name, ip = %claimed.ip, witnessed = interface_witnessed,
-                    "claimed IP is held by another pod, or by another node for a claim the controller has not witnessed; allocating afresh");
+                tracing::warn!(claim = %claim_name, ip = %claimed.ip, "witnessed IP is held by another pod; allocating afresh");
                 break;
             };
             let ip = pool.checkpoint_ip(claimed.ip.clone(), claimed.block.clone());
@@ -593,16 +518,14 @@ impl Core {
                 Reclaim::Marked => break,
             }
             slots.push(Ok(ip));
-            claimed_slots += usize::from(required);
         }
         let given_up = slots.iter().filter(|slot| slot.is_err()).count();
         // Unless every IP was given up (or a claimed one could not be taken back): then the pod
         // is allocated afresh, as a new pod is.
-        if claimed_slots == interface.ips.len() && given_up < slots.len() {
+        if slots.len() == interface.ips.len() && given_up < slots.len() {
             let given_up_families: Vec<bool> = slots.iter().filter_map(|slot| slot.as_ref().err().copied()).collect();
-            // A family the claim never held an IP of (its pool created since, or a witness
-            // written between a first ADD's two families' writes whose other IP could not be
-            // taken back beside it) is allocated as a new pod's is, unless no pool gives one
+            // A family the witness holds no IP of (its pool created since, or a witness
+            // written between a first ADD's two families' writes) is allocated as a new pod's is, unless no pool gives one
             // now: the pod then starts with what it claimed, as it ran. A migration target
             // only attaches to what its source holds, and a pod with fixed IPs gets those
             // alone.
@@ -631,7 +554,7 @@ impl Core {
             }
             let ips = fill_given_up(slots, fresh, |ip| is_v4(&ip.ip));
             tracing::info!(claim = %claim_name, migration_target = shared, given_up, "sticky IPs reclaimed for the pod");
-            return Ok(Some(Reclaimed { ips, written: taken, shared }));
+            return Ok(Some(Reclaimed { ips, written: taken }));
         }
         // The IPs already taken go back to the records they were taken from.
         self.roll_back(&taken, request, &record.pod.uid).await;
@@ -905,31 +828,6 @@ impl Core {
         Err(Error::PoolExhausted { pool: pool.name.clone(), withheld_gateway: pool.withheld_gateway.clone() })
     }
 
-    /// Records the sticky pod's IPs of `ifname` in its IPClaim (created, or taken over from a
-    /// previous pod of the same name, keeping a sticky predecessor's other interfaces);
-    /// returns what it replaced, for [`Core::restore_claim`].
-    async fn write_claim(
-        &self,
-        pod: &Pod,
-        owner: Option<&OwnerRef>,
-        ifname: &str,
-        ips: &[CheckpointIp],
-    ) -> Result<ClaimWrite, Error> {
-        let (namespace, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
-        let uid = workload::runtime_uid(pod).unwrap_or_default().to_string();
-        let interface = ClaimedInterface {
-            interface: ifname.to_string(),
-            ips: ips
-                .iter()
-                .map(|i| ClaimedIp { ip: i.ip.clone(), pool: i.pool.clone(), block: i.block.clone() })
-                .collect(),
-        };
-        let binding =
-            Binding { namespace: &namespace, pod: &name, uid: &uid, node: &self.settings.node, owner, interface };
-        let (name, before) = claim_writes::bind(&self.client, field_manager(&self.settings.node), &binding).await?;
-        Ok(ClaimWrite { namespace, name, before })
-    }
-
     /// Undoes this ADD's block writes after a later step failed ([`blocks::roll_back`]):
     /// the runtime got no IP, and its retry is a new sandbox, so nothing may stay behind. A
     /// rollback that cannot be written is left to the sandbox's DEL and the GC.
@@ -958,29 +856,6 @@ impl Core {
                     tracing::warn!(ip = %ip.ip, error = %e, "rolling back a failed ADD failed; the sandbox's DEL or the GC will release it");
                 }
             }
-        }
-    }
-
-    /// Puts the IPClaim an ADD wrote back as it was (deleted when the ADD created it and the
-    /// controller has not witnessed it since: rule C-2), if it still names `uid`. A restore
-    /// that fails is logged: the claim janitor, and the next ADD of the pod, mend the claim.
-    async fn restore_claim(&self, claim: &ClaimWrite, uid: &str) {
-        let api: Api<IPClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
-        let restored = match &claim.before {
-            None => crate::claim_writes::delete_if_bound_to(&self.client, &claim.namespace, &claim.name, uid, false)
-                .await
-                .map(drop),
-            Some(before) => match api.get_opt(&claim.name).await {
-                Ok(Some(mut current)) if current.spec.pod_uid == uid => {
-                    current.spec = before.clone();
-                    api.replace(&claim.name, &PostParams::default(), &current).await.map(drop)
-                }
-                Ok(_) => Ok(()),
-                Err(e) => Err(e),
-            },
-        };
-        if let Err(e) = restored {
-            tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), error = %e, "restoring the claim of a failed ADD failed");
         }
     }
 }

@@ -17,15 +17,11 @@ use crate::crd::{Allocation, IPBlock, IPBlockSpec, MigrationTarget};
 use crate::ipam::blocks::{self, ReleaseOutcome};
 use crate::ipam::pools;
 use crate::ipam::spares;
-use crate::ipam::workload::{self, Handover};
+use crate::ipam::workload::Handover;
 
 /// What releasing a sandbox's IPs did.
 #[derive(Default)]
 pub(super) struct ReleaseSummary {
-    /// Some IP stayed as a sticky reservation (the claim stays too).
-    kept: bool,
-    /// The claim of the released records (none for a stateless pod's).
-    claim: Option<BoundClaim>,
     /// The IPs this release freed.
     released: BTreeSet<IpAddr>,
     /// Why an IP was left as it was for the release to be tried again: a VM source's
@@ -102,17 +98,6 @@ pub(super) struct RecordAt {
     pub(super) ip: String,
 }
 
-/// An IPClaim as bound to one pod: changed only while it still names that pod's UID.
-#[derive(Clone)]
-struct BoundClaim {
-    /// The claim's namespace.
-    namespace: String,
-    /// The claim's name (the pod's, or the VM's for KubeVirt).
-    name: String,
-    /// The UID of the pod it is bound to.
-    uid: String,
-}
-
 impl Core {
     /// Applies `mutate` to the newest copy of block `name` this agent holds in one
     /// compare-and-swap (creating the block, of `pool` and `cidr`, when it knows none).
@@ -166,13 +151,8 @@ impl Core {
         targets.extend(self.records_of_sandbox(container_id, ifname).into_iter().map(|(block, ip, _)| (block, ip)));
         let ips: Vec<RecordAt> = targets.into_iter().map(|(block, ip)| RecordAt { block, ip }).collect();
         let summary = self.release_ips(&ips, container_id, ifname, uid, trigger).await;
-        // Only the claim of a record this sandbox really released: a superseded sandbox's
-        // records and claim belong to the new pod now (leftover claims are the janitor's).
         if let Some(waiting) = summary.waiting {
             return Err(waiting);
-        }
-        if let (false, Some(claim)) = (summary.kept, summary.claim) {
-            self.delete_claim_of(&claim).await;
         }
         released.extend(summary.released);
         Ok(released)
@@ -356,18 +336,12 @@ impl Core {
             let (ip, sandbox, interface) = (target.ip.clone(), container_id.to_string(), ifname.to_string());
             let pod_uid = uid.map(str::to_string);
             let release = move |spec: &mut IPBlockSpec| {
-                // A stateless pod's record has no claim to delete: no read, no write.
-                let claim = spec.allocations.get(&ip).filter(|r| workload::has_claim(r)).map(|r| BoundClaim {
-                    namespace: r.pod.namespace.clone(),
-                    name: workload::claim_name(&r.pod.name, r.owner.as_ref()),
-                    uid: r.pod.uid.clone(),
-                });
                 let attached = spec.allocations.get(&ip).and_then(|r| r.migration_target.as_ref());
                 let hand_over = confirmed.is_some() && attached == confirmed.as_ref();
                 let leaving = blocks::Leaving { keep_reservation: keep, hand_over };
                 match blocks::release_attachment(spec, &ip, &sandbox, &interface, pod_uid.as_deref(), leaving, now) {
                     ReleaseOutcome::NotOurs => None,
-                    outcome => Some((outcome, claim, spec.allocations.get(&ip).cloned())),
+                    outcome => Some(outcome),
                 }
             };
             // From the copy held, with the node's other writes of the block (a drain's DELs);
@@ -393,27 +367,13 @@ impl Core {
                     .map(CasOutcome::written),
             };
             match outcome {
-                Ok(Some((ReleaseOutcome::Released, claim, _))) => {
-                    summary.claim = claim;
+                Ok(Some(ReleaseOutcome::Released)) => {
                     summary.released.extend(target.ip.parse::<IpAddr>().ok());
                     self.metrics.release("released");
                     trigger.log_released(&target.block, &target.ip, &record.pod, &record.node);
                 }
-                Ok(Some((ReleaseOutcome::Reserved, _, _))) => {
-                    summary.kept = true;
-                    self.metrics.release("reserved");
-                }
-                Ok(Some((ReleaseOutcome::HandedOver, claim, holder))) => {
-                    summary.kept = true;
-                    if let (Some(claim), Some(holder)) = (claim, holder) {
-                        self.rebind_claim(&claim, &holder).await;
-                    }
-                    self.metrics.release("handed_over");
-                }
-                Ok(Some((ReleaseOutcome::Detached, _, _))) => {
-                    summary.kept = true;
-                    self.metrics.release("handed_over");
-                }
+                Ok(Some(ReleaseOutcome::Reserved)) => self.metrics.release("reserved"),
+                Ok(Some(ReleaseOutcome::HandedOver | ReleaseOutcome::Detached)) => self.metrics.release("handed_over"),
                 Ok(_) => {}
                 Err(e) => {
                     self.metrics.release("error");
@@ -432,33 +392,5 @@ impl Core {
             pool.as_deref().map(|p| (&p.spec, p.metadata.deletion_timestamp.is_some())),
             &block.cidr,
         )
-    }
-
-    /// Binds claim `claim.name`, while still bound to `claim.uid`, to the pod and node of
-    /// `holder`: the live migration's target that inherited the VM's IPs.
-    async fn rebind_claim(&self, claim: &BoundClaim, holder: &Allocation) {
-        let rebound = crate::claim_writes::rebind_if_bound_to(
-            &self.client,
-            &claim.namespace,
-            &claim.name,
-            &claim.uid,
-            &holder.pod.uid,
-            &holder.node,
-        )
-        .await;
-        if let Err(e) = rebound {
-            tracing::warn!(claim = %claim.name, error = %e, "claim not rebound to the migration's target");
-        }
-    }
-
-    /// Deletes claim `claim.name` in `claim.namespace` if it is still bound to `claim.uid` and
-    /// the controller has not witnessed it (rule C-2: then it is the claim janitor's).
-    async fn delete_claim_of(&self, claim: &BoundClaim) {
-        let deleted =
-            crate::claim_writes::delete_if_bound_to(&self.client, &claim.namespace, &claim.name, &claim.uid, false)
-                .await;
-        if let Err(e) = deleted {
-            tracing::debug!(claim = %claim.name, error = %e, "claim not deleted; the claim janitor will");
-        }
     }
 }

@@ -196,15 +196,6 @@ impl Error {
     }
 }
 
-impl From<crate::claim_writes::AdoptedClaimError> for Error {
-    fn from(error: crate::claim_writes::AdoptedClaimError) -> Self {
-        match error {
-            crate::claim_writes::AdoptedClaimError::Write(cas) => Self::Write(cas),
-            crate::claim_writes::AdoptedClaimError::Read { what, source } => Self::Api { what, source },
-        }
-    }
-}
-
 /// How a sticky takeover's holder holds the IP: by a sandbox, or as a reservation.
 fn held_by(container_id: &str) -> String {
     match container_id {

@@ -9,7 +9,7 @@ use kube::api::Api;
 
 use super::block_writes::{RecordAt, ReleaseTrigger};
 use super::checkpoint::{AttachmentKey, CheckpointEntry};
-use super::core::{Core, field_manager};
+use super::core::Core;
 use super::error::Error;
 use crate::crd::{Allocation, IPBlock};
 use crate::gc::adopt::{Writer, by_block};
@@ -142,9 +142,8 @@ impl Core {
     /// every pod (so that a pod of another node reporting the same IP is seen), of which this
     /// node's adoptions are written block by block before the agent serves: it never hands
     /// out an IP another IPAM gave a pod that still runs here. A refused IP of a pod of this
-    /// node is logged with the pods it names and left alone. A sticky pod's IPClaim is written
-    /// after its records, as `ipwarden adopt` writes it (not when already so), and logged.
-    /// The records name `network`. Returns how many records were written.
+    /// node is logged with the pods it names and left alone. A sticky pod's IPClaim is the
+    /// controller's to create from those records (decision 0022). The records name `network`. Returns how many records were written.
     pub async fn adopt_local_pods(&self, network: &str) -> Result<usize, Error> {
         let node = &self.settings.node;
         let pods = Api::<Pod>::all(self.client.clone())
@@ -187,14 +186,6 @@ impl Core {
                 "start-up adoption: not recorded, a record or another node's spare holds the IP (an agent changes no other node's spares); `ipwarden adopt` run by an operator records it"
             );
         }
-        let adopted = plan.adopt.iter().filter(|a| written.contains(&a.ip)).chain(&plan.recorded);
-        let adopted = adopted.filter(|a| a.node == *node);
-        let mut claims = Vec::new();
-        let bound = crate::claim_writes::bind_adopted(&self.client, &field_manager(node), adopted, &mut claims).await;
-        for claim in claims {
-            tracing::info!(claim = %claim.claim, pod = %claim.pod, action = %claim.action, "start-up adoption: IPClaim");
-        }
-        bound?;
         Ok(written.len())
     }
 

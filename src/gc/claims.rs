@@ -55,7 +55,7 @@ pub fn claimants(index: &ClusterIndex) -> HashMap<(String, String), Vec<&PodFact
 }
 
 /// The binding of claim `claim` (in `namespace`, named `name`) to write down as witnessed
-/// (`status.witnessed`), when it differs from the one written: the IPs the block records give
+/// (`status.witnessed`) and as its spec, when either differs from it ([`spec_lags`]): the IPs the block records give
 /// the claim's own live pod of a sticky owner kind on its node
 /// ([`workload::recorded_interfaces`], among `claimants`), whatever the claim's spec says
 /// (even `sticky: false`, which an older version wrote and another node's agent may write),
@@ -97,7 +97,19 @@ pub fn witness(
     if bindings.next().is_some() {
         return None;
     }
-    (claim.witnessed.as_ref() != Some(&binding)).then_some(binding)
+    (claim.witnessed.as_ref() != Some(&binding) || spec_lags(claim, &binding)).then_some(binding)
+}
+
+/// Whether `claim`'s spec says other than `binding`, the binding in effect: the controller
+/// writes the spec too (decision 0022), so that what `kubectl get ipc` shows, what an older
+/// version's agents read during an upgrade and what a rule reading the spec judges follow the
+/// records, whoever wrote the spec before.
+pub fn spec_lags(claim: &ClaimFacts, binding: &ClaimBinding) -> bool {
+    !claim.sticky
+        || claim.pod_uid != binding.pod_uid
+        || claim.node != binding.node
+        || claim.owner != binding.owner
+        || claim.interfaces != binding.interfaces
 }
 
 /// A claim to create: its namespace, its name and the binding it is created with.
@@ -111,8 +123,8 @@ pub type Missing = (String, String, ClaimBinding);
 /// claim's spec and then as its witness. A live sticky pod lacks its claim when someone
 /// deleted it, or `ipwarden adopt` wrote none; without one, its next life would start on new
 /// IPs. The reported IPs make sure the pod's ADD is over (the kubelet reports them once every
-/// network's ADD returned; a failed ADD takes its records and its claim back, and a claim
-/// created meanwhile would outlive them) and, as `ipwarden adopt` requires, that no pool IP
+/// network's ADD returned; a failed ADD takes its records back, and a claim created
+/// meanwhile would outlive them) and, as `ipwarden adopt` requires, that no pool IP
 /// the pod uses on its own network would be left out of its claim. An IP outside every pool is
 /// another IPAM's (ipwarden serving only a secondary network, whose IPs the pod does not
 /// report). Sorted by namespace and name.
@@ -157,6 +169,7 @@ mod test {
         ClaimFacts {
             object_uid: "claim-uid".into(),
             pod_uid: uid.into(),
+            node: "node-0".into(),
             sticky,
             owner: owner.map(|(kind, name)| OwnerRef { kind: kind.into(), name: name.into() }),
             interfaces: Vec::new(),
@@ -277,6 +290,7 @@ mod test {
         ClaimNamesAnotherBlock,
         ClaimNamesNoIp,
         AlreadyWitnessed,
+        WitnessedSpecRewritten,
         NotSticky,
         ClaimOfAnotherPod,
         RecordsOfTwoPods,
@@ -345,13 +359,16 @@ mod test {
         };
         let mut claim = claim("u1", change != Change::NotSticky, Some(("StatefulSet", "web")));
         claim.interfaces = vec![ClaimedInterface { interface: "eth0".into(), ips }];
-        if change == Change::AlreadyWitnessed {
+        if matches!(change, Change::AlreadyWitnessed | Change::WitnessedSpecRewritten) {
             claim.witnessed = Some(ClaimBinding {
                 pod_uid: "u1".into(),
                 node: "node-0".into(),
                 owner: Some(OwnerRef { kind: "StatefulSet".into(), name: "web".into() }),
                 interfaces: claim.interfaces.clone(),
             });
+        }
+        if change == Change::WitnessedSpecRewritten {
+            (claim.pod_uid, claim.node) = ("forged".into(), "node-1".into());
         }
         let name = if change == Change::ClaimOfAnotherPod { "web-0" } else { "web-1" };
         witness(&index, &claimants(&index), "ns", name, &claim)
@@ -376,6 +393,8 @@ mod test {
             (Change::RecordsOfTwoPods, vec![at("10.0.0.5", "p")]),
             (Change::BlockOfAnotherPool, vec![at("10.0.0.5", "q")]),
             (Change::SpecLeavesARecordOut, vec![at("10.0.0.5", "p"), at("10.0.0.6", "p")]),
+            // Witnessed as it is, but the spec says otherwise: the binding is written again.
+            (Change::WitnessedSpecRewritten, vec![at("10.0.0.5", "p")]),
         ];
         for (change, expected) in from_records {
             let seen = witness_with(change).unwrap_or_else(|| panic!("{change:?}: witnessed"));
@@ -401,6 +420,28 @@ mod test {
         ];
         for change in not_witnessed {
             assert_eq!(witness_with(change), None, "{change:?}");
+        }
+    }
+
+    #[test]
+    fn a_claims_spec_lags_its_binding_whenever_it_says_anything_else() {
+        let owner = || Some(OwnerRef { kind: "StatefulSet".into(), name: "web".into() });
+        let binding =
+            ClaimBinding { pod_uid: "u1".into(), node: "node-0".into(), owner: owner(), interfaces: Vec::new() };
+        let said = || ClaimFacts { owner: owner(), ..claim("u1", true, None) };
+        type Edit = (&'static str, fn(&mut ClaimFacts));
+        let edits: [Edit; 5] = [
+            ("another pod", |c| c.pod_uid = "u2".into()),
+            ("another node", |c| c.node = "node-1".into()),
+            ("another owner", |c| c.owner = None),
+            ("stateless", |c| c.sticky = false),
+            ("other IPs", |c| c.interfaces = vec![ClaimedInterface { interface: "eth0".into(), ips: Vec::new() }]),
+        ];
+        assert!(!spec_lags(&said(), &binding), "the spec says what the binding says");
+        for (case, edit) in edits {
+            let mut lagging = said();
+            edit(&mut lagging);
+            assert!(spec_lags(&lagging, &binding), "{case}");
         }
     }
 

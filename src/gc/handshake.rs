@@ -277,11 +277,6 @@ pub struct ClaimedRecord {
     pub same_workload: bool,
     /// The record's node is this node.
     pub own_node: bool,
-    /// More than the claim's spec names the IP (an agent on any node may have written the
-    /// spec before the first witness; rule C-1 cannot check it against the records): the
-    /// controller witnessed it for the workload's pod (`status.witnessed`), or the pod names
-    /// it among its fixed IPs (not a list to choose from).
-    pub vouched_for: bool,
     /// The record's node is this node and no sandbox in this agent's checkpoint holds the
     /// IP: this agent knows the sandbox is gone.
     pub detached_here: bool,
@@ -314,13 +309,11 @@ pub enum ReclaimStep {
 /// controller for a node that cannot answer) said `ready-for-release` to this pod's takeover
 /// mark, a reservation on another node included (decision 0022: this node could name any pod
 /// in its record). An answer to a takeover another pod (an earlier one of the workload) or
-/// another node asked for is asked again for this pod. Another node's record is asked for
-/// only for an IP vouched for (witnessed by the controller, or a fixed IP the pod names): an
-/// unwitnessed claim's spec is no node's word but its writer's, so a node could otherwise
-/// name a reservation of its own it forged for the workload and choose the pod's IP, or never
-/// answer and hold the pod's start back (decision 0022).
+/// another node asked for is asked again for this pod. The claimed IPs are the ones the
+/// controller witnessed the workload's pod hold (decision 0022): no node's word but the
+/// records of the node the pod ran on.
 pub fn reclaim_step(record: ClaimedRecord) -> ReclaimStep {
-    if (!record.same_pod && !record.same_workload) || (!record.own_node && !record.vouched_for) {
+    if !record.same_pod && !record.same_workload {
         return ReclaimStep::NotOurs;
     }
     if record.own_node && (record.same_pod || record.detached_here) {
@@ -627,14 +620,9 @@ mod test {
             same_pod,
             same_workload,
             own_node,
-            vouched_for: true,
             detached_here,
             handshake,
             asked_for_another: false,
-        };
-        let unvouched = |own_node, detached_here, handshake| ClaimedRecord {
-            vouched_for: false,
-            ..record(false, true, own_node, detached_here, handshake)
         };
         let for_another =
             |handshake| ClaimedRecord { asked_for_another: true, ..record(false, true, false, false, handshake) };
@@ -661,15 +649,6 @@ mod test {
             (for_another(ready), ReclaimStep::Mark),
             (for_another(marked), ReclaimStep::Wait),
             (ClaimedRecord { asked_for_another: true, ..record(false, true, true, true, ready) }, ReclaimStep::Take),
-            // An IP only the claim's spec names: this node's records as vouched-for ones, no
-            // other node's, whatever its handshake says.
-            (unvouched(true, true, None), ReclaimStep::Take),
-            (unvouched(true, false, None), ReclaimStep::Mark),
-            (unvouched(true, false, marked), ReclaimStep::Wait),
-            (unvouched(true, false, ready), ReclaimStep::Take),
-            (unvouched(false, false, None), ReclaimStep::NotOurs),
-            (unvouched(false, false, ready), ReclaimStep::NotOurs),
-            (unvouched(false, false, marked), ReclaimStep::NotOurs),
         ];
         for (record, step) in table {
             assert_eq!(reclaim_step(record), step, "{record:?}");

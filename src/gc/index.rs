@@ -118,6 +118,8 @@ pub struct ClaimFacts {
     pub object_uid: String,
     /// The UID of the pod the claim is bound to.
     pub pod_uid: String,
+    /// The node the claim is bound to.
+    pub node: String,
     /// The workload's controller.
     pub owner: Option<OwnerRef>,
     /// Whether the claim is a sticky reservation.
@@ -428,6 +430,7 @@ impl ClusterIndex {
                 let facts = ClaimFacts {
                     object_uid: claim.metadata.uid.clone().unwrap_or_default(),
                     pod_uid: claim.spec.pod_uid.clone(),
+                    node: claim.spec.node.clone(),
                     owner: claim.spec.owner.clone(),
                     sticky: claim.spec.sticky,
                     interfaces: claim.spec.interfaces.clone(),
@@ -910,7 +913,8 @@ impl ClusterIndex {
                 deletion: p.deletion,
                 ips: &p.ips,
             }),
-            claim_uid: claim_uid.map(|c| c.pod_uid.as_str()),
+            // The witness is what the records held; the spec follows it a write later.
+            claim_uid: claim_uid.map(|c| c.witnessed.as_ref().map_or(c.pod_uid.as_str(), |w| w.pod_uid.as_str())),
             owner_wants: sticky && self.owner_wants(record),
             list_held: !self.retired(block) && self.list_held(record),
             node: self.node_of(record),

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-use crate::crd::{Allocation, ClaimedInterface, ClaimedIp, IPClaimSpec, MigrationTarget, OwnerRef, WitnessedBinding};
+use crate::crd::{Allocation, ClaimedInterface, ClaimedIp, IPClaimSpec, MigrationTarget, OwnerRef};
 use crate::ipam::{blocks, fixed};
 
 /// The owner kind of KubeVirt's running VM instances, whose claim is named `vm.<VM>`.
@@ -348,60 +348,6 @@ pub fn recorded_interfaces<'a>(
         by_interface.into_iter().map(|(interface, ips)| ordered(interface, ips)).chain(carried).collect();
     interfaces.sort_by_key(|i| rank(&i.interface));
     Some(interfaces)
-}
-
-/// The IPs of interface `ifname` a recreated sticky pod takes back from its claim: those the
-/// controller saw the workload's pod hold (`witnessed`, the claim's status, which no agent may
-/// write), in the spec's order when the spec names the same; the spec's where nothing is
-/// witnessed for that interface (the controller has not seen it in effect yet, or does not
-/// run). Another node's agent may take a claim's spec over and point it elsewhere (rule C-1,
-/// decision 0022), but writes no record naming another node, and the witness comes from the
-/// records alone.
-pub fn claimed_interface<'a>(
-    spec: &'a IPClaimSpec,
-    witnessed: Option<&'a WitnessedBinding>,
-    ifname: &str,
-) -> Option<&'a ClaimedInterface> {
-    let of = |interfaces: &'a [ClaimedInterface]| interfaces.iter().find(|i| i.interface == ifname);
-    let claimed = of(&spec.interfaces);
-    let Some(seen) = witnessed.and_then(|w| of(&w.interfaces)) else { return claimed };
-    let sorted = |interface: &'a ClaimedInterface| {
-        let mut ips: Vec<(&str, &str, &str)> =
-            interface.ips.iter().map(|c| (c.ip.as_str(), c.pool.as_str(), c.block.as_str())).collect();
-        ips.sort_unstable();
-        ips
-    };
-    Some(claimed.filter(|claimed| sorted(claimed) == sorted(seen)).unwrap_or(seen))
-}
-
-/// The spec's IPs of interface `ifname` of an IP family the witnessed interface holds none
-/// of, one a family: what a first ADD wrote after the controller witnessed its other family (a
-/// witness decided between two families' writes, corrected about a second later). Empty when
-/// nothing is witnessed for `ifname`: [`claimed_interface`] then gives the spec's IPs
-/// themselves. Any node may have written the spec, so these are taken back only where they
-/// are the ADD's own node's records, and at best effort: a family that cannot be is allocated
-/// afresh, and the witnessed IPs are kept.
-pub fn unwitnessed_family_ips<'a>(
-    spec: &'a IPClaimSpec,
-    witnessed: Option<&WitnessedBinding>,
-    ifname: &str,
-) -> Vec<&'a ClaimedIp> {
-    let Some(seen) = witnessed.and_then(|w| w.interfaces.iter().find(|i| i.interface == ifname)) else {
-        return Vec::new();
-    };
-    let is_v6 = |c: &ClaimedIp| c.ip.contains(':');
-    let mut families = Vec::new();
-    spec.interfaces
-        .iter()
-        .filter(|i| i.interface == ifname)
-        .flat_map(|i| &i.ips)
-        .filter(|c| !seen.ips.iter().any(|w| is_v6(w) == is_v6(c)))
-        .filter(|c| {
-            let new = !families.contains(&is_v6(c));
-            families.push(is_v6(c));
-            new
-        })
-        .collect()
 }
 
 /// The ordinal of StatefulSet pod `pod_name` of StatefulSet `statefulset`, if it is one.
@@ -849,105 +795,6 @@ mod test {
         ];
         for (replicas, start, deleting, pod, wanted) in cases {
             assert_eq!(statefulset_wants("web", replicas, start, deleting, pod), wanted, "{pod} of {replicas}@{start}");
-        }
-    }
-
-    #[test]
-    fn a_sticky_pod_takes_back_the_witnessed_ips_and_only_a_family_the_witness_lacks_from_the_spec() {
-        let ip = |ip: &str| crate::crd::ClaimedIp { ip: ip.into(), pool: "p".into(), block: "b".into() };
-        let interface = |name: &str, ips: &[&str]| ClaimedInterface {
-            interface: name.into(),
-            ips: ips.iter().map(|i| ip(i)).collect(),
-        };
-        let spec = |interfaces: Vec<ClaimedInterface>| IPClaimSpec {
-            pod_uid: "forged".into(),
-            node: "node-1".into(),
-            owner: None,
-            sticky: true,
-            interfaces,
-            bound_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
-        };
-        let witnessed = |interfaces: Vec<ClaimedInterface>| WitnessedBinding {
-            pod_uid: "u1".into(),
-            node: "node-0".into(),
-            owner: None,
-            interfaces,
-            at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
-        };
-        let ips_of =
-            |found: Option<&ClaimedInterface>| found.map(|i| i.ips.iter().map(|c| c.ip.clone()).collect::<Vec<_>>());
-        let seen = witnessed(vec![interface("eth0", &["10.0.0.5", "fd00::5"]), interface("net1", &["10.1.0.5"])]);
-        let only_net1 = witnessed(vec![interface("net1", &["10.1.0.5"])]);
-        let cases = [
-            // (what, the spec's interfaces, witnessed, the IPs taken back for eth0)
-            (
-                "the spec agrees, in its own order",
-                vec![interface("eth0", &["fd00::5", "10.0.0.5"])],
-                Some(&seen),
-                Some(vec!["fd00::5", "10.0.0.5"]),
-            ),
-            (
-                "the spec names another IP",
-                vec![interface("eth0", &["10.0.0.9", "fd00::5"])],
-                Some(&seen),
-                Some(vec!["10.0.0.5", "fd00::5"]),
-            ),
-            (
-                "the spec lost the interface",
-                vec![interface("net1", &["10.1.0.5"])],
-                Some(&seen),
-                Some(vec!["10.0.0.5", "fd00::5"]),
-            ),
-            (
-                "the witness lacks the interface",
-                vec![interface("eth0", &["10.0.0.9"])],
-                Some(&only_net1),
-                Some(vec!["10.0.0.9"]),
-            ),
-            ("nothing witnessed yet", vec![interface("eth0", &["10.0.0.9"])], None, Some(vec!["10.0.0.9"])),
-            ("neither names the interface", vec![interface("net2", &["10.2.0.5"])], None, None),
-        ];
-        for (what, interfaces, witnessed, expected) in cases {
-            let spec = spec(interfaces);
-            let expected = expected.map(|ips| ips.iter().map(|s| s.to_string()).collect::<Vec<_>>());
-            assert_eq!(ips_of(claimed_interface(&spec, witnessed, "eth0")), expected, "{what}");
-        }
-
-        let v4_only = witnessed(vec![interface("eth0", &["10.0.0.5"]), interface("net1", &["fd01::5"])]);
-        let cases = [
-            // (what, the spec's interfaces, witnessed, the spec's IPs offered beside the witness)
-            (
-                "the first ADD's IPv6, written after the witness",
-                vec![interface("eth0", &["10.0.0.5", "fd00::5"])],
-                Some(&v4_only),
-                vec!["fd00::5"],
-            ),
-            (
-                "another IPv4 in the spec: the witness's family",
-                vec![interface("eth0", &["10.0.0.9", "fd00::5"])],
-                Some(&v4_only),
-                vec!["fd00::5"],
-            ),
-            (
-                "two IPv6s: one a family",
-                vec![interface("eth0", &["fd00::5", "fd00::6"])],
-                Some(&v4_only),
-                vec!["fd00::5"],
-            ),
-            ("another interface's IPs", vec![interface("net1", &["10.1.0.5"])], Some(&v4_only), vec![]),
-            ("the witness holds both families", vec![interface("eth0", &["10.0.0.9", "fd00::9"])], Some(&seen), vec![]),
-            (
-                "nothing witnessed: the spec is the interface",
-                vec![interface("eth0", &["10.0.0.5", "fd00::5"])],
-                None,
-                vec![],
-            ),
-        ];
-        for (what, interfaces, witnessed, expected) in cases {
-            let spec = spec(interfaces);
-            let offered: Vec<&str> =
-                unwitnessed_family_ips(&spec, witnessed, "eth0").iter().map(|c| c.ip.as_str()).collect();
-            assert_eq!(offered, expected, "{what}");
         }
     }
 

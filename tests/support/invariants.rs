@@ -4,8 +4,8 @@
 //! During a run, at every poll: no IP is held by two live pods, every live pod's IP is
 //! recorded under its UID, no record names another UID than the live pod reporting its IP,
 //! and a recreated StatefulSet pod comes back with the IP its ordinal had once the controller
-//! witnessed its claim holding it (before that, a pod recreated on another node starts on new
-//! IPs: decision 0022), as long as the ordinal stayed wanted (every StatefulSet change is seen
+//! witnessed its claim holding it (before that, a recreated pod starts on new IPs: decision
+//! 0022), as long as the ordinal stayed wanted (every StatefulSet change is seen
 //! through a watch, so a let-go ordinal is never missed between two polls; terminating pods
 //! are not remembered). A report is not one atomic read (pods, then blocks), so a problem
 //! counts only when a second report, read right after, shows it too. After the run, [`wait_settled`]: no problem of any kind (leaks,
