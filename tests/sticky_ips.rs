@@ -658,15 +658,15 @@ async fn a_recreated_sticky_pod_waits_while_its_old_sandbox_is_attached_and_take
 async fn a_statefulset_pod_with_a_fixed_ip_takes_it_over_from_its_old_sandbox_like_any_sticky_ip() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
     let agent_args = ["--release-sandbox-grace-seconds=3600", "--reuse-cooldown-seconds=0"];
-    let mut ipwarden =
-        Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
+    let ipwarden = Ipwarden::start_node_bound(2, &[(POOL, json!({"cidr": CIDR, "default": true}))], &agent_args).await;
     let client = ipwarden.client();
     cordon(&client, "node-1", true).await;
     create_web(&client, json!({"ipwarden.io/ips": "10.74.0.77"}), json!({})).await;
     let first = wait_web0(&client, "", "web-0 on node-0").await;
     let first_uid = first.uid().unwrap_or_default();
     assert_eq!(ip_of(&first), "10.74.0.77", "the fixed IP");
-    witnessed_by_a_controller(&mut ipwarden, &first).await;
+    // No controller runs, so no claim is witnessed: the IP the pod names is asked for as a
+    // witnessed one would be (it is the pod's word, not a node's).
 
     let sandbox = move_web0_to_node1_holding_del(&ipwarden, &first).await;
     let second_uid = wait_new_web0(&client, &first_uid).await.uid().unwrap_or_default();
@@ -740,6 +740,24 @@ async fn a_sticky_pod_takes_its_ip_over_from_a_lost_node_only_under_the_not_read
     .expect("old sandbox torn down");
     assert_eq!(record_of(&client, &ip).await, Some((second_uid.clone(), None, None)));
     assert_eq!(claims(&client, NS).await.get("web-0").map(|c| c.spec.pod_uid.clone()), Some(second_uid));
+}
+
+/// The claims are the controller's (decision 0022) whether or not its GC runs: with
+/// `--gc-enabled=false`, which releases and deletes nothing, web-0 still keeps its IP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_with_its_gc_turned_off_still_writes_the_claims_that_keep_sticky_ips() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("info,kube_client=off").try_init();
+    let mut ipwarden = Ipwarden::start(1, &[(POOL, json!({"cidr": CIDR, "default": true}))], &[]).await;
+    let client = ipwarden.client();
+    let controller = ipwarden.start_controller("controller", &["--gc-enabled=false"]);
+    ipwarden.wait_leader(controller).await;
+    create_web(&client, json!({}), json!({"nodeName": "node-0"})).await;
+    let first = wait_web0(&client, "", "web-0 running").await;
+    let ip = ip_of(&first);
+    assert_eq!(wait_witnessed(&client, &first.uid().unwrap_or_default()).await, std::slice::from_ref(&ip));
+    let second = restart_web0(&client, &first).await;
+    assert_eq!(ip_of(&second), ip, "the restart keeps the IP");
+    assert_eq!(wait_witnessed(&client, &second.uid().unwrap_or_default()).await, [ip]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

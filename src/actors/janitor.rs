@@ -1,5 +1,5 @@
 //! `ClaimJanitor`: deletes IPClaims whose workload is gone for good (completed Job pods
-//! included), on a timer, and writes down the binding of each claim it sees in effect (its
+//! included), on a timer while the GC is on, and writes down the binding of each claim it sees in effect (its
 //! spec, then `status.witnessed`, [`witness`]) soon after the index changes, creating the
 //! claim a live sticky pod lacks ([`missing`]) first, all on the leader only. The only writer
 //! of claims besides `ipwarden adopt` (decision 0022).
@@ -42,6 +42,8 @@ pub struct ClaimJanitor {
     metrics: ControllerMetrics,
     interval: Duration,
     witness_interval: Duration,
+    /// Whether the timed pass deletes claims (the GC is on: `--gc-enabled`).
+    deletes: bool,
     /// The index's change count when the witnesses were last decided ([`SharedIndex::changes`]).
     decided_at: Option<u64>,
     /// Whether witness writes of the last decision still run.
@@ -55,7 +57,7 @@ pub struct ClaimJanitor {
 impl ClaimJanitor {
     /// A janitor deleting claims every `interval` and deciding the witnesses every
     /// `witness_interval` while the index changed since, and on each deletion pass (which
-    /// retries writes that failed).
+    /// retries writes that failed); deleting none unless `deletes` (the GC is on).
     pub fn new(
         client: Client,
         index: SharedIndex,
@@ -63,6 +65,7 @@ impl ClaimJanitor {
         metrics: ControllerMetrics,
         interval: Duration,
         witness_interval: Duration,
+        deletes: bool,
     ) -> Self {
         Self {
             client,
@@ -71,6 +74,7 @@ impl ClaimJanitor {
             metrics,
             interval,
             witness_interval,
+            deletes,
             decided_at: None,
             witnessing: false,
             held_back: HashSet::new(),
@@ -84,6 +88,9 @@ impl ClaimJanitor {
         self.decided_at = None;
         self.held_back.clear();
         self.witness(ctx);
+        if !self.deletes {
+            return;
+        }
         let doomed: Vec<(String, String, String)> = {
             let index = self.index.read();
             index

@@ -217,6 +217,18 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
 
     let mut subscribers = Vec::new();
     let mut gc_actors = None;
+    // The claims keep sticky pods' IPs (decision 0022: only the controller writes them), so
+    // the janitor runs with the GC off too; it then deletes no claim.
+    let janitor = janitor::ClaimJanitor::new(
+        client.clone(),
+        index.clone(),
+        leading.clone(),
+        metrics.clone(),
+        Duration::from_secs(args.claim_janitor_interval_seconds),
+        Duration::from_millis(args.claim_witness_interval_ms),
+        args.gc_enabled,
+    )
+    .start();
     if args.gc_enabled {
         let supervisor = pool::PoolSupervisor::new(pool_context).start();
         let sweeper = sweeper::Sweeper::new(
@@ -233,16 +245,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             ctx.add_stream(pod_events);
             tracer
         });
-        let janitor = janitor::ClaimJanitor::new(
-            client.clone(),
-            index.clone(),
-            leading.clone(),
-            metrics.clone(),
-            Duration::from_secs(args.claim_janitor_interval_seconds),
-            Duration::from_millis(args.claim_witness_interval_ms),
-        )
-        .start();
-        gc_actors = Some((supervisor, tracer, janitor));
+        gc_actors = Some((supervisor, tracer));
         subscribers.push(sweeper_recipient(sweeper, block_events, &client, &args, &leading));
     } else {
         watches::drain(pod_events, Kind::Pod);
@@ -273,7 +276,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         _ = terminate.recv() => {}
     }
     tracing::info!("stopping");
-    drop(gc_actors);
+    drop((gc_actors, janitor));
     actix::System::current().stop();
     Ok(())
 }

@@ -24,8 +24,8 @@ use super::core::{Base, Core, ResolvedPool, attachment_key, new_block, result_of
 use super::error::Error;
 use super::metrics::PoolLabels;
 use crate::crd::{
-    Allocation, HandshakeState, IPBlockSpec, IPClaim, IPPool, MigrationTarget, OwnerRef, POOL_ANNOTATION,
-    POOLS_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
+    Allocation, ClaimedInterface, ClaimedIp, HandshakeState, IPBlockSpec, IPClaim, IPPool, MigrationTarget, OwnerRef,
+    POOL_ANNOTATION, POOLS_ANNOTATION, PodRef, ReleaseHandshake, Takeover,
 };
 use crate::gc::handshake::{ClaimedRecord, ReclaimStep, reclaim_step};
 use crate::ipam::affinity::{self, KnownBlock};
@@ -388,18 +388,16 @@ impl Core {
         let namespace = pod.namespace().unwrap_or_default();
         let claim_name = workload::claim_name(&pod.name_any(), owner);
         let claims: Api<IPClaim> = Api::namespaced(self.client.clone(), &namespace);
-        let Some(claim) = claims
+        let claim = claims
             .get_opt(&claim_name)
             .await
-            .map_err(Error::api(format!("reading IPClaim {namespace}/{claim_name}")))?
-        else {
+            .map_err(Error::api(format!("reading IPClaim {namespace}/{claim_name}")))?;
+        let witnessed = claim.as_ref().and_then(|c| c.status.as_ref()).and_then(|s| s.witnessed.as_ref());
+        let witnessed = witnessed.and_then(|w| w.interfaces.iter().find(|i| i.interface == request.ifname)).cloned();
+        let Some(interface) = witnessed.or_else(|| self.pinned_interface(fixed, &request.ifname)) else {
             return Ok(None);
         };
-        let witnessed = claim.status.as_ref().and_then(|s| s.witnessed.as_ref());
-        let Some(interface) = witnessed.and_then(|w| w.interfaces.iter().find(|i| i.interface == request.ifname))
-        else {
-            return Ok(None);
-        };
+        let interface = &interface;
         // Checked before anything is written: the claim is user-writable, the blocks are not.
         for claimed in &interface.ips {
             let (Some(pool), Ok(ip)) = (self.resolve_pool(&claimed.pool), claimed.ip.parse::<IpAddr>()) else {
@@ -826,6 +824,26 @@ impl Core {
             return Err(Error::Cooling { pool: pool.name.clone(), cooling, next_free, withheld_gateway });
         }
         Err(Error::PoolExhausted { pool: pool.name.clone(), withheld_gateway: pool.withheld_gateway.clone() })
+    }
+
+    /// The IPs the pod itself names as fixed (not a list to choose from) as the interface to
+    /// take back, for a pod whose claim the controller has not witnessed for `ifname` (no
+    /// controller ran since its predecessor's ADD, or it was recreated within the second
+    /// after it): the pod's spec names them, not a node, so its workload's record of one on
+    /// another node is asked for through the takeover handshake as a witnessed IP is. Without
+    /// this, the fixed path would refuse that record as held by another pod for as long as it
+    /// stays reserved. `None` without such IPs, or when one lies in no pool.
+    fn pinned_interface(&self, fixed: Option<&fixed::Requested>, ifname: &str) -> Option<ClaimedInterface> {
+        let fixed = fixed.filter(|f| f.source != fixed::Source::List)?;
+        let pools = self.pools.state();
+        let ips = fixed.ips.iter().map(|&ip| {
+            pools.iter().find_map(|pool| {
+                let block = pools::layout(&pool.spec).ok()?.block_of(ip)?;
+                let name = pool.name_any();
+                Some(ClaimedIp { ip: ip.to_string(), block: pools::block_name(&name, block), pool: name })
+            })
+        });
+        Some(ClaimedInterface { interface: ifname.to_string(), ips: ips.collect::<Option<Vec<_>>>()? })
     }
 
     /// Undoes this ADD's block writes after a later step failed ([`blocks::roll_back`]):

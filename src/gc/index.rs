@@ -893,12 +893,23 @@ impl ClusterIndex {
         settings: &RuleSettings,
     ) -> Verdict<'a> {
         let sticky = workload::record_is_sticky(record, &self.sticky_kinds) && !self.retired(block);
-        let claim_uid = if record.owner.as_ref().is_some_and(|o| o.kind == KUBEVIRT_VMI_KIND) {
-            let claim = workload::claim_name(&record.pod.name, record.owner.as_ref());
-            get(&self.claims, &record.pod.namespace, &claim)
-        } else {
-            get(&self.claims, &record.pod.namespace, &record.pod.name)
-        };
+        let claim_name = workload::claim_name(&record.pod.name, record.owner.as_ref());
+        let claim = get(&self.claims, &record.pod.namespace, &claim_name);
+        // The pod the claim is bound to in effect: the live pod of the record's name when it
+        // holds sticky records of the claim (its ADD took them back; the claim janitor writes
+        // that binding down about a second later), else the witness's, else the spec's.
+        let holder = self.pod(&record.pod.namespace, &record.pod.name).filter(|p| {
+            self.records_of(&p.uid).any(|(_, _, r)| {
+                r.sticky
+                    && r.pod.namespace == record.pod.namespace
+                    && workload::claim_name(&r.pod.name, r.owner.as_ref()) == claim_name
+            })
+        });
+        let claim_uid = claim.map(|c| match (holder, &c.witnessed) {
+            (Some(pod), _) => pod.uid.as_str(),
+            (None, Some(witnessed)) => witnessed.pod_uid.as_str(),
+            (None, None) => c.pod_uid.as_str(),
+        });
         let facts = Facts {
             record: RecordView {
                 ip,
@@ -913,8 +924,7 @@ impl ClusterIndex {
                 deletion: p.deletion,
                 ips: &p.ips,
             }),
-            // The witness is what the records held; the spec follows it a write later.
-            claim_uid: claim_uid.map(|c| c.witnessed.as_ref().map_or(c.pod_uid.as_str(), |w| w.pod_uid.as_str())),
+            claim_uid,
             owner_wants: sticky && self.owner_wants(record),
             list_held: !self.retired(block) && self.list_held(record),
             node: self.node_of(record),
