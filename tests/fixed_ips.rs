@@ -155,6 +155,26 @@ async fn runtime_config_ips_win_over_cni_args_ip_over_the_annotation_and_an_ip_t
         assert!(err.contains(code) && err.contains(why), "{cni_args}: {err}");
     }
     assert!(records(&client).await.is_empty(), "a refused fixed IP allocates nothing instead");
+
+    // A StatefulSet's pod, whose claim nothing has witnessed yet, goes by the same checks: its
+    // own fixed IPs stand for a witness only where its workload holds their records.
+    support::create_statefulset(&client, NS, "sticky", json!({"nodeName": "elsewhere"})).await;
+    let sticky = wait::until("sticky-0 created", TIMEOUT, || async {
+        let pod = Api::<Pod>::namespaced(client.clone(), NS).get_opt("sticky-0").await;
+        Ok(match pod.map_err(e2e::Error::kube("get sticky-0"))? {
+            Some(pod) => {
+                Probe::Done(PodArgs { namespace: NS.into(), name: pod.name_any(), uid: pod.uid().unwrap_or_default() })
+            }
+            None => Probe::Pending("not yet".into()),
+        })
+    })
+    .await
+    .expect("sticky-0");
+    let conf = netconf(&ipwarden, json!({}));
+    let add = Invocation { command: "ADD", container_id: "sticky", ifname: "eth0", pod: Some(&sticky), netconf: &conf };
+    let err = network.invoke_with_args(&add, "IP=10.73.0.7").await.expect_err("a disabled pool's IP").to_string();
+    assert!(err.contains("code 103") && err.contains("it is disabled"), "{err}");
+    assert!(records(&client).await.is_empty(), "nothing allocated for the StatefulSet's pod either");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

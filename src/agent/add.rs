@@ -394,6 +394,9 @@ impl Core {
             .map_err(Error::api(format!("reading IPClaim {namespace}/{claim_name}")))?;
         let witnessed = claim.as_ref().and_then(|c| c.status.as_ref()).and_then(|s| s.witnessed.as_ref());
         let witnessed = witnessed.and_then(|w| w.interfaces.iter().find(|i| i.interface == request.ifname)).cloned();
+        // Pinned: the pod's own fixed IPs stand for a witness (`pinned_interface`); only its
+        // workload's records of them are taken back here, anything else is the fixed path's.
+        let pinned = witnessed.is_none();
         let Some(interface) = witnessed.or_else(|| self.pinned_interface(fixed, &request.ifname)) else {
             return Ok(None);
         };
@@ -430,6 +433,9 @@ impl Core {
             // there (only that family's); a live migration's target still attaches to the IP
             // its source holds, which is not a new one.
             if pool.deleting && target.is_none() {
+                if pinned {
+                    break;
+                }
                 slots.push(Err(is_v4(&claimed.ip)));
                 continue;
             }
@@ -450,6 +456,11 @@ impl Core {
                         return None;
                     }
                     let Some(current) = spec.allocations.get_mut(&key) else {
+                        // A pinned IP with no record is no IP of the workload's: the fixed path
+                        // takes it, with the pool's checks and the reuse cooldown.
+                        if pinned {
+                            return None;
+                        }
                         // No record: free unless the pool's layout no longer hands it out or it
                         // is a node's spare (maybe bound, its record not written yet).
                         let free =
@@ -502,7 +513,9 @@ impl Core {
                 });
             }
             let Some(took) = took else {
-                tracing::warn!(claim = %claim_name, ip = %claimed.ip, "witnessed IP is held by another pod; allocating afresh");
+                if !pinned {
+                    tracing::warn!(claim = %claim_name, ip = %claimed.ip, "witnessed IP is held by another pod; allocating afresh");
+                }
                 break;
             };
             let ip = pool.checkpoint_ip(claimed.ip.clone(), claimed.block.clone());
@@ -832,7 +845,9 @@ impl Core {
     /// after it): the pod's spec names them, not a node, so its workload's record of one on
     /// another node is asked for through the takeover handshake as a witnessed IP is. Without
     /// this, the fixed path would refuse that record as held by another pod for as long as it
-    /// stays reserved. `None` without such IPs, or when one lies in no pool.
+    /// stays reserved. Only such records are taken back through it: a pinned IP with no
+    /// record, or in a pool being deleted, goes to the fixed path with all its checks. `None`
+    /// without such IPs, or when one lies in no pool.
     fn pinned_interface(&self, fixed: Option<&fixed::Requested>, ifname: &str) -> Option<ClaimedInterface> {
         let fixed = fixed.filter(|f| f.source != fixed::Source::List)?;
         let pools = self.pools.state();

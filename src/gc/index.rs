@@ -894,21 +894,23 @@ impl ClusterIndex {
     ) -> Verdict<'a> {
         let sticky = workload::record_is_sticky(record, &self.sticky_kinds) && !self.retired(block);
         let claim_name = workload::claim_name(&record.pod.name, record.owner.as_ref());
-        let claim = get(&self.claims, &record.pod.namespace, &claim_name);
-        // The pod the claim is bound to in effect: the live pod of the record's name when it
+        // The pod the claim is bound to in effect: a successor of the record's name when it
         // holds sticky records of the claim (its ADD took them back; the claim janitor writes
         // that binding down about a second later), else the witness's, else the spec's.
-        let holder = self.pod(&record.pod.namespace, &record.pod.name).filter(|p| {
-            self.records_of(&p.uid).any(|(_, _, r)| {
-                r.sticky
-                    && r.pod.namespace == record.pod.namespace
-                    && workload::claim_name(&r.pod.name, r.owner.as_ref()) == claim_name
-            })
-        });
-        let claim_uid = claim.map(|c| match (holder, &c.witnessed) {
-            (Some(pod), _) => pod.uid.as_str(),
-            (None, Some(witnessed)) => witnessed.pod_uid.as_str(),
-            (None, None) => c.pod_uid.as_str(),
+        let claim_uid = get(&self.claims, &record.pod.namespace, &claim_name).map(|c| {
+            let successor = self.pod(&record.pod.namespace, &record.pod.name).filter(|p| {
+                p.uid != record.pod.uid
+                    && self.records_of(&p.uid).any(|(_, _, r)| {
+                        r.sticky
+                            && r.pod.namespace == record.pod.namespace
+                            && workload::claim_name(&r.pod.name, r.owner.as_ref()) == claim_name
+                    })
+            });
+            match (successor, &c.witnessed) {
+                (Some(pod), _) => pod.uid.as_str(),
+                (None, Some(witnessed)) => witnessed.pod_uid.as_str(),
+                (None, None) => c.pod_uid.as_str(),
+            }
         });
         let facts = Facts {
             record: RecordView {
